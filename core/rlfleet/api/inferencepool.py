@@ -1,0 +1,93 @@
+"""InferencePool: a production vLLM fleet in a region and how much of it may be lent.
+
+Group rlfleet.io, never inference.networking.k8s.io: the Gateway API Inference Extension
+has a kind of the same name.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import ConfigDict, Field
+
+from rlfleet.api.meta import AGE, ApiModel, Conditions, PrinterColumn, ResourceKind, cel, map_list
+
+HHMM = r"^([01][0-9]|2[0-3]):[0-5][0-9]$"
+
+
+class ServingWorkload(ApiModel):
+    """The production serving Deployment this pool scales down to lend and up to reclaim."""
+
+    deployment_name: Annotated[str, Field(min_length=1, max_length=253)]
+    gpus_per_replica: Annotated[int, Field(ge=1, le=16)]
+
+
+class TrafficSignal(ApiModel):
+    """Where load is read from, and the thresholds (with hysteresis) that lend and reclaim."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "has(self.metricsUrl) != has(self.prometheusQuery)",
+                    "exactly one of metricsUrl and prometheusQuery must be set",
+                ),
+                cel("self.lendBelow < self.reclaimAbove", "lendBelow must be below reclaimAbove", ".lendBelow"),
+            ]
+        }
+    )
+
+    metrics_url: Annotated[str, Field(max_length=2048, pattern=r"^https?://", description="Prometheus-format endpoint of the serving pods.")] | None = None
+    prometheus_query: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    metric: Annotated[str, Field(min_length=1, max_length=256, description="Metric name read from metricsUrl.")] = "vllm:num_requests_running"
+    lend_below: Annotated[float, Field(ge=0, description="Lend when load per serving replica falls below this.")]
+    reclaim_above: Annotated[float, Field(ge=0, description="Reclaim when load per serving replica rises above this.")]
+
+
+class OffPeakWindow(ApiModel):
+    start: Annotated[str, Field(pattern=HHMM)]
+    end: Annotated[str, Field(pattern=HHMM)]
+    time_zone: Annotated[str, Field(min_length=1, max_length=64)] = "UTC"
+
+
+class InferencePoolSpec(ApiModel):
+    serving: ServingWorkload
+    min_serving_replicas: Annotated[int, Field(ge=0, le=100000, description="Serving never drops below this many replicas.")]
+    max_lend_fraction: Annotated[float, Field(ge=0, le=1)] = 0.5
+    reclaim_deadline_seconds: Annotated[int, Field(ge=1, le=3600)] = 60
+    traffic: TrafficSignal
+    off_peak_windows: Annotated[list[OffPeakWindow], Field(default_factory=list, max_length=24)]
+
+
+class LentToRun(ApiModel):
+    run: Annotated[str, Field(min_length=1, max_length=253)]
+    replicas: Annotated[int, Field(ge=0)]
+
+
+class InferencePoolStatus(ApiModel):
+    observed_generation: Annotated[int, Field(ge=0)] | None = None
+    conditions: Conditions
+    serving_replicas: Annotated[int, Field(ge=0)] | None = None
+    lent_replicas: Annotated[int, Field(ge=0)] | None = None
+    reclaiming_replicas: Annotated[int, Field(ge=0)] | None = None
+    lent: Annotated[list[LentToRun], Field(default_factory=list, json_schema_extra=map_list("run"))]
+    observed_traffic: float | None = None
+
+
+INFERENCEPOOL = ResourceKind(
+    kind="InferencePool",
+    description="A production vLLM fleet in a region, and how much of it may be lent to RL runs.",
+    plural="inferencepools",
+    singular="inferencepool",
+    short_names=("ipool",),
+    spec=InferencePoolSpec,
+    status=InferencePoolStatus,
+    columns=(
+        PrinterColumn("Serving", ".status.servingReplicas", "integer"),
+        PrinterColumn("Lent", ".status.lentReplicas", "integer"),
+        PrinterColumn("Reclaiming", ".status.reclaimingReplicas", "integer"),
+        PrinterColumn("Traffic", ".status.observedTraffic", "number"),
+        AGE,
+    ),
+)
+

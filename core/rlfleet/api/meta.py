@@ -1,0 +1,88 @@
+"""Shared pieces of the rlfleet.io custom resources: base model, conditions, CRD identity."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "rlfleet.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+CATEGORY = "rlfleet"
+
+# A DNS-1123 label: names of regions, pools and other objects a spec refers to.
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# metav1.Condition's reason pattern: one CamelCase word.
+CONDITION_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+# A Kubernetes resource quantity such as 500m, 2Gi or 1.5.
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    """One x-kubernetes-validations entry; field_path names the field in the API error."""
+    entry = {"rule": rule, "message": message}
+    if field_path:
+        entry["fieldPath"] = field_path
+    return entry
+
+
+def map_list(*keys: str) -> dict[str, Any]:
+    """Schema markers for a list merged by key (server-side apply and strategic merge)."""
+    return {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": list(keys)}
+
+
+class ApiModel(BaseModel):
+    """Base of every spec and status model: camelCase on the wire, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class Condition(ApiModel):
+    """A metav1.Condition: the state of one aspect of an object."""
+
+    type: Annotated[str, Field(min_length=1, max_length=316)]
+    status: Literal["True", "False", "Unknown"]
+    reason: Annotated[str, Field(min_length=1, max_length=1024, pattern=CONDITION_REASON)]
+    message: Annotated[str, Field(max_length=32768)] = ""
+    last_transition_time: Annotated[str, Field(json_schema_extra={"format": "date-time"})]
+    observed_generation: Annotated[int, Field(ge=0)] | None = None
+
+
+Conditions = Annotated[
+    list[Condition], Field(default_factory=list, json_schema_extra=map_list("type"))
+]
+
+
+@dataclass(frozen=True)
+class PrinterColumn:
+    name: str
+    json_path: str
+    type: Literal["string", "integer", "number", "boolean", "date"]
+    description: str = ""
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class ResourceKind:
+    """Everything the API server needs to serve one kind, besides its schema."""
+
+    kind: str
+    description: str
+    plural: str
+    singular: str
+    short_names: tuple[str, ...]
+    spec: type[ApiModel]
+    status: type[ApiModel]
+    columns: tuple[PrinterColumn, ...] = field(default=())
+
+    @property
+    def crd_name(self) -> str:
+        return f"{self.plural}.{GROUP}"
+
+
+AGE = PrinterColumn("Age", ".metadata.creationTimestamp", "date")

@@ -1,0 +1,128 @@
+"""Generates CustomResourceDefinitions from the typed models: the one source of truth.
+
+Pydantic emits JSON Schema 2020-12; the API server wants a structural OpenAPI v3.0
+schema. The conversion inlines references, turns Optional into "not required", and
+rewrites the few keywords the two dialects spell differently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from rlfleet.api.envpool import ENVPOOL
+from rlfleet.api.inferencepool import INFERENCEPOOL
+from rlfleet.api.meta import CATEGORY, GROUP, VERSION, ApiModel, ResourceKind
+from rlfleet.api.rlrun import RLRUN
+
+KINDS: tuple[ResourceKind, ...] = (RLRUN, INFERENCEPOOL, ENVPOOL)
+
+# Keywords of JSON Schema that a structural schema has no use for.
+_DROPPED = {"title", "$defs"}
+
+
+def _structural(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, list):
+        return [_structural(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = dict(node)
+    ref = node.pop("$ref", None)
+    if ref is not None:
+        node = {**defs[ref.rsplit("/", 1)[-1]], **node}
+    any_of = node.get("anyOf")
+    if any_of is not None:
+        # Optional[X] is anyOf [X, null]: the field is simply not required.
+        non_null = [branch for branch in any_of if branch.get("type") != "null"]
+        if len(non_null) == 1:
+            del node["anyOf"]
+            node = {**non_null[0], **node}
+            if node.get("default", ...) is None:
+                del node["default"]
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROPPED:
+            continue
+        if key == "additionalProperties" and value is False:
+            continue  # structural schemas prune unknown fields; kubectl's strict mode names them
+        if key in ("exclusiveMinimum", "exclusiveMaximum"):
+            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+            out[key] = True
+            continue
+        if key == "const":
+            out["enum"] = [value]
+            continue
+        if key == "properties":
+            out[key] = {name: _structural(prop, defs) for name, prop in value.items()}
+            continue
+        out[key] = _structural(value, defs)
+    return out
+
+
+def model_schema(model: type[ApiModel]) -> dict[str, Any]:
+    """The structural OpenAPI v3 schema of one spec or status model."""
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    return _structural(raw, raw.get("$defs", {}))
+
+
+def crd(kind: ResourceKind) -> dict[str, Any]:
+    """The CustomResourceDefinition manifest of one kind."""
+    schema = {
+        "type": "object",
+        "description": kind.description,
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": model_schema(kind.spec),
+            "status": model_schema(kind.status),
+        },
+    }
+    columns = [
+        {
+            "name": column.name,
+            "type": column.type,
+            "jsonPath": column.json_path,
+            **({"description": column.description} if column.description else {}),
+            **({"priority": column.priority} if column.priority else {}),
+        }
+        for column in kind.columns
+    ]
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": kind.crd_name},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": kind.kind,
+                "listKind": f"{kind.kind}List",
+                "plural": kind.plural,
+                "singular": kind.singular,
+                "shortNames": list(kind.short_names),
+                "categories": [CATEGORY],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": columns,
+                    "schema": {"openAPIV3Schema": schema},
+                }
+            ],
+        },
+    }
+
+
+def crd_filename(kind: ResourceKind) -> str:
+    return f"{GROUP}_{kind.plural}.yaml"
+
+
+def render(kind: ResourceKind) -> str:
+    header = "# Generated from rlfleet.api by `rlfleet crds generate`; do not edit.\n"
+    return header + yaml.safe_dump(crd(kind), sort_keys=False, width=100)

@@ -1,0 +1,4 @@
+"""rlfleet command line."""
+
+
+def main() -> None: ...

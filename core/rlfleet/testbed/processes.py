@@ -1,0 +1,117 @@
+"""Starts the bed's server processes and guarantees none outlives the bed.
+
+Each process leads its own process group, so stopping it stops its children too. Under
+pytest the bed is attached: every process also gets PR_SET_PDEATHSIG, so even a SIGKILLed
+test run leaves nothing behind. `rlfleet dev up` detaches instead and records the pids for
+`rlfleet dev down`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Managed:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+class Supervisor:
+    """Owns a set of long-running server processes."""
+
+    def __init__(self, log_dir: Path, *, attached: bool) -> None:
+        self.log_dir = log_dir
+        self.attached = attached
+        self.processes: list[Managed] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Managed:
+        log = self.log_dir / f"{name}.log"
+        with log.open("ab") as out:
+            process = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+                preexec_fn=_die_with_parent if self.attached else None,
+            )
+        managed = Managed(name, process, log)
+        self.processes.append(managed)
+        return managed
+
+    def check_alive(self) -> None:
+        for managed in self.processes:
+            if managed.process.poll() is not None:
+                raise RuntimeError(
+                    f"{managed.name} exited with {managed.process.returncode}; "
+                    f"last log lines:\n{tail(managed.log)}"
+                )
+
+    def pids(self) -> dict[str, int]:
+        return {m.name: m.process.pid for m in self.processes}
+
+    def stop_all(self, grace_seconds: float = 10.0) -> None:
+        stop_pids([m.process.pid for m in reversed(self.processes)], grace_seconds)
+        for managed in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                managed.process.wait(timeout=1)
+        self.processes.clear()
+
+
+def stop_pids(pids: Sequence[int], grace_seconds: float = 10.0) -> None:
+    """SIGTERM each process group, then SIGKILL whatever is left after the grace period."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_seconds
+    remaining = list(pids)
+    while remaining and time.monotonic() < deadline:
+        remaining = [pid for pid in remaining if _group_alive(pid)]
+        time.sleep(0.1)
+    for pid in remaining:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie leader of our own still counts as a live group until reaped.
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pgid, os.WNOHANG)
+    return True
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
