@@ -75,8 +75,25 @@ go_install() {
   link "$n" "$v"
 }
 
+# kwok runs nothing without stages: take its fast node and pod stages, with lease
+# heartbeats so the node lifecycle controller keeps the fake nodes Ready.
+kwok_stages() {
+  local v=$KWOK_VERSION out="$cache/bin/kwok-$KWOK_VERSION/kwok-stages.yaml"
+  if [ ! -s "$out" ]; then
+    local src
+    src="$(go env GOMODCACHE)/sigs.k8s.io/kwok@$v/kustomize/stage"
+    [ -d "$src" ] || (cd "$cache" && go mod download "sigs.k8s.io/kwok@$v")
+    for f in "$src"/node/fast/*.yaml "$src"/node/heartbeat-with-lease/*.yaml "$src"/pod/fast/*.yaml; do
+      [ "$(basename "$f")" = kustomization.yaml ] && continue
+      echo "---"; cat "$f"
+    done > "$out"
+  fi
+  ln -sf "$out" "$bindir/kwok-stages.yaml"
+}
+
 build_etcd
 go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION"
+kwok_stages
 go_install helm helm.sh/helm/v4/cmd/helm "$HELM_VERSION"
 build_kubernetes
 echo "binaries ready in $bindir"

@@ -13,7 +13,15 @@ Quantity = Annotated[str, Field(pattern=QUANTITY, max_length=64)]
 
 class SandboxTemplate(ApiModel):
     image: Annotated[str, Field(min_length=1, max_length=1024)]
-    runtime_class_name: Annotated[str, Field(min_length=1, max_length=253, description="VM-grade isolation, e.g. gvisor or kata.")] | None = None
+    runtime_class_name: (
+        Annotated[
+            str,
+            Field(
+                min_length=1, max_length=253, description="VM-grade isolation, e.g. gvisor or kata."
+            ),
+        ]
+        | None
+    ) = None
     command: Annotated[list[str], Field(default_factory=list, max_length=64)]
 
 
@@ -21,7 +29,9 @@ class SandboxLimits(ApiModel):
     cpu: Quantity = "1"
     memory: Quantity = "2Gi"
     ephemeral_storage: Quantity = "10Gi"
-    timeout_seconds: Annotated[int, Field(ge=1, le=86400, description="Wall-clock limit of one sandbox.")] = 3600
+    timeout_seconds: Annotated[
+        int, Field(ge=1, le=86400, description="Wall-clock limit of one sandbox.")
+    ] = 3600
 
 
 class SandboxNetwork(ApiModel):
@@ -31,7 +41,9 @@ class SandboxNetwork(ApiModel):
 class EnvPoolSpec(ApiModel):
     model_config = ConfigDict(
         json_schema_extra={
-            "x-kubernetes-validations": [cel("self.warm <= self.maxBurst", "warm must not exceed maxBurst", ".warm")]
+            "x-kubernetes-validations": [
+                cel("self.warm <= self.maxBurst", "warm must not exceed maxBurst", ".warm")
+            ]
         }
     )
 

@@ -32,16 +32,36 @@ class TrafficSignal(ApiModel):
                     "has(self.metricsUrl) != has(self.prometheusQuery)",
                     "exactly one of metricsUrl and prometheusQuery must be set",
                 ),
-                cel("self.lendBelow < self.reclaimAbove", "lendBelow must be below reclaimAbove", ".lendBelow"),
+                cel(
+                    "self.lendBelow < self.reclaimAbove",
+                    "lendBelow must be below reclaimAbove",
+                    ".lendBelow",
+                ),
             ]
         }
     )
 
-    metrics_url: Annotated[str, Field(max_length=2048, pattern=r"^https?://", description="Prometheus-format endpoint of the serving pods.")] | None = None
+    metrics_url: (
+        Annotated[
+            str,
+            Field(
+                max_length=2048,
+                pattern=r"^https?://",
+                description="Prometheus-format endpoint of the serving pods.",
+            ),
+        ]
+        | None
+    ) = None
     prometheus_query: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
-    metric: Annotated[str, Field(min_length=1, max_length=256, description="Metric name read from metricsUrl.")] = "vllm:num_requests_running"
-    lend_below: Annotated[float, Field(ge=0, description="Lend when load per serving replica falls below this.")]
-    reclaim_above: Annotated[float, Field(ge=0, description="Reclaim when load per serving replica rises above this.")]
+    metric: Annotated[
+        str, Field(min_length=1, max_length=256, description="Metric name read from metricsUrl.")
+    ] = "vllm:num_requests_running"
+    lend_below: Annotated[
+        float, Field(ge=0, description="Lend when load per serving replica falls below this.")
+    ]
+    reclaim_above: Annotated[
+        float, Field(ge=0, description="Reclaim when load per serving replica rises above this.")
+    ]
 
 
 class OffPeakWindow(ApiModel):
@@ -52,7 +72,9 @@ class OffPeakWindow(ApiModel):
 
 class InferencePoolSpec(ApiModel):
     serving: ServingWorkload
-    min_serving_replicas: Annotated[int, Field(ge=0, le=100000, description="Serving never drops below this many replicas.")]
+    min_serving_replicas: Annotated[
+        int, Field(ge=0, le=100000, description="Serving never drops below this many replicas.")
+    ]
     max_lend_fraction: Annotated[float, Field(ge=0, le=1)] = 0.5
     reclaim_deadline_seconds: Annotated[int, Field(ge=1, le=3600)] = 60
     traffic: TrafficSignal
@@ -90,4 +112,3 @@ INFERENCEPOOL = ResourceKind(
         AGE,
     ),
 )
-

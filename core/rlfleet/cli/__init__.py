@@ -1,4 +1,25 @@
-"""rlfleet command line."""
+"""The `rlfleet` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from rlfleet.cli import crds, dev, model
+
+Handler = Callable[[argparse.Namespace], int]
 
 
-def main() -> None: ...
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
+    groups = top.add_subparsers(dest="group", required=True)
+    for module in (dev, crds, model):
+        module.register(groups)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    handler: Handler = args.handler
+    sys.exit(handler(args))

@@ -86,7 +86,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def init_model(kind: Kind, directory: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
+def init_model(
+    kind: Kind, directory: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> Path:
     """Writes a Hugging Face checkpoint (config, safetensors, tokenizer) into directory."""
     if kind not in KINDS:
         raise ValueError(f"unknown model kind {kind!r}; choose one of {', '.join(KINDS)}")

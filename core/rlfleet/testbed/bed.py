@@ -87,7 +87,9 @@ class Bed:
             etcd = start_etcd(self.supervisor, self.state_dir / "etcd")
             regions = [spec.region for spec in self.cluster_specs if spec.name != "hub"]
             nats = start_nats(regions, self.supervisor, self.state_dir / "nats")
-            self.kube = start_clusters(self.cluster_specs, self.supervisor, etcd, pki, self.state_dir)
+            self.kube = start_clusters(
+                self.cluster_specs, self.supervisor, etcd, pki, self.state_dir
+            )
         except BaseException:
             self.stop()
             raise

@@ -8,14 +8,15 @@ import sys
 from pathlib import Path
 
 
-def binary(name: str) -> str:
+def binary(name: str, *, executable: bool = True) -> str:
+    """The path of a built binary, or of a data file built beside them (executable=False)."""
     candidates = [
         Path(os.environ["RLFLEET_BIN_DIR"]) / name if "RLFLEET_BIN_DIR" in os.environ else None,
         Path(sys.prefix).parent / ".bin" / name,  # ./.venv's sibling ./.bin
         Path(sys.prefix) / "bin" / name,  # nats-server comes as a wheel
     ]
     for path in candidates:
-        if path is not None and path.is_file() and os.access(path, os.X_OK):
+        if path is not None and path.is_file() and (not executable or os.access(path, os.X_OK)):
             return str(path)
     found = shutil.which(name)
     if found is None:

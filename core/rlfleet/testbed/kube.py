@@ -122,12 +122,18 @@ def start_etcd(supervisor: Supervisor, data_dir: Path) -> str:
         ],
     )
     url = f"http://127.0.0.1:{client}"
-    _wait("etcd", lambda: urllib.request.urlopen(f"{url}/health", timeout=2).status == 200,
-          supervisor, 60)
+    _wait(
+        "etcd",
+        lambda: urllib.request.urlopen(f"{url}/health", timeout=2).status == 200,
+        supervisor,
+        60,
+    )
     return url
 
 
-def _start_apiserver(spec: ClusterSpec, supervisor: Supervisor, etcd: str, pki: Pki, state: Path) -> Cluster:
+def _start_apiserver(
+    spec: ClusterSpec, supervisor: Supervisor, etcd: str, pki: Pki, state: Path
+) -> Cluster:
     port = free_port()
     tokens = state / "tokens.csv"
     if not tokens.exists():
@@ -177,7 +183,13 @@ def _start_cluster_controllers(cluster: Cluster, supervisor: Supervisor, pki: Pk
     )
     supervisor.start(
         f"{cluster.name}-kube-scheduler",
-        [binary("kube-scheduler"), f"--kubeconfig={kc}", "--leader-elect=false", "--secure-port=0", "--v=0"],
+        [
+            binary("kube-scheduler"),
+            f"--kubeconfig={kc}",
+            "--leader-elect=false",
+            "--secure-port=0",
+            "--v=0",
+        ],
     )
     key, value = KWOK_SELECTOR
     supervisor.start(
@@ -185,6 +197,7 @@ def _start_cluster_controllers(cluster: Cluster, supervisor: Supervisor, pki: Pk
         [
             binary("kwok"),
             f"--kubeconfig={kc}",
+            f"--config={binary('kwok-stages.yaml', executable=False)}",
             "--manage-all-nodes=false",
             f"--manage-nodes-with-label-selector={key}={value}",
             f"--server-address=127.0.0.1:{free_port()}",
@@ -228,8 +241,12 @@ def _ready(cluster: Cluster, pki: Pki) -> bool:
 def _nodes_ready(cluster: Cluster, pki: Pki) -> bool:
     nodes = _request(cluster, pki, "/api/v1/nodes")["items"]
     ready = [
-        n for n in nodes
-        if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))
+        n
+        for n in nodes
+        if any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in n["status"].get("conditions", [])
+        )
     ]
     return len(ready) == cluster.spec.nodes
 
@@ -261,6 +278,10 @@ def start_clusters(
         list(pool.map(add_nodes, clusters))
     for cluster in clusters:
         _wait(f"{cluster.name} nodes", lambda c=cluster: _nodes_ready(c, pki), supervisor, 120)
-        _wait(f"{cluster.name} default ServiceAccount",
-              lambda c=cluster: _default_service_account(c, pki), supervisor, 120)
+        _wait(
+            f"{cluster.name} default ServiceAccount",
+            lambda c=cluster: _default_service_account(c, pki),
+            supervisor,
+            120,
+        )
     return bed

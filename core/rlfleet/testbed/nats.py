@@ -43,12 +43,16 @@ class NatsBed:
     leaves: dict[str, NatsServer]
 
     def to_json(self) -> str:
-        return json.dumps({"hub": asdict(self.hub), "leaves": {k: asdict(v) for k, v in self.leaves.items()}})
+        return json.dumps(
+            {"hub": asdict(self.hub), "leaves": {k: asdict(v) for k, v in self.leaves.items()}}
+        )
 
     @classmethod
     def from_json(cls, text: str) -> NatsBed:
         data = json.loads(text)
-        return cls(NatsServer(**data["hub"]), {k: NatsServer(**v) for k, v in data["leaves"].items()})
+        return cls(
+            NatsServer(**data["hub"]), {k: NatsServer(**v) for k, v in data["leaves"].items()}
+        )
 
 
 def _conf(values: dict) -> str:
@@ -57,7 +61,12 @@ def _conf(values: dict) -> str:
 
 
 def _jetstream(store: Path, domain: str) -> dict:
-    return {"store_dir": str(store), "domain": domain, "max_memory_store": 256 << 20, "max_file_store": 4 << 30}
+    return {
+        "store_dir": str(store),
+        "domain": domain,
+        "max_memory_store": 256 << 20,
+        "max_file_store": 4 << 30,
+    }
 
 
 def _wait_listening(port: int, supervisor: Supervisor, timeout: float = 30) -> None:
@@ -75,7 +84,9 @@ def _wait_listening(port: int, supervisor: Supervisor, timeout: float = 30) -> N
 def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsBed:
     state.mkdir(parents=True, exist_ok=True)
     hub_port, leaf_port, monitor_port = free_port(), free_port(), free_port()
-    hub_user = NatsServer("hub", f"nats://127.0.0.1:{hub_port}", "rlfleet", secrets.token_urlsafe(24), HUB_DOMAIN)
+    hub_user = NatsServer(
+        "hub", f"nats://127.0.0.1:{hub_port}", "rlfleet", secrets.token_urlsafe(24), HUB_DOMAIN
+    )
     # Each region's leaf node logs in to the hub with credentials of its own.
     leaf_logins = {region: secrets.token_urlsafe(24) for region in regions}
     hub_conf = {
@@ -99,32 +110,48 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
     leaves: dict[str, NatsServer] = {}
     for region, login in leaf_logins.items():
         port = free_port()
-        server = NatsServer(region, f"nats://127.0.0.1:{port}", "rlfleet", secrets.token_urlsafe(24), region)
+        server = NatsServer(
+            region, f"nats://127.0.0.1:{port}", "rlfleet", secrets.token_urlsafe(24), region
+        )
         conf = {
             "server_name": f"leaf-{region}",
             "listen": f"127.0.0.1:{port}",
             "jetstream": _jetstream(state / region, region),
             "accounts": {
-                ACCOUNT: {"jetstream": "enabled", "users": [{"user": server.user, "password": server.password}]}
+                ACCOUNT: {
+                    "jetstream": "enabled",
+                    "users": [{"user": server.user, "password": server.password}],
+                }
             },
             "leafnodes": {
-                "remotes": [{"urls": [f"nats://leaf-{region}:{login}@127.0.0.1:{leaf_port}"], "account": ACCOUNT}]
+                "remotes": [
+                    {
+                        "urls": [f"nats://leaf-{region}:{login}@127.0.0.1:{leaf_port}"],
+                        "account": ACCOUNT,
+                    }
+                ]
             },
         }
         (state / f"{region}.conf").write_text(_conf(conf))
-        supervisor.start(f"nats-{region}", [binary("nats-server"), "-c", str(state / f"{region}.conf")])
+        supervisor.start(
+            f"nats-{region}", [binary("nats-server"), "-c", str(state / f"{region}.conf")]
+        )
         _wait_listening(port, supervisor)
         leaves[region] = server
     _wait_leaves(monitor_port, len(leaves), supervisor)
     return NatsBed(hub_user, leaves)
 
 
-def _wait_leaves(monitor_port: int, count: int, supervisor: Supervisor, timeout: float = 30) -> None:
+def _wait_leaves(
+    monitor_port: int, count: int, supervisor: Supervisor, timeout: float = 30
+) -> None:
     """Until the hub reports every region's leaf connection."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         supervisor.check_alive()
-        with urllib.request.urlopen(f"http://127.0.0.1:{monitor_port}/leafz", timeout=2) as response:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{monitor_port}/leafz", timeout=2
+        ) as response:
             if json.load(response).get("leafnodes", 0) >= count:
                 return
         time.sleep(0.1)

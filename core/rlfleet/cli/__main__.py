@@ -1,0 +1,3 @@
+from rlfleet.cli import main
+
+main()

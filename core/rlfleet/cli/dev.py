@@ -1,0 +1,65 @@
+"""`rlfleet dev up|status|down`: the four-cluster test bed and NATS, for a developer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rlfleet.testbed.bed import STATE_FILE, Bed, BedInfo, stop_recorded
+
+DEFAULT_STATE = Path(".rlfleet/dev")
+
+
+def _up(args: argparse.Namespace) -> int:
+    if (args.state / STATE_FILE).exists():
+        info = BedInfo.load(args.state)
+        if all(info.alive().values()):
+            print(f"already up; export KUBECONFIG={info.kubeconfig}")
+            return 0
+        stop_recorded(args.state)  # a half-dead bed from an earlier run
+    info = Bed(args.state.resolve(), attached=False).start()
+    print(f"four clusters and NATS are up; export KUBECONFIG={info.kubeconfig}")
+    print("contexts: " + ", ".join(info.kubeconfigs))
+    print(
+        f"NATS hub {info.nats.hub.url}; leaf nodes: "
+        + ", ".join(f"{r} {s.url}" for r, s in info.nats.leaves.items())
+    )
+    print(f"credentials and logs in {args.state}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    if not (args.state / STATE_FILE).exists():
+        print("down")
+        return 1
+    info = BedInfo.load(args.state)
+    alive = info.alive()
+    report = {
+        "kubeconfig": str(info.kubeconfig),
+        "processes": alive,
+        "resident_mib": round(info.resident_bytes() / 2**20),
+    }
+    print(json.dumps(report, indent=2))
+    return 0 if all(alive.values()) else 1
+
+
+def _down(args: argparse.Namespace) -> int:
+    if not (args.state / STATE_FILE).exists():
+        print("nothing to stop")
+        return 0
+    print(f"stopped {stop_recorded(args.state)} processes")
+    return 0
+
+
+def register(groups: argparse._SubParsersAction) -> None:
+    group = groups.add_parser("dev", help="the local four-cluster test bed")
+    commands = group.add_subparsers(dest="command", required=True)
+    for name, handler, text in (
+        ("up", _up, "start four clusters and NATS in the background"),
+        ("status", _status, "show whether the bed runs and what it uses"),
+        ("down", _down, "stop the bed"),
+    ):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("--state", type=Path, default=DEFAULT_STATE)
+        command.set_defaults(handler=handler)

@@ -1,0 +1,80 @@
+"""Session fixtures: one real four-cluster bed with NATS, shared by every test that needs it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rlfleet.api.schema import KINDS
+from rlfleet.testbed.bed import Bed, BedInfo
+from rlfleet.testbed.binaries import binary
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTERS = ("hub", "region-a", "region-b", "region-c")
+
+
+@pytest.fixture(scope="session")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BedInfo]:
+    testbed = Bed(tmp_path_factory.mktemp("bed"), attached=True)
+    info = testbed.start()
+    try:
+        yield info
+    finally:
+        testbed.stop()
+
+
+class Kubectl:
+    """The real kubectl against one context of the bed's merged kubeconfig."""
+
+    def __init__(self, kubeconfig: Path, cache_dir: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.cache_dir = cache_dir
+        self.path = binary("kubectl")
+
+    def forget_discovery(self) -> None:
+        """kubectl caches API discovery; new CRDs are not seen by category until it is dropped."""
+        shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+    def run(
+        self, context: str, *args: str, stdin: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [
+                self.path,
+                f"--kubeconfig={self.kubeconfig}",
+                f"--cache-dir={self.cache_dir}",
+                f"--context={context}",
+                *args,
+            ],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed:\n{result.stderr}")
+        return result
+
+
+@pytest.fixture(scope="session")
+def kubectl(bed: BedInfo) -> Kubectl:
+    return Kubectl(bed.kubeconfig, bed.state_dir / "kubectl-cache")
+
+
+@pytest.fixture(scope="session")
+def crds_installed(kubectl: Kubectl) -> None:
+    for context in CLUSTERS:
+        kubectl.run(context, "apply", "--server-side", "-f", str(ROOT / "crds"))
+    for context in CLUSTERS:
+        kubectl.run(
+            context,
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            *(f"crd/{kind.crd_name}" for kind in KINDS),
+        )
+    kubectl.forget_discovery()

@@ -1,0 +1,67 @@
+"""The CRDs are generated from the typed models, and the examples are valid against them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from rlfleet.api.envpool import ENVPOOL
+from rlfleet.api.inferencepool import INFERENCEPOOL
+from rlfleet.api.meta import API_VERSION
+from rlfleet.api.rlrun import RLRUN
+from rlfleet.api.schema import KINDS, crd
+from rlfleet.cli.crds import stale
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = {"rlrun.yaml": RLRUN, "inferencepool.yaml": INFERENCEPOOL, "envpool.yaml": ENVPOOL}
+
+
+def test_crd_files_match_the_models() -> None:
+    assert stale(ROOT / "crds") == [], "crds/ drifted from rlfleet.api: run `rlfleet crds generate`"
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_examples_validate_against_the_models(name: str) -> None:
+    document = yaml.safe_load((ROOT / "examples" / name).read_text())
+    kind = EXAMPLES[name]
+    assert document["apiVersion"] == API_VERSION
+    assert document["kind"] == kind.kind
+    kind.spec.model_validate(document["spec"])
+
+
+def test_every_kind_is_findable_by_short_name_and_category() -> None:
+    for kind in KINDS:
+        names = crd(kind)["spec"]["names"]
+        assert names["shortNames"] and names["categories"] == ["rlfleet"]
+        version = crd(kind)["spec"]["versions"][0]
+        assert version["subresources"] == {"status": {}}
+        assert any(c["name"] == "Age" for c in version["additionalPrinterColumns"])
+
+
+def test_schema_is_structural() -> None:
+    """The API server refuses refs, anyOf-with-null and additionalProperties: false."""
+
+    def walk(node: object, path: str) -> None:
+        if isinstance(node, dict):
+            for banned in ("$ref", "$defs", "anyOf", "title", "const"):
+                assert banned not in node, f"{banned} at {path}"
+            assert node.get("additionalProperties", True) is not False, path
+            for key, value in node.items():
+                walk(value, f"{path}.{key}")
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                walk(value, f"{path}[{index}]")
+
+    for kind in KINDS:
+        walk(crd(kind)["spec"]["versions"][0]["schema"], kind.kind)
+
+
+def test_models_reject_what_the_api_server_rejects() -> None:
+    spec = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())["spec"]
+    with pytest.raises(ValidationError, match="maxStaleness"):
+        RLRUN.spec.model_validate({**spec, "maxStaleness": -1})
+    with pytest.raises(ValidationError, match="maxStalenes"):
+        RLRUN.spec.model_validate({**spec, "maxStalenes": 1})

@@ -1,0 +1,232 @@
+"""Four real Kubernetes clusters: API servers, scheduler, controller-manager, kwok GPU nodes,
+and the rlfleet.io CRDs with validation done by the API server itself."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import CLUSTERS, ROOT, Kubectl
+
+pytestmark = pytest.mark.bed
+
+
+def wait_for(what: str, check, timeout: float = 60.0, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def namespace(kubectl: Kubectl) -> str:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    for context in CLUSTERS:
+        kubectl.run(context, "create", "namespace", name)
+    wait_for(
+        "the namespace's default ServiceAccount",
+        lambda: all(
+            kubectl.run(c, "-n", name, "get", "serviceaccount", "default", check=False).returncode
+            == 0
+            for c in CLUSTERS
+        ),
+    )
+    return name
+
+
+def test_four_api_servers_answer_with_gpu_nodes(kubectl: Kubectl) -> None:
+    for context in CLUSTERS:
+        version = json.loads(kubectl.run(context, "version", "-o", "json").stdout)
+        assert version["serverVersion"]["gitVersion"].startswith("v1.36")
+        nodes = json.loads(kubectl.run(context, "get", "nodes", "-o", "json").stdout)["items"]
+        assert len(nodes) == (2 if context == "hub" else 4)
+        for node in nodes:
+            assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
+            assert node["metadata"]["labels"]["rlfleet.io/region"] == context
+            ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}
+            assert ready["Ready"] == "True"
+
+
+def test_clusters_are_separate(kubectl: Kubectl) -> None:
+    name = f"only-in-hub-{uuid.uuid4().hex[:6]}"
+    kubectl.run("hub", "create", "configmap", name)
+    assert kubectl.run("region-a", "get", "configmap", name, check=False).returncode != 0
+
+
+@pytest.mark.usefixtures("crds_installed")
+def test_crds_installed_and_listed_by_category(kubectl: Kubectl) -> None:
+    for context in CLUSTERS:
+        result = kubectl.run(context, "get", "rlfleet", "-A")
+        assert "error" not in result.stderr.lower()
+        resources = kubectl.run(
+            context, "api-resources", "--api-group=rlfleet.io", "-o", "name"
+        ).stdout.split()
+        assert sorted(resources) == [
+            "envpools.rlfleet.io",
+            "inferencepools.rlfleet.io",
+            "rlruns.rlfleet.io",
+        ]
+
+
+@pytest.mark.usefixtures("crds_installed")
+def test_examples_apply_and_show_printer_columns(kubectl: Kubectl, namespace: str) -> None:
+    for context in CLUSTERS:
+        kubectl.run(context, "-n", namespace, "apply", "-f", str(ROOT / "examples"))
+    table = kubectl.run("hub", "-n", namespace, "get", "rlr").stdout
+    assert table.split("\n")[0].split() == [
+        "NAME",
+        "PHASE",
+        "VERSION",
+        "STALENESS",
+        "GPUS-LENT",
+        "AGE",
+    ]
+    applied = json.loads(
+        kubectl.run("hub", "-n", namespace, "get", "rlrun", "tiny-moe-arith", "-o", "json").stdout
+    )
+    # Defaults come from the schema, applied by the API server.
+    assert applied["spec"]["rollout"]["regions"][1]["minGpus"] == 0
+    assert applied["spec"]["model"]["format"] == "hf-safetensors"
+    for short in ("ipool", "envp"):
+        assert kubectl.run("region-a", "-n", namespace, "get", short, "-o", "name").stdout.strip()
+
+
+def _rlrun(**spec_changes: object) -> dict:
+    document = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())
+    document["metadata"]["name"] = f"bad-{uuid.uuid4().hex[:6]}"
+    document["spec"].update(spec_changes)
+    return document
+
+
+BAD_SPECS = {
+    "wrong type": (_rlrun(maxStaleness="two"), "spec.maxStaleness"),
+    "out of range": (_rlrun(maxStaleness=5000), "spec.maxStaleness"),
+    "missing required field": (
+        _rlrun() | {"spec": {"model": {"uri": "file:///m"}}},
+        "spec.rollout",
+    ),
+    "unknown field": (_rlrun(maxStalenes=1), "maxStalenes"),
+    "cross-field rule": (
+        _rlrun(rollout={"regions": [{"name": "region-a", "minGpus": 9, "maxGpus": 8}]}),
+        "spec.rollout.regions[0].minGpus",
+    ),
+    "bad enum": (_rlrun(model={"uri": "file:///m", "format": "gguf"}), "spec.model.format"),
+}
+
+
+@pytest.mark.usefixtures("crds_installed")
+@pytest.mark.parametrize("case", sorted(BAD_SPECS))
+def test_bad_specs_are_rejected_naming_the_field(
+    kubectl: Kubectl, namespace: str, case: str, tmp_path: Path
+) -> None:
+    document, field = BAD_SPECS[case]
+    result = kubectl.run(
+        "hub", "-n", namespace, "apply", "-f", "-", stdin=yaml.safe_dump(document), check=False
+    )
+    assert result.returncode != 0, f"{case} was accepted"
+    assert field in result.stderr, result.stderr
+    listed = kubectl.run(
+        "hub", "-n", namespace, "get", "rlrun", document["metadata"]["name"], check=False
+    )
+    assert listed.returncode != 0, "a rejected spec must not be stored"
+
+
+@pytest.mark.usefixtures("crds_installed")
+def test_model_is_immutable(kubectl: Kubectl, namespace: str) -> None:
+    document = _rlrun()
+    kubectl.run("hub", "-n", namespace, "apply", "-f", "-", stdin=yaml.safe_dump(document))
+    document["spec"]["model"]["uri"] = "file:///another"
+    result = kubectl.run(
+        "hub", "-n", namespace, "apply", "-f", "-", stdin=yaml.safe_dump(document), check=False
+    )
+    assert result.returncode != 0
+    assert "spec.model" in result.stderr and "immutable" in result.stderr
+
+
+def gpu_pod(name: str, gpus: int) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "busybox",
+                    "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
+                }
+            ]
+        },
+    }
+
+
+def test_gpu_pods_schedule_until_the_gpus_run_out(kubectl: Kubectl, namespace: str) -> None:
+    # The hub has 2 nodes x 8 GPUs: four pods of 4 fit, the fifth cannot.
+    for index in range(4):
+        kubectl.run(
+            "hub", "-n", namespace, "apply", "-f", "-", stdin=json.dumps(gpu_pod(f"gpu-{index}", 4))
+        )
+
+    def phases() -> dict[str, str]:
+        pods = json.loads(kubectl.run("hub", "-n", namespace, "get", "pods", "-o", "json").stdout)[
+            "items"
+        ]
+        return {p["metadata"]["name"]: p["status"].get("phase", "") for p in pods}
+
+    wait_for("four GPU pods Running", lambda: list(phases().values()).count("Running") == 4)
+    kubectl.run("hub", "-n", namespace, "apply", "-f", "-", stdin=json.dumps(gpu_pod("gpu-4", 4)))
+
+    def unschedulable() -> bool:
+        pod = json.loads(
+            kubectl.run("hub", "-n", namespace, "get", "pod", "gpu-4", "-o", "json").stdout
+        )
+        conditions = {c["type"]: c for c in pod["status"].get("conditions", [])}
+        scheduled = conditions.get("PodScheduled", {})
+        return scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
+
+    wait_for("the fifth pod to be found unschedulable", unschedulable)
+    assert phases()["gpu-4"] == "Pending"
+    events = kubectl.run(
+        "hub", "-n", namespace, "get", "events", "--field-selector", "involvedObject.name=gpu-4"
+    ).stdout
+    assert "Insufficient nvidia.com/gpu" in events
+
+
+def test_garbage_collector_deletes_owned_children(kubectl: Kubectl, namespace: str) -> None:
+    kubectl.run("region-b", "-n", namespace, "create", "configmap", "owner")
+    owner = json.loads(
+        kubectl.run("region-b", "-n", namespace, "get", "configmap", "owner", "-o", "json").stdout
+    )
+    child = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "child",
+            "ownerReferences": [
+                {
+                    "apiVersion": "v1",
+                    "kind": "ConfigMap",
+                    "name": "owner",
+                    "uid": owner["metadata"]["uid"],
+                }
+            ],
+        },
+    }
+    kubectl.run("region-b", "-n", namespace, "apply", "-f", "-", stdin=json.dumps(child))
+    kubectl.run("region-b", "-n", namespace, "delete", "configmap", "owner", "--cascade=background")
+    wait_for(
+        "the garbage collector to delete the child",
+        lambda: (
+            kubectl.run(
+                "region-b", "-n", namespace, "get", "configmap", "child", check=False
+            ).returncode
+            != 0
+        ),
+    )

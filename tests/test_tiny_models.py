@@ -1,0 +1,91 @@
+"""Tiny models made locally run in the real engines: vLLM (CPU) and DeepSpeed (CPU accelerator)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "DS_ACCELERATOR": "cpu",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-moe")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlfleet.cli",
+            "model",
+            "init",
+            "--kind",
+            "tiny-moe",
+            str(directory),
+        ],
+        check=True,
+    )
+    return directory
+
+
+def run_probe(script: str, checkpoint: Path, tmp_path: Path) -> dict:
+    """Runs an engine in a process of its own (both engines own global state) and reads its JSON."""
+    report = tmp_path / f"{script}.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "probes" / script),
+            str(checkpoint),
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, **ENGINE_ENV},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(report.read_text())
+
+
+def test_checkpoint_is_a_qwen3_moe_in_hugging_face_format(tiny_moe: Path) -> None:
+    config = json.loads((tiny_moe / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (
+        config["num_local_experts"],
+        config["num_experts_per_tok"],
+        config["num_hidden_layers"],
+    ) == (
+        8,
+        2,
+        2,
+    )
+    assert config["head_dim"] == 32
+    assert {"model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in tiny_moe.iterdir()
+    }
+
+
+def test_vllm_generates_with_logprobs(tiny_moe: Path, tmp_path: Path) -> None:
+    out = run_probe("vllm_generate.py", tiny_moe, tmp_path)
+    assert len(out["token_ids"]) == out["max_tokens"]
+    assert len(out["logprobs"]) == len(out["token_ids"])
+    assert all(math.isfinite(lp) and lp <= 0.0 for lp in out["logprobs"])
+
+
+def test_deepspeed_takes_a_training_step(tiny_moe: Path, tmp_path: Path) -> None:
+    out = run_probe("deepspeed_step.py", tiny_moe, tmp_path)
+    assert out["accelerator"] == "cpu"
+    assert math.isfinite(out["loss_before"]) and math.isfinite(out["loss_after"])
+    assert out["changed_parameters"] > 0
+    assert out["global_steps"] == 1
