@@ -37,7 +37,7 @@ build_kubernetes() {
         awk -v s="$staging" '{print "replace " $1 " => " $1 " " s}'
     } > "$d/go.mod"
     printf 'package tools\n\nimport (\n\t_ "k8s.io/kubernetes/cmd/kube-apiserver"\n)\n' > "$d/tools.go"
-    (cd "$d" && go mod tidy >/dev/null 2>&1 || true)
+    (cd "$d" && go mod tidy)
     local pkg="k8s.io/component-base/version" minor
     minor=$(echo "$v" | cut -d. -f2)
     local ld="$ldflags_strip -X $pkg.gitVersion=$v -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"

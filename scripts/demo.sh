@@ -15,8 +15,7 @@ for c in "${contexts[@]}"; do
 done
 for c in "${contexts[@]}"; do
   echo "== $c: kubectl get nodes,rlfleet"
-  kubectl --context "$c" get nodes -L rlfleet.io/region \
-    -o custom-columns='NAME:.metadata.name,GPUS:.status.allocatable.nvidia\.com/gpu,READY:.status.conditions[-1].status'
+  kubectl --context "$c" get nodes -o custom-columns='NAME:.metadata.name,REGION:.metadata.labels.rlfleet\.io/region,GPUS:.status.allocatable.nvidia\.com/gpu,READY:.status.conditions[?(@.type=="Ready")].status'
   kubectl --context "$c" get rlfleet
 done
 echo
