@@ -7,6 +7,8 @@ source "$root/versions.env"
 cache=${RLFLEET_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rlfleet}
 bindir="$root/.bin"
 mkdir -p "$cache/bin" "$bindir"
+command -v go >/dev/null || export PATH=$PATH:/usr/local/go/bin
+command -v go >/dev/null || { echo "Go is required to build the test bed's binaries" >&2; exit 1; }
 export GOFLAGS=-mod=mod GOTOOLCHAIN=local CGO_ENABLED=0
 ldflags_strip="-s -w"
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from rlfleet.cli import crds, dev, model
-
-Handler = Callable[[argparse.Namespace], int]
+from rlfleet.cli.commands import Handler
 
 
 def parser() -> argparse.ArgumentParser:

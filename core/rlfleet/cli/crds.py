@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from rlfleet.api.schema import KINDS, crd_filename, render
+from rlfleet.cli.commands import add_group
 
 
 def generate(directory: Path) -> list[Path]:
@@ -42,12 +43,13 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def register(groups: argparse._SubParsersAction) -> None:
-    group = groups.add_parser("crds", help="CustomResourceDefinitions generated from the models")
-    commands = group.add_subparsers(dest="command", required=True)
-    for name, handler, text in (
-        ("generate", _generate, "write the CRD manifests"),
-        ("check", _check, "fail if the CRD manifests drifted from the models"),
-    ):
-        command = commands.add_parser(name, help=text)
-        command.add_argument("--dir", type=Path, default=Path("crds"))
-        command.set_defaults(handler=handler)
+    add_group(
+        groups,
+        "crds",
+        "CustomResourceDefinitions generated from the models",
+        [
+            ("generate", _generate, "write the CRD manifests"),
+            ("check", _check, "fail if the CRD manifests drifted from the models"),
+        ],
+        lambda command: command.add_argument("--dir", type=Path, default=Path("crds")),
+    )

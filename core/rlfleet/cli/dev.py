@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from rlfleet.cli.commands import add_group
 from rlfleet.testbed.bed import STATE_FILE, Bed, BedInfo, stop_recorded
 
 DEFAULT_STATE = Path(".rlfleet/dev")
@@ -53,13 +54,14 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def register(groups: argparse._SubParsersAction) -> None:
-    group = groups.add_parser("dev", help="the local four-cluster test bed")
-    commands = group.add_subparsers(dest="command", required=True)
-    for name, handler, text in (
-        ("up", _up, "start four clusters and NATS in the background"),
-        ("status", _status, "show whether the bed runs and what it uses"),
-        ("down", _down, "stop the bed"),
-    ):
-        command = commands.add_parser(name, help=text)
-        command.add_argument("--state", type=Path, default=DEFAULT_STATE)
-        command.set_defaults(handler=handler)
+    add_group(
+        groups,
+        "dev",
+        "the local four-cluster test bed",
+        [
+            ("up", _up, "start four clusters and NATS in the background"),
+            ("status", _status, "show whether the bed runs and what it uses"),
+            ("down", _down, "stop the bed"),
+        ],
+        lambda command: command.add_argument("--state", type=Path, default=DEFAULT_STATE),
+    )
