@@ -12,9 +12,15 @@ from pathlib import Path
 
 import psutil
 
-from rlfleet.testbed.kube import DEFAULT_CLUSTERS, ClusterSpec, KubeBed, start_clusters, start_etcd
+from rlfleet.testbed.kube import (
+    DEFAULT_CLUSTERS,
+    ClusterSpec,
+    KubeBed,
+    start_clusters,
+    start_etcd,
+)
 from rlfleet.testbed.nats import NatsBed, start_nats
-from rlfleet.testbed.pki import make_pki
+from rlfleet.testbed.pki import make_pki, write_secret
 from rlfleet.testbed.processes import Supervisor, stop_pids
 
 STATE_FILE = "bed.json"
@@ -37,7 +43,7 @@ class BedInfo:
             "nats": json.loads(self.nats.to_json()),
             "pids": self.pids,
         }
-        (self.state_dir / STATE_FILE).write_text(json.dumps(data, indent=2))
+        write_secret(self.state_dir / STATE_FILE, json.dumps(data, indent=2))
 
     @classmethod
     def load(cls, state_dir: Path) -> BedInfo:
@@ -93,7 +99,6 @@ class Bed:
         except BaseException:
             self.stop()
             raise
-        assert self.kube.merged_kubeconfig is not None
         self.info = BedInfo(
             self.state_dir,
             self.kube.merged_kubeconfig,

@@ -11,13 +11,13 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from rlfleet.testbed.binaries import binary
-from rlfleet.testbed.pki import Pki
+from rlfleet.testbed.pki import Pki, write_secret
 from rlfleet.testbed.processes import Supervisor, free_port
 
 GPU = "nvidia.com/gpu"
@@ -55,10 +55,10 @@ class Cluster:
 
 @dataclass
 class KubeBed:
-    """The clusters of a started bed, and where their kubeconfigs are."""
+    """The clusters of a started bed, and the kubeconfig with a context for each."""
 
-    clusters: dict[str, Cluster] = field(default_factory=dict)
-    merged_kubeconfig: Path | None = None
+    clusters: dict[str, Cluster]
+    merged_kubeconfig: Path
 
 
 def kubeconfig(clusters: list[Cluster], pki: Pki, current: str) -> dict:
@@ -137,8 +137,7 @@ def _start_apiserver(
     port = free_port()
     tokens = state / "tokens.csv"
     if not tokens.exists():
-        tokens.write_text(f'{pki.admin_token},admin,admin,"system:masters"\n')
-        tokens.chmod(0o600)
+        write_secret(tokens, f'{pki.admin_token},admin,admin,"system:masters"\n')
     supervisor.start(
         f"{spec.name}-kube-apiserver",
         [
@@ -261,9 +260,9 @@ def start_clusters(
 ) -> KubeBed:
     clusters = [_start_apiserver(spec, supervisor, etcd, pki, state) for spec in specs]
     for cluster in clusters:
-        cluster.kubeconfig.write_text(yaml.safe_dump(kubeconfig([cluster], pki, cluster.name)))
+        write_secret(cluster.kubeconfig, yaml.safe_dump(kubeconfig([cluster], pki, cluster.name)))
     bed = KubeBed({c.name: c for c in clusters}, state / "kubeconfig")
-    bed.merged_kubeconfig.write_text(yaml.safe_dump(kubeconfig(clusters, pki, clusters[0].name)))
+    write_secret(bed.merged_kubeconfig, yaml.safe_dump(kubeconfig(clusters, pki, clusters[0].name)))
     for cluster in clusters:
         _wait(f"{cluster.name} kube-apiserver", lambda c=cluster: _ready(c, pki), supervisor, 180)
     for cluster in clusters:

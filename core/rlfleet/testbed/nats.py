@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlfleet.testbed.binaries import binary
+from rlfleet.testbed.pki import write_secret
 from rlfleet.testbed.processes import Supervisor, free_port
 
 ACCOUNT = "RLFLEET"
@@ -103,7 +104,7 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
         "leafnodes": {"listen": f"127.0.0.1:{leaf_port}"},
         "http": f"127.0.0.1:{monitor_port}",
     }
-    (state / "hub.conf").write_text(_conf(hub_conf))
+    write_secret(state / "hub.conf", _conf(hub_conf))
     supervisor.start("nats-hub", [binary("nats-server"), "-c", str(state / "hub.conf")])
     _wait_listening(hub_port, supervisor)
 
@@ -132,7 +133,7 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
                 ]
             },
         }
-        (state / f"{region}.conf").write_text(_conf(conf))
+        write_secret(state / f"{region}.conf", _conf(conf))
         supervisor.start(
             f"nats-{region}", [binary("nats-server"), "-c", str(state / f"{region}.conf")]
         )
