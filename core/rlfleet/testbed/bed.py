@@ -15,7 +15,6 @@ import psutil
 from rlfleet.testbed.kube import (
     DEFAULT_CLUSTERS,
     ClusterSpec,
-    KubeBed,
     start_clusters,
     start_etcd,
 )
@@ -83,8 +82,6 @@ class Bed:
         self.state_dir = state_dir
         self.cluster_specs = clusters
         self.supervisor = Supervisor(state_dir / "logs", attached=attached)
-        self.kube: KubeBed | None = None
-        self.info: BedInfo | None = None
 
     def start(self) -> BedInfo:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -93,21 +90,19 @@ class Bed:
             etcd = start_etcd(self.supervisor, self.state_dir / "etcd")
             regions = [spec.region for spec in self.cluster_specs if spec.name != "hub"]
             nats = start_nats(regions, self.supervisor, self.state_dir / "nats")
-            self.kube = start_clusters(
-                self.cluster_specs, self.supervisor, etcd, pki, self.state_dir
-            )
+            kube = start_clusters(self.cluster_specs, self.supervisor, etcd, pki, self.state_dir)
         except BaseException:
             self.stop()
             raise
-        self.info = BedInfo(
+        info = BedInfo(
             self.state_dir,
-            self.kube.merged_kubeconfig,
-            {name: cluster.kubeconfig for name, cluster in self.kube.clusters.items()},
+            kube.merged_kubeconfig,
+            {name: cluster.kubeconfig for name, cluster in kube.clusters.items()},
             nats,
             self.supervisor.pids(),
         )
-        self.info.save()
-        return self.info
+        info.save()
+        return info
 
     def stop(self) -> None:
         self.supervisor.stop_all()

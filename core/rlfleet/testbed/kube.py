@@ -5,10 +5,9 @@ nodes advertise nvidia.com/gpu."""
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import ssl
-import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -78,30 +77,28 @@ def kubeconfig(clusters: list[Cluster], pki: Pki, current: str) -> dict:
     }
 
 
-def _request(cluster: Cluster, pki: Pki, path: str, method: str = "GET", body: dict | None = None):
-    context = ssl.create_default_context(cafile=str(pki.ca_cert))
+@functools.cache
+def _tls(ca_cert: Path) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(ca_cert))
+
+
+def _call(
+    cluster: Cluster, pki: Pki, path: str, method: str = "GET", body: dict | None = None
+) -> bytes:
+    """One authenticated request to a cluster's API server; HTTP errors raise."""
     request = urllib.request.Request(
         cluster.server + path,
         method=method,
         data=json.dumps(body).encode() if body is not None else None,
         headers={"Authorization": f"Bearer {pki.admin_token}", "Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, context=context, timeout=10) as response:
-        return json.loads(response.read() or b"null") if response.status != 204 else None
+    with urllib.request.urlopen(request, context=_tls(pki.ca_cert), timeout=10) as response:
+        return response.read()
 
 
-def _wait(what: str, check, supervisor: Supervisor, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        supervisor.check_alive()
-        try:
-            if check():
-                return
-        except (urllib.error.URLError, OSError, ValueError) as error:
-            last_error = error
-        time.sleep(0.25)
-    raise TimeoutError(f"{what} not ready after {timeout:.0f}s (last error: {last_error})")
+def _http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return response.status == 200
 
 
 def start_etcd(supervisor: Supervisor, data_dir: Path) -> str:
@@ -122,22 +119,14 @@ def start_etcd(supervisor: Supervisor, data_dir: Path) -> str:
         ],
     )
     url = f"http://127.0.0.1:{client}"
-    _wait(
-        "etcd",
-        lambda: urllib.request.urlopen(f"{url}/health", timeout=2).status == 200,
-        supervisor,
-        60,
-    )
+    supervisor.wait_until("etcd", lambda: _http_ok(f"{url}/health"), 60)
     return url
 
 
 def _start_apiserver(
-    spec: ClusterSpec, supervisor: Supervisor, etcd: str, pki: Pki, state: Path
+    spec: ClusterSpec, supervisor: Supervisor, etcd: str, pki: Pki, tokens: Path, state: Path
 ) -> Cluster:
     port = free_port()
-    tokens = state / "tokens.csv"
-    if not tokens.exists():
-        write_secret(tokens, f'{pki.admin_token},admin,admin,"system:masters"\n')
     supervisor.start(
         f"{spec.name}-kube-apiserver",
         [
@@ -228,17 +217,8 @@ def node_manifest(spec: ClusterSpec, index: int) -> dict:
     }
 
 
-def _ready(cluster: Cluster, pki: Pki) -> bool:
-    context = ssl.create_default_context(cafile=str(pki.ca_cert))
-    request = urllib.request.Request(
-        cluster.server + "/readyz", headers={"Authorization": f"Bearer {pki.admin_token}"}
-    )
-    with urllib.request.urlopen(request, context=context, timeout=5) as response:
-        return response.status == 200
-
-
 def _nodes_ready(cluster: Cluster, pki: Pki) -> bool:
-    nodes = _request(cluster, pki, "/api/v1/nodes")["items"]
+    nodes = json.loads(_call(cluster, pki, "/api/v1/nodes"))["items"]
     ready = [
         n
         for n in nodes
@@ -251,36 +231,40 @@ def _nodes_ready(cluster: Cluster, pki: Pki) -> bool:
 
 
 def _default_service_account(cluster: Cluster, pki: Pki) -> bool:
-    # Pods are admitted only once the controller-manager made the namespace's ServiceAccount.
-    return _request(cluster, pki, "/api/v1/namespaces/default/serviceaccounts/default") is not None
+    # Pods are admitted only once the controller-manager made the namespace's ServiceAccount;
+    # until then the GET answers 404, which raises.
+    return bool(_call(cluster, pki, "/api/v1/namespaces/default/serviceaccounts/default"))
 
 
 def start_clusters(
     specs: tuple[ClusterSpec, ...], supervisor: Supervisor, etcd: str, pki: Pki, state: Path
 ) -> KubeBed:
-    clusters = [_start_apiserver(spec, supervisor, etcd, pki, state) for spec in specs]
+    tokens = state / "tokens.csv"
+    write_secret(tokens, f'{pki.admin_token},admin,admin,"system:masters"\n')
+    clusters = [_start_apiserver(spec, supervisor, etcd, pki, tokens, state) for spec in specs]
     for cluster in clusters:
         write_secret(cluster.kubeconfig, yaml.safe_dump(kubeconfig([cluster], pki, cluster.name)))
     bed = KubeBed({c.name: c for c in clusters}, state / "kubeconfig")
     write_secret(bed.merged_kubeconfig, yaml.safe_dump(kubeconfig(clusters, pki, clusters[0].name)))
     for cluster in clusters:
-        _wait(f"{cluster.name} kube-apiserver", lambda c=cluster: _ready(c, pki), supervisor, 180)
+        supervisor.wait_until(
+            f"{cluster.name} kube-apiserver", lambda c=cluster: bool(_call(c, pki, "/readyz")), 180
+        )
     for cluster in clusters:
         _start_cluster_controllers(cluster, supervisor, pki)
 
     def add_nodes(cluster: Cluster) -> None:
         for index in range(cluster.spec.nodes):
             manifest = node_manifest(cluster.spec, index)
-            _request(cluster, pki, "/api/v1/nodes", "POST", manifest)
+            _call(cluster, pki, "/api/v1/nodes", "POST", manifest)
 
     with ThreadPoolExecutor(len(clusters)) as pool:
         list(pool.map(add_nodes, clusters))
     for cluster in clusters:
-        _wait(f"{cluster.name} nodes", lambda c=cluster: _nodes_ready(c, pki), supervisor, 120)
-        _wait(
+        supervisor.wait_until(f"{cluster.name} nodes", lambda c=cluster: _nodes_ready(c, pki), 120)
+        supervisor.wait_until(
             f"{cluster.name} default ServiceAccount",
             lambda c=cluster: _default_service_account(c, pki),
-            supervisor,
             120,
         )
     return bed

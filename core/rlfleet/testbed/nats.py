@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import secrets
 import socket
-import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -70,16 +69,14 @@ def _jetstream(store: Path, domain: str) -> dict:
     }
 
 
-def _wait_listening(port: int, supervisor: Supervisor, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        supervisor.check_alive()
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"nats-server on port {port} not listening after {timeout}s")
+def _listening(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+
+
+def _leaf_count(monitor_port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{monitor_port}/leafz", timeout=2) as response:
+        return json.load(response).get("leafnodes", 0)
 
 
 def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsBed:
@@ -106,7 +103,7 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
     }
     write_secret(state / "hub.conf", _conf(hub_conf))
     supervisor.start("nats-hub", [binary("nats-server"), "-c", str(state / "hub.conf")])
-    _wait_listening(hub_port, supervisor)
+    supervisor.wait_until("nats hub", lambda: _listening(hub_port), 30, interval=0.1)
 
     leaves: dict[str, NatsServer] = {}
     for region, login in leaf_logins.items():
@@ -137,23 +134,12 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
         supervisor.start(
             f"nats-{region}", [binary("nats-server"), "-c", str(state / f"{region}.conf")]
         )
-        _wait_listening(port, supervisor)
+        supervisor.wait_until(f"nats {region}", lambda p=port: _listening(p), 30, interval=0.1)
         leaves[region] = server
-    _wait_leaves(monitor_port, len(leaves), supervisor)
+    supervisor.wait_until(
+        "every region's leaf connection at the hub",
+        lambda: _leaf_count(monitor_port) >= len(leaves),
+        30,
+        interval=0.1,
+    )
     return NatsBed(hub_user, leaves)
-
-
-def _wait_leaves(
-    monitor_port: int, count: int, supervisor: Supervisor, timeout: float = 30
-) -> None:
-    """Until the hub reports every region's leaf connection."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        supervisor.check_alive()
-        with urllib.request.urlopen(
-            f"http://127.0.0.1:{monitor_port}/leafz", timeout=2
-        ) as response:
-            if json.load(response).get("leafnodes", 0) >= count:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"{count} leaf nodes not connected to the hub after {timeout}s")

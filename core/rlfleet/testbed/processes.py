@@ -15,7 +15,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +72,22 @@ class Supervisor:
                     f"{managed.name} exited with {managed.process.returncode}; "
                     f"last log lines:\n{tail(managed.log)}"
                 )
+
+    def wait_until(
+        self, what: str, check: Callable[[], bool], timeout: float, interval: float = 0.25
+    ) -> None:
+        """Polls check until it holds; fails early if a bed process died meanwhile."""
+        deadline = time.monotonic() + timeout
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                if check():
+                    return
+            except (OSError, ValueError) as error:  # not up yet: refused, reset, 5xx, half JSON
+                last_error = error
+            time.sleep(interval)
+        raise TimeoutError(f"{what} not ready after {timeout:.0f}s (last error: {last_error})")
 
     def pids(self) -> dict[str, int]:
         return {m.name: m.process.pid for m in self.processes}
