@@ -1,0 +1,111 @@
+"""The delta codec: one piece (a tensor, or a range of a large one) at a time.
+
+A piece is encoded against the receiver's copy of the same range in one of three ways,
+whichever is smallest:
+
+- ``sparse``: the changed positions (Rice-coded gaps) and the XOR of old and new bits
+  there, as byte planes under zstd. What an RL step usually needs.
+- ``dense``: the XOR of the whole range as byte planes under zstd, for ranges where much
+  changed.
+- ``raw``: the new bits as byte planes under zstd, for snapshots and for tensors that are
+  new or changed shape or dtype.
+
+XOR on bit patterns is overwrite semantics: decoding reproduces the new bits exactly,
+whatever they are, and applying it twice restores the old bits, which is how a receiver
+rolls back a version that fails verification.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Literal
+
+import msgspec
+import numpy as np
+import zstandard
+
+from rlfleet.weightsync import positions
+from rlfleet.weightsync.bits import from_planes, to_planes
+from rlfleet.weightsync.errors import CorruptShard
+
+Encoding = Literal["raw", "sparse", "dense"]
+
+
+class Piece(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    """Where a piece goes and how its sections decode; lives in the shard's header."""
+
+    tensor: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    count: int
+    encoding: Encoding
+    sizes: tuple[int, ...]
+
+
+_local = threading.local()
+
+
+def _compress(data: bytes, level: int) -> bytes:
+    # zstd contexts are not thread safe and are costly to make: one per thread and level.
+    cache = _local.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level)
+    return cache[level].compress(data)
+
+
+def _decompress(data: memoryview, size: int) -> bytes:
+    if "decompressor" not in _local.__dict__:
+        _local.decompressor = zstandard.ZstdDecompressor()
+    try:
+        out = _local.decompressor.decompress(data, max_output_size=size)
+    except zstandard.ZstdError as error:
+        raise CorruptShard(f"zstd section does not decode: {error}") from error
+    if len(out) != size:
+        raise CorruptShard(f"zstd section holds {len(out)} bytes, expected {size}")
+    return out
+
+
+def encode_raw(new: np.ndarray, level: int) -> tuple[Encoding, list[bytes]]:
+    return "raw", [_compress(to_planes(new), level)]
+
+
+def encode_delta(
+    new: np.ndarray, old: np.ndarray, level: int, dense_from_fraction: float
+) -> tuple[Encoding, list[bytes]] | None:
+    """The smallest encoding of `new` against `old`, or None when nothing changed."""
+    changed = np.not_equal(new, old)
+    count = int(np.count_nonzero(changed))
+    if count == 0:
+        return None
+    options: list[tuple[Encoding, list[bytes]]] = []
+    fraction = count / new.size
+    if fraction < 0.5:
+        where = np.flatnonzero(changed)
+        flips = np.bitwise_xor(new[where], old[where])
+        options.append(("sparse", [positions.encode(where), _compress(to_planes(flips), level)]))
+    if fraction >= min(dense_from_fraction, 0.5):
+        options.append(("dense", [_compress(to_planes(np.bitwise_xor(new, old)), level)]))
+    return min(options, key=lambda option: sum(map(len, option[1])))
+
+
+def apply(piece: Piece, sections: list[memoryview], target: np.ndarray) -> None:
+    """Write the piece into `target`, the bit patterns of its element range."""
+    if target.size != piece.count:
+        raise CorruptShard(f"{piece.tensor}: piece of {piece.count} elements for {target.size}")
+    expected_sections = 2 if piece.encoding == "sparse" else 1
+    if len(sections) != expected_sections:
+        raise CorruptShard(f"{piece.tensor}: {piece.encoding} piece with {len(sections)} sections")
+    width = target.dtype.itemsize
+    if piece.encoding == "raw":
+        target[:] = from_planes(
+            _decompress(sections[0], piece.count * width), target.dtype, target.size
+        )
+    elif piece.encoding == "dense":
+        target ^= from_planes(
+            _decompress(sections[0], piece.count * width), target.dtype, target.size
+        )
+    else:
+        where = positions.decode(sections[0], piece.count)
+        flips = from_planes(_decompress(sections[1], where.size * width), target.dtype, where.size)
+        target[where] ^= flips

@@ -1,0 +1,283 @@
+"""Versions as bounded shards: encode one against its base, verify and apply one.
+
+A shard is ``MAGIC | u32 header length | msgpack header | sections``. Its header names
+the run, version and index it belongs to and every piece in it, so a shard delivered
+in the wrong place is caught even before its checksum is compared.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import torch
+import xxhash
+
+from rlfleet.api.wire import ShardRef, WeightManifest
+from rlfleet.weightsync import codec
+from rlfleet.weightsync.bits import as_bits, dtype_name, torch_dtype
+from rlfleet.weightsync.codec import Piece
+from rlfleet.weightsync.config import SyncConfig
+from rlfleet.weightsync.errors import CorruptShard, DigestMismatch, UnknownBase
+from rlfleet.weightsync.state import WORKERS, WeightState, state_digest, tensor_digests
+
+MAGIC = b"RLWS\x01"
+_LENGTH = struct.Struct("<I")
+
+
+class ShardHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    run: str
+    version: int
+    index: int
+    pieces: list[Piece]
+
+
+@dataclass(frozen=True)
+class EncodedVersion:
+    manifest: WeightManifest
+    shards: list[bytes]
+
+
+def checksum(data: bytes | memoryview) -> str:
+    return xxhash.xxh3_128(data).hexdigest()
+
+
+def _ranges(count: int, piece_elements: int) -> list[tuple[int, int]]:
+    return [
+        (start, min(piece_elements, count - start)) for start in range(0, count, piece_elements)
+    ] or [(0, 0)]
+
+
+def _encode_piece(name, new, old, start, count, config) -> tuple[Piece, list[bytes]] | None:
+    new_bits = as_bits(new)[start : start + count]
+    if old is None:
+        encoded = codec.encode_raw(new_bits, config.zstd_level)
+    else:
+        old_bits = as_bits(old)[start : start + count]
+        encoded = codec.encode_delta(
+            new_bits, old_bits, config.zstd_level, config.dense_from_fraction
+        )
+        if encoded is None:
+            return None
+    encoding, sections = encoded
+    piece = Piece(
+        name,
+        dtype_name(new.dtype),
+        tuple(new.shape),
+        start,
+        count,
+        encoding,
+        tuple(map(len, sections)),
+    )
+    return piece, sections
+
+
+def _pack(
+    run: str, version: int, encoded: list[tuple[Piece, list[bytes]]], config: SyncConfig
+) -> tuple[list[bytes], list[ShardRef]]:
+    groups: list[list[tuple[Piece, list[bytes]]]] = [[]]
+    size = 0
+    for item in encoded:
+        item_size = sum(item[0].sizes) + 64 + len(item[0].tensor)
+        if groups[-1] and size + item_size > config.shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item_size
+    shards, refs = [], []
+    for index, group in enumerate(g for g in groups if g):
+        header = msgspec.msgpack.encode(
+            ShardHeader(run, version, index, [piece for piece, _ in group])
+        )
+        data = b"".join(
+            [
+                MAGIC,
+                _LENGTH.pack(len(header)),
+                header,
+                *(s for _, sections in group for s in sections),
+            ]
+        )
+        raw = sum(piece.count * torch_dtype(piece.dtype).itemsize for piece, _ in group)
+        tensors = list(dict.fromkeys(piece.tensor for piece, _ in group))
+        shards.append(data)
+        refs.append(
+            ShardRef(
+                index=index, size=len(data), raw_size=raw, checksum=checksum(data), tensors=tensors
+            )
+        )
+    return shards, refs
+
+
+def encode_version(
+    run: str,
+    version: int,
+    tensors: Mapping[str, torch.Tensor],
+    base: WeightState | None,
+    config: SyncConfig,
+) -> EncodedVersion:
+    """Shards and manifest for `tensors` as `version`: a delta on `base`, or full when None."""
+    jobs = []
+    for name in sorted(tensors):
+        new = tensors[name].detach().cpu()
+        old = base.tensors.get(name) if base is not None else None
+        if old is not None and (old.dtype != new.dtype or old.shape != new.shape):
+            old = None  # carried whole: new shape or dtype
+        piece_elements = max(1, config.shard_bytes // 4 // new.element_size())
+        jobs += [
+            (name, new, old, start, count, config)
+            for start, count in _ranges(new.numel(), piece_elements)
+        ]
+    with ThreadPoolExecutor(WORKERS) as pool:
+        encoded = [
+            item for item in pool.map(lambda job: _encode_piece(*job), jobs) if item is not None
+        ]
+    shards, refs = _pack(run, version, encoded, config)
+    removed = sorted(set(base.tensors) - set(tensors)) if base is not None else []
+    manifest = WeightManifest(
+        run=run,
+        version=version,
+        base_version=base.version if base is not None else None,
+        kind="delta" if base is not None else "full",
+        shards=refs,
+        removed=removed,
+        state_digest=state_digest(tensors, tensor_digests(tensors)),
+        state_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+        tensor_count=len(tensors),
+        created_at=time.time(),
+    )
+    return EncodedVersion(manifest, shards)
+
+
+def parse_shard(
+    manifest: WeightManifest, ref: ShardRef, data: bytes | memoryview
+) -> list[tuple[Piece, list[memoryview]]]:
+    """The pieces of a shard, after proving it is the one `ref` describes."""
+    where = f"version {manifest.version} shard {ref.index}"
+    if len(data) != ref.size:
+        raise CorruptShard(f"{where}: {len(data)} bytes, manifest says {ref.size} (truncated?)")
+    if checksum(data) != ref.checksum:
+        raise CorruptShard(f"{where}: checksum mismatch")
+    view = memoryview(data)
+    if bytes(view[: len(MAGIC)]) != MAGIC:
+        raise CorruptShard(f"{where}: not a weightsync shard")
+    (length,) = _LENGTH.unpack_from(view, len(MAGIC))
+    offset = len(MAGIC) + _LENGTH.size
+    try:
+        header = msgspec.msgpack.decode(view[offset : offset + length], type=ShardHeader)
+    except msgspec.DecodeError as error:
+        raise CorruptShard(f"{where}: unreadable header: {error}") from error
+    if (header.run, header.version, header.index) != (manifest.run, manifest.version, ref.index):
+        raise CorruptShard(
+            f"{where}: holds {header.run} version {header.version} shard {header.index}"
+        )
+    offset += length
+    pieces = []
+    for piece in header.pieces:
+        sections = []
+        for size in piece.sizes:
+            sections.append(view[offset : offset + size])
+            offset += size
+        pieces.append((piece, sections))
+    if offset != len(view):
+        raise CorruptShard(f"{where}: sections do not add up to the shard's size")
+    return pieces
+
+
+class _Apply:
+    """One version being applied: staged new tensors, XORs done in place and undoable."""
+
+    def __init__(self, state: WeightState, full: bool) -> None:
+        self.state = state
+        self.full = full
+        self.staged: dict[str, torch.Tensor] = {}
+        self.covered: dict[str, int] = {}
+        self.done: list[tuple[Piece, list[memoryview]]] = []
+        self.lock = threading.Lock()
+
+    def target(self, piece: Piece) -> np.ndarray:
+        dtype = torch_dtype(piece.dtype)
+        if piece.encoding == "raw":
+            with self.lock:
+                tensor = self.staged.get(piece.tensor)
+                if tensor is None:
+                    tensor = self.staged[piece.tensor] = torch.empty(piece.shape, dtype=dtype)
+                self.covered[piece.tensor] = self.covered.get(piece.tensor, 0) + piece.count
+        else:
+            tensor = self.state.tensors.get(piece.tensor)
+            if tensor is None or tensor.dtype != dtype or tuple(tensor.shape) != piece.shape:
+                raise CorruptShard(
+                    f"{piece.tensor}: delta piece for a tensor of another shape or dtype"
+                )
+        if tensor.dtype != dtype or tuple(tensor.shape) != piece.shape:
+            raise CorruptShard(f"{piece.tensor}: pieces disagree on shape or dtype")
+        bits = as_bits(tensor)
+        if piece.start < 0 or piece.start + piece.count > bits.size:
+            raise CorruptShard(f"{piece.tensor}: piece range beyond the tensor")
+        return bits[piece.start : piece.start + piece.count]
+
+    def apply(self, item: tuple[Piece, list[memoryview]]) -> None:
+        piece, sections = item
+        codec.apply(piece, sections, self.target(piece))
+        if piece.encoding != "raw":
+            with self.lock:
+                self.done.append(item)
+
+    def undo(self) -> None:
+        # XOR is its own inverse: applying the same pieces again restores the old bits.
+        for piece, sections in self.done:
+            codec.apply(piece, sections, self.target(piece))
+
+
+def apply_version(state: WeightState, manifest: WeightManifest, shards: list[bytes]) -> set[str]:
+    """Bring `state` to `manifest.version`, all or nothing; returns the tensors that changed."""
+    if manifest.kind == "delta" and (
+        state.version is None or manifest.base_version != state.version
+    ):
+        raise UnknownBase(
+            f"version {manifest.version} is a delta on {manifest.base_version}; "
+            f"this receiver holds {state.version}"
+        )
+    if len(shards) != len(manifest.shards):
+        raise CorruptShard(
+            f"version {manifest.version}: {len(shards)} shards, "
+            f"its manifest lists {len(manifest.shards)}"
+        )
+    items = [
+        item
+        for ref, data in zip(manifest.shards, shards, strict=True)
+        for item in parse_shard(manifest, ref, data)
+    ]
+    run = _Apply(state, full=manifest.kind == "full")
+    try:
+        with ThreadPoolExecutor(WORKERS) as pool:
+            list(pool.map(run.apply, items))
+        for name, tensor in run.staged.items():
+            if run.covered[name] != tensor.numel():
+                raise CorruptShard(
+                    f"{name}: pieces cover {run.covered[name]} of {tensor.numel()} elements"
+                )
+        changed = {piece.tensor for piece, _ in items}
+        if run.full:
+            candidate = dict(run.staged)
+        else:
+            kept = {n: t for n, t in state.tensors.items() if n not in manifest.removed}
+            candidate = kept | run.staged
+        unchanged = {n: d for n, d in state.digests.items() if n in candidate and n not in changed}
+        digests = tensor_digests(candidate, unchanged)
+        digest = state_digest(candidate, digests)
+        if digest != manifest.state_digest:
+            raise DigestMismatch(
+                f"version {manifest.version}: state digest {digest}, "
+                f"its manifest says {manifest.state_digest}"
+            )
+    except BaseException:
+        run.undo()
+        raise
+    state.commit(candidate, manifest.version, digests)
+    return changed | set(manifest.removed)
