@@ -38,6 +38,8 @@ class Managed:
     name: str
     process: subprocess.Popen[bytes]
     log: Path
+    argv: list[str]
+    env: dict[str, str] | None
 
 
 class Supervisor:
@@ -61,9 +63,21 @@ class Supervisor:
                 start_new_session=True,
                 preexec_fn=_die_with_parent if self.attached else None,
             )
-        managed = Managed(name, process, log)
+        managed = Managed(name, process, log, list(argv), env)
         self.processes.append(managed)
         return managed
+
+    def restart(self, name: str) -> Managed:
+        """Kill a process outright (no grace: a crash) and start it again as it was.
+
+        Attached children die with the thread that started them (PR_SET_PDEATHSIG is
+        per thread): call this from a thread that outlives them, never a worker thread.
+        """
+        old = next(m for m in self.processes if m.name == name)
+        os.killpg(old.process.pid, signal.SIGKILL)
+        old.process.wait(timeout=10)
+        self.processes.remove(old)
+        return self.start(name, old.argv, old.env)
 
     def check_alive(self) -> None:
         for managed in self.processes:

@@ -20,39 +20,61 @@ ESCAPE = 32
 _HEADER = struct.Struct("<QBQQQ")  # count, rice bits, escapes, quotient bits, remainder bytes
 
 
-def _cost(gaps: np.ndarray, r: int) -> int:
-    q = gaps >> r
-    escaped = int(np.count_nonzero(q >= ESCAPE))
-    unary = int(np.minimum(q, ESCAPE).sum()) + gaps.size
-    return unary + (gaps.size - escaped) * r + escaped * 64
-
-
 def _best_rice_bits(gaps: np.ndarray) -> int:
-    # The optimum for a geometric distribution is near log2(mean * ln 2); look around it.
+    """The Rice parameter that codes these gaps in the fewest bits.
+
+    For geometric gaps the optimum is near log2(mean * ln 2); one histogram of the gaps
+    shifted by the smallest candidate prices every candidate exactly, since
+    (g >> a) >> b == g >> (a + b).
+    """
     guess = int(np.log2(max(float(gaps.mean()) * np.log(2), 1.0)))
-    candidates = range(max(guess - 1, 0), min(guess + 3, 63))
-    return min(candidates, key=lambda r: _cost(gaps, r))
+    low = max(guess - 1, 0)
+    spread = 3
+    histogram = np.bincount(np.minimum(gaps >> low, ESCAPE << spread))
+    buckets = np.arange(histogram.size)
+
+    def cost(extra: int) -> int:
+        q = buckets >> extra
+        escaped = int(histogram[q >= ESCAPE].sum())
+        unary = int((np.minimum(q, ESCAPE) * histogram).sum()) + gaps.size
+        return unary + (gaps.size - escaped) * (low + extra) + escaped * 64
+
+    return low + min(range(spread), key=cost)
 
 
 def _pack_low_bits(values: np.ndarray, bits: int) -> bytes:
-    if bits == 0 or values.size == 0:
-        return b""
-    width = (bits + 7) // 8
-    as_bytes = values.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :width]
-    matrix = np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :bits]
-    return np.packbits(matrix, bitorder="little").tobytes()
+    """The low `bits` bits of each value, back to back: whole bytes as byte planes, the
+    last few bits eight values to a group of that many bytes."""
+    whole, rest = divmod(bits, 8)
+    as_bytes = values.astype("<u8").view(np.uint8).reshape(-1, 8)
+    planes = [np.ascontiguousarray(as_bytes[:, i]).tobytes() for i in range(whole)]
+    if rest:
+        tail = np.zeros(-(-values.size // 8) * 8, dtype="<u8")
+        tail[: values.size] = (values.astype("<u8") >> (8 * whole)) & ((1 << rest) - 1)
+        shifts = np.arange(8, dtype="<u8") * rest
+        groups = np.bitwise_or.reduce(tail.reshape(-1, 8) << shifts, axis=1)
+        planes.append(groups.view(np.uint8).reshape(-1, 8)[:, :rest].tobytes())
+    return b"".join(planes)
+
+
+def _low_bits_size(count: int, bits: int) -> int:
+    whole, rest = divmod(bits, 8)
+    return count * whole + -(-count // 8) * rest
 
 
 def _unpack_low_bits(data: memoryview, count: int, bits: int) -> np.ndarray:
-    if bits == 0 or count == 0:
-        return np.zeros(count, dtype=np.int64)
-    flat = np.unpackbits(np.frombuffer(data, np.uint8), count=count * bits, bitorder="little")
-    width = (bits + 7) // 8
-    matrix = np.zeros((count, 8 * width), dtype=np.uint8)
-    matrix[:, :bits] = flat.reshape(count, bits)
-    as_bytes = np.zeros((count, 8), dtype=np.uint8)
-    as_bytes[:, :width] = np.packbits(matrix, axis=1, bitorder="little")
-    return as_bytes.view("<u8").reshape(count).astype(np.int64)
+    whole, rest = divmod(bits, 8)
+    values = np.zeros(count, dtype="<u8")
+    for i in range(whole):
+        plane = np.frombuffer(data, np.uint8, count=count, offset=i * count)
+        values |= plane.astype("<u8") << np.uint64(8 * i)
+    if rest:
+        groups = np.zeros((-(-count // 8), 8), dtype=np.uint8)
+        groups[:, :rest] = np.frombuffer(data, np.uint8, offset=whole * count).reshape(-1, rest)
+        shifts = np.arange(8, dtype="<u8") * rest
+        tail = (groups.view("<u8") >> shifts) & np.uint64((1 << rest) - 1)
+        values |= tail.reshape(-1)[:count] << np.uint64(8 * whole)
+    return values.astype(np.int64)
 
 
 def encode(positions: np.ndarray) -> bytes:
@@ -82,7 +104,12 @@ def decode(data: memoryview, limit: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     unary_bytes = (unary_bits + 7) // 8
     expected = _HEADER.size + unary_bytes + remainder_bytes + 8 * n_escaped
-    if len(data) != expected or n_escaped > count or r > 62:
+    if (
+        len(data) != expected
+        or n_escaped > count
+        or r > 62
+        or remainder_bytes != _low_bits_size(count - n_escaped, r)
+    ):
         raise CorruptShard(f"position block is {len(data)} bytes, its header says {expected}")
     body = data[_HEADER.size :]
     unary = np.unpackbits(np.frombuffer(body[:unary_bytes], np.uint8), count=unary_bits)

@@ -1,0 +1,291 @@
+"""Weight versions over real NATS JetStream: hub stream, region mirror, receivers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from rlfleet.testbed.nats import HUB_DOMAIN, NatsBed, start_nats
+from rlfleet.testbed.processes import Supervisor
+from rlfleet.weightsync.config import SyncConfig
+from rlfleet.weightsync.publisher import Publisher
+from rlfleet.weightsync.receiver import Receiver
+from rlfleet.weightsync.shards import EncodedVersion, encode_version
+from rlfleet.weightsync.state import WeightState
+from rlfleet.weightsync.transport import WeightStream
+
+pytestmark = pytest.mark.nats
+
+REGION = "region-a"
+CONFIG = SyncConfig(snapshot_every=3, shard_bytes=64 << 10, chunk_bytes=16 << 10, keep_snapshots=1)
+PROBE = Path(__file__).parent / "probes" / "weights_receive.py"
+
+
+class Servers:
+    def __init__(self, root: Path) -> None:
+        self.supervisor = Supervisor(root / "logs", attached=True)
+        self.bed: NatsBed = start_nats([REGION], self.supervisor, root / "nats")
+
+    def restart_hub(self) -> None:
+        self.supervisor.restart("nats-hub")
+        port = int(self.bed.hub.url.rsplit(":", 1)[1])
+        self.supervisor.wait_until("nats hub again", lambda: _listening(port), 30, interval=0.1)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    servers = Servers(tmp_path_factory.mktemp("weightsync-nats"))
+    try:
+        yield servers
+    finally:
+        servers.supervisor.stop_all()
+
+
+def _listening(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+
+
+def _model(seed: int, size: int = 96) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        f"layers.{i}.w": (torch.randn(size, size, generator=gen) * 0.02).bfloat16()
+        for i in range(8)
+    } | {"norm": torch.ones(size, dtype=torch.bfloat16)}
+
+
+def _step(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        n: (t.float() + 3e-4 * torch.randn(t.shape, generator=gen).sign()).bfloat16()
+        for n, t in tensors.items()
+    }
+
+
+def _versions(count: int) -> list[dict[str, torch.Tensor]]:
+    versions = [_model(0)]
+    for v in range(1, count):
+        versions.append(_step(versions[-1], v))
+    return versions
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    return WeightState.copy_of(tensors, 0).digest()
+
+
+async def _connect(url: str) -> nats.NATS:
+    return await nats.connect(url, connect_timeout=5, reconnect_time_wait=0.2)
+
+
+def _run_name() -> str:
+    return f"r{uuid.uuid4().hex[:8]}"
+
+
+def _rejected(reason: str) -> float:
+    return REGISTRY.get_sample_value("rlfleet_weightsync_rejected_total", {"reason": reason}) or 0
+
+
+async def _publish_all(hub: nats.NATS, run: str, versions) -> Publisher:
+    stream = WeightStream(hub, run, CONFIG)
+    await stream.create()
+    publisher = Publisher(stream, CONFIG)
+    for version, tensors in enumerate(versions):
+        await publisher.publish(tensors, version)
+    return publisher
+
+
+def test_a_region_follows_versions_through_its_own_mirror(servers: Servers) -> None:
+    run, versions = _run_name(), _versions(5)
+
+    async def scenario() -> None:
+        hub = await _connect(servers.bed.hub.authenticated_url)
+        leaf = await _connect(servers.bed.leaves[REGION].authenticated_url)
+        try:
+            await WeightStream(hub, run, CONFIG).create()
+            regional = WeightStream(leaf, run, CONFIG, domain=REGION)
+            await regional.mirror(HUB_DOMAIN)
+            publisher = Publisher(WeightStream(hub, run, CONFIG), CONFIG)
+            seen: list[int] = []
+
+            async def record(manifest, changed) -> None:
+                seen.append(manifest.version)
+
+            receiver = Receiver(regional, on_version=record)
+            stop = asyncio.Event()
+            following = asyncio.create_task(receiver.follow(stop))
+            for version, tensors in enumerate(versions):
+                await publisher.publish(tensors, version)
+                await _until(lambda v=version: receiver.version == v, 30)
+                assert receiver.state.digest() == _digest(tensors)
+            stop.set()
+            await following
+            # Every version arrived as the cheapest thing: a snapshot first, then deltas.
+            assert seen == list(range(5))
+            info = await regional.js.stream_info(regional.subjects.stream)
+            assert info.mirror is not None and info.state.messages > 0
+        finally:
+            await hub.close()
+            await leaf.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_late_receiver_starts_from_the_snapshot_retention_kept(servers: Servers) -> None:
+    run, versions = _run_name(), _versions(8)
+
+    async def scenario() -> None:
+        hub = await _connect(servers.bed.hub.authenticated_url)
+        try:
+            await _publish_all(hub, run, versions)
+            receiver = Receiver(WeightStream(hub, run, CONFIG))
+            assert await receiver.sync() == 7
+            assert receiver.state.digest() == _digest(versions[-1])
+            # Snapshots at 0, 3 and 6; keeping one retires everything before 6.
+            assert min(version for version, _ in receiver.known) == 6
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_corrupted_shard_is_refetched_then_refused_and_the_snapshot_used(
+    servers: Servers,
+) -> None:
+    run, versions = _run_name(), _versions(4)
+
+    async def scenario() -> None:
+        hub = await _connect(servers.bed.hub.authenticated_url)
+        try:
+            stream = WeightStream(hub, run, CONFIG)
+            await stream.create()
+            receiver = Receiver(stream, fetch_timeout=5)
+            publisher = await _publish_all(hub, run, versions[:3])
+            assert await receiver.sync() == 2
+            # Version 3's delta goes out with a flipped byte in one shard (its manifest
+            # keeps the true checksum); version 3's snapshot is intact.
+            delta = encode_version(run, 3, versions[3], publisher._base, CONFIG)
+            broken = bytearray(delta.shards[-1])
+            broken[-3] ^= 0xFF
+            await stream.put_version(
+                EncodedVersion(delta.manifest, [*delta.shards[:-1], bytes(broken)])
+            )
+            await stream.put_version(encode_version(run, 3, versions[3], None, CONFIG))
+            corrupt_before = _rejected("corrupt_shard")
+            assert await receiver.sync() == 3
+            assert receiver.state.digest() == _digest(versions[3])
+            assert _rejected("corrupt_shard") - corrupt_before >= 3
+            # A message that is not a manifest, on a manifest subject, is counted and ignored.
+            foreign_before = _rejected("not_ours")
+            await hub.jetstream().publish(stream.subjects.manifest(9, "full"), b'{"hello": 1}')
+            assert await receiver.sync() == 3
+            assert _rejected("not_ours") == foreign_before + 1
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_delta_on_an_unknown_base_is_never_applied(servers: Servers) -> None:
+    run, versions = _run_name(), _versions(3)
+
+    async def scenario() -> None:
+        hub = await _connect(servers.bed.hub.authenticated_url)
+        try:
+            stream = WeightStream(hub, run, CONFIG)
+            await stream.create()
+            await stream.put_version(encode_version(run, 0, versions[0], None, CONFIG))
+            # Version 2 claims version 1 as its base, which was never published.
+            base = WeightState.copy_of(versions[1], 1)
+            await stream.put_version(encode_version(run, 2, versions[2], base, CONFIG))
+            receiver = Receiver(stream)
+            unknown_before = _rejected("unknown_base")
+            assert await receiver.sync() == 0
+            assert receiver.state.digest() == _digest(versions[0])
+            assert _rejected("unknown_base") == unknown_before + 1
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_receiver_survives_its_nats_server_restarting_mid_transfer(servers: Servers) -> None:
+    run, versions = _run_name(), [_model(0, size=512), _step(_model(0, size=512), 1)]
+
+    async def scenario() -> None:
+        hub = await _connect(servers.bed.hub.authenticated_url)
+        try:
+            await _publish_all(hub, run, versions)
+            receiver = Receiver(WeightStream(hub, run, CONFIG), fetch_timeout=3)
+            syncing = asyncio.create_task(receiver.sync())
+            await _until(lambda: _fetched() > 0, 30)
+            # From this thread: an attached child dies with the thread that started it.
+            servers.restart_hub()
+            assert await asyncio.wait_for(syncing, 120) in (0, 1)
+            # Whatever the interrupted sync reached, the next one finds the head.
+            assert await receiver.sync() == 1
+            assert receiver.state.digest() == _digest(versions[1])
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_receiver_killed_mid_transfer_restarts_onto_the_right_version(
+    servers: Servers, tmp_path: Path
+) -> None:
+    run, versions = _run_name(), [_model(0, size=512), _step(_model(0, size=512), 1)]
+
+    async def publish() -> None:
+        hub = await _connect(servers.bed.hub.authenticated_url)
+        try:
+            await _publish_all(hub, run, versions)
+        finally:
+            await hub.close()
+
+    asyncio.run(publish())
+    url = servers.bed.leaves[REGION].authenticated_url
+    argv = [
+        sys.executable,
+        str(PROBE),
+        url,
+        HUB_DOMAIN,
+        run,
+        json.dumps(dataclasses.asdict(CONFIG)),
+    ]
+    first = subprocess.Popen(
+        [*argv, str(tmp_path / "first.json")], stdout=subprocess.PIPE, text=True
+    )
+    assert first.stdout is not None
+    assert first.stdout.readline().startswith("fetching")
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(timeout=10)
+    subprocess.run([*argv, str(tmp_path / "second.json")], check=True, timeout=300)
+    result = json.loads((tmp_path / "second.json").read_text())
+    assert result == {"version": 1, "digest": _digest(versions[1])}
+
+
+def _fetched() -> float:
+    return REGISTRY.get_sample_value("rlfleet_weightsync_fetched_bytes_total") or 0
+
+
+async def _until(check, within: float) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.05)

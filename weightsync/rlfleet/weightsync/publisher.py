@@ -1,0 +1,76 @@
+"""The trainer's side: turn each new policy into a published version.
+
+Every version goes out as a delta on the one before it; every `snapshot_every`-th also
+as a full snapshot, for receivers that join late, fell behind retention or failed to
+verify. Shards go up before their manifest, so a manifest on the stream always means a
+complete version. After a snapshot, versions older than the `keep_snapshots`-th newest
+snapshot are purged: every receiver can still reach the head from what remains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from rlfleet.api.wire import WeightManifest
+from rlfleet.weightsync.config import SyncConfig
+from rlfleet.weightsync.shards import EncodedVersion, encode_version
+from rlfleet.weightsync.state import WeightState
+from rlfleet.weightsync.transport import WeightStream
+
+log = logging.getLogger(__name__)
+
+
+class Publisher:
+    def __init__(self, stream: WeightStream, config: SyncConfig) -> None:
+        self.stream = stream
+        self.config = config
+        self._base: WeightState | None = None
+        self._snapshots: list[int] = []
+
+    async def publish(
+        self, tensors: Mapping[str, torch.Tensor], version: int
+    ) -> list[WeightManifest]:
+        """Publish `tensors` as `version`; returns the manifests put on the stream."""
+        if self._base is not None and version <= (self._base.version or 0):
+            raise ValueError(f"version {version} is not after {self._base.version}")
+        snapshot = self._base is None or version % self.config.snapshot_every == 0
+        base = self._base
+        encoded: list[EncodedVersion] = []
+        if base is not None:
+            encoded.append(
+                await asyncio.to_thread(
+                    encode_version, self.stream.run, version, tensors, base, self.config
+                )
+            )
+        if snapshot:
+            encoded.append(
+                await asyncio.to_thread(
+                    encode_version, self.stream.run, version, tensors, None, self.config
+                )
+            )
+        for version_data in encoded:
+            await self.stream.put_version(version_data)
+        self._base = await asyncio.to_thread(WeightState.copy_of, tensors, version)
+        if snapshot:
+            await self._retire(version)
+        for version_data in encoded:
+            m = version_data.manifest
+            log.info(
+                "published version %d (%s): %d shards, %d bytes for %d model bytes",
+                m.version,
+                m.kind,
+                len(m.shards),
+                sum(s.size for s in m.shards),
+                m.state_bytes,
+            )
+        return [version_data.manifest for version_data in encoded]
+
+    async def _retire(self, snapshot: int) -> None:
+        self._snapshots.append(snapshot)
+        if len(self._snapshots) > self.config.keep_snapshots:
+            self._snapshots = self._snapshots[-self.config.keep_snapshots :]
+            await self.stream.retire_before(self._snapshots[0])

@@ -1,0 +1,231 @@
+"""The rollout side: follow a run's versions and hold the newest one, verified.
+
+The receiver reads manifests as they appear, plans the cheapest way from what it holds
+to the newest version (deltas forward, or the newest usable snapshot), fetches each
+version's shards in parallel, re-fetching a bad shard alone, and applies the version
+all or nothing. A version that fails verification is set aside and the receiver
+rebuilds from a snapshot instead. It never holds anything but a verified version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import nats.errors
+from nats.js.api import DeliverPolicy
+
+from rlfleet.api.wire import WeightManifest, decode_manifest
+from rlfleet.weightsync import metrics
+from rlfleet.weightsync.errors import CorruptShard, NotOurs, UnknownBase, WeightsyncError
+from rlfleet.weightsync.plan import Key, plan
+from rlfleet.weightsync.shards import apply_version, checksum
+from rlfleet.weightsync.state import WeightState
+from rlfleet.weightsync.transport import WeightStream
+
+log = logging.getLogger(__name__)
+
+# Called after each applied version with its manifest and the tensors it changed.
+OnVersion = Callable[[WeightManifest, set[str]], Awaitable[None]]
+
+FETCH_ATTEMPTS = 3
+
+
+class Receiver:
+    def __init__(
+        self,
+        stream: WeightStream,
+        state: WeightState | None = None,
+        on_version: OnVersion | None = None,
+        fetch_timeout: float = 30.0,
+    ) -> None:
+        self.stream = stream
+        self.state = state or WeightState()
+        self.on_version = on_version
+        self.fetch_timeout = fetch_timeout
+        self.known: dict[Key, WeightManifest] = {}
+        self._refused: set[Key] = set()
+        self._unreachable: set[int] = set()
+
+    @property
+    def version(self) -> int | None:
+        return self.state.version
+
+    def _take(self, data: bytes, subject: str) -> None:
+        try:
+            manifest = decode_manifest(data)
+            if (
+                manifest.run != self.stream.run
+                or self.stream.subjects.version_of(subject) != manifest.version
+            ):
+                raise NotOurs(
+                    f"{subject}: manifest of run {manifest.run} version {manifest.version}"
+                )
+        except (msgspec.DecodeError, ValueError, WeightsyncError) as error:
+            metrics.REJECTED.labels(NotOurs.reason).inc()
+            log.warning(
+                "ignored a message on %s that is not a manifest of ours: %s", subject, error
+            )
+            return
+        self.known[(manifest.version, manifest.kind)] = manifest
+
+    async def sync(self) -> int | None:
+        """Read every manifest on the stream now, then move to the newest version."""
+        await _patiently(self._read_manifests, "reading manifests")
+        await self.advance()
+        return self.version
+
+    async def follow(self, stop: asyncio.Event) -> None:
+        """Apply new versions as their manifests appear, until `stop` is set."""
+        while not stop.is_set():
+            await _patiently(lambda: self._follow_until(stop), "following manifests")
+
+    async def _subscribe(self):
+        return await self.stream.js.subscribe(
+            self.stream.subjects.manifests,
+            stream=self.stream.subjects.stream,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL,
+        )
+
+    async def _read_manifests(self) -> None:
+        sub = await self._subscribe()
+        try:
+            info = await sub.consumer_info()
+            # Messages already pushed to this client count as delivered, not pending.
+            pending = info.num_pending + info.delivered.consumer_seq
+            while pending:
+                msg = await sub.next_msg(timeout=self.fetch_timeout)
+                self._take(msg.data, msg.subject)
+                pending = msg.metadata.num_pending
+        finally:
+            await sub.unsubscribe()
+
+    async def _follow_until(self, stop: asyncio.Event) -> None:
+        sub = await self._subscribe()
+        try:
+            while not stop.is_set():
+                try:
+                    msg = await sub.next_msg(timeout=1.0)
+                except TimeoutError:
+                    continue
+                self._take(msg.data, msg.subject)
+                if msg.metadata.num_pending == 0:
+                    await self.advance()
+        finally:
+            await sub.unsubscribe()
+
+    async def advance(self) -> None:
+        """Move to the newest known version reachable from here, or stay put."""
+        while True:
+            usable = {key: m for key, m in self.known.items() if key not in self._refused}
+            steps = self._best_plan(usable)
+            if not steps or await self._walk(steps):
+                return
+
+    def _best_plan(self, usable: dict[Key, WeightManifest]) -> list[Key] | None:
+        for target in sorted({version for version, _ in usable}, reverse=True):
+            if target == self.version:
+                return []
+            steps = plan(usable, self.version, target)
+            if steps is not None:
+                return steps
+            if target not in self._unreachable:
+                # A delta whose base nobody has: counted once, never applied.
+                self._unreachable.add(target)
+                metrics.REJECTED.labels(UnknownBase.reason).inc()
+                log.warning(
+                    "version %d cannot be reached from %s: unknown base", target, self.version
+                )
+        return None
+
+    async def _walk(self, steps: list[Key]) -> bool:
+        """Apply the steps in order; False if one was refused and a new plan is needed."""
+        for key in steps:
+            manifest = self.known[key]
+            try:
+                shards = await self._fetch(manifest)
+                changed = await asyncio.to_thread(apply_version, self.state, manifest, shards)
+            except TRANSIENT as error:
+                log.warning("version %d (%s) stalled: %s; will retry", key[0], key[1], error)
+                return True
+            except WeightsyncError as error:
+                metrics.REJECTED.labels(error.reason).inc()
+                log.error("refused version %d (%s): %s; planning around it", key[0], key[1], error)
+                self._refused.add(key)
+                return False
+            metrics.APPLIED.labels(manifest.kind).inc()
+            metrics.VERSION.set(manifest.version)
+            log.info(
+                "holding version %d (%s, %d tensors changed)",
+                manifest.version,
+                manifest.kind,
+                len(changed),
+            )
+            if self.on_version is not None:
+                await self.on_version(manifest, changed)
+        return True
+
+    async def _fetch(self, manifest: WeightManifest) -> list[bytes]:
+        """Every shard of the version; a bad shard is fetched again alone.
+
+        Raises CorruptShard when a shard stays bad, TimeoutError when the stream stays
+        unreachable (transient: the version is not refused for it).
+        """
+        window = asyncio.Semaphore(self.stream.config.parallel_fetches)
+
+        async def one(index: int) -> bytes:
+            ref = manifest.shards[index]
+            where = f"version {manifest.version} shard {index}"
+            last_problem = ""
+            for attempt in range(1, FETCH_ATTEMPTS + 1):
+                async with window:
+                    try:
+                        async with asyncio.timeout(self.fetch_timeout):
+                            data = await self.stream.fetch_shard(manifest, ref)
+                    except TimeoutError:
+                        log.warning(
+                            "%s, attempt %d: no answer in %.0fs", where, attempt, self.fetch_timeout
+                        )
+                        continue
+                    except CorruptShard as error:
+                        data, problem = b"", str(error)
+                    else:
+                        problem = (
+                            "" if checksum(data) == ref.checksum else f"{where}: checksum mismatch"
+                        )
+                if not problem:
+                    metrics.FETCHED_BYTES.inc(len(data))
+                    return data
+                metrics.REJECTED.labels(CorruptShard.reason).inc()
+                log.warning("attempt %d: %s", attempt, problem)
+                last_problem = problem
+            if last_problem:
+                raise CorruptShard(
+                    f"{where}: still bad after {FETCH_ATTEMPTS} fetches: {last_problem}"
+                )
+            raise TimeoutError(f"{where}: no answer after {FETCH_ATTEMPTS} tries")
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(manifest.shards)))))
+
+
+TRANSIENT = (TimeoutError, nats.errors.Error)
+
+
+async def _patiently(
+    step: Callable[[], Awaitable[None]], what: str, give_up_s: float = 120
+) -> None:
+    """Run `step`, again after transient NATS trouble (a server restarting), with backoff."""
+    deadline = asyncio.get_running_loop().time() + give_up_s
+    delay = 0.2
+    while True:
+        try:
+            return await step()
+        except TRANSIENT as error:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            log.warning("%s: %r; retrying in %.1fs", what, error, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
