@@ -60,9 +60,9 @@ def test_delta_round_trip_is_bit_exact(pair, dense_from):
     target = old.copy()
     codec.apply(piece, [memoryview(s) for s in sections], target)
     assert np.array_equal(target, new)
-    # Applying a delta twice restores the base: how a failed version is rolled back.
+    # Undoing a delta restores the base: how a failed version is rolled back.
     if encoding != "raw":
-        codec.apply(piece, [memoryview(s) for s in sections], target)
+        codec.apply(piece, [memoryview(s) for s in sections], target, undo=True)
         assert np.array_equal(target, old)
 
 

@@ -98,7 +98,8 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
                 + [{"user": f"leaf-{r}", "password": p} for r, p in leaf_logins.items()],
             }
         },
-        "leafnodes": {"listen": f"127.0.0.1:{leaf_port}"},
+        # Weight deltas are zstd already: S2 on the leaf link would only burn CPU.
+        "leafnodes": {"listen": f"127.0.0.1:{leaf_port}", "compression": "off"},
         "http": f"127.0.0.1:{monitor_port}",
     }
     write_secret(state / "hub.conf", _conf(hub_conf))
@@ -126,6 +127,7 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
                     {
                         "urls": [f"nats://leaf-{region}:{login}@127.0.0.1:{leaf_port}"],
                         "account": ACCOUNT,
+                        "compression": "off",
                     }
                 ]
             },

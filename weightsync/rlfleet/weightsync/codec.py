@@ -3,16 +3,21 @@
 A piece is encoded against the receiver's copy of the same range in one of three ways,
 whichever is smallest:
 
-- ``sparse``: the changed positions (Rice-coded gaps) and the XOR of old and new bits
-  there, as byte planes under zstd. What an RL step usually needs.
-- ``dense``: the XOR of the whole range as byte planes under zstd, for ranges where much
-  changed.
+- ``sparse``: the changed positions (Rice-coded gaps) and each changed element's step,
+  as byte planes under zstd. What an RL step usually needs.
+- ``dense``: the step of every element as byte planes under zstd, for ranges where
+  much changed.
 - ``raw``: the new bits as byte planes under zstd, for snapshots and for tensors that are
   new or changed shape or dtype.
 
-XOR on bit patterns is overwrite semantics: decoding reproduces the new bits exactly,
-whatever they are, and applying it twice restores the old bits, which is how a receiver
-rolls back a version that fails verification.
+A step is the difference of the new and old bit patterns as unsigned integers, wrapping
+around, then zigzag-mapped so that small moves either way are small numbers. It is not a
+float delta: integer arithmetic on bit patterns is exact, so decoding reproduces the new
+bits whatever they are (NaN payloads, -0.0, infinities, denormals), and nothing drifts.
+It beats XOR because an RL step moves most changed weights by one unit in the last
+place: a step of +1 or -1 (about one bit each), where the XOR of those same patterns is
+a run of ones of varying length (about three). Subtracting the steps again restores the
+old bits, which is how a receiver rolls back a version that fails verification.
 """
 
 from __future__ import annotations
@@ -70,6 +75,17 @@ def encode_raw(new: np.ndarray, level: int) -> tuple[Encoding, list[bytes]]:
     return "raw", [_compress(to_planes(new), level)]
 
 
+def _steps(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    difference = new - old  # unsigned: wraps around, exactly
+    top = difference.dtype.itemsize * 8 - 1
+    negative = np.negative(difference >> top)  # all ones where the difference is negative
+    return (difference << 1) ^ negative
+
+
+def _differences(steps: np.ndarray) -> np.ndarray:
+    return (steps >> 1) ^ np.negative(steps & 1)
+
+
 def encode_delta(
     new: np.ndarray, old: np.ndarray, level: int, dense_from_fraction: float
 ) -> tuple[Encoding, list[bytes]] | None:
@@ -82,15 +98,18 @@ def encode_delta(
     fraction = count / new.size
     if fraction < 0.5:
         where = np.flatnonzero(changed)
-        flips = np.bitwise_xor(new[where], old[where])
-        options.append(("sparse", [positions.encode(where), _compress(to_planes(flips), level)]))
+        steps = _steps(new[where], old[where])
+        options.append(("sparse", [positions.encode(where), _compress(to_planes(steps), level)]))
     if fraction >= min(dense_from_fraction, 0.5):
-        options.append(("dense", [_compress(to_planes(np.bitwise_xor(new, old)), level)]))
+        options.append(("dense", [_compress(to_planes(_steps(new, old)), level)]))
     return min(options, key=lambda option: sum(map(len, option[1])))
 
 
-def apply(piece: Piece, sections: list[memoryview], target: np.ndarray) -> None:
-    """Write the piece into `target`, the bit patterns of its element range."""
+def apply(piece: Piece, sections: list[memoryview], target: np.ndarray, undo: bool = False) -> None:
+    """Write the piece into `target`, the bit patterns of its element range.
+
+    With `undo`, take a delta piece back out: the bits return to what they were before.
+    """
     if target.size != piece.count:
         raise CorruptShard(f"{piece.tensor}: piece of {piece.count} elements for {target.size}")
     expected_sections = 2 if piece.encoding == "sparse" else 1
@@ -98,14 +117,21 @@ def apply(piece: Piece, sections: list[memoryview], target: np.ndarray) -> None:
         raise CorruptShard(f"{piece.tensor}: {piece.encoding} piece with {len(sections)} sections")
     width = target.dtype.itemsize
     if piece.encoding == "raw":
-        target[:] = from_planes(
-            _decompress(sections[0], piece.count * width), target.dtype, target.size
-        )
-    elif piece.encoding == "dense":
-        target ^= from_planes(
-            _decompress(sections[0], piece.count * width), target.dtype, target.size
-        )
+        if undo:
+            raise ValueError("raw pieces are staged, never undone in place")
+        raw = _decompress(sections[0], piece.count * width)
+        target[:] = from_planes(raw, target.dtype, target.size)
+        return
+    if piece.encoding == "dense":
+        where: np.ndarray | slice = slice(None)
+        count = piece.count
+        data = sections[0]
     else:
         where = positions.decode(sections[0], piece.count)
-        flips = from_planes(_decompress(sections[1], where.size * width), target.dtype, where.size)
-        target[where] ^= flips
+        count = where.size
+        data = sections[1]
+    differences = _differences(from_planes(_decompress(data, count * width), target.dtype, count))
+    if undo:
+        target[where] -= differences
+    else:
+        target[where] += differences

@@ -17,7 +17,7 @@ from rlfleet.weightsync.errors import CorruptShard
 
 # Quotients at or above this escape; an escaped gap costs ESCAPE + 1 + 64 bits.
 ESCAPE = 32
-_HEADER = struct.Struct("<QBQQQ")  # count, rice bits, escapes, quotient bits, remainder bytes
+_HEADER = struct.Struct("<IBIQI")  # count, rice bits, escapes, quotient bits, remainder bytes
 
 
 def _best_rice_bits(gaps: np.ndarray) -> int:

@@ -146,7 +146,7 @@ class Receiver:
         for key in steps:
             manifest = self.known[key]
             try:
-                shards = await self._fetch(manifest)
+                shards = await self.fetch(manifest)
                 changed = await asyncio.to_thread(apply_version, self.state, manifest, shards)
             except TRANSIENT as error:
                 log.warning("version %d (%s) stalled: %s; will retry", key[0], key[1], error)
@@ -168,7 +168,7 @@ class Receiver:
                 await self.on_version(manifest, changed)
         return True
 
-    async def _fetch(self, manifest: WeightManifest) -> list[bytes]:
+    async def fetch(self, manifest: WeightManifest) -> list[bytes]:
         """Every shard of the version; a bad shard is fetched again alone.
 
         Raises CorruptShard when a shard stays bad, TimeoutError when the stream stays

@@ -1,6 +1,7 @@
 """Versions as bounded shards: encode one against its base, verify and apply one.
 
-A shard is ``MAGIC | u32 header length | msgpack header | sections``. Its header names
+A shard is ``MAGIC | u32 header length | header | sections``, the header being zstd over
+msgpack (tensor names repeat a lot). Its header names
 the run, version and index it belongs to and every piece in it, so a shard delivered
 in the wrong place is caught even before its checksum is compared.
 """
@@ -18,6 +19,7 @@ import msgspec
 import numpy as np
 import torch
 import xxhash
+import zstandard
 
 from rlfleet.api.wire import ShardRef, WeightManifest
 from rlfleet.weightsync import codec
@@ -29,6 +31,7 @@ from rlfleet.weightsync.state import WORKERS, WeightState, state_digest, tensor_
 
 MAGIC = b"RLWS\x01"
 _LENGTH = struct.Struct("<I")
+MAX_HEADER_BYTES = 64 << 20
 
 
 class ShardHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
@@ -92,8 +95,9 @@ def _pack(
         size += item_size
     shards, refs = [], []
     for index, group in enumerate(g for g in groups if g):
-        header = msgspec.msgpack.encode(
-            ShardHeader(run, version, index, [piece for piece, _ in group])
+        pieces = [piece for piece, _ in group]
+        header = zstandard.compress(
+            msgspec.msgpack.encode(ShardHeader(run, version, index, pieces))
         )
         data = b"".join(
             [
@@ -169,8 +173,11 @@ def parse_shard(
     (length,) = _LENGTH.unpack_from(view, len(MAGIC))
     offset = len(MAGIC) + _LENGTH.size
     try:
-        header = msgspec.msgpack.decode(view[offset : offset + length], type=ShardHeader)
-    except msgspec.DecodeError as error:
+        packed = zstandard.ZstdDecompressor().decompress(
+            view[offset : offset + length], max_output_size=MAX_HEADER_BYTES
+        )
+        header = msgspec.msgpack.decode(packed, type=ShardHeader)
+    except (msgspec.DecodeError, zstandard.ZstdError) as error:
         raise CorruptShard(f"{where}: unreadable header: {error}") from error
     if (header.run, header.version, header.index) != (manifest.run, manifest.version, ref.index):
         raise CorruptShard(
@@ -190,7 +197,7 @@ def parse_shard(
 
 
 class _Apply:
-    """One version being applied: staged new tensors, XORs done in place and undoable."""
+    """One version being applied: new tensors staged, deltas applied in place and undoable."""
 
     def __init__(self, state: WeightState, full: bool) -> None:
         self.state = state
@@ -229,9 +236,8 @@ class _Apply:
                 self.done.append(item)
 
     def undo(self) -> None:
-        # XOR is its own inverse: applying the same pieces again restores the old bits.
         for piece, sections in self.done:
-            codec.apply(piece, sections, self.target(piece))
+            codec.apply(piece, sections, self.target(piece), undo=True)
 
 
 def apply_version(state: WeightState, manifest: WeightManifest, shards: list[bytes]) -> set[str]:
