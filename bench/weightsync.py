@@ -220,14 +220,15 @@ def transfer(nbytes: int) -> dict:
     """A full version of incompressible bits published at the hub, fetched at a leaf."""
     import nats
 
-    from rlfleet.testbed.nats import HUB_DOMAIN, start_nats
-    from rlfleet.testbed.processes import Supervisor
+    from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
     from rlfleet.weightsync.receiver import Receiver
     from rlfleet.weightsync.transport import WeightStream
 
     generator = torch.Generator().manual_seed(4)
     tensors = {
-        f"t{i}": torch.randint(-(2**15), 2**15, (nbytes // 2 // 16,), dtype=torch.int16, generator=generator)
+        f"t{i}": torch.randint(
+            -(2**15), 2**15, (nbytes // 2 // 16,), dtype=torch.int16, generator=generator
+        )
         for i in range(16)
     }
 
@@ -259,13 +260,14 @@ def transfer(nbytes: int) -> dict:
             await leaf.close()
 
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-ws-") as root:
-        supervisor = Supervisor(Path(root) / "logs", attached=True)
+        servers = StandaloneNats(Path(root))
         try:
-            bed = start_nats(["region-a"], supervisor, Path(root) / "nats")
-            urls = (bed.hub.authenticated_url, bed.leaves["region-a"].authenticated_url)
-            return asyncio.run(scenario(urls))
+            leaf = servers.bed.leaves[servers.region]
+            return asyncio.run(
+                scenario((servers.bed.hub.authenticated_url, leaf.authenticated_url))
+            )
         finally:
-            supervisor.stop_all()
+            servers.stop()
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""Session fixtures: one real four-cluster bed with NATS, shared by every test that needs it."""
+"""Session fixtures: one real four-cluster bed with NATS, shared by every test that needs it,
+and a NATS hub with one leaf node alone, for tests that restart servers."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from rlfleet.api.schema import KINDS
 from rlfleet.testbed.bed import Bed, BedInfo
 from rlfleet.testbed.binaries import binary
+from rlfleet.testbed.nats import StandaloneNats
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTERS = ("hub", "region-a", "region-b", "region-c")
@@ -25,6 +27,15 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BedInfo]:
         yield info
     finally:
         testbed.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandaloneNats]:
+    servers = StandaloneNats(tmp_path_factory.mktemp("nats-servers"))
+    try:
+        yield servers
+    finally:
+        servers.stop()
 
 
 class Kubectl:

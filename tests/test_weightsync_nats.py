@@ -7,12 +7,10 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import nats
@@ -20,8 +18,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from rlfleet.testbed.nats import HUB_DOMAIN, NatsBed, start_nats
-from rlfleet.testbed.processes import Supervisor
+from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.publisher import Publisher
 from rlfleet.weightsync.receiver import Receiver
@@ -31,34 +28,9 @@ from rlfleet.weightsync.transport import WeightStream
 
 pytestmark = pytest.mark.nats
 
-REGION = "region-a"
+REGION = StandaloneNats.region
 CONFIG = SyncConfig(snapshot_every=3, shard_bytes=64 << 10, chunk_bytes=16 << 10, keep_snapshots=1)
 PROBE = Path(__file__).parent / "probes" / "weights_receive.py"
-
-
-class Servers:
-    def __init__(self, root: Path) -> None:
-        self.supervisor = Supervisor(root / "logs", attached=True)
-        self.bed: NatsBed = start_nats([REGION], self.supervisor, root / "nats")
-
-    def restart_hub(self) -> None:
-        self.supervisor.restart("nats-hub")
-        port = int(self.bed.hub.url.rsplit(":", 1)[1])
-        self.supervisor.wait_until("nats hub again", lambda: _listening(port), 30, interval=0.1)
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    servers = Servers(tmp_path_factory.mktemp("weightsync-nats"))
-    try:
-        yield servers
-    finally:
-        servers.supervisor.stop_all()
-
-
-def _listening(port: int) -> bool:
-    with socket.create_connection(("127.0.0.1", port), timeout=1):
-        return True
 
 
 def _model(seed: int, size: int = 96) -> dict[str, torch.Tensor]:
@@ -109,12 +81,12 @@ async def _publish_all(hub: nats.NATS, run: str, versions) -> Publisher:
     return publisher
 
 
-def test_a_region_follows_versions_through_its_own_mirror(servers: Servers) -> None:
+def test_a_region_follows_versions_through_its_own_mirror(nats_servers: StandaloneNats) -> None:
     run, versions = _run_name(), _versions(5)
 
     async def scenario() -> None:
-        hub = await _connect(servers.bed.hub.authenticated_url)
-        leaf = await _connect(servers.bed.leaves[REGION].authenticated_url)
+        hub = await _connect(nats_servers.bed.hub.authenticated_url)
+        leaf = await _connect(nats_servers.bed.leaves[REGION].authenticated_url)
         try:
             await WeightStream(hub, run, CONFIG).create()
             regional = WeightStream(leaf, run, CONFIG, domain=REGION)
@@ -145,11 +117,13 @@ def test_a_region_follows_versions_through_its_own_mirror(servers: Servers) -> N
     asyncio.run(scenario())
 
 
-def test_a_late_receiver_starts_from_the_snapshot_retention_kept(servers: Servers) -> None:
+def test_a_late_receiver_starts_from_the_snapshot_retention_kept(
+    nats_servers: StandaloneNats,
+) -> None:
     run, versions = _run_name(), _versions(8)
 
     async def scenario() -> None:
-        hub = await _connect(servers.bed.hub.authenticated_url)
+        hub = await _connect(nats_servers.bed.hub.authenticated_url)
         try:
             await _publish_all(hub, run, versions)
             receiver = Receiver(WeightStream(hub, run, CONFIG))
@@ -164,12 +138,12 @@ def test_a_late_receiver_starts_from_the_snapshot_retention_kept(servers: Server
 
 
 def test_a_corrupted_shard_is_refetched_then_refused_and_the_snapshot_used(
-    servers: Servers,
+    nats_servers: StandaloneNats,
 ) -> None:
     run, versions = _run_name(), _versions(4)
 
     async def scenario() -> None:
-        hub = await _connect(servers.bed.hub.authenticated_url)
+        hub = await _connect(nats_servers.bed.hub.authenticated_url)
         try:
             stream = WeightStream(hub, run, CONFIG)
             await stream.create()
@@ -200,11 +174,11 @@ def test_a_corrupted_shard_is_refetched_then_refused_and_the_snapshot_used(
     asyncio.run(scenario())
 
 
-def test_a_delta_on_an_unknown_base_is_never_applied(servers: Servers) -> None:
+def test_a_delta_on_an_unknown_base_is_never_applied(nats_servers: StandaloneNats) -> None:
     run, versions = _run_name(), _versions(3)
 
     async def scenario() -> None:
-        hub = await _connect(servers.bed.hub.authenticated_url)
+        hub = await _connect(nats_servers.bed.hub.authenticated_url)
         try:
             stream = WeightStream(hub, run, CONFIG)
             await stream.create()
@@ -223,18 +197,20 @@ def test_a_delta_on_an_unknown_base_is_never_applied(servers: Servers) -> None:
     asyncio.run(scenario())
 
 
-def test_a_receiver_survives_its_nats_server_restarting_mid_transfer(servers: Servers) -> None:
+def test_a_receiver_survives_its_nats_server_restarting_mid_transfer(
+    nats_servers: StandaloneNats,
+) -> None:
     run, versions = _run_name(), [_model(0, size=512), _step(_model(0, size=512), 1)]
 
     async def scenario() -> None:
-        hub = await _connect(servers.bed.hub.authenticated_url)
+        hub = await _connect(nats_servers.bed.hub.authenticated_url)
         try:
             await _publish_all(hub, run, versions)
             receiver = Receiver(WeightStream(hub, run, CONFIG), fetch_timeout=3)
             syncing = asyncio.create_task(receiver.sync())
             await _until(lambda: _fetched() > 0, 30)
             # From this thread: an attached child dies with the thread that started it.
-            servers.restart_hub()
+            nats_servers.restart_hub()
             assert await asyncio.wait_for(syncing, 120) in (0, 1)
             # Whatever the interrupted sync reached, the next one finds the head.
             assert await receiver.sync() == 1
@@ -246,19 +222,19 @@ def test_a_receiver_survives_its_nats_server_restarting_mid_transfer(servers: Se
 
 
 def test_a_receiver_killed_mid_transfer_restarts_onto_the_right_version(
-    servers: Servers, tmp_path: Path
+    nats_servers: StandaloneNats, tmp_path: Path
 ) -> None:
     run, versions = _run_name(), [_model(0, size=512), _step(_model(0, size=512), 1)]
 
     async def publish() -> None:
-        hub = await _connect(servers.bed.hub.authenticated_url)
+        hub = await _connect(nats_servers.bed.hub.authenticated_url)
         try:
             await _publish_all(hub, run, versions)
         finally:
             await hub.close()
 
     asyncio.run(publish())
-    url = servers.bed.leaves[REGION].authenticated_url
+    url = nats_servers.bed.leaves[REGION].authenticated_url
     argv = [
         sys.executable,
         str(PROBE),

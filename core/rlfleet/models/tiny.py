@@ -8,13 +8,16 @@ without unknown tokens. head_dim is 32 because vLLM's CPU attention rejects 16.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    AutoTokenizer,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen3Config,
@@ -105,3 +108,25 @@ def init_model(
     tokenizer.save_pretrained(directory)
     (directory / "rlfleet-model.json").write_text(json.dumps({"kind": kind, "seed": seed}) + "\n")
     return directory
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, under the names it stores them by."""
+    return load_file(directory / "model.safetensors")
+
+
+def train_step(directory: Path, out: Path, *, lr: float, seed: int = 0) -> Path:
+    """A plausible next policy: one AdamW step (fp32 master weights) on random tokens.
+
+    Saved as a complete checkpoint in `out`, in the checkpoint's dtype.
+    """
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    dtype = read_weights(directory)["model.embed_tokens.weight"].dtype
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.config.vocab_size, (4, 32), generator=generator)
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    torch.optim.AdamW(model.parameters(), lr=lr).step()
+    model.to(dtype).save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(directory).save_pretrained(out)
+    shutil.copy(directory / "rlfleet-model.json", out / "rlfleet-model.json")
+    return out

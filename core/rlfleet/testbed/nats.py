@@ -145,3 +145,27 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
         interval=0.1,
     )
     return NatsBed(hub_user, leaves)
+
+
+class StandaloneNats:
+    """A hub and one region's leaf node on their own, for tests and benchmarks that need
+    NATS without clusters, or restart a server under their clients."""
+
+    region = "region-a"
+
+    def __init__(self, root: Path, *, attached: bool = True) -> None:
+        self.supervisor = Supervisor(root / "logs", attached=attached)
+        self.bed = start_nats([self.region], self.supervisor, root / "nats")
+
+    def restart_hub(self) -> None:
+        """Kill the hub outright and start it again on the same port and store.
+
+        Call it from a thread that outlives the hub: attached children die with the
+        thread that started them.
+        """
+        self.supervisor.restart("nats-hub")
+        port = int(self.bed.hub.url.rsplit(":", 1)[1])
+        self.supervisor.wait_until("nats hub again", lambda: _listening(port), 30, interval=0.1)
+
+    def stop(self) -> None:
+        self.supervisor.stop_all()

@@ -90,14 +90,12 @@ def encode_delta(
     new: np.ndarray, old: np.ndarray, level: int, dense_from_fraction: float
 ) -> tuple[Encoding, list[bytes]] | None:
     """The smallest encoding of `new` against `old`, or None when nothing changed."""
-    changed = np.not_equal(new, old)
-    count = int(np.count_nonzero(changed))
-    if count == 0:
+    where = np.flatnonzero(np.not_equal(new, old))
+    if where.size == 0:
         return None
     options: list[tuple[Encoding, list[bytes]]] = []
-    fraction = count / new.size
+    fraction = where.size / new.size
     if fraction < 0.5:
-        where = np.flatnonzero(changed)
         steps = _steps(new[where], old[where])
         options.append(("sparse", [positions.encode(where), _compress(to_planes(steps), level)]))
     if fraction >= min(dense_from_fraction, 0.5):

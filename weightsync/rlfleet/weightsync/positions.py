@@ -50,9 +50,11 @@ def _pack_low_bits(values: np.ndarray, bits: int) -> bytes:
     planes = [np.ascontiguousarray(as_bytes[:, i]).tobytes() for i in range(whole)]
     if rest:
         tail = np.zeros(-(-values.size // 8) * 8, dtype="<u8")
-        tail[: values.size] = (values.astype("<u8") >> (8 * whole)) & ((1 << rest) - 1)
-        shifts = np.arange(8, dtype="<u8") * rest
-        groups = np.bitwise_or.reduce(tail.reshape(-1, 8) << shifts, axis=1)
+        tail[: values.size] = (values.astype("<u8") >> np.uint64(8 * whole)) & ((1 << rest) - 1)
+        columns = tail.reshape(-1, 8)
+        groups = columns[:, 0].copy()
+        for j in range(1, 8):  # eight columns, each a whole-array operation
+            groups |= columns[:, j] << np.uint64(j * rest)
         planes.append(groups.view(np.uint8).reshape(-1, 8)[:, :rest].tobytes())
     return b"".join(planes)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -46,6 +47,10 @@ class Receiver:
         self.on_version = on_version
         self.fetch_timeout = fetch_timeout
         self.known: dict[Key, WeightManifest] = {}
+        # Held while a version is written into `state`; readers of `state` take it too.
+        self.state_lock = threading.Lock()
+        # Tensors changed since the last `take_changed`, for engines that copy `state`.
+        self._changed: set[str] = set()
         self._refused: set[Key] = set()
         self._unreachable: set[int] = set()
 
@@ -147,7 +152,7 @@ class Receiver:
             manifest = self.known[key]
             try:
                 shards = await self.fetch(manifest)
-                changed = await asyncio.to_thread(apply_version, self.state, manifest, shards)
+                changed = await asyncio.to_thread(self._apply, manifest, shards)
             except TRANSIENT as error:
                 log.warning("version %d (%s) stalled: %s; will retry", key[0], key[1], error)
                 return True
@@ -167,6 +172,17 @@ class Receiver:
             if self.on_version is not None:
                 await self.on_version(manifest, changed)
         return True
+
+    def _apply(self, manifest: WeightManifest, shards: list[bytes]) -> set[str]:
+        with self.state_lock:
+            changed = apply_version(self.state, manifest, shards)
+            self._changed |= changed if manifest.kind == "delta" else set(self.state.tensors)
+            return changed
+
+    def take_changed(self) -> set[str]:
+        """Names changed since the last call (all, after a snapshot); hold `state_lock`."""
+        changed, self._changed = self._changed, set()
+        return changed
 
     async def fetch(self, manifest: WeightManifest) -> list[bytes]:
         """Every shard of the version; a bad shard is fetched again alone.

@@ -1,0 +1,70 @@
+"""Driving weightsync in a vLLM `LLM` from the process that owns it (a rollout worker)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rlfleet.weightsync.config import SyncConfig
+
+ENGINE_NAME = "rlfleet-weightsync"
+_STATUS = "rlfleet_weightsync_status"
+
+
+def llm_options() -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM` (or engine args) that enable the engine."""
+    return {
+        "weight_transfer_config": {"backend": ENGINE_NAME},
+        "worker_extension_cls": "rlfleet.weightsync.vllm_worker.WeightsyncWorker",
+    }
+
+
+def start(llm, nats_url: str, run: str, domain: str | None, config: SyncConfig) -> None:
+    """Connect every worker's engine to the run's weights and start following them."""
+    info = {
+        "nats_url": nats_url,
+        "run": run,
+        "domain": domain,
+        "config": dataclasses.asdict(config),
+    }
+    llm.init_weight_transfer_engine({"init_info": info})
+
+
+@dataclass(frozen=True)
+class Update:
+    version: int | None
+    digest: str | None
+    pause_s: float  # generation was stopped this long
+
+
+def status(llm) -> list[dict[str, Any]]:
+    return llm.collective_rpc(_STATUS)
+
+
+def update(llm, version: int | None = None, timeout_s: float = 300.0) -> Update:
+    """Switch the model to `version` (or the newest held) once every worker holds it.
+
+    Waiting happens between generation steps; only the write into the model pauses it.
+    Samples generated afterwards carry the version in `CompletionOutput.weight_versions`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while version is not None and not all(
+        s["held"] is not None and s["held"] >= version for s in status(llm)
+    ):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers did not receive version {version} in {timeout_s}s")
+        time.sleep(0.05)
+    started = time.perf_counter()
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": version, "timeout_s": timeout_s}})
+    loaded = status(llm)
+    tag = str(loaded[0]["loaded"])
+    llm.finish_weight_update(weight_version=tag)
+    llm.reset_prefix_cache()
+    pause_s = time.perf_counter() - started
+    versions = {s["loaded"] for s in loaded}
+    if len(versions) != 1:
+        raise RuntimeError(f"workers disagree on the loaded version: {sorted(map(str, versions))}")
+    return Update(loaded[0]["loaded"], loaded[0]["digest"], pause_s)

@@ -1,0 +1,176 @@
+"""Weightsync inside vLLM: a weight-transfer engine that runs in each worker process.
+
+vLLM loads it through the `vllm.general_plugins` entry point (`register`), in every
+process it starts. In the worker, the engine follows the run's versions on NATS from a
+background thread: shards are fetched, decoded and verified against the state digest
+there, into a host copy of the weights, while the model keeps generating. Only
+`update_weights` touches the model, copying in the tensors changed since the last
+update, so generation pauses just for that copy.
+
+vLLM rebuilds a whole module from what it is given (fused QKV, all experts of a layer),
+so every tensor of a decoder layer goes in when any of them changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from rlfleet.weightsync.config import SyncConfig
+from rlfleet.weightsync.receiver import Receiver
+from rlfleet.weightsync.transport import WeightStream
+from rlfleet.weightsync.vllm_client import ENGINE_NAME
+
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+log = logging.getLogger(__name__)
+
+
+def _log_with_vllm() -> None:
+    """Send rlfleet's log lines where vLLM sends its own, so operators see them."""
+    ours = logging.getLogger("rlfleet")
+    if not ours.handlers:
+        for handler in logging.getLogger("vllm").handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+@dataclass
+class InitInfo(WeightTransferInitInfo):
+    nats_url: str = ""
+    run: str = ""
+    # The JetStream domain to read from: the region's own mirror in production.
+    domain: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class UpdateInfo(WeightTransferUpdateInfo):
+    # Wait until this version is held (verified) before writing; None: what is held now.
+    version: int | None = None
+    timeout_s: float = 300.0
+
+
+def module_groups(names: set[str], all_names: list[str]) -> list[str]:
+    """`names` widened to whole decoder layers, in the order of `all_names`."""
+    layers = {m.group(1) for name in names if (m := _LAYER.match(name))}
+    return [
+        name
+        for name in all_names
+        if name in names or ((m := _LAYER.match(name)) is not None and m.group(1) in layers)
+    ]
+
+
+class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
+    init_info_cls = InitInfo
+    update_info_cls = UpdateInfo
+    supports_draft_weight_update = False
+
+    def init_transfer_engine(self, init_info: InitInfo) -> None:
+        _log_with_vllm()
+        self.loaded_version: int | None = None
+        self._stashed_kernels: list[tuple[Any, Any]] = []
+        self._loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="weightsync", daemon=True
+        )
+        self._thread.start()
+        self.receiver = self._call(self._follow(init_info))
+        log.info(
+            "weightsync engine following run %s on %s",
+            init_info.run,
+            init_info.domain or "the default domain",
+        )
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    async def _follow(self, info: InitInfo) -> Receiver:
+        self._nc = await nats.connect(info.nats_url, max_reconnect_attempts=-1)
+        stream = WeightStream(self._nc, info.run, SyncConfig(**info.config), domain=info.domain)
+        receiver = Receiver(stream)
+        self._following = asyncio.ensure_future(receiver.follow(self._stop))
+        return receiver
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        # vLLM 0.32's CPU MoE kernel prepacks expert weights once and skips it on reload,
+        # which would leave reloaded experts in the wrong layout: drop the kernel so it
+        # is rebuilt from the new weights, and put back those of layers left untouched.
+        self._stashed_kernels = [
+            (module.quant_method, module.quant_method.moe_kernel)
+            for module in self.model.modules()
+            if hasattr(module, "w13_weight")
+            and getattr(getattr(module, "quant_method", None), "moe_kernel", None) is not None
+        ]
+        for method, _ in self._stashed_kernels:
+            method.moe_kernel = None
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, update_info: UpdateInfo) -> None:
+        receiver = self.receiver
+        deadline = time.monotonic() + update_info.timeout_s
+        wanted = update_info.version
+        while wanted is not None and (receiver.version is None or receiver.version < wanted):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"weightsync: version {wanted} not received in {update_info.timeout_s}s"
+                )
+            time.sleep(0.02)
+        with receiver.state_lock:
+            tensors = receiver.state.tensors
+            changed = {name for name in receiver.take_changed() if name in tensors}
+            if self.loaded_version is None:
+                changed = set(tensors)  # the first update replaces whatever vLLM loaded
+            names = module_groups(changed, list(tensors))
+            self.model.load_weights((name, tensors[name]) for name in names)
+            self.loaded_version = receiver.version
+        log.info("weightsync: wrote %d tensors of version %s", len(names), self.loaded_version)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        for method, kernel in self._stashed_kernels:
+            if method.moe_kernel is None:
+                method.moe_kernel = kernel
+        self._stashed_kernels = []
+
+    def status(self) -> dict[str, Any]:
+        receiver = self.receiver
+        with receiver.state_lock:
+            digest = receiver.state.digest() if receiver.version is not None else None
+            return {"held": receiver.version, "loaded": self.loaded_version, "digest": digest}
+
+    def shutdown(self) -> None:
+        async def close() -> None:
+            self._stop.set()
+            self._following.cancel()
+            await asyncio.gather(self._following, return_exceptions=True)
+            await self._nc.close()
+
+        self._call(close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: make the engine known in this process."""
+    if ENGINE_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(ENGINE_NAME, WeightsyncEngine)

@@ -1,0 +1,11 @@
+"""Methods mixed into vLLM's worker (`worker_extension_cls`), callable by name over RPC."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class WeightsyncWorker:
+    def rlfleet_weightsync_status(self) -> dict[str, Any]:
+        """The version the worker holds verified, the one its model runs, and the digest."""
+        return self.weight_transfer_engine.status()
