@@ -17,8 +17,10 @@ Prints one JSON object. Every ratio compares two numbers measured in this same r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
+import os
 import socket
 import sys
 import tempfile
@@ -154,7 +156,7 @@ def controlled_workload(tensors: dict[str, torch.Tensor], fraction: float) -> di
     new = {}
     for name, tensor in tensors.items():
         bits = as_bits(tensor).copy()
-        where = rng.choice(bits.size, int(round(bits.size * fraction)), replace=False)
+        where = rng.choice(bits.size, round(bits.size * fraction), replace=False)
         bits[where] += rng.choice(np.array([1, 0xFFFF], dtype=bits.dtype), where.size)
         new[name] = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).reshape(tensor.shape)
     return _delta_stats(tensors, new)
@@ -245,10 +247,10 @@ def transfer(nbytes: int) -> dict:
             started = time.perf_counter()
             await receiver.sync()
             sync_s = time.perf_counter() - started
-            shards = list(receiver.known.values())[0].shards
-            fetched = sum(ref.size for ref in shards)
+            (manifest,) = receiver.known.values()
+            fetched = sum(ref.size for ref in manifest.shards)
             started = time.perf_counter()
-            await receiver.fetch(list(receiver.known.values())[0])
+            await receiver.fetch(manifest)
             fetch_s = time.perf_counter() - started
             return {
                 "publish_gbps": fetched / put_s / 1e9,
@@ -268,6 +270,62 @@ def transfer(nbytes: int) -> dict:
             )
         finally:
             servers.stop()
+
+
+def vllm_apply_pause() -> dict:
+    """Tiny MoE in vLLM (CPU): the pause to write a real AdamW step's delta in place."""
+    import subprocess
+
+    from rlfleet.models.tiny import init_model, train_step
+    from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
+
+    probe = Path(__file__).resolve().parent.parent / "tests" / "probes" / "vllm_weightsync.py"
+    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-vllm-") as root:
+        root_path = Path(root)
+        v0 = init_model("tiny-moe", root_path / "v0")
+        versions = [v0]
+        for step in range(1, 4):
+            versions.append(train_step(versions[-1], root_path / f"v{step}", lr=1e-5, seed=step))
+        servers = StandaloneNats(root_path / "nats")
+        try:
+            leaf = servers.bed.leaves[servers.region]
+            args = {
+                "checkpoint": str(v0),
+                "rounds": [{"version": v, "publish": str(d)} for v, d in enumerate(versions)],
+                "hub_url": servers.bed.hub.authenticated_url,
+                "leaf_url": leaf.authenticated_url,
+                "run": "bench",
+                "domain": HUB_DOMAIN,
+                "config": dataclasses.asdict(CONFIG),
+            }
+            (root_path / "args.json").write_text(json.dumps(args))
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    str(probe),
+                    str(root_path / "args.json"),
+                    str(root_path / "out.json"),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=900,
+                env={
+                    **os.environ,
+                    "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "TOKENIZERS_PARALLELISM": "false",
+                },
+            )
+        finally:
+            servers.stop()
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM probe failed:\n{(done.stdout + done.stderr)[-4000:]}")
+        rounds = json.loads((root_path / "out.json").read_text())["rounds"]
+    deltas = rounds[1:]  # round 0 loads the first snapshot whole
+    return {
+        "apply_pause_ms": sum(r["pause_ms"] for r in deltas) / len(deltas),
+        "first_load_pause_ms": rounds[0]["pause_ms"],
+        "digest_verified": all(r["digest"] == r["published_digest"] for r in rounds),
+    }
 
 
 def main() -> None:
@@ -301,6 +359,7 @@ def main() -> None:
     result |= transfer(TRANSFER_BYTES)
     result["loopback_gbps"] = loopback_gbps()
     result["transfer_vs_loopback"] = result["transfer_gbps"] / result["loopback_gbps"]
+    result |= vllm_apply_pause()
     result["bit_exact"] = chain_is_bit_exact(CHAIN)
     result["chain_length"] = CHAIN
     result["workloads"] = workloads
