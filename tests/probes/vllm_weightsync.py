@@ -43,14 +43,18 @@ def main() -> None:
     from vllm import LLM
 
     from rlfleet.models.tiny import read_weights
-    from rlfleet.weightsync import vllm_client
-    from rlfleet.weightsync.config import SyncConfig
-    from rlfleet.weightsync.publisher import Publisher
-    from rlfleet.weightsync.transport import WeightStream
+    from rlfleet.weightsync import (
+        Publisher,
+        SyncConfig,
+        WeightStream,
+        vllm_options,
+        vllm_start,
+        vllm_update,
+    )
 
     args = json.loads(Path(sys.argv[1]).read_text())
     rounds = args.get("rounds", [])
-    options = vllm_client.llm_options() if rounds else {}
+    options = vllm_options() if rounds else {}
     llm = LLM(
         model=args["checkpoint"],
         dtype="bfloat16",
@@ -69,11 +73,11 @@ def main() -> None:
         stream = WeightStream(hub, args["run"], config)
         loop.run_until_complete(stream.create())
         publisher = Publisher(stream, config)
-        vllm_client.start(llm, args["leaf_url"], args["run"], args["domain"], config)
+        vllm_start(llm, args["leaf_url"], args["run"], args["domain"], config)
         for step in rounds:
             weights = read_weights(Path(step["publish"]))
             manifests = loop.run_until_complete(publisher.publish(weights, step["version"]))
-            update = vllm_client.update(llm, step["version"])
+            update = vllm_update(llm, step["version"])
             report["rounds"].append(
                 {
                     "version": update.version,

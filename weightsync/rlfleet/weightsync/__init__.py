@@ -1,0 +1,30 @@
+"""Weightsync: lossless sharded weight deltas over NATS JetStream, applied inside vLLM.
+
+This is the public API; other components import from here, never from the modules.
+Trainers publish (`Publisher`), rollout workers receive (`Receiver`) or let vLLM's
+workers receive (`vllm_options`, `vllm_start`, `vllm_update`).
+"""
+
+from rlfleet.weightsync.config import SyncConfig
+from rlfleet.weightsync.publisher import Publisher
+from rlfleet.weightsync.receiver import Receiver
+from rlfleet.weightsync.state import WeightState
+from rlfleet.weightsync.transport import WeightStream
+from rlfleet.weightsync.vllm_client import Update as VllmUpdate
+from rlfleet.weightsync.vllm_client import llm_options as vllm_options
+from rlfleet.weightsync.vllm_client import start as vllm_start
+from rlfleet.weightsync.vllm_client import status as vllm_status
+from rlfleet.weightsync.vllm_client import update as vllm_update
+
+__all__ = [
+    "Publisher",
+    "Receiver",
+    "SyncConfig",
+    "VllmUpdate",
+    "WeightState",
+    "WeightStream",
+    "vllm_options",
+    "vllm_start",
+    "vllm_status",
+    "vllm_update",
+]

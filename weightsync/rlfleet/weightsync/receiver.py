@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 from collections.abc import Awaitable, Callable
 
@@ -84,8 +85,8 @@ class Receiver:
 
     async def follow(self, stop: asyncio.Event) -> None:
         """Apply new versions as their manifests appear, until `stop` is set."""
-        while not stop.is_set():
-            await _patiently(lambda: self._follow_until(stop), "following manifests")
+        # Never gives up: a receiver outlives NATS restarts and waits for a late publisher.
+        await _patiently(lambda: self._follow_until(stop), "following manifests", math.inf)
 
     async def _subscribe(self):
         return await self.stream.js.subscribe(
@@ -115,12 +116,19 @@ class Receiver:
                 try:
                     msg = await sub.next_msg(timeout=1.0)
                 except TimeoutError:
+                    # Quiet stream: retry a version that stalled (a server restarting).
+                    if self._behind():
+                        await self.advance()
                     continue
                 self._take(msg.data, msg.subject)
                 if msg.metadata.num_pending == 0:
                     await self.advance()
         finally:
             await sub.unsubscribe()
+
+    def _behind(self) -> bool:
+        newest = max((v for v, _ in self.known), default=None)
+        return newest is not None and newest not in self._unreachable and newest != self.version
 
     async def advance(self) -> None:
         """Move to the newest known version reachable from here, or stay put."""

@@ -57,7 +57,14 @@ def _ranges(count: int, piece_elements: int) -> list[tuple[int, int]]:
     ] or [(0, 0)]
 
 
-def _encode_piece(name, new, old, start, count, config) -> tuple[Piece, list[bytes]] | None:
+def _encode_piece(
+    name: str,
+    new: torch.Tensor,
+    old: torch.Tensor | None,
+    start: int,
+    count: int,
+    config: SyncConfig,
+) -> tuple[Piece, list[bytes]] | None:
     new_bits = as_bits(new)[start : start + count]
     if old is None:
         encoded = codec.encode_raw(new_bits, config.zstd_level)
