@@ -20,7 +20,7 @@ class SyncConfig:
     keep_snapshots: int = 2
     zstd_level: int = 3
     # Dense coding is tried only where at least this fraction of a piece changed.
-    dense_from_fraction: float = 0.1
+    dense_from_fraction: float = 0.25
     # Shards fetched at once by a receiver. A server drops a client with more than its
     # max_pending (64 MiB by default) queued, so shards in flight must stay below it.
     parallel_fetches: int = 4

@@ -46,11 +46,12 @@ def _pack_low_bits(values: np.ndarray, bits: int) -> bytes:
     """The low `bits` bits of each value, back to back: whole bytes as byte planes, the
     last few bits eight values to a group of that many bytes."""
     whole, rest = divmod(bits, 8)
-    as_bytes = values.astype("<u8").view(np.uint8).reshape(-1, 8)
+    values = values.astype("<u8", copy=False)
+    as_bytes = values.view(np.uint8).reshape(-1, 8)
     planes = [np.ascontiguousarray(as_bytes[:, i]).tobytes() for i in range(whole)]
     if rest:
         tail = np.zeros(-(-values.size // 8) * 8, dtype="<u8")
-        tail[: values.size] = (values.astype("<u8") >> np.uint64(8 * whole)) & ((1 << rest) - 1)
+        tail[: values.size] = (values >> np.uint64(8 * whole)) & np.uint64((1 << rest) - 1)
         columns = tail.reshape(-1, 8)
         groups = columns[:, 0].copy()
         for j in range(1, 8):  # eight columns, each a whole-array operation
@@ -76,12 +77,12 @@ def _unpack_low_bits(data: memoryview, count: int, bits: int) -> np.ndarray:
         shifts = np.arange(8, dtype="<u8") * rest
         tail = (groups.view("<u8") >> shifts) & np.uint64((1 << rest) - 1)
         values |= tail.reshape(-1)[:count] << np.uint64(8 * whole)
-    return values.astype(np.int64)
+    return values.view(np.int64)
 
 
 def encode(positions: np.ndarray) -> bytes:
     """Code strictly increasing non-negative positions."""
-    gaps = np.diff(positions.astype(np.int64), prepend=-1) - 1
+    gaps = np.diff(positions.astype(np.int64, copy=False), prepend=-1) - 1
     if gaps.size == 0:
         return _HEADER.pack(0, 0, 0, 0, 0)
     r = _best_rice_bits(gaps)
