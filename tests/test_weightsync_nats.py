@@ -124,15 +124,25 @@ def test_a_late_receiver_starts_from_the_snapshot_retention_kept(
 
     async def scenario() -> None:
         hub = await _connect(nats_servers.bed.hub.authenticated_url)
+        leaf = await _connect(nats_servers.bed.leaves[REGION].authenticated_url)
         try:
-            await _publish_all(hub, run, versions)
-            receiver = Receiver(WeightStream(hub, run, CONFIG))
-            assert await receiver.sync() == 7
-            assert receiver.state.digest() == _digest(versions[-1])
-            # Snapshots at 0, 3 and 6; keeping one retires everything before 6.
-            assert min(version for version, _ in receiver.known) == 6
+            stream = WeightStream(hub, run, CONFIG)
+            await stream.create()
+            # The hub's client manages the region's mirror through the region's domain.
+            mirror = WeightStream(hub, run, CONFIG, domain=REGION)
+            await mirror.mirror(HUB_DOMAIN)
+            publisher = Publisher(stream, CONFIG, mirrors=[mirror])
+            for version, tensors in enumerate(versions):
+                await publisher.publish(tensors, version)
+            for where in (stream, WeightStream(leaf, run, CONFIG, domain=REGION)):
+                receiver = Receiver(where)
+                await _until_async(lambda r=receiver: r.sync(), 7, 30)
+                assert receiver.state.digest() == _digest(versions[-1])
+                # Snapshots at 0, 3 and 6; keeping one retires everything before 6.
+                assert min(version for version, _ in receiver.known) == 6
         finally:
             await hub.close()
+            await leaf.close()
 
     asyncio.run(scenario())
 
@@ -265,3 +275,12 @@ async def _until(check, within: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met")
         await asyncio.sleep(0.05)
+
+
+async def _until_async(step, expected, within: float) -> None:
+    """Await `step()` until it returns `expected` (a mirror catches up on its own time)."""
+    deadline = time.monotonic() + within
+    while (got := await step()) != expected:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"got {got}, expected {expected}")
+        await asyncio.sleep(0.2)

@@ -4,14 +4,15 @@ Every version goes out as a delta on the one before it; every `snapshot_every`-t
 as a full snapshot, for receivers that join late, fell behind retention or failed to
 verify. Shards go up before their manifest, so a manifest on the stream always means a
 complete version. After a snapshot, versions older than the `keep_snapshots`-th newest
-snapshot are purged: every receiver can still reach the head from what remains.
+snapshot are purged, on the hub and on every region's mirror (purges do not travel
+down a mirror): every receiver can still reach the head from what remains.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -25,9 +26,12 @@ log = logging.getLogger(__name__)
 
 
 class Publisher:
-    def __init__(self, stream: WeightStream, config: SyncConfig) -> None:
+    def __init__(
+        self, stream: WeightStream, config: SyncConfig, mirrors: Sequence[WeightStream] = ()
+    ) -> None:
         self.stream = stream
         self.config = config
+        self.mirrors = list(mirrors)
         self._base: WeightState | None = None
         self._snapshots: list[int] = []
 
@@ -73,4 +77,5 @@ class Publisher:
         self._snapshots.append(snapshot)
         if len(self._snapshots) > self.config.keep_snapshots:
             self._snapshots = self._snapshots[-self.config.keep_snapshots :]
-            await self.stream.retire_before(self._snapshots[0])
+            for stream in (self.stream, *self.mirrors):
+                await stream.retire_before(self._snapshots[0])
