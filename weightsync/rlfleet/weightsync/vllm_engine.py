@@ -139,7 +139,11 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             if self.loaded_version is None:
                 changed = set(tensors)  # the first update replaces whatever vLLM loaded
             names = module_groups(changed, list(tensors))
-            self.model.load_weights((name, tensors[name]) for name in names)
+            try:
+                self.model.load_weights((name, tensors[name]) for name in names)
+            except BaseException:
+                self.loaded_version = None  # what the model holds is unknown: reload it all
+                raise
             self.loaded_version = receiver.version
         log.info("weightsync: wrote %d tensors of version %s", len(names), self.loaded_version)
 
