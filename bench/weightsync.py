@@ -274,10 +274,9 @@ def transfer(nbytes: int) -> dict:
 
 def vllm_apply_pause() -> dict:
     """Tiny MoE in vLLM (CPU): the pause to write a real AdamW step's delta in place."""
-    import subprocess
-
     from rlfleet.models.tiny import init_model, train_step
     from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
+    from rlfleet.testbed.processes import run_in_session
 
     probe = Path(__file__).resolve().parent.parent / "tests" / "probes" / "vllm_weightsync.py"
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-vllm-") as root:
@@ -299,21 +298,19 @@ def vllm_apply_pause() -> dict:
                 "config": dataclasses.asdict(CONFIG),
             }
             (root_path / "args.json").write_text(json.dumps(args))
-            done = subprocess.run(
+            done = run_in_session(
                 [
                     sys.executable,
                     str(probe),
                     str(root_path / "args.json"),
                     str(root_path / "out.json"),
                 ],
-                capture_output=True,
-                text=True,
-                timeout=900,
                 env={
                     **os.environ,
                     "VLLM_CPU_KVCACHE_SPACE": "1",
                     "TOKENIZERS_PARALLELISM": "false",
                 },
+                timeout=900,
             )
         finally:
             servers.stop()

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from rlfleet.testbed.processes import run_in_session
+
 pytestmark = pytest.mark.slow
 
 ENGINE_ENV = {
@@ -42,17 +44,15 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_probe(script: str, checkpoint: Path, tmp_path: Path) -> dict:
     """Runs an engine in a process of its own (both engines own global state) and reads its JSON."""
     report = tmp_path / f"{script}.json"
-    result = subprocess.run(
+    result = run_in_session(
         [
             sys.executable,
             str(Path(__file__).parent / "probes" / script),
             str(checkpoint),
             str(report),
         ],
-        capture_output=True,
-        text=True,
-        timeout=900,
         env={**os.environ, **ENGINE_ENV},
+        timeout=900,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(report.read_text())

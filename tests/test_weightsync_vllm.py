@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 
 from rlfleet.models.tiny import init_model, train_step
 from rlfleet.testbed.nats import HUB_DOMAIN
+from rlfleet.testbed.processes import run_in_session
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.transport import WeightStream
 
@@ -28,18 +28,13 @@ CONFIG = SyncConfig(shard_bytes=256 << 10, chunk_bytes=64 << 10)
 
 def _probe(args: dict, tmp_path: Path, name: str) -> dict:
     (tmp_path / f"{name}.args.json").write_text(json.dumps(args))
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(PROBE),
-            str(tmp_path / f"{name}.args.json"),
-            str(tmp_path / f"{name}.json"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, **ENGINE_ENV},
-    )
+    argv = [
+        sys.executable,
+        str(PROBE),
+        str(tmp_path / f"{name}.args.json"),
+        str(tmp_path / f"{name}.json"),
+    ]
+    result = run_in_session(argv, env={**os.environ, **ENGINE_ENV}, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     return json.loads((tmp_path / f"{name}.json").read_text())
 

@@ -145,3 +145,28 @@ def tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except FileNotFoundError:
         return "(no log)"
+
+
+def run_in_session(
+    argv: Sequence[str], env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run a command in a session of its own, killing the whole session on a timeout.
+
+    Engines such as vLLM start processes that outlive a killed parent; killing the
+    session leaves nothing behind to slow down what runs next.
+    """
+    with subprocess.Popen(
+        list(argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(list(argv), process.returncode, stdout, stderr)
