@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
@@ -60,8 +62,14 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     return WeightState.copy_of(tensors, 0).digest()
 
 
-async def _connect(url: str) -> nats.NATS:
-    return await nats.connect(url, connect_timeout=5, reconnect_time_wait=0.2)
+@contextlib.asynccontextmanager
+async def _connected(*urls: str) -> AsyncIterator[tuple[nats.NATS, ...]]:
+    clients = [await nats.connect(u, connect_timeout=5, reconnect_time_wait=0.2) for u in urls]
+    try:
+        yield tuple(clients)
+    finally:
+        for client in clients:
+            await client.close()
 
 
 def _run_name() -> str:
@@ -85,9 +93,10 @@ def test_a_region_follows_versions_through_its_own_mirror(nats_servers: Standalo
     run, versions = _run_name(), _versions(5)
 
     async def scenario() -> None:
-        hub = await _connect(nats_servers.bed.hub.authenticated_url)
-        leaf = await _connect(nats_servers.bed.leaves[REGION].authenticated_url)
-        try:
+        async with _connected(
+            nats_servers.bed.hub.authenticated_url,
+            nats_servers.bed.leaves[REGION].authenticated_url,
+        ) as (hub, leaf):
             await WeightStream(hub, run, CONFIG).create()
             regional = WeightStream(leaf, run, CONFIG, domain=REGION)
             await regional.mirror(HUB_DOMAIN)
@@ -110,9 +119,6 @@ def test_a_region_follows_versions_through_its_own_mirror(nats_servers: Standalo
             assert seen == list(range(5))
             info = await regional.js.stream_info(regional.subjects.stream)
             assert info.mirror is not None and info.state.messages > 0
-        finally:
-            await hub.close()
-            await leaf.close()
 
     asyncio.run(scenario())
 
@@ -123,9 +129,10 @@ def test_a_late_receiver_starts_from_the_snapshot_retention_kept(
     run, versions = _run_name(), _versions(8)
 
     async def scenario() -> None:
-        hub = await _connect(nats_servers.bed.hub.authenticated_url)
-        leaf = await _connect(nats_servers.bed.leaves[REGION].authenticated_url)
-        try:
+        async with _connected(
+            nats_servers.bed.hub.authenticated_url,
+            nats_servers.bed.leaves[REGION].authenticated_url,
+        ) as (hub, leaf):
             stream = WeightStream(hub, run, CONFIG)
             await stream.create()
             # The hub's client manages the region's mirror through the region's domain.
@@ -140,9 +147,6 @@ def test_a_late_receiver_starts_from_the_snapshot_retention_kept(
                 assert receiver.state.digest() == _digest(versions[-1])
                 # Snapshots at 0, 3 and 6; keeping one retires everything before 6.
                 assert min(version for version, _ in receiver.known) == 6
-        finally:
-            await hub.close()
-            await leaf.close()
 
     asyncio.run(scenario())
 
@@ -153,8 +157,7 @@ def test_a_corrupted_shard_is_refetched_then_refused_and_the_snapshot_used(
     run, versions = _run_name(), _versions(4)
 
     async def scenario() -> None:
-        hub = await _connect(nats_servers.bed.hub.authenticated_url)
-        try:
+        async with _connected(nats_servers.bed.hub.authenticated_url) as (hub,):
             stream = WeightStream(hub, run, CONFIG)
             await stream.create()
             receiver = Receiver(stream, fetch_timeout=5)
@@ -178,8 +181,6 @@ def test_a_corrupted_shard_is_refetched_then_refused_and_the_snapshot_used(
             await hub.jetstream().publish(stream.subjects.manifest(9, "full"), b'{"hello": 1}')
             assert await receiver.sync() == 3
             assert _rejected("not_ours") == foreign_before + 1
-        finally:
-            await hub.close()
 
     asyncio.run(scenario())
 
@@ -188,8 +189,7 @@ def test_a_delta_on_an_unknown_base_is_never_applied(nats_servers: StandaloneNat
     run, versions = _run_name(), _versions(3)
 
     async def scenario() -> None:
-        hub = await _connect(nats_servers.bed.hub.authenticated_url)
-        try:
+        async with _connected(nats_servers.bed.hub.authenticated_url) as (hub,):
             stream = WeightStream(hub, run, CONFIG)
             await stream.create()
             await stream.put_version(encode_version(run, 0, versions[0], None, CONFIG))
@@ -201,8 +201,6 @@ def test_a_delta_on_an_unknown_base_is_never_applied(nats_servers: StandaloneNat
             assert await receiver.sync() == 0
             assert receiver.state.digest() == _digest(versions[0])
             assert _rejected("unknown_base") == unknown_before + 1
-        finally:
-            await hub.close()
 
     asyncio.run(scenario())
 
@@ -213,8 +211,7 @@ def test_a_receiver_survives_its_nats_server_restarting_mid_transfer(
     run, versions = _run_name(), [_model(0, size=512), _step(_model(0, size=512), 1)]
 
     async def scenario() -> None:
-        hub = await _connect(nats_servers.bed.hub.authenticated_url)
-        try:
+        async with _connected(nats_servers.bed.hub.authenticated_url) as (hub,):
             await _publish_all(hub, run, versions)
             receiver = Receiver(WeightStream(hub, run, CONFIG), fetch_timeout=3)
             syncing = asyncio.create_task(receiver.sync())
@@ -225,8 +222,6 @@ def test_a_receiver_survives_its_nats_server_restarting_mid_transfer(
             # Whatever the interrupted sync reached, the next one finds the head.
             assert await receiver.sync() == 1
             assert receiver.state.digest() == _digest(versions[1])
-        finally:
-            await hub.close()
 
     asyncio.run(scenario())
 
@@ -237,11 +232,8 @@ def test_a_receiver_killed_mid_transfer_restarts_onto_the_right_version(
     run, versions = _run_name(), [_model(0, size=512), _step(_model(0, size=512), 1)]
 
     async def publish() -> None:
-        hub = await _connect(nats_servers.bed.hub.authenticated_url)
-        try:
+        async with _connected(nats_servers.bed.hub.authenticated_url) as (hub,):
             await _publish_all(hub, run, versions)
-        finally:
-            await hub.close()
 
     asyncio.run(publish())
     url = nats_servers.bed.leaves[REGION].authenticated_url

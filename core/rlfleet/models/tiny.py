@@ -121,7 +121,7 @@ def train_step(directory: Path, out: Path, *, lr: float, seed: int = 0) -> Path:
     Saved as a complete checkpoint in `out`, in the checkpoint's dtype.
     """
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    dtype = read_weights(directory)["model.embed_tokens.weight"].dtype
+    dtype = getattr(torch, json.loads((directory / "config.json").read_text())["dtype"])
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, model.config.vocab_size, (4, 32), generator=generator)
     model(input_ids=tokens, labels=tokens).loss.backward()

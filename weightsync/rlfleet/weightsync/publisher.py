@@ -39,29 +39,27 @@ class Publisher:
         self, tensors: Mapping[str, torch.Tensor], version: int
     ) -> list[WeightManifest]:
         """Publish `tensors` as `version`; returns the manifests put on the stream."""
-        if self._base is not None and version <= (self._base.version or 0):
+        if self._base is not None and version <= self._base.version:
             raise ValueError(f"version {version} is not after {self._base.version}")
         snapshot = self._base is None or version % self.config.snapshot_every == 0
-        base = self._base
+        # The host copy is the next base; its digests serve every encoding of this version.
+        current = await asyncio.to_thread(WeightState.copy_of, tensors, version)
+        bases = ([self._base] if self._base is not None else []) + ([None] if snapshot else [])
         encoded: list[EncodedVersion] = []
-        if base is not None:
+        for base in bases:
             encoded.append(
                 await asyncio.to_thread(
-                    encode_version, self.stream.run, version, tensors, base, self.config
-                )
-            )
-        if snapshot:
-            encoded.append(
-                await asyncio.to_thread(
-                    encode_version, self.stream.run, version, tensors, None, self.config
+                    encode_version,
+                    self.stream.run,
+                    version,
+                    current.tensors,
+                    base,
+                    self.config,
+                    current.digests,
                 )
             )
         for version_data in encoded:
             await self.stream.put_version(version_data)
-        self._base = await asyncio.to_thread(WeightState.copy_of, tensors, version)
-        if snapshot:
-            await self._retire(version)
-        for version_data in encoded:
             m = version_data.manifest
             log.info(
                 "published version %d (%s): %d shards, %d bytes for %d model bytes",
@@ -71,6 +69,9 @@ class Publisher:
                 sum(s.size for s in m.shards),
                 m.state_bytes,
             )
+        self._base = current
+        if snapshot:
+            await self._retire(version)
         return [version_data.manifest for version_data in encoded]
 
     async def _retire(self, snapshot: int) -> None:

@@ -131,11 +131,15 @@ def encode_version(
     tensors: Mapping[str, torch.Tensor],
     base: WeightState | None,
     config: SyncConfig,
+    digests: Mapping[str, bytes] | None = None,
 ) -> EncodedVersion:
-    """Shards and manifest for `tensors` as `version`: a delta on `base`, or full when None."""
+    """Shards and manifest for `tensors` as `version`: a delta on `base`, or full when None.
+
+    `tensors` live in host memory; `digests` are their tensor digests when already known.
+    """
     jobs = []
     for name in sorted(tensors):
-        new = tensors[name].detach().cpu()
+        new = tensors[name]
         old = base.tensors.get(name) if base is not None else None
         if old is not None and (old.dtype != new.dtype or old.shape != new.shape):
             old = None  # carried whole: new shape or dtype
@@ -157,7 +161,7 @@ def encode_version(
         kind="delta" if base is not None else "full",
         shards=refs,
         removed=removed,
-        state_digest=state_digest(tensors, tensor_digests(tensors)),
+        state_digest=state_digest(tensors, digests or tensor_digests(tensors)),
         state_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
         tensor_count=len(tensors),
         created_at=time.time(),
