@@ -7,6 +7,7 @@ another process (`rlfleet dev status|down`) can find and stop it.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,10 @@ class Bed:
 
     def start(self) -> BedInfo:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        # Every bed is new (fresh PKI and credentials): stores an earlier bed left behind
+        # would hold its nodes and streams, and creating those again would conflict.
+        for store in ("etcd", "nats"):
+            shutil.rmtree(self.state_dir / store, ignore_errors=True)
         try:
             pki = make_pki(self.state_dir / "pki")
             etcd = start_etcd(self.supervisor, self.state_dir / "etcd")
