@@ -7,6 +7,7 @@ the reader counts and logs instead of acting on it.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import msgspec
@@ -45,9 +46,96 @@ class WeightManifest(WireMessage, tag="rlfleet.io/weight-manifest/v1"):
     created_at: float
 
 
+class Segment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One context window of an episode: what the model saw and what it produced in it.
+
+    `tokens[:prompt_len]` is the window's start (system prompt, task, and after a
+    summary the summary); the rest alternates the model's tokens (`generated` 1) and
+    observations the harness inserted (`generated` 0), which are never trained on.
+    `logprobs` is the behaviour policy's log-prob of each token after the prompt (0 where
+    not generated), `versions` the policy version that generated it (weights can change
+    mid-episode). `routed_experts` is uint16 little-endian, shape
+    [len(tokens) - 1, moe_layers, top_k]: the experts the engine used for every token it
+    ran through the model (the last token is produced, never run); empty for dense models.
+    """
+
+    tokens: list[int]
+    prompt_len: int
+    generated: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    routed_experts: bytes = b""
+    moe_layers: int = 0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        completion = len(self.tokens) - self.prompt_len
+        if self.prompt_len < 1 or completion < 1:
+            raise ValueError(f"prompt_len {self.prompt_len} leaves no prompt or no completion")
+        for name in ("generated", "logprobs", "versions"):
+            if len(getattr(self, name)) != completion:
+                raise ValueError(
+                    f"{name} has {len(getattr(self, name))} entries for {completion} completion tokens"
+                )
+        if not all(math.isfinite(lp) and lp <= 0 for lp in self.logprobs):
+            raise ValueError("logprobs must be finite and <= 0")
+        expected = 2 * (len(self.tokens) - 1) * self.moe_layers * self.top_k
+        if len(self.routed_experts) != expected:
+            raise ValueError(
+                f"routed_experts has {len(self.routed_experts)} bytes; "
+                f"{len(self.tokens) - 1} tokens x {self.moe_layers} layers x top-{self.top_k} "
+                f"need {expected}"
+            )
+
+
+class Trajectory(WireMessage, tag="rlfleet.io/trajectory/v1"):
+    """One finished attempt at a task, as a rollout worker publishes it for the trainer.
+
+    Attempts of one task share `group_id`; the trainer normalises rewards within a
+    group (GRPO). Every segment of a summarised episode is credited the final reward.
+    """
+
+    run: str
+    task_id: str
+    group_id: str
+    group_size: int
+    attempt: int
+    reward: float
+    reward_breakdown: dict[str, float]
+    segments: list[Segment]
+    worker: str
+    created_at: float
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.reward):
+            raise ValueError(f"reward {self.reward} is not finite")
+        if not 0 <= self.attempt < self.group_size:
+            raise ValueError(f"attempt {self.attempt} is outside a group of {self.group_size}")
+        if not self.segments:
+            raise ValueError("a trajectory needs at least one segment")
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest policy version that generated any of its tokens."""
+        return min(min(s.versions) for s in self.segments)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(sum(s.generated) for s in self.segments)
+
+
 def encode(message: WireMessage) -> bytes:
     return msgspec.json.encode(message)
 
 
 def decode_manifest(data: bytes) -> WeightManifest:
     return msgspec.json.decode(data, type=WeightManifest)
+
+
+# Trajectories carry binary expert ids, so they travel as msgpack.
+def encode_trajectory(trajectory: Trajectory) -> bytes:
+    return msgspec.msgpack.encode(trajectory)
+
+
+def decode_trajectory(data: bytes) -> Trajectory:
+    return msgspec.msgpack.decode(data, type=Trajectory)

@@ -1,0 +1,90 @@
+"""Turning a stream of trajectories into optimiser steps: groups, staleness, token budget.
+
+Pure bookkeeping, no I/O: the loop feeds it trajectories with their stream sequence
+numbers and asks for the next step's worth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlfleet.api.wire import Trajectory
+
+
+@dataclass(frozen=True)
+class Received:
+    seq: int  # stream sequence: identity for dedupe and acknowledgement
+    trajectory: Trajectory
+    arrived: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.trajectory.segments)
+
+
+def staleness(trajectory: Trajectory, version: int) -> int:
+    """How many policy versions the trainer is ahead of the oldest that generated it."""
+    return version - trajectory.policy_version
+
+
+@dataclass
+class GroupBuffer:
+    """Trajectories waiting for the rest of their GRPO group.
+
+    A group is ready when all `group_size` attempts are in, or, after `timeout_s`, with
+    the attempts that came (at least two: one attempt has no baseline to compare with).
+    """
+
+    timeout_s: float
+    groups: dict[str, list[Received]] = field(default_factory=dict)
+
+    def add(self, item: Received) -> None:
+        self.groups.setdefault(item.trajectory.group_id, []).append(item)
+
+    def holds(self) -> set[int]:
+        return {item.seq for items in self.groups.values() for item in items}
+
+    def drop_stale(self, version: int, max_staleness: int) -> list[Received]:
+        dropped = []
+        for group_id, items in list(self.groups.items()):
+            keep = [i for i in items if staleness(i.trajectory, version) <= max_staleness]
+            dropped += [i for i in items if staleness(i.trajectory, version) > max_staleness]
+            if keep:
+                self.groups[group_id] = keep
+            else:
+                del self.groups[group_id]
+        return dropped
+
+    def expire(self, now: float) -> list[Received]:
+        """Timed-out groups too small to train on: the caller drops and counts them."""
+        expired = []
+        for group_id, items in list(self.groups.items()):
+            if len(items) < 2 and now - items[0].arrived > self.timeout_s:
+                expired += self.groups.pop(group_id)
+        return expired
+
+    def take(self, token_budget: int, now: float) -> list[list[Received]]:
+        """Ready groups, oldest first, until they hold at least `token_budget` tokens.
+
+        Returns nothing until that many tokens are ready, so every step is full.
+        """
+        ready = sorted(
+            (
+                items
+                for items in self.groups.values()
+                if len(items) >= items[0].trajectory.group_size
+                or (len(items) >= 2 and now - items[0].arrived > self.timeout_s)
+            ),
+            key=lambda items: min(i.seq for i in items),
+        )
+        taken, tokens = [], 0
+        for items in ready:
+            if tokens >= token_budget:
+                break
+            taken.append(items)
+            tokens += sum(i.tokens for i in items)
+        if tokens < token_budget:
+            return []
+        for items in taken:
+            del self.groups[items[0].trajectory.group_id]
+        return taken
