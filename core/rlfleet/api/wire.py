@@ -73,10 +73,9 @@ class Segment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.prompt_len < 1 or completion < 1:
             raise ValueError(f"prompt_len {self.prompt_len} leaves no prompt or no completion")
         for name in ("generated", "logprobs", "versions"):
-            if len(getattr(self, name)) != completion:
-                raise ValueError(
-                    f"{name} has {len(getattr(self, name))} entries for {completion} completion tokens"
-                )
+            entries = len(getattr(self, name))
+            if entries != completion:
+                raise ValueError(f"{name} has {entries} entries for {completion} completion tokens")
         if not all(math.isfinite(lp) and lp <= 0 for lp in self.logprobs):
             raise ValueError("logprobs must be finite and <= 0")
         expected = 2 * (len(self.tokens) - 1) * self.moe_layers * self.top_k
@@ -139,3 +138,43 @@ def encode_trajectory(trajectory: Trajectory) -> bytes:
 
 def decode_trajectory(data: bytes) -> Trajectory:
     return msgspec.msgpack.decode(data, type=Trajectory)
+
+
+class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
+    """What one optimiser step did, as the trainer announces it after the step is durable."""
+
+    run: str
+    step: int
+    policy_version: int
+    trajectories: list[str]  # "<group_id>/<attempt>" of each trajectory trained on
+    groups: int
+    tokens: int  # generated tokens trained on
+    reward_mean: float
+    loss: float
+    staleness_mean: float
+    staleness_max: int
+    mismatch_mean_abs: float  # |trainer log-prob - behaviour log-prob| over generated tokens
+    mismatch_max_abs: float
+    mismatch_kl: float
+    clipped_fraction: float
+    dropped_stale_total: int
+    rejected_total: int
+    step_seconds: float
+    finished_at: float
+
+
+def decode_step_report(data: bytes) -> StepReport:
+    return msgspec.json.decode(data, type=StepReport)
+
+
+# Subjects and streams shared by the components of one run.
+def trajectory_stream(run: str) -> str:
+    return f"TRAJ-{run}"
+
+
+def trajectory_subject(run: str) -> str:
+    return f"rlfleet.trajectories.{run}"
+
+
+def step_subject(run: str) -> str:
+    return f"rlfleet.trainer.{run}.steps"

@@ -96,7 +96,8 @@ def _experts(self, hidden_states, top_k_index, top_k_weights):
             gate_up, down = gate_up.t(), down.t()
         hidden = linear(hidden_states[token_idx], gate_up)
         if self.has_bias:
-            hidden = hidden + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[expert]
+            bias = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
+            hidden = hidden + bias[expert]
         hidden = self._apply_gate(hidden) if self.has_gate else self.act_fn(hidden)
         hidden = linear(hidden, down)
         if self.has_bias:

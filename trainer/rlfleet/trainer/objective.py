@@ -15,7 +15,9 @@ class ObjectiveConfig:
     kl_coef: float = 0.0  # KL to the reference policy (k3 estimator); 0 switches it off
 
 
-def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO: each reward minus its group's mean, over its group's standard deviation.
 
     A group whose rewards are all equal teaches nothing and gets advantage 0.
@@ -45,6 +47,7 @@ def policy_loss(
     mask: torch.Tensor,
     config: ObjectiveConfig,
     reference: torch.Tensor | None = None,
+    tokens: float | None = None,
 ) -> Loss:
     """Token-level clipped policy gradient with truncated importance sampling (decoupled PPO).
 
@@ -52,10 +55,11 @@ def policy_loss(
     on each of its tokens). `proximal` is the trainer's log-prob before this update and
     `behaviour` the inference engine's: the clip bounds the step from the proximal policy
     and the capped weight proximal/behaviour corrects for the samples being off-policy
-    (stale or numerically different). The mean is over every generated token of the batch.
+    (stale or numerically different). The mean is over every generated token of the batch,
+    or over `tokens` when the step is split into micro-batches (the step's total).
     """
     mask = mask.float()
-    tokens = mask.sum().clamp(min=1)
+    tokens = tokens or mask.sum().clamp(min=1)
     ratio = torch.exp(logprobs - proximal)
     clipped_ratio = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
     surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)

@@ -14,7 +14,7 @@ from rlfleet.trainer.scoring import Batch
 
 @dataclass(frozen=True)
 class Rows:
-    """A micro-batch. Target t of row b is token t+1; every [batch, width-1] tensor is per target."""
+    """A micro-batch. Target t of a row is token t+1; each [batch, width-1] tensor is per target."""
 
     batch: Batch
     behaviour: torch.Tensor  # the inference engine's log-prob of each target

@@ -1,0 +1,52 @@
+"""The trainer's settings: one JSON file, written by `rlfleet run` or the operator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from rlfleet.weightsync import SyncConfig
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    run: str
+    nats_url: str
+    model: Path  # the base Hugging Face checkpoint: policy version 0
+    checkpoint_dir: Path  # DeepSpeed checkpoints and the step log; resume from here
+    jetstream_domain: str | None = None  # the hub's domain, when connected through a leaf
+    zero_stage: Annotated[int, msgspec.Meta(ge=0, le=3)] = 1
+    batch_invariant: bool = True
+    router_replay: bool = True
+    max_staleness: Annotated[int, msgspec.Meta(ge=0)] = 4
+    step_tokens: Positive = 4096  # each optimiser step trains on at least this many tokens
+    micro_batch_tokens: Positive = 8192  # padded tokens per forward/backward
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    is_cap: float = 2.0
+    kl_coef: float = 0.0
+    group_timeout_s: float = 600.0
+    ack_wait_s: float = 600.0  # JetStream redelivers what a dead trainer never acknowledged
+    keep_checkpoints: Positive = 2
+    max_steps: int | None = None  # stop after this step (tests, fixed-budget runs)
+    seed: int = 0
+    weightsync: dict = msgspec.field(default_factory=dict)  # SyncConfig fields
+
+    def sync_config(self) -> SyncConfig:
+        return SyncConfig(**self.weightsync)
+
+
+def load(path: Path) -> TrainerConfig:
+    return msgspec.json.decode(path.read_bytes(), type=TrainerConfig, dec_hook=_paths)
+
+
+def _paths(kind: type, value: object) -> object:
+    if kind is Path and isinstance(value, str):
+        return Path(value)
+    raise NotImplementedError

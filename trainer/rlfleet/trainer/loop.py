@@ -1,0 +1,285 @@
+"""The asynchronous training loop: trajectories in, policy versions out.
+
+Per step: take full GRPO groups up to the token budget, one optimiser step, save a
+checkpoint that names the stream sequences it consumed, publish the new weights, and
+only then acknowledge those sequences. A trainer killed anywhere resumes from its last
+checkpoint: trajectories it had not trained on are redelivered; ones the checkpoint
+already holds are recognised by sequence and acknowledged without training twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import msgspec
+import nats
+import torch
+from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError
+
+from rlfleet.api.wire import (
+    StepReport,
+    Trajectory,
+    decode_trajectory,
+    encode,
+    step_subject,
+    trajectory_stream,
+    trajectory_subject,
+)
+from rlfleet.trainer import metrics
+from rlfleet.trainer.config import TrainerConfig
+from rlfleet.trainer.groups import GroupBuffer, Received, staleness
+from rlfleet.trainer.objective import group_advantages
+from rlfleet.trainer.policy import Policy
+from rlfleet.trainer.rows import make_rows, split_by_tokens
+from rlfleet.trainer.validation import problem
+from rlfleet.weightsync import Publisher, WeightStream
+
+log = logging.getLogger(__name__)
+
+CONSUMER = "trainer"
+
+
+async def ensure_trajectory_stream(js, run: str) -> None:
+    """The run's trajectory stream (work-queue semantics come from acknowledgement); idempotent."""
+    config = StreamConfig(
+        name=trajectory_stream(run),
+        subjects=[trajectory_subject(run)],
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_msg_size=32 << 20,
+    )
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        await js.update_stream(config)
+
+
+class Trainer:
+    def __init__(self, config: TrainerConfig) -> None:
+        self.config = config
+        self.buffer = GroupBuffer(timeout_s=config.group_timeout_s)
+        self.messages: dict[int, object] = {}  # held stream sequence -> message to acknowledge
+        self.consumed: set[int] = set()  # sequences the last checkpoint trained on
+        self.step = 0
+        self.dropped_stale = 0
+        self.rejected = 0
+        self.stopping = asyncio.Event()
+        self.log_path = config.checkpoint_dir / "steps.jsonl"
+
+    @property
+    def version(self) -> int:
+        return self.step
+
+    async def run(self) -> None:
+        config = self.config
+        config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.policy = await asyncio.to_thread(Policy, config)
+        self._resume(await asyncio.to_thread(self.policy.load))
+        nc = await nats.connect(config.nats_url, max_reconnect_attempts=-1)
+        try:
+            js = nc.jetstream(domain=config.jetstream_domain)
+            await ensure_trajectory_stream(js, config.run)
+            subscription = await js.pull_subscribe(
+                trajectory_subject(config.run),
+                durable=CONSUMER,
+                stream=trajectory_stream(config.run),
+                config=ConsumerConfig(
+                    ack_policy=AckPolicy.EXPLICIT,
+                    ack_wait=config.ack_wait_s,
+                    max_ack_pending=-1,
+                ),
+            )
+            weights = WeightStream(nc, config.run, config.sync_config(), config.jetstream_domain)
+            await weights.create()
+            self.publisher = Publisher(weights, config.sync_config())
+            await self._publish_weights()
+            while not self.stopping.is_set() and not self._done():
+                await self._receive(subscription)
+                await self._maybe_step(nc)
+        finally:
+            await nc.close()
+
+    def _done(self) -> bool:
+        return self.config.max_steps is not None and self.step >= self.config.max_steps
+
+    def _resume(self, state: dict | None) -> None:
+        if state is None:
+            log.info("starting run %s from %s", self.config.run, self.config.model)
+            return
+        self.step = state["step"]
+        self.consumed = set(state["consumed"])
+        self.dropped_stale = state["dropped_stale"]
+        self.rejected = state["rejected"]
+        # The step log line is written after the checkpoint; a crash between them loses it.
+        logged = self._logged_steps()
+        if self.step not in logged:
+            self._append_log(state["report"])
+        log.info("resumed at step %d (policy version %d)", self.step, self.version)
+
+    def _logged_steps(self) -> set[int]:
+        if not self.log_path.exists():
+            return set()
+        return {json.loads(line)["step"] for line in self.log_path.read_text().splitlines()}
+
+    def _append_log(self, report: dict) -> None:
+        with self.log_path.open("a") as f:
+            f.write(json.dumps(report) + "\n")
+
+    async def _receive(self, subscription) -> None:
+        try:
+            messages = await subscription.fetch(batch=256, timeout=0.2)
+        except (TimeoutError, nats.errors.TimeoutError):
+            return
+        now = time.monotonic()
+        for msg in messages:
+            seq = msg.metadata.sequence.stream
+            if seq in self.consumed:
+                # Trained on before a restart, but its acknowledgement never landed.
+                metrics.trajectories.labels("duplicate").inc()
+                await msg.ack()
+                continue
+            if seq in self.messages:
+                self.messages[seq] = msg  # a redelivery of one we hold: ack the newest
+                continue
+            trajectory = self._accept(msg.data, seq)
+            if trajectory is None:
+                await msg.term()  # it can never become valid: do not redeliver
+                continue
+            if staleness(trajectory, self.version) > self.config.max_staleness:
+                self._drop_stale([Received(seq, trajectory, now)])
+                await msg.ack()
+                continue
+            self.buffer.add(Received(seq, trajectory, now))
+            self.messages[seq] = msg
+
+    def _accept(self, data: bytes, seq: int) -> Trajectory | None:
+        try:
+            trajectory = decode_trajectory(data)
+            reason = problem(
+                trajectory, self.policy.shape, self.config.run, needs_experts=self.policy.replay
+            )
+        except (msgspec.ValidationError, msgspec.DecodeError) as error:
+            trajectory, reason = None, f"malformed: {error}"
+        if reason is None:
+            return trajectory
+        self.rejected += 1
+        label = reason.split(":", 1)[0]
+        metrics.rejected.labels(label).inc()
+        metrics.trajectories.labels("rejected").inc()
+        log.warning("rejected trajectory at stream sequence %d: %s", seq, reason)
+        return None
+
+    def _drop_stale(self, items: list[Received]) -> None:
+        for item in items:
+            self.dropped_stale += 1
+            metrics.trajectories.labels("stale").inc()
+            log.warning(
+                "dropped stale trajectory %s/%d: policy version %d is %d behind %d (max %d)",
+                item.trajectory.group_id,
+                item.trajectory.attempt,
+                item.trajectory.policy_version,
+                staleness(item.trajectory, self.version),
+                self.version,
+                self.config.max_staleness,
+            )
+
+    async def _ack(self, seqs) -> None:
+        for seq in seqs:
+            msg = self.messages.pop(seq, None)
+            if msg is not None:
+                await msg.ack_sync()
+
+    async def _maybe_step(self, nc) -> None:
+        now = time.monotonic()
+        stale = self.buffer.drop_stale(self.version, self.config.max_staleness)
+        expired = self.buffer.expire(now)
+        if expired:
+            metrics.trajectories.labels("expired").inc(len(expired))
+            log.warning("dropped %d trajectories whose groups never filled", len(expired))
+        self._drop_stale(stale)
+        await self._ack(item.seq for item in stale + expired)
+        groups = self.buffer.take(self.config.step_tokens, now)
+        if not groups:
+            return
+        started = time.perf_counter()
+        items = [item for group in groups for item in group]
+        rewards = torch.tensor([i.trajectory.reward for i in items])
+        group_index = torch.tensor([n for n, group in enumerate(groups) for _ in group])
+        advantages = group_advantages(rewards, group_index).tolist()
+        segments = [
+            (segment, advantage)
+            for item, advantage in zip(items, advantages, strict=True)
+            for segment in item.trajectory.segments
+        ]
+        micro_batches = [
+            make_rows([s for s, _ in chunk], [a for _, a in chunk], self.policy.pad_id)
+            for chunk in split_by_tokens(segments, self.config.micro_batch_tokens)
+        ]
+        result = await asyncio.to_thread(self.policy.train_step, micro_batches)
+        lags = [staleness(i.trajectory, self.version) for i in items]
+        report = StepReport(
+            run=self.config.run,
+            step=self.step + 1,
+            policy_version=self.version + 1,
+            trajectories=[f"{i.trajectory.group_id}/{i.trajectory.attempt}" for i in items],
+            groups=len(groups),
+            tokens=result.tokens,
+            reward_mean=float(rewards.mean()),
+            loss=result.loss,
+            staleness_mean=sum(lags) / len(lags),
+            staleness_max=max(lags),
+            mismatch_mean_abs=result.mismatch.mean_abs,
+            mismatch_max_abs=result.mismatch.max_abs,
+            mismatch_kl=result.mismatch.kl,
+            clipped_fraction=result.clipped_fraction,
+            dropped_stale_total=self.dropped_stale,
+            rejected_total=self.rejected,
+            step_seconds=time.perf_counter() - started,
+            finished_at=time.time(),
+        )
+        self.step += 1
+        seqs = [item.seq for item in items]
+        record = msgspec.to_builtins(report)
+        await asyncio.to_thread(
+            self.policy.save,
+            self.step,
+            {
+                "step": self.step,
+                "consumed": seqs,
+                "dropped_stale": self.dropped_stale,
+                "rejected": self.rejected,
+                "report": record,
+            },
+        )
+        self.consumed = set(seqs)
+        self._append_log(record)
+        await self._publish_weights()
+        await self._ack(seqs)
+        await nc.publish(step_subject(self.config.run), encode(report))
+        metrics.steps.inc()
+        metrics.trajectories.labels("trained").inc(len(items))
+        for stat in ("mean_abs", "max_abs", "kl"):
+            metrics.mismatch.labels(stat).set(getattr(result.mismatch, stat))
+        log.info(
+            "step %d: %d trajectories, %d tokens, reward %.3f, loss %.4f, staleness %.2f, "
+            "mismatch |dlogp| mean %.2e max %.2e kl %.2e, %.2fs",
+            self.step,
+            len(items),
+            result.tokens,
+            report.reward_mean,
+            result.loss,
+            report.staleness_mean,
+            result.mismatch.mean_abs,
+            result.mismatch.max_abs,
+            result.mismatch.kl,
+            report.step_seconds,
+        )
+
+    async def _publish_weights(self) -> None:
+        tensors = await asyncio.to_thread(self.policy.weights)
+        await self.publisher.publish(tensors, self.version)
+        metrics.policy_version.set(self.version)

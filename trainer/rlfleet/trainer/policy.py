@@ -1,0 +1,165 @@
+"""The policy being trained: a DeepSpeed engine over a Hugging Face causal LM."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+from transformers import AutoModelForCausalLM
+from transformers.core_model_loading import revert_weight_conversion
+
+from rlfleet.trainer.config import TrainerConfig
+from rlfleet.trainer.objective import Mismatch, ObjectiveConfig, policy_loss
+from rlfleet.trainer.rows import Rows
+from rlfleet.trainer.scoring import prepare, token_logprobs
+from rlfleet.trainer.validation import ModelShape
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    tokens: int
+    mismatch: Mismatch
+    clipped_fraction: float
+
+
+def _init_distributed() -> None:
+    if not os.environ.get("MASTER_PORT"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("WORLD_SIZE", "1")
+    # The CPU accelerator defaults to oneCCL; gloo needs nothing installed.
+    backend = "gloo" if get_accelerator().device_name() == "cpu" else None
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+class Policy:
+    def __init__(self, config: TrainerConfig) -> None:
+        self.config = config
+        self.objective = ObjectiveConfig(
+            clip_low=config.clip_low,
+            clip_high=config.clip_high,
+            is_cap=config.is_cap,
+            kl_coef=config.kl_coef,
+        )
+        _init_distributed()
+        torch.manual_seed(config.seed)
+        model_config = json.loads((config.model / "config.json").read_text())
+        # Published weights keep the checkpoint's dtype, the one the inference engine serves.
+        self.serve_dtype = getattr(torch, model_config.get("dtype", "bfloat16"))
+        model = self._load_model()
+        self.shape = ModelShape(
+            vocab_size=model.config.vocab_size,
+            moe_layers=self._moe_layers,
+            num_experts=getattr(model.config, "num_experts", 0),
+            top_k=getattr(model.config, "num_experts_per_tok", 0),
+        )
+        self.pad_id = model.config.pad_token_id or 0
+        self.reference = self._load_model().eval() if config.kl_coef > 0 else None
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
+        self.engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            config={
+                "train_micro_batch_size_per_gpu": 1,
+                "gradient_accumulation_steps": 1,
+                # A step has as many micro-batches as its tokens need: the loop owns the boundary.
+                "managed_gradient_accumulation": False,
+                "gradient_clipping": config.grad_clip,
+                "zero_optimization": {"stage": config.zero_stage},
+                "zero_allow_untested_optimizer": True,
+                "steps_per_print": 1 << 30,
+            },
+        )
+
+    def _load_model(self) -> torch.nn.Module:
+        model = AutoModelForCausalLM.from_pretrained(self.config.model, dtype=torch.float32)
+        prepare(model, batch_invariant=self.config.batch_invariant)
+        self._moe_layers = sum(1 for m in model.modules() if hasattr(m, "_rlfleet_layer"))
+        return model
+
+    @property
+    def replay(self) -> bool:
+        return self.config.router_replay and self.shape.moe_layers > 0
+
+    def logprobs(self, rows: Rows, model: torch.nn.Module | None = None) -> torch.Tensor:
+        return token_logprobs(
+            model or self.engine,
+            rows.batch,
+            batch_invariant=self.config.batch_invariant,
+            replay=self.replay,
+        )
+
+    def train_step(self, micro_batches: list[Rows]) -> StepResult:
+        """One optimiser step over all `micro_batches`; the loss is a mean over all their tokens."""
+        self.engine.train()
+        tokens = sum(rows.tokens for rows in micro_batches)
+        total_loss, clipped = 0.0, 0.0
+        trainer_lp, behaviour_lp, masks = [], [], []
+        for rows in micro_batches:
+            logprobs = self.logprobs(rows)
+            reference = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    reference = self.logprobs(rows, self.reference)
+            # One update per batch: the proximal policy is the current one (ratio 1, clip idle),
+            # and the truncated importance weight carries the off-policy correction.
+            result = policy_loss(
+                logprobs,
+                logprobs.detach(),
+                rows.behaviour,
+                rows.advantages,
+                rows.mask,
+                self.objective,
+                reference,
+                tokens=tokens,
+            )
+            self.engine.backward(result.loss, scale_wrt_gas=False)
+            total_loss += float(result.loss.detach())
+            clipped += result.clipped_fraction * rows.tokens / tokens
+            trainer_lp.append(logprobs.detach().flatten())
+            behaviour_lp.append(rows.behaviour.flatten())
+            masks.append(rows.mask.flatten())
+        self.engine.step()
+        mismatch = Mismatch.of(torch.cat(trainer_lp), torch.cat(behaviour_lp), torch.cat(masks))
+        return StepResult(total_loss, tokens, mismatch, clipped)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The policy's tensors under the checkpoint's names, in the serving dtype."""
+        module = self.engine.module
+        with deepspeed.zero.GatheredParameters(
+            list(module.parameters()), enabled=self.config.zero_stage == 3
+        ):
+            state = {k: v.detach().to(self.serve_dtype) for k, v in module.state_dict().items()}
+        return revert_weight_conversion(module, state)
+
+    def save(self, step: int, client_state: dict[str, Any]) -> None:
+        directory = self.config.checkpoint_dir
+        tag = f"step-{step:08d}"
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state)
+        tags = sorted(p for p in directory.glob("step-*") if p.is_dir())
+        for old in tags[: -self.config.keep_checkpoints]:
+            shutil.rmtree(old)
+
+    def load(self) -> dict[str, Any] | None:
+        """The client state of the newest checkpoint after restoring it, or None to start fresh."""
+        if not (self.config.checkpoint_dir / "latest").exists():
+            return None
+        path, client_state = self.engine.load_checkpoint(str(self.config.checkpoint_dir))
+        log.info("resumed from %s", path)
+        return client_state
