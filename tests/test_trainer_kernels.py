@@ -1,0 +1,173 @@
+"""Batch-invariant scoring and router replay on the real tiny MoE (Hugging Face, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlfleet.api.wire import Segment
+from rlfleet.models.tiny import init_model
+from rlfleet.trainer.objective import ObjectiveConfig, group_advantages, policy_loss
+from rlfleet.trainer.rows import make_rows, routed_experts
+from rlfleet.trainer.scoring import Batch, prepare, token_logprobs
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model("tiny-moe", tmp_path_factory.mktemp("tiny-moe"))
+
+
+def _model(path: Path, batch_invariant: bool) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return prepare(model, batch_invariant=batch_invariant).eval()
+
+
+def _sequences(count: int, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 150, (count,), generator=gen)
+    return [torch.randint(0, 300, (int(n),), generator=gen) for n in lengths]
+
+
+def _alone_vs_batched(model: torch.nn.Module, invariant: bool) -> list[bool]:
+    """For batch sizes 1, 3 and 8: is each sequence's log-prob row bitwise its solo row?"""
+    sequences = _sequences(8)
+    with torch.no_grad():
+        alone = [
+            token_logprobs(model, Batch.of([s]), batch_invariant=invariant, replay=False)[0]
+            for s in sequences
+        ]
+        same = []
+        for size in (1, 3, 8):
+            for i in range(size):
+                # Vary who shares the batch: sequence i sits among different neighbours.
+                members = [sequences[(i + j) % 8] for j in range(size)]
+                rows = token_logprobs(
+                    model, Batch.of(members), batch_invariant=invariant, replay=False
+                )
+                n = len(sequences[i]) - 1
+                same.append(torch.equal(rows[0, :n], alone[i][:n]))
+    return same
+
+
+def test_batch_invariant_logprobs_do_not_depend_on_the_batch(tiny_moe: Path) -> None:
+    assert all(_alone_vs_batched(_model(tiny_moe, True), invariant=True))
+
+
+def test_default_kernels_do_depend_on_the_batch(tiny_moe: Path) -> None:
+    # What the invariant mode fixes is real: the same comparison fails with default kernels.
+    assert not all(_alone_vs_batched(_model(tiny_moe, False), invariant=False))
+
+
+def test_both_modes_compute_the_same_function(tiny_moe: Path) -> None:
+    batch = Batch.of(_sequences(4))
+    with torch.no_grad():
+        invariant = token_logprobs(
+            _model(tiny_moe, True), batch, batch_invariant=True, replay=False
+        )
+        default = token_logprobs(
+            _model(tiny_moe, False), batch, batch_invariant=False, replay=False
+        )
+    torch.testing.assert_close(invariant, default, rtol=0, atol=1e-4)
+
+
+def _segment(length: int, experts: np.ndarray) -> Segment:
+    rng = np.random.default_rng(length)
+    prompt = 5
+    return Segment(
+        tokens=rng.integers(0, 256, length).tolist(),
+        prompt_len=prompt,
+        generated=[1] * (length - prompt),
+        logprobs=[-3.0] * (length - prompt),
+        versions=[0] * (length - prompt),
+        routed_experts=experts.astype("<u2").tobytes(),
+        moe_layers=experts.shape[1],
+        top_k=experts.shape[2],
+    )
+
+
+def _record_experts(model: torch.nn.Module) -> dict[int, list[torch.Tensor]]:
+    seen: dict[int, list[torch.Tensor]] = {}
+    experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    for layer, module in enumerate(experts):
+        module.register_forward_hook(
+            lambda mod, args, out, layer=layer: seen.setdefault(layer, []).append(args[1].clone())
+        )
+    return seen
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_router_replay_trains_with_exactly_the_trajectory_experts(
+    tiny_moe: Path, batch_invariant: bool
+) -> None:
+    rng = np.random.default_rng(0)
+    lengths = (40, 17, 29)
+    # Experts the inference engine reported: distinct, sorted per token, unlike the model's own.
+    chosen = [
+        np.sort(np.stack([rng.permutation(8)[:2] for _ in range((n - 1) * 2)]), axis=-1)
+        for n in lengths
+    ]
+    segments = [_segment(n, c.reshape(n - 1, 2, 2)) for n, c in zip(lengths, chosen, strict=True)]
+    rows = make_rows(segments, [1.0, -0.5, 0.25], pad_id=0)
+    model = _model(tiny_moe, batch_invariant)
+    model.train()
+    seen = _record_experts(model)
+    logprobs = token_logprobs(model, rows.batch, batch_invariant=batch_invariant, replay=True)
+    loss = policy_loss(
+        logprobs, logprobs.detach(), rows.behaviour, rows.advantages, rows.mask, ObjectiveConfig()
+    ).loss
+    loss.backward()
+    real = rows.batch.mask()[:, 1:].reshape(-1)
+    for layer in (0, 1):
+        used = seen[layer][0].view(len(lengths), -1, 2)
+        for row, segment in enumerate(segments):
+            n = len(segment.tokens) - 1
+            expected = routed_experts(segment)[:, layer]
+            assert torch.equal(used[row, :n].sort(-1).values, expected)
+    assert real.sum() == sum(n - 1 for n in lengths)
+    # R3: the gate weights come from the trainer's router, which keeps learning.
+    routers = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in routers)
+
+
+def test_without_replay_the_trainer_routes_by_itself(tiny_moe: Path) -> None:
+    # So the replay test above can fail: the model's own top-k is not the reported experts.
+    n = 40
+    rng = np.random.default_rng(0)
+    reported = np.sort(np.stack([rng.permutation(8)[:2] for _ in range((n - 1) * 2)]), -1)
+    segment = _segment(n, reported.reshape(n - 1, 2, 2))
+    model = _model(tiny_moe, True)
+    seen = _record_experts(model)
+    with torch.no_grad():
+        token_logprobs(
+            model, make_rows([segment], [1.0], 0).batch, batch_invariant=True, replay=False
+        )
+    own = seen[0][0].view(-1, 2)[: n - 1].sort(-1).values
+    assert not torch.equal(own, routed_experts(segment)[:, 0])
+
+
+def test_group_advantages_normalise_within_each_group() -> None:
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5, 0.5, 0.5])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    advantages = group_advantages(rewards, groups)
+    torch.testing.assert_close(
+        advantages[:4], torch.tensor([1.0, -1.0, 1.0, -1.0]), atol=1e-4, rtol=0
+    )
+    # A group whose attempts all scored the same has nothing to teach.
+    assert torch.equal(advantages[4:], torch.zeros(3))
+
+
+def test_truncated_importance_weight_is_capped() -> None:
+    logprobs = torch.tensor([[-0.1, -0.1]], requires_grad=True)
+    behaviour = torch.tensor([[-5.0, -0.1]])  # first token: the engine thought it far less likely
+    config = ObjectiveConfig(is_cap=2.0)
+    result = policy_loss(
+        logprobs, logprobs.detach(), behaviour, torch.ones(1, 2), torch.ones(1, 2), config
+    )
+    result.loss.backward()
+    # Weights min(exp(4.9), 2) = 2 and exp(0) = 1, averaged over the two tokens.
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.0, -0.5]]))
+    assert result.is_weight_mean == pytest.approx(1.5)

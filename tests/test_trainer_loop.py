@@ -1,0 +1,227 @@
+"""The trainer process (DeepSpeed, CPU accelerator) fed over real NATS JetStream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import nats
+import numpy as np
+import pytest
+
+from rlfleet.api.wire import Segment, Trajectory, encode_trajectory, trajectory_subject
+from rlfleet.models.tiny import init_model
+from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
+from rlfleet.trainer.loop import ensure_trajectory_stream
+
+pytestmark = [pytest.mark.nats, pytest.mark.slow]
+
+GROUP = 4
+LENGTH = 30  # tokens per trajectory; two groups fill a 200-token step
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model("tiny-moe", tmp_path_factory.mktemp("tiny-moe"))
+
+
+def trajectory(run: str, group: str, attempt: int, version: int, **fields) -> Trajectory:
+    rng = np.random.default_rng(abs(hash((group, attempt))) % 2**32)
+    prompt, n = 8, LENGTH
+    segment = dict(
+        tokens=rng.integers(0, 256, n).tolist(),
+        prompt_len=prompt,
+        generated=[1] * (n - prompt),
+        logprobs=(-rng.random(n - prompt) * 6).tolist(),
+        versions=[version] * (n - prompt),
+        routed_experts=rng.integers(0, 8, (n - 1) * 2 * 2).astype("<u2").tobytes(),
+        moe_layers=2,
+        top_k=2,
+    ) | fields.pop("segment", {})
+    return Trajectory(
+        run=run,
+        task_id=group,
+        group_id=group,
+        group_size=GROUP,
+        attempt=attempt,
+        reward=float(rng.random()),
+        reward_breakdown={"exact": 1.0},
+        segments=[Segment(**segment)],
+        worker="test",
+        created_at=time.time(),
+        **fields,
+    )
+
+
+def group(run: str, name: str, version: int) -> list[bytes]:
+    return [encode_trajectory(trajectory(run, name, a, version)) for a in range(GROUP)]
+
+
+async def publish(url: str, run: str, payloads: list[bytes]) -> None:
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream(domain=HUB_DOMAIN)
+        await ensure_trajectory_stream(js, run)
+        for payload in payloads:
+            await js.publish(trajectory_subject(run), payload)
+    finally:
+        await nc.close()
+
+
+class TrainerProcess:
+    def __init__(self, directory: Path, model: Path, url: str, **settings) -> None:
+        self.run = f"t{uuid.uuid4().hex[:8]}"
+        self.directory = directory
+        self.config = directory / "trainer.json"
+        self.config.write_text(
+            json.dumps(
+                {
+                    "run": self.run,
+                    "nats_url": url,
+                    "jetstream_domain": HUB_DOMAIN,
+                    "model": str(model),
+                    "checkpoint_dir": str(directory / "checkpoints"),
+                    "step_tokens": 200,
+                    "weightsync": {"snapshot_every": 4},
+                }
+                | settings
+            )
+        )
+        self.log = directory / "trainer.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = os.environ | {"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+        with self.log.open("a") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rlfleet.trainer", str(self.config)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def steps(self) -> list[dict]:
+        path = self.directory / "checkpoints" / "steps.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def wait(self, condition: Callable[[], bool], timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.proc is not None
+            if self.proc.poll() is not None and not condition():
+                raise AssertionError(f"trainer exited {self.proc.returncode}:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting on the trainer:\n{self.tail()}")
+            time.sleep(0.2)
+
+    def tail(self) -> str:
+        return "\n".join(self.log.read_text().splitlines()[-30:])
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@contextlib.contextmanager
+def trainer(
+    tmp_path: Path, tiny_moe: Path, servers: StandaloneNats, **settings
+) -> Iterator[TrainerProcess]:
+    process = TrainerProcess(tmp_path, tiny_moe, servers.bed.hub.authenticated_url, **settings)
+    try:
+        yield process
+    finally:
+        process.kill()
+
+
+def trained(process: TrainerProcess) -> list[str]:
+    return [t for step in process.steps() for t in step["trajectories"]]
+
+
+def test_stale_and_malformed_trajectories_never_reach_the_optimiser(
+    tmp_path: Path, tiny_moe: Path, nats_servers: StandaloneNats
+) -> None:
+    url = nats_servers.bed.hub.authenticated_url
+    with trainer(tmp_path, tiny_moe, nats_servers, max_staleness=1, max_steps=3) as process:
+        run = process.run
+        good = trajectory(run, "x", 0, 0)
+        as_dict = msgspec.msgpack.decode(encode_trajectory(good))
+        malformed = [
+            b"not a trajectory",
+            msgspec.msgpack.encode(as_dict | {"schema": "rlfleet.io/trajectory/v9"}),
+            msgspec.msgpack.encode(as_dict | {"reward": math.nan}),
+            msgspec.msgpack.encode(
+                as_dict | {"segments": [as_dict["segments"][0] | {"logprobs": [-1.0]}]}
+            ),
+            encode_trajectory(trajectory(run, "x", 1, 0, segment={"tokens": [999] * LENGTH})),
+            encode_trajectory(
+                trajectory(
+                    run,
+                    "x",
+                    2,
+                    0,
+                    segment={"routed_experts": np.full((LENGTH - 1) * 4, 8, "<u2").tobytes()},
+                )
+            ),
+        ]
+        asyncio.run(publish(url, run, malformed + group(run, "a", 0) + group(run, "b", 0)))
+        process.start()
+        process.wait(lambda: len(process.steps()) == 1)
+        # One version behind is within the bound.
+        asyncio.run(publish(url, run, group(run, "c", 0) + group(run, "d", 0)))
+        process.wait(lambda: len(process.steps()) == 2)
+        # Now version 0 is two behind: e and f are dropped; g and h (version 2) train.
+        asyncio.run(
+            publish(
+                url,
+                run,
+                group(run, "e", 0) + group(run, "f", 0) + group(run, "g", 2) + group(run, "h", 2),
+            )
+        )
+        process.wait(lambda: len(process.steps()) == 3)
+        assert process.proc is not None and process.proc.wait(timeout=60) == 0
+    steps = process.steps()
+    assert {t.split("/")[0] for t in trained(process)} == set("abcdgh")
+    assert steps[-1]["dropped_stale_total"] == 2 * GROUP
+    assert steps[-1]["rejected_total"] == len(malformed)
+    assert [s["policy_version"] for s in steps] == [1, 2, 3]
+    log = process.log.read_text()
+    for reason in ("malformed", "token_out_of_range", "expert_out_of_range", "is not finite"):
+        assert reason in log
+    assert "dropped stale trajectory e/0: policy version 0 is 2 behind 2 (max 1)" in log
+
+
+def test_a_killed_trainer_resumes_without_losing_or_repeating_trajectories(
+    tmp_path: Path, tiny_moe: Path, nats_servers: StandaloneNats
+) -> None:
+    url = nats_servers.bed.hub.authenticated_url
+    names = "abcdef"
+    with trainer(tmp_path, tiny_moe, nats_servers, max_steps=3, ack_wait_s=3) as process:
+        run = process.run
+        asyncio.run(publish(url, run, [p for name in names for p in group(run, name, 0)]))
+        process.start()
+        # Killed the moment step 1 is durable: before its weights or acknowledgements go out.
+        process.wait(lambda: len(process.steps()) >= 1)
+        process.kill()
+        killed_at = len(process.steps())
+        process.start()
+        process.wait(lambda: len(process.steps()) == 3)
+        assert process.proc is not None and process.proc.wait(timeout=60) == 0
+    ids = trained(process)
+    assert sorted(ids) == sorted(f"{name}/{a}" for name in names for a in range(GROUP))
+    assert [s["step"] for s in process.steps()] == [1, 2, 3]
+    assert f"resumed at step {killed_at}" in process.log.read_text()
