@@ -23,10 +23,13 @@ import pytest
 from rlfleet.api.wire import Segment, Trajectory, encode_trajectory, trajectory_subject
 from rlfleet.models.tiny import init_model
 from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
+from rlfleet.testbed.processes import run_in_session
 from rlfleet.trainer.loop import ensure_trajectory_stream
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
+PROBES = Path(__file__).parent / "probes"
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 GROUP = 4
 LENGTH = 30  # tokens per trajectory; two groups fill a 200-token step
 
@@ -225,3 +228,50 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_trajectories(
     assert sorted(ids) == sorted(f"{name}/{a}" for name in names for a in range(GROUP))
     assert [s["step"] for s in process.steps()] == [1, 2, 3]
     assert f"resumed at step {killed_at}" in process.log.read_text()
+
+
+def test_trainer_raises_the_reward_of_a_fixed_policy_on_a_verifiable_task(
+    tmp_path: Path, tiny_moe: Path, nats_servers: StandaloneNats
+) -> None:
+    url = nats_servers.bed.hub.authenticated_url
+    rounds, groups, group_size, max_tokens = 12, 8, 4, 12
+    with trainer(
+        tmp_path,
+        tiny_moe,
+        nats_servers,
+        jetstream_domain=None,
+        router_replay=False,
+        max_staleness=0,
+        lr=1e-2,
+        step_tokens=groups * group_size * 20,
+        max_steps=rounds - 1,
+    ) as process:
+        asyncio.run(publish(url, process.run, []))
+        process.start()
+        args = tmp_path / "rollout.json"
+        args.write_text(
+            json.dumps(
+                {
+                    "checkpoint": str(tiny_moe),
+                    "nats_url": url,
+                    "run": process.run,
+                    "rounds": rounds,
+                    "groups": groups,
+                    "group_size": group_size,
+                    "max_tokens": max_tokens,
+                }
+            )
+        )
+        out = tmp_path / "rollout-report.json"
+        result = run_in_session(
+            [sys.executable, str(PROBES / "rollout_digits.py"), str(args), str(out)],
+            env={**os.environ, **ENGINE_ENV},
+            timeout=900,
+        )
+        assert result.returncode == 0, result.stderr[-3000:] + process.tail()
+    report = json.loads(out.read_text())["rounds"]
+    rewards = [r["reward"] for r in report]
+    # Each round samples from the version trained on every round before it.
+    assert [r["version"] for r in report] == list(range(rounds))
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.15, rewards
