@@ -32,7 +32,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 NAME = "rlfleet_batch_invariant"
 # Rows per GEMM tile. Padding wastes at most TILE-1 rows per call (per expert in MoE).
-TILE = 32
+TILE = 64
 
 _lengths: contextvars.ContextVar[Sequence[int] | None] = contextvars.ContextVar(
     "rlfleet_sequence_lengths", default=None

@@ -2,7 +2,9 @@
 
 This is the public API; other components import from here, never from the modules.
 Trainers publish (`Publisher`), rollout workers receive (`Receiver`) or let vLLM's
-workers receive (`vllm_options`, `vllm_start`, `vllm_update`).
+workers receive (`vllm_options`, `vllm_start`, `vllm_update`). A component that adds
+its own methods to vLLM's workers subclasses `WeightsyncWorker` and names its class in
+`vllm_options(worker_extension=...)`.
 """
 
 from rlfleet.weightsync.config import SyncConfig
@@ -15,6 +17,7 @@ from rlfleet.weightsync.vllm_client import llm_options as vllm_options
 from rlfleet.weightsync.vllm_client import start as vllm_start
 from rlfleet.weightsync.vllm_client import status as vllm_status
 from rlfleet.weightsync.vllm_client import update as vllm_update
+from rlfleet.weightsync.vllm_worker import WeightsyncWorker
 
 __all__ = [
     "Publisher",
@@ -23,6 +26,7 @@ __all__ = [
     "VllmUpdate",
     "WeightState",
     "WeightStream",
+    "WeightsyncWorker",
     "vllm_options",
     "vllm_start",
     "vllm_status",

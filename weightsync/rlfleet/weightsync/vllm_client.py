@@ -13,11 +13,16 @@ ENGINE_NAME = "rlfleet-weightsync"
 _STATUS = "rlfleet_weightsync_status"
 
 
-def llm_options() -> dict[str, Any]:
-    """Keyword arguments for `vllm.LLM` (or engine args) that enable the engine."""
+def llm_options(
+    worker_extension: str = "rlfleet.weightsync.vllm_worker.WeightsyncWorker",
+) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM` (or engine args) that enable the engine.
+
+    `worker_extension` names a subclass of `WeightsyncWorker`, for callers that add methods.
+    """
     return {
         "weight_transfer_config": {"backend": ENGINE_NAME},
-        "worker_extension_cls": "rlfleet.weightsync.vllm_worker.WeightsyncWorker",
+        "worker_extension_cls": worker_extension,
     }
 
 

@@ -163,6 +163,9 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             return {"held": receiver.version, "loaded": self.loaded_version, "digest": digest}
 
     def shutdown(self) -> None:
+        if getattr(self, "_loop", None) is None:
+            return  # vLLM made the engine, but nobody started following weights with it
+
         async def close() -> None:
             self._stop.set()
             self._following.cancel()

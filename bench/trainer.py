@@ -1,0 +1,216 @@
+"""Benchmark: the trainer's batch-invariant kernels, step throughput, and router replay.
+
+Prints one JSON object; ratios compare numbers measured in this same run.
+
+- `invariant_overhead`: seconds per training step (forward, backward, optimiser step
+  through DeepSpeed) with batch-invariant kernels over the same with default kernels,
+  on the same batch of the tiny MoE. `train_tokens_per_s` is tokens per second of that
+  step in batch-invariant mode (the production default), `default_tokens_per_s` without.
+- `mismatch_*`: real vLLM (CPU, bf16) samples completions and reports each token's
+  log-prob and the experts it routed to; the trainer (fp32 master weights) scores the
+  same tokens with router replay and without. `mismatch_kl_*` is the k3 estimate of
+  KL(vLLM || trainer) per generated token, `mismatch_abs_*` the mean |delta log-prob|,
+  `routing_agreement` the share of (token, layer) expert sets the trainer's own router
+  picks identically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SAMPLE_PROMPTS = 16
+SAMPLE_N = 4
+SAMPLE_TOKENS = 48
+
+
+def sample_with_vllm(model: Path, out: Path) -> None:
+    """Runs in a child process: vLLM samples and records log-probs and routed experts."""
+    from vllm import LLM, SamplingParams
+
+    from rlfleet.rollout import vllm_experts
+    from rlfleet.weightsync import vllm_options
+
+    llm = LLM(
+        model=str(model),
+        dtype="bfloat16",
+        max_model_len=512,
+        enforce_eager=True,
+        seed=0,
+        # Cached prompt tokens are not run, so their experts would not be recorded.
+        enable_prefix_caching=False,
+        **vllm_options(worker_extension=vllm_experts.EXTENSION),
+    )
+    vllm_experts.start(llm)
+    prompts = [
+        f"<|im_start|>user\nTask {i}: add {i * 7} and {i * 13}.<|im_end|>\n<|im_start|>assistant\n"
+        for i in range(SAMPLE_PROMPTS)
+    ]
+    params = SamplingParams(
+        n=SAMPLE_N, max_tokens=SAMPLE_TOKENS, min_tokens=SAMPLE_TOKENS, logprobs=0, seed=0
+    )
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    samples = []
+    for request, experts in zip(outputs, vllm_experts.take(llm, outputs), strict=True):
+        for completion, routed in zip(request.outputs, experts, strict=True):
+            samples.append(
+                {
+                    "tokens": list(request.prompt_token_ids) + list(completion.token_ids),
+                    "prompt_len": len(request.prompt_token_ids),
+                    "logprobs": [
+                        e[t].logprob
+                        for t, e in zip(completion.token_ids, completion.logprobs, strict=True)
+                    ],
+                    "experts": routed.tolist(),
+                }
+            )
+    out.write_text(json.dumps(samples))
+
+
+def mismatch(model_dir: Path, samples: list[dict]) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    from rlfleet.trainer.objective import Mismatch
+    from rlfleet.trainer.scoring import Batch, prepare, token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prepare(model, batch_invariant=True).eval()
+    batch = Batch.of(
+        [torch.tensor(s["tokens"]) for s in samples],
+        [torch.tensor(s["experts"]) for s in samples],
+    )
+    behaviour = torch.zeros(len(samples), batch.tokens.shape[1] - 1)
+    mask = torch.zeros_like(behaviour)
+    for row, s in enumerate(samples):
+        span = slice(s["prompt_len"] - 1, len(s["tokens"]) - 1)
+        behaviour[row, span] = torch.tensor(s["logprobs"])
+        mask[row, span] = 1
+    result = {}
+    own: list[torch.Tensor] = []
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out: own.append(out[2].clone()))
+        for name, m in model.named_modules()
+        if name.endswith("mlp.gate")
+    ]
+    with torch.no_grad():
+        for replay in (True, False):
+            own.clear()
+            trainer = token_logprobs(model, batch, batch_invariant=True, replay=replay)
+            found = Mismatch.of(trainer, behaviour, mask)
+            key = "replay" if replay else "no_replay"
+            result[f"mismatch_kl_{key}"] = found.kl
+            result[f"mismatch_abs_{key}"] = found.mean_abs
+            result[f"mismatch_max_abs_{key}"] = found.max_abs
+    for hook in hooks:
+        hook.remove()
+    # The last pass routed by the trainer's own top-k: how often did it agree with vLLM?
+    real = batch.mask()[:, 1:].reshape(-1)
+    agree = []
+    for layer, chosen in enumerate(own):
+        reported = batch.experts[:, :, layer].reshape(-1, chosen.shape[-1])
+        same = (chosen.sort(-1).values == reported.sort(-1).values).all(-1)
+        agree.append(same[real].float().mean())
+    result["routing_agreement"] = float(torch.stack(agree).mean())
+    return result
+
+
+def step_timing(model_dir: Path, work: Path) -> dict[str, float]:
+    from rlfleet.api.wire import Segment
+    from rlfleet.trainer.config import TrainerConfig
+    from rlfleet.trainer.policy import Policy
+    from rlfleet.trainer.rows import make_rows, split_by_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    segments = []
+    for _ in range(32):
+        n = int(torch.randint(64, 257, (1,), generator=gen))
+        prompt = 32
+        segments.append(
+            (
+                Segment(
+                    tokens=torch.randint(0, 256, (n,), generator=gen).tolist(),
+                    prompt_len=prompt,
+                    generated=[1] * (n - prompt),
+                    logprobs=[-2.0] * (n - prompt),
+                    versions=[0] * (n - prompt),
+                    routed_experts=torch.randint(0, 8, ((n - 1) * 4,), generator=gen)
+                    .to(torch.int16)
+                    .numpy()
+                    .astype("<u2")
+                    .tobytes(),
+                    moe_layers=2,
+                    top_k=2,
+                ),
+                float(torch.randn(1, generator=gen)),
+            )
+        )
+    tokens = sum(len(s.tokens) for s, _ in segments)
+    seconds = {}
+    for invariant in (True, False):
+        config = TrainerConfig(
+            run="bench",
+            nats_url="nats://unused",
+            model=model_dir,
+            checkpoint_dir=work / f"ckpt-{invariant}",
+            batch_invariant=invariant,
+            lr=1e-5,
+        )
+        policy = Policy(config)
+        micro = [
+            make_rows([s for s, _ in chunk], [a for _, a in chunk], 0)
+            for chunk in split_by_tokens(segments, config.micro_batch_tokens)
+        ]
+        policy.train_step(micro)  # warm-up
+        runs = []
+        for _ in range(5):
+            started = time.perf_counter()
+            policy.train_step(micro)
+            runs.append(time.perf_counter() - started)
+        seconds[invariant] = statistics.median(runs)
+    return {
+        "step_tokens": tokens,
+        "invariant_step_s": seconds[True],
+        "default_step_s": seconds[False],
+        "invariant_overhead": seconds[True] / seconds[False],
+        "train_tokens_per_s": tokens / seconds[True],
+        "default_tokens_per_s": tokens / seconds[False],
+    }
+
+
+def main() -> None:
+    from rlfleet.models.tiny import init_model
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model = init_model("tiny-moe", work / "tiny-moe")
+        samples_path = work / "samples.json"
+        subprocess.run(
+            [sys.executable, __file__, "--sample", str(model), str(samples_path)],
+            check=True,
+            env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        result = {"benchmark": "trainer", "model": "tiny-moe"}
+        result |= mismatch(model, json.loads(samples_path.read_text()))
+        result["replay_kl_reduction"] = result["mismatch_kl_no_replay"] / max(
+            result["mismatch_kl_replay"], 1e-12
+        )
+        result |= step_timing(model, work)
+    print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in result.items()}))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--sample"]:
+        sample_with_vllm(Path(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        main()
