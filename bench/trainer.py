@@ -206,7 +206,8 @@ def main() -> None:
             result["mismatch_kl_replay"], 1e-12
         )
         result |= step_timing(model, work)
-    print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in result.items()}))
+    rounded = {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in result.items()}
+    print(json.dumps(rounded))
 
 
 if __name__ == "__main__":

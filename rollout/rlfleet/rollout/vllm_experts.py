@@ -107,6 +107,5 @@ def take(llm, outputs) -> list[list[np.ndarray]]:
     ]
     found = llm.collective_rpc("rlfleet_experts_take", args=([k for ks in keys for k in ks],))[0]
     return [
-        [np.frombuffer(found[k][0], dtype="<u2").reshape(found[k][1]) for k in ks]
-        for ks in keys
+        [np.frombuffer(found[k][0], dtype="<u2").reshape(found[k][1]) for k in ks] for ks in keys
     ]
