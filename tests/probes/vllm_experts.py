@@ -1,0 +1,48 @@
+"""vLLM samples with routed experts recorded in its workers; argv: CHECKPOINT OUT_JSON."""
+
+import json
+import sys
+from pathlib import Path
+
+PROMPTS = [
+    "<|im_start|>user\n12+30=<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nreverse the string abcdef<|im_end|>\n<|im_start|>assistant\n",
+    "hi",
+]
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+
+    from rlfleet.rollout import vllm_experts
+    from rlfleet.weightsync import vllm_options
+
+    llm = LLM(
+        model=sys.argv[1],
+        dtype="bfloat16",
+        max_model_len=256,
+        enforce_eager=True,
+        seed=0,
+        enable_prefix_caching=False,
+        **vllm_options(worker_extension=vllm_experts.EXTENSION),
+    )
+    layers = vllm_experts.start(llm)
+    params = SamplingParams(n=2, max_tokens=20, min_tokens=5, logprobs=0, seed=3)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    samples = [
+        {
+            "tokens": list(request.prompt_token_ids) + list(completion.token_ids),
+            "prompt_len": len(request.prompt_token_ids),
+            "logprobs": [
+                e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs, strict=True)
+            ],
+            "experts": routed.tolist(),
+        }
+        for request, experts in zip(outputs, vllm_experts.take(llm, outputs), strict=True)
+        for completion, routed in zip(request.outputs, experts, strict=True)
+    ]
+    Path(sys.argv[2]).write_text(json.dumps({"layers": layers, "samples": samples}))
+
+
+if __name__ == "__main__":
+    main()

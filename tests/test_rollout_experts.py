@@ -1,0 +1,95 @@
+"""Routed experts recorded inside real vLLM workers line up with the tokens they routed."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlfleet.api.wire import Segment, Trajectory
+from rlfleet.models.tiny import init_model
+from rlfleet.testbed.processes import run_in_session
+from rlfleet.trainer.scoring import Batch, prepare, token_logprobs
+from rlfleet.trainer.validation import ModelShape, problem
+
+pytestmark = pytest.mark.slow
+
+PROBE = Path(__file__).parent / "probes" / "vllm_experts.py"
+
+
+def test_vllm_reports_the_experts_of_every_token_it_ran(tmp_path: Path) -> None:
+    model_dir = init_model("tiny-moe", tmp_path / "tiny-moe")
+    out = tmp_path / "samples.json"
+    result = run_in_session(
+        [sys.executable, str(PROBE), str(model_dir), str(out)],
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["layers"] == 2
+    samples = report["samples"]
+    assert len(samples) == 6
+    for s in samples:
+        experts = np.array(s["experts"])
+        # One row per token run through the model: all but the last, which was only sampled.
+        assert experts.shape == (len(s["tokens"]) - 1, 2, 2)
+        assert experts.min() >= 0 and experts.max() < 8
+        assert (experts[..., 0] != experts[..., 1]).all()
+
+    # The rows belong to the right tokens: the trainer's own router (fp32) agrees with
+    # them almost everywhere; rows shifted or swapped between requests would agree on ~4%.
+    model = prepare(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        batch_invariant=True,
+    ).eval()
+    own: list[torch.Tensor] = []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(lambda mod, args, out: own.append(out[2]))
+    batch = Batch.of(
+        [torch.tensor(s["tokens"]) for s in samples], [torch.tensor(s["experts"]) for s in samples]
+    )
+    with torch.no_grad():
+        token_logprobs(model, batch, batch_invariant=True, replay=False)
+    real = batch.mask()[:, 1:].reshape(-1)
+    for layer, chosen in enumerate(own):
+        reported = batch.experts[:, :, layer].reshape(-1, 2).sort(-1).values
+        agree = (chosen.sort(-1).values == reported).all(-1)[real].float().mean()
+        assert agree > 0.9, (layer, float(agree))
+
+    # And they make trajectories the trainer accepts for router replay.
+    s = samples[0]
+    generated = len(s["tokens"]) - s["prompt_len"]
+    trajectory = Trajectory(
+        run="r",
+        task_id="t",
+        group_id="g",
+        group_size=1,
+        attempt=0,
+        reward=1.0,
+        reward_breakdown={},
+        segments=[
+            Segment(
+                tokens=s["tokens"],
+                prompt_len=s["prompt_len"],
+                generated=[1] * generated,
+                logprobs=s["logprobs"],
+                versions=[0] * generated,
+                routed_experts=np.array(s["experts"], dtype="<u2").tobytes(),
+                moe_layers=2,
+                top_k=2,
+            )
+        ],
+        worker="w",
+        created_at=time.time(),
+    )
+    shape = ModelShape(vocab_size=320, moe_layers=2, num_experts=8, top_k=2)
+    assert problem(trajectory, shape, "r", needs_experts=True) is None
