@@ -19,6 +19,7 @@ import msgspec
 import nats
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from rlfleet.api.wire import Segment, Trajectory, encode_trajectory, trajectory_subject
 from rlfleet.models.tiny import init_model
@@ -95,7 +96,8 @@ class TrainerProcess:
                     "jetstream_domain": HUB_DOMAIN,
                     "model": str(model),
                     "checkpoint_dir": str(directory / "checkpoints"),
-                    "step_tokens": 200,
+                    "step_tokens": 200,  # two groups a step
+                    "max_step_tokens": 200,
                     "weightsync": {"snapshot_every": 4},
                 }
                 | settings
@@ -235,15 +237,19 @@ def test_trainer_raises_the_reward_of_a_fixed_policy_on_a_verifiable_task(
 ) -> None:
     url = nats_servers.bed.hub.authenticated_url
     rounds, groups, group_size, max_tokens = 12, 8, 4, 12
+    prompt = "<|im_start|>user\nWrite the number {n:04d}.<|im_end|>\n<|im_start|>assistant\n"
+    prompt_tokens = len(AutoTokenizer.from_pretrained(tiny_moe)(prompt.format(n=0)).input_ids)
+    round_tokens = groups * group_size * (prompt_tokens + max_tokens)
     with trainer(
         tmp_path,
         tiny_moe,
         nats_servers,
         jetstream_domain=None,
-        router_replay=False,
         max_staleness=0,
         lr=1e-2,
-        step_tokens=groups * group_size * 20,
+        # Synchronous: one step per round, on the whole round (leftovers would go stale).
+        step_tokens=round_tokens,
+        max_step_tokens=round_tokens,
         max_steps=rounds - 1,
     ) as process:
         asyncio.run(publish(url, process.run, []))
@@ -255,6 +261,7 @@ def test_trainer_raises_the_reward_of_a_fixed_policy_on_a_verifiable_task(
                     "checkpoint": str(tiny_moe),
                     "nats_url": url,
                     "run": process.run,
+                    "prompt": prompt,
                     "rounds": rounds,
                     "groups": groups,
                     "group_size": group_size,
@@ -275,3 +282,4 @@ def test_trainer_raises_the_reward_of_a_fixed_policy_on_a_verifiable_task(
     assert [r["version"] for r in report] == list(range(rounds))
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.15, rewards
+    assert "dropped stale" not in process.log.read_text()

@@ -3,9 +3,10 @@
 Plays the rollout side with real vLLM: each round samples `groups` prompts x
 `group_size` attempts, rewards each completion by the share of its tokens that are
 digits (a verifiable reward a random tiny model scores ~3% on), publishes the
-trajectories, then waits for the trainer's next version and switches vLLM to it
-through weightsync. ARGS_JSON: {"checkpoint", "nats_url", "run", "rounds", "groups",
-"group_size", "max_tokens", "routed_experts"}.
+trajectories with the experts vLLM routed each token to (for router replay), then
+waits for the trainer's next version and switches vLLM to it through weightsync.
+ARGS_JSON: {"checkpoint", "nats_url", "run", "prompt" (with {n}), "rounds", "groups",
+"group_size", "max_tokens"}; completions are exactly max_tokens long.
 """
 
 import asyncio
@@ -14,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-PROMPT = "<|im_start|>user\nWrite the number {n}.<|im_end|>\n<|im_start|>assistant\n"
 DIGITS = {str(d) for d in range(10)}
 
 
@@ -23,6 +23,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from rlfleet.api.wire import Segment, Trajectory, encode_trajectory, trajectory_subject
+    from rlfleet.rollout import vllm_experts
     from rlfleet.weightsync import SyncConfig, vllm_options, vllm_start, vllm_update
 
     args = json.loads(Path(sys.argv[1]).read_text())
@@ -32,8 +33,10 @@ def main() -> None:
         max_model_len=256,
         enforce_eager=True,
         seed=0,
-        **vllm_options(),
+        enable_prefix_caching=False,  # every prompt token is run, so its experts are recorded
+        **vllm_options(worker_extension=vllm_experts.EXTENSION),
     )
+    vllm_experts.start(llm)
     tokenizer = llm.get_tokenizer()
     vllm_start(llm, args["nats_url"], args["run"], None, SyncConfig(snapshot_every=4))
     loop = asyncio.new_event_loop()
@@ -42,17 +45,21 @@ def main() -> None:
     version = vllm_update(llm, 0).version
     rounds = []
     for round_ in range(args["rounds"]):
-        prompts = [PROMPT.format(n=round_ * 100 + g) for g in range(args["groups"])]
+        prompts = [args["prompt"].format(n=round_ * 100 + g) for g in range(args["groups"])]
         params = SamplingParams(
             n=args["group_size"],
             max_tokens=args["max_tokens"],
+            min_tokens=args["max_tokens"],
             logprobs=0,
             temperature=1.0,
             seed=round_,
         )
         rewards = []
-        for g, request in enumerate(llm.generate(prompts, params, use_tqdm=False)):
-            for attempt, out in enumerate(request.outputs):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for g, (request, experts) in enumerate(
+            zip(outputs, vllm_experts.take(llm, outputs), strict=True)
+        ):
+            for attempt, (out, routed) in enumerate(zip(request.outputs, experts, strict=True)):
                 pieces = [tokenizer.decode([t]) for t in out.token_ids]
                 reward = sum(p in DIGITS for p in pieces) / len(pieces)
                 rewards.append(reward)
@@ -76,6 +83,9 @@ def main() -> None:
                                 for t, e in zip(out.token_ids, out.logprobs, strict=True)
                             ],
                             versions=[version] * generated,
+                            routed_experts=routed.astype("<u2").tobytes(),
+                            moe_layers=routed.shape[1],
+                            top_k=routed.shape[2],
                         )
                     ],
                     worker="probe",

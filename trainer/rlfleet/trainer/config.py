@@ -23,6 +23,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     router_replay: bool = True
     max_staleness: Annotated[int, msgspec.Meta(ge=0)] = 4
     step_tokens: Positive = 4096  # each optimiser step trains on at least this many tokens
+    max_step_tokens: Positive | None = None  # and on more when ready, up to this (2x by default)
     micro_batch_tokens: Positive = 8192  # padded tokens per forward/backward
     lr: float = 1e-5
     weight_decay: float = 0.0

@@ -63,10 +63,12 @@ class GroupBuffer:
                 expired += self.groups.pop(group_id)
         return expired
 
-    def take(self, token_budget: int, now: float) -> list[list[Received]]:
-        """Ready groups, oldest first, until they hold at least `token_budget` tokens.
+    def take(self, token_budget: int, token_cap: int, now: float) -> list[list[Received]]:
+        """Ready groups, oldest first: nothing until `token_budget` tokens are ready, then
+        as many as fit in `token_cap` (at least up to the budget).
 
-        Returns nothing until that many tokens are ready, so every step is full.
+        Every step is full; and a synchronous run (staleness bound 0), where whatever a
+        step leaves behind goes stale, can take a whole version's batch in one step.
         """
         ready = sorted(
             (
@@ -77,14 +79,15 @@ class GroupBuffer:
             ),
             key=lambda items: min(i.seq for i in items),
         )
+        if sum(i.tokens for items in ready for i in items) < token_budget:
+            return []
         taken, tokens = [], 0
         for items in ready:
-            if tokens >= token_budget:
+            size = sum(i.tokens for i in items)
+            if tokens >= token_budget and tokens + size > token_cap:
                 break
             taken.append(items)
-            tokens += sum(i.tokens for i in items)
-        if tokens < token_budget:
-            return []
+            tokens += size
         for items in taken:
             del self.groups[items[0].trajectory.group_id]
         return taken

@@ -202,7 +202,8 @@ class Trainer:
             log.warning("dropped %d trajectories whose groups never filled", len(expired))
         self._drop_stale(stale)
         await self._ack(item.seq for item in stale + expired)
-        groups = self.buffer.take(self.config.step_tokens, now)
+        budget = self.config.step_tokens
+        groups = self.buffer.take(budget, self.config.max_step_tokens or 2 * budget, now)
         if not groups:
             return
         started = time.perf_counter()

@@ -1,0 +1,81 @@
+"""How the trainer batches trajectories into steps: a pure function of what arrived."""
+
+from __future__ import annotations
+
+from rlfleet.api.wire import Segment, Trajectory
+from rlfleet.trainer.groups import GroupBuffer, Received
+
+TOKENS = 10
+
+
+def _item(
+    seq: int, group: str, attempt: int, version: int = 0, arrived: float = 0.0, size: int = 2
+) -> Received:
+    segment = Segment(
+        tokens=list(range(TOKENS)),
+        prompt_len=4,
+        generated=[1] * 6,
+        logprobs=[-1.0] * 6,
+        versions=[version] * 6,
+    )
+    trajectory = Trajectory(
+        run="r",
+        task_id=group,
+        group_id=group,
+        group_size=size,
+        attempt=attempt,
+        reward=0.0,
+        reward_breakdown={},
+        segments=[segment],
+        worker="w",
+        created_at=0.0,
+    )
+    return Received(seq, trajectory, arrived)
+
+
+def _fill(buffer: GroupBuffer, groups: str, version: int = 0) -> None:
+    seq = len(buffer.holds())
+    for name in groups:
+        for attempt in range(2):
+            seq += 1
+            buffer.add(_item(seq, name, attempt, version))
+
+
+def test_a_step_waits_for_its_budget_of_complete_groups() -> None:
+    buffer = GroupBuffer(timeout_s=60)
+    _fill(buffer, "a")
+    buffer.add(_item(99, "b", 0))  # half a group is not ready
+    assert buffer.take(token_budget=30, token_cap=60, now=1.0) == []
+    buffer.add(_item(100, "b", 1))
+    taken = buffer.take(token_budget=30, token_cap=60, now=1.0)
+    assert [[i.trajectory.group_id for i in g] for g in taken] == [["a", "a"], ["b", "b"]]
+    assert buffer.groups == {}
+
+
+def test_a_step_takes_what_is_ready_up_to_its_cap_oldest_first() -> None:
+    buffer = GroupBuffer(timeout_s=60)
+    _fill(buffer, "abcde")
+    taken = buffer.take(token_budget=20, token_cap=60, now=1.0)
+    assert [g[0].trajectory.group_id for g in taken] == ["a", "b", "c"]
+    assert set(buffer.groups) == {"d", "e"}
+
+
+def test_stale_trajectories_leave_the_buffer_to_be_counted() -> None:
+    buffer = GroupBuffer(timeout_s=60)
+    _fill(buffer, "ab", version=0)
+    _fill(buffer, "c", version=3)
+    dropped = buffer.drop_stale(version=4, max_staleness=2)
+    assert sorted(i.trajectory.group_id for i in dropped) == ["a", "a", "b", "b"]
+    assert set(buffer.groups) == {"c"}
+
+
+def test_a_group_that_never_fills_trains_late_or_expires() -> None:
+    buffer = GroupBuffer(timeout_s=60)
+    buffer.add(_item(1, "lonely", 0, arrived=0.0))
+    assert buffer.expire(now=30.0) == []
+    assert [i.seq for i in buffer.expire(now=61.0)] == [1]
+    # Two of three attempts are enough to compare, once the third is overdue.
+    buffer.add(_item(2, "late", 0, size=3))
+    buffer.add(_item(3, "late", 1, size=3))
+    assert buffer.take(token_budget=20, token_cap=40, now=30.0) == []
+    assert [i.seq for i in buffer.take(token_budget=20, token_cap=40, now=61.0)[0]] == [2, 3]
