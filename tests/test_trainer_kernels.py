@@ -171,3 +171,14 @@ def test_truncated_importance_weight_is_capped() -> None:
     # Weights min(exp(4.9), 2) = 2 and exp(0) = 1, averaged over the two tokens.
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.0, -0.5]]))
     assert result.is_weight_mean == pytest.approx(1.5)
+
+
+def test_kl_to_the_reference_is_zero_at_the_reference_and_positive_away_from_it() -> None:
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]])
+    ones = torch.ones(1, 3)
+    config = ObjectiveConfig(kl_coef=0.1)
+    same = policy_loss(logprobs, logprobs, logprobs, ones, ones, config, reference=logprobs)
+    assert same.kl_ref == 0.0
+    moved = policy_loss(logprobs, logprobs, logprobs, ones, ones, config, reference=logprobs - 0.3)
+    assert moved.kl_ref > 0
+    assert float(moved.loss) == pytest.approx(float(same.loss) + 0.1 * moved.kl_ref)

@@ -37,6 +37,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     keep_checkpoints: Positive = 2
     max_steps: int | None = None  # stop after this step (tests, fixed-budget runs)
     seed: int = 0
+    metrics_port: int | None = None  # serve Prometheus metrics here
     weightsync: dict = msgspec.field(default_factory=dict)  # SyncConfig fields
 
     def sync_config(self) -> SyncConfig:

@@ -16,7 +16,9 @@ import time
 
 import msgspec
 import nats
+import prometheus_client
 import torch
+from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
@@ -62,7 +64,7 @@ class Trainer:
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
         self.buffer = GroupBuffer(timeout_s=config.group_timeout_s)
-        self.messages: dict[int, object] = {}  # held stream sequence -> message to acknowledge
+        self.messages: dict[int, Msg] = {}  # held stream sequence -> message to acknowledge
         self.consumed: set[int] = set()  # sequences the last checkpoint trained on
         self.step = 0
         self.dropped_stale = 0
@@ -77,6 +79,8 @@ class Trainer:
     async def run(self) -> None:
         config = self.config
         config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        if config.metrics_port is not None:
+            prometheus_client.start_http_server(config.metrics_port)
         self.policy = await asyncio.to_thread(Policy, config)
         self._resume(await asyncio.to_thread(self.policy.load))
         nc = await nats.connect(config.nats_url, max_reconnect_attempts=-1)
@@ -140,6 +144,7 @@ class Trainer:
             if seq in self.consumed:
                 # Trained on before a restart, but its acknowledgement never landed.
                 metrics.trajectories.labels("duplicate").inc()
+                log.info("stream sequence %d was trained on before the restart: acknowledged", seq)
                 await msg.ack()
                 continue
             if seq in self.messages:
