@@ -1,0 +1,91 @@
+"""The environment server: runs inside a sandbox and executes the harness's tool calls.
+
+Standard library only, started with `python -I`, so a sandbox starts in milliseconds
+and trusts nothing outside it. One JSON request per line on stdin, one JSON reply per
+line on stdout:
+
+    {"tool": "run", "command": "...", "timeout": 10} -> {"ok": true, "exit_code": 0, "output": ".."}
+    {"tool": "read", "path": "a.py"} -> {"ok": true, "output": "..."}
+    {"tool": "write", "path": "a.py", "content": "..."} -> {"ok": true, "output": "wrote 3 bytes"}
+
+Failures are replies too (`{"ok": false, "error": "..."}`): the model sees them as
+observations. Paths are relative to the working directory and may not leave it.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+OUTPUT_LIMIT = 16 << 10  # characters of output the model gets back per call
+
+
+def _clip(text: str) -> str:
+    if len(text) <= OUTPUT_LIMIT:
+        return text
+    half = OUTPUT_LIMIT // 2
+    return f"{text[:half]}\n... [{len(text) - OUTPUT_LIMIT} characters cut] ...\n{text[-half:]}"
+
+
+def _inside(root: Path, path: str) -> Path:
+    target = (root / path).resolve()
+    if target != root and root not in target.parents:
+        raise ValueError(f"path {path!r} leaves the working directory")
+    return target
+
+
+def _run(command: str, timeout: float) -> dict:
+    process = subprocess.Popen(
+        ["/bin/sh", "-c", command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        text = output.decode(errors="replace")
+        return {"ok": False, "error": f"timed out after {timeout}s", "output": _clip(text)}
+    return {
+        "ok": True,
+        "exit_code": process.returncode,
+        "output": _clip(output.decode(errors="replace")),
+    }
+
+
+def handle(request: dict, root: Path) -> dict:
+    tool = request.get("tool")
+    if tool == "run":
+        return _run(str(request["command"]), float(request.get("timeout", 30)))
+    if tool == "read":
+        return {
+            "ok": True,
+            "output": _clip(_inside(root, request["path"]).read_text(errors="replace")),
+        }
+    if tool == "write":
+        target = _inside(root, request["path"])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        data = str(request["content"]).encode()
+        target.write_bytes(data)
+        return {"ok": True, "output": f"wrote {len(data)} bytes to {request['path']}"}
+    return {"ok": False, "error": f"unknown tool {tool!r}"}
+
+
+def main() -> None:
+    root = Path.cwd().resolve()
+    for line in sys.stdin:
+        try:
+            reply = handle(json.loads(line), root)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            reply = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
