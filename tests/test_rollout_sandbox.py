@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -109,12 +108,10 @@ def test_a_command_that_runs_forever_is_stopped_and_so_is_a_sandbox_past_its_dea
         async with await Sandbox.start(task, LIMITS) as sandbox:
             reply = await sandbox.call({"tool": "run", "command": "sleep 1000"}, 1)
             assert reply["error"] == "timed out after 1s" or "timed out" in reply["error"]
-        started = time.monotonic()
         short = Limits(wall_seconds=2, call_seconds=30)
         async with await Sandbox.start(task, short) as sandbox:
             with pytest.raises(SandboxClosed):
                 await sandbox.call({"tool": "run", "command": "sleep 1000"})
-            assert time.monotonic() - started < 20
             assert sandbox.process.returncode is not None
         # And the next sandbox works.
         async with await Sandbox.start(task, LIMITS) as sandbox:
