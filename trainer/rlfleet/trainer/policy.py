@@ -16,6 +16,7 @@ from deepspeed.accelerator import get_accelerator
 from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
+from rlfleet.trainer import routing
 from rlfleet.trainer.config import TrainerConfig
 from rlfleet.trainer.objective import Mismatch, ObjectiveConfig, policy_loss
 from rlfleet.trainer.rows import Rows
@@ -63,7 +64,7 @@ class Policy:
         model = self._load_model()
         self.shape = ModelShape(
             vocab_size=model.config.vocab_size,
-            moe_layers=self._moe_layers,
+            moe_layers=len(routing.routers(model)),
             num_experts=getattr(model.config, "num_experts", 0),
             top_k=getattr(model.config, "num_experts_per_tok", 0),
         )
@@ -90,7 +91,6 @@ class Policy:
     def _load_model(self) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(self.config.model, dtype=torch.float32)
         prepare(model, batch_invariant=self.config.batch_invariant)
-        self._moe_layers = sum(1 for m in model.modules() if hasattr(m, "_rlfleet_layer"))
         return model
 
     @property
