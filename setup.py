@@ -15,4 +15,6 @@ for root in SOURCE_ROOTS:
     for package in find_namespace_packages(root, include=["rlfleet.*"]):
         package_dir[package] = str(Path(root, *package.split(".")))
 
-setup(packages=sorted(package_dir), package_dir=package_dir, package_data={"": ["*.yaml"]})
+setup(
+    packages=sorted(package_dir), package_dir=package_dir, package_data={"": ["*.yaml", "*.jsonl"]}
+)

@@ -37,6 +37,13 @@ def test_vllm_reports_the_experts_of_every_token_it_ran(tmp_path: Path) -> None:
     assert report["layers"] == 2
     samples = report["samples"]
     assert len(samples) == 6
+    # A continuation reuses the first sample's KV blocks; the experts of the tokens it
+    # did not run come from the recorder's mirror of the cache and match the first run.
+    continued = report["continued"]
+    cached = continued["cached"]
+    assert cached >= 32
+    assert continued["experts"][:cached] == samples[0]["experts"][:cached]
+    samples = [*samples, continued]
     for s in samples:
         experts = np.array(s["experts"])
         # One row per token run through the model: all but the last, which was only sampled.

@@ -1,4 +1,8 @@
-"""vLLM samples with routed experts recorded in its workers; argv: CHECKPOINT OUT_JSON."""
+"""vLLM samples with routed experts recorded in its workers; argv: CHECKPOINT OUT_JSON.
+
+A second round continues the first sample, as a multi-turn session does, so its
+prompt comes mostly from the prefix cache.
+"""
 
 import json
 import sys
@@ -23,25 +27,37 @@ def main() -> None:
         max_model_len=256,
         enforce_eager=True,
         seed=0,
-        enable_prefix_caching=False,
+        enable_prefix_caching=True,
+        block_size=32,
         **vllm_options(worker_extension=vllm_experts.EXTENSION),
     )
     layers = vllm_experts.start(llm)
     params = SamplingParams(n=2, max_tokens=20, min_tokens=5, logprobs=0, seed=3)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    samples = [
-        {
+
+    def sample(request, completion, routed) -> dict:
+        return {
             "tokens": list(request.prompt_token_ids) + list(completion.token_ids),
             "prompt_len": len(request.prompt_token_ids),
             "logprobs": [
                 e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs, strict=True)
             ],
             "experts": routed.tolist(),
+            "cached": request.num_cached_tokens or 0,
         }
+
+    samples = [
+        sample(request, completion, routed)
         for request, experts in zip(outputs, vllm_experts.take(llm, outputs), strict=True)
         for completion, routed in zip(request.outputs, experts, strict=True)
     ]
-    Path(sys.argv[2]).write_text(json.dumps({"layers": layers, "samples": samples}))
+    turn = samples[0]["tokens"] + list(range(40, 60))
+    params = SamplingParams(max_tokens=10, min_tokens=5, logprobs=0, seed=4)
+    again = llm.generate([{"prompt_token_ids": turn}], params, use_tqdm=False)
+    continued = sample(again[0], again[0].outputs[0], vllm_experts.take(llm, again)[0][0])
+    Path(sys.argv[2]).write_text(
+        json.dumps({"layers": layers, "samples": samples, "continued": continued})
+    )
 
 
 if __name__ == "__main__":

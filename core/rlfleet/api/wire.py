@@ -8,7 +8,8 @@ the reader counts and logs instead of acting on it.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from pathlib import PurePosixPath
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -123,6 +124,45 @@ class Trajectory(WireMessage, tag="rlfleet.io/trajectory/v1"):
         return sum(sum(s.generated) for s in self.segments)
 
 
+def check_relative_path(path: str) -> None:
+    """Raise unless `path` names a place inside a working tree (it is written there)."""
+    parts = PurePosixPath(path).parts
+    if not parts or PurePosixPath(path).is_absolute() or ".." in parts:
+        raise ValueError(f"path {path!r} must be relative and stay inside the working tree")
+
+
+class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A task as data: what the model is asked, what it starts from, how it is graded."""
+
+    id: str
+    suite: str
+    prompt: str
+    answer: str | None = None  # for exact-answer tasks
+    files: dict[str, str] = {}  # the starting working tree
+    hidden_tests: dict[str, str] = {}  # only ever written into the grading sandbox
+    test_command: str | None = None  # run in the grading sandbox; exit 0 passes
+    protected: list[str] = []  # may be read, never changed or deleted (visible tests)
+    rubric: dict[str, str] = {}  # judge dimension -> what it means
+
+    def __post_init__(self) -> None:
+        for path in [*self.files, *self.hidden_tests]:
+            check_relative_path(path)
+        if clash := sorted(set(self.files) & set(self.hidden_tests)):
+            raise ValueError(f"hidden tests {clash} would be visible in the starting tree")
+        if missing := sorted(set(self.protected) - set(self.files)):
+            raise ValueError(f"protected paths {missing} are not in files")
+        if self.hidden_tests and self.test_command is None:
+            raise ValueError("hidden tests need a test_command")
+
+
+class TaskMessage(WireMessage, tag="rlfleet.io/rollout-task/v1"):
+    """One task for the rollout workers of a run, to be attempted `group_size` times."""
+
+    run: str
+    task: Task
+    group_size: Annotated[int, msgspec.Meta(ge=2)] | None = None  # the worker's default if unset
+
+
 def encode(message: WireMessage) -> bytes:
     return msgspec.json.encode(message)
 
@@ -163,6 +203,10 @@ class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
     finished_at: float
 
 
+def decode_task_message(data: bytes) -> TaskMessage:
+    return msgspec.json.decode(data, type=TaskMessage)
+
+
 def decode_step_report(data: bytes) -> StepReport:
     return msgspec.json.decode(data, type=StepReport)
 
@@ -178,3 +222,11 @@ def trajectory_subject(run: str) -> str:
 
 def step_subject(run: str) -> str:
     return f"rlfleet.trainer.{run}.steps"
+
+
+def task_stream(run: str) -> str:
+    return f"TASKS-{run}"
+
+
+def task_subject(run: str) -> str:
+    return f"rlfleet.tasks.{run}"

@@ -130,3 +130,39 @@ def train_step(directory: Path, out: Path, *, lr: float, seed: int = 0) -> Path:
     AutoTokenizer.from_pretrained(directory).save_pretrained(out)
     shutil.copy(directory / "rlfleet-model.json", out / "rlfleet-model.json")
     return out
+
+
+Example = list[tuple[str, bool]]  # pieces of one text, each trained on (True) or only read
+
+
+def fine_tune(directory: Path, examples: list[Example], *, steps: int, lr: float = 3e-3) -> None:
+    """Supervised fine-tuning in place: the loss covers only the trained pieces.
+
+    Used to teach a tiny model a format (tool calls, short answers) before RL, and by
+    tests to make one follow fixed scripts when decoding greedily.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    rows, labels = [], []
+    for example in examples:
+        ids, mask = [], []
+        for text, trained in example:
+            piece = tokenizer.encode(text, add_special_tokens=False)
+            ids += piece
+            mask += [trained] * len(piece)
+        rows.append(ids)
+        labels.append([t if m else -100 for t, m in zip(ids, mask, strict=True)])
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    targets = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
+    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    dtype = getattr(torch, json.loads((directory / "config.json").read_text())["dtype"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=targets).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.to(dtype).save_pretrained(directory, safe_serialization=True)

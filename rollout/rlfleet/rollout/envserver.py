@@ -7,11 +7,16 @@ line on stdout:
     {"tool": "run", "command": "...", "timeout": 10} -> {"ok": true, "exit_code": 0, "output": ".."}
     {"tool": "read", "path": "a.py"} -> {"ok": true, "output": "..."}
     {"tool": "write", "path": "a.py", "content": "..."} -> {"ok": true, "output": "wrote 3 bytes"}
+    {"tool": "archive"} -> {"ok": true, "files": {"a.py": "<base64>"}}
+
+`archive` is the harness's own tool, never offered to the model: it returns every regular
+file of the working tree (symlinks skipped) so the final tree can be graded elsewhere.
 
 Failures are replies too (`{"ok": false, "error": "..."}`): the model sees them as
 observations. Paths are relative to the working directory and may not leave it.
 """
 
+import base64
 import json
 import os
 import signal
@@ -20,6 +25,8 @@ import sys
 from pathlib import Path
 
 OUTPUT_LIMIT = 16 << 10  # characters of output the model gets back per call
+# A reply is one line, and the harness reads lines of at most 1 MiB (`sandbox.py`).
+ARCHIVE_LIMIT = 16 << 20  # characters of encoded files in an archive reply
 
 
 def _clip(text: str) -> str:
@@ -58,6 +65,30 @@ def _run(command: str, timeout: float) -> dict:
     }
 
 
+def _archive(root: Path) -> dict:
+    files: dict[str, str] = {}
+    size = 0
+    for directory, _, names in os.walk(root):
+        for name in names:
+            path = Path(directory) / name
+            if path.is_symlink() or not path.is_file():
+                continue
+            relative = str(path.relative_to(root))
+            # Counted before reading, so a huge file is never loaded; one still growing is
+            # read up to the size counted.
+            length = path.stat().st_size
+            size += 4 * -(-length // 3) + len(json.dumps(relative)) + 4
+            if size > ARCHIVE_LIMIT:
+                return {
+                    "ok": False,
+                    "error": f"the working tree is too large to archive: over {ARCHIVE_LIMIT} "
+                    "characters of encoded files",
+                }
+            with path.open("rb") as file:
+                files[relative] = base64.b64encode(file.read(length)).decode()
+    return {"ok": True, "files": files}
+
+
 def handle(request: dict, root: Path) -> dict:
     tool = request.get("tool")
     if tool == "run":
@@ -73,6 +104,8 @@ def handle(request: dict, root: Path) -> dict:
         data = str(request["content"]).encode()
         target.write_bytes(data)
         return {"ok": True, "output": f"wrote {len(data)} bytes to {request['path']}"}
+    if tool == "archive":
+        return _archive(root)
     return {"ok": False, "error": f"unknown tool {tool!r}"}
 
 

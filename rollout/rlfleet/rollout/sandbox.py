@@ -96,7 +96,7 @@ class Sandbox:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
             start_new_session=True,
-            limit=1 << 20,
+            limit=24 << 20,  # one reply line: an archive of the tree is the largest
         )
         return cls(process, host_dir, limits)
 

@@ -83,3 +83,17 @@ def parse(text: str) -> ToolCall | ToolError | None:
 def request(call: Run | Read | Write) -> dict:
     """The environment server's request for a call (submit is the harness's own)."""
     return {"tool": type(call).__struct_config__.tag} | msgspec.structs.asdict(call)
+
+
+def observation(reply: dict, limit: int) -> str:
+    """What the model is shown of the environment's reply, at most about `limit` characters."""
+    if reply.get("ok"):
+        text = str(reply.get("output", ""))
+        if "exit_code" in reply:
+            text = f"exit code {reply['exit_code']}\n{text}"
+    else:
+        text = f"error: {reply.get('error', 'unknown')}\n{reply.get('output', '')}".rstrip()
+    if len(text) > limit:
+        half = limit // 2
+        text = f"{text[:half]}\n... [{len(text) - 2 * half} characters cut] ...\n{text[-half:]}"
+    return text

@@ -1,0 +1,194 @@
+"""One vLLM engine shared by every session of a worker, driven step by step.
+
+Sessions `await generate(...)` concurrently; one driver coroutine owns the engine and
+does everything to it in turn: admit new requests, apply a weight update if weightsync
+holds a newer version, run one engine step in a thread. A session waiting on a tool
+call holds nothing, so the engine batches whatever the other sessions have asked for
+(continuous batching) and never waits on a sandbox. Weight updates land between steps,
+also in the middle of a completion; vLLM labels every token with the weights that
+sampled it, and those labels become the trajectory's per-token policy versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from rlfleet.rollout import metrics, vllm_experts
+from rlfleet.weightsync import vllm_status, vllm_update
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]  # of each sampled token under the weights that sampled it
+    versions: list[int]  # policy version of each token
+    experts: np.ndarray | None  # uint16 [prompt + tokens - 1, layers, top_k]; None if dense
+    finish_reason: str
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    updates: list[tuple[int, float]] = field(default_factory=list)  # (version, pause seconds)
+
+
+@dataclass
+class _Pending:
+    prompt: list[int]
+    params: SamplingParams
+    done: asyncio.Future[Completion]
+
+
+class Engine:
+    """Drives `llm` (a `vllm.LLM` made with the rollout worker extension) for many sessions."""
+
+    def __init__(
+        self, llm, *, follow_weights: bool, base_version: int = 0, poll_s: float = 0.2
+    ) -> None:
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.moe = False  # known once started
+        self.follow_weights = follow_weights
+        self.base_version = base_version  # what the checkpoint vLLM loaded is
+        self.version = base_version  # what the model runs now
+        self.poll_s = poll_s
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._queue: list[tuple[str, _Pending]] = []
+        self._running: dict[str, _Pending] = {}
+        self._work = asyncio.Event()
+        self._next_poll = 0.0
+        self._driver: asyncio.Task | None = None
+
+    @property
+    def tokenizer(self):
+        return self.llm.get_tokenizer()
+
+    async def start(self) -> None:
+        self.moe = await asyncio.to_thread(vllm_experts.start, self.llm) > 0
+        self._driver = asyncio.create_task(self._drive(), name="vllm-driver")
+
+    async def close(self) -> None:
+        if self._driver is not None:
+            self._driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._driver
+
+    async def wait_for_version(self, version: int, timeout_s: float) -> None:
+        """Block until the model runs `version` or newer (weights arrive via weightsync)."""
+        if not self.follow_weights:
+            raise RuntimeError("the engine does not follow weights")
+        deadline = time.monotonic() + timeout_s
+        while self.version < version:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"policy version {version} did not arrive in {timeout_s}s")
+            self._work.set()  # the driver polls weightsync even while idle
+            await asyncio.sleep(self.poll_s)
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> Completion:
+        params = params.clone()
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        params.logprobs = 0  # the sampled token's own log-prob
+        pending = _Pending(prompt, params, asyncio.get_running_loop().create_future())
+        self._queue.append((f"s{next(self._ids)}", pending))
+        self._work.set()
+        return await pending.done
+
+    async def _drive(self) -> None:
+        try:
+            while True:
+                await self._maybe_update()
+                self._admit()
+                if not self._running:
+                    self._work.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._work.wait(), self.poll_s)
+                    continue
+                outputs = await asyncio.to_thread(self.engine.step)
+                self.stats.steps += 1
+                finished = [o for o in outputs if o.finished]
+                if finished:
+                    await self._finish(finished)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # the engine is gone: every waiting session fails
+            log.exception("vLLM engine failed")
+            for _, pending in [*self._queue, *self._running.items()]:
+                if not pending.done.done():
+                    pending.done.set_exception(RuntimeError(f"vLLM engine failed: {error}"))
+            raise
+
+    def _admit(self) -> None:
+        for request_id, pending in self._queue:
+            prompt = {"prompt_token_ids": pending.prompt}
+            self.engine.add_request(request_id, prompt, pending.params)
+            self._running[request_id] = pending
+        self._queue.clear()
+
+    async def _maybe_update(self) -> None:
+        if not self.follow_weights or time.monotonic() < self._next_poll:
+            return
+        self._next_poll = time.monotonic() + self.poll_s
+        held = [s["held"] for s in await asyncio.to_thread(vllm_status, self.llm)]
+        if any(h is None for h in held) or min(held) <= self.version:
+            return
+        update = await asyncio.to_thread(vllm_update, self.llm, min(held))
+        self.version = update.version
+        self.stats.updates.append((update.version, update.pause_s))
+        metrics.policy_version.set(update.version)
+        log.info("policy version %s loaded; generation paused %.3fs", *self.stats.updates[-1])
+
+    async def _finish(self, outputs) -> None:
+        experts = (
+            await asyncio.to_thread(vllm_experts.take, self.llm, outputs)
+            if self.moe
+            else [[None]] * len(outputs)
+        )
+        for output, (routed,) in zip(outputs, experts, strict=True):
+            pending = self._running.pop(output.request_id)
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            self.stats.generated_tokens += len(tokens)
+            metrics.generated_tokens.inc(len(tokens))
+            self.stats.prompt_tokens += len(pending.prompt)
+            self.stats.cached_tokens += output.num_cached_tokens or 0
+            pending.done.set_result(
+                Completion(
+                    token_ids=tokens,
+                    text=completion.text,
+                    logprobs=[
+                        max(step[token].logprob, -1e4)  # -inf would fail the wire check
+                        for token, step in zip(tokens, completion.logprobs or [], strict=True)
+                    ],
+                    versions=self._versions(completion, len(tokens)),
+                    experts=routed,
+                    finish_reason=str(completion.finish_reason),
+                    cached_tokens=output.num_cached_tokens or 0,
+                )
+            )
+
+    def _versions(self, completion, count: int) -> list[int]:
+        spans = completion.weight_versions
+        if not spans:  # nothing was loaded through weightsync yet: the base weights
+            return [self.version] * count
+        versions = [0] * count
+        for span in spans:
+            label = self.base_version if span.version == "default" else int(span.version)
+            versions[span.start : span.end] = [label] * (span.end - span.start)
+        return versions

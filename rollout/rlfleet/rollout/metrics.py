@@ -1,0 +1,19 @@
+"""Prometheus metrics of the rollout worker."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+trajectories = Counter("rlfleet_rollout_trajectories_total", "Trajectories published")
+sessions = Counter(
+    "rlfleet_rollout_sessions_total",
+    "Finished sessions, by how they ended",
+    ["ended"],  # answered, submitted, turns, sandbox, context
+)
+cheats = Counter("rlfleet_rollout_cheats_total", "Attempts scored zero as cheating")
+tasks_rejected = Counter("rlfleet_rollout_tasks_rejected_total", "Malformed task messages")
+sandbox_start = Histogram(
+    "rlfleet_rollout_sandbox_start_seconds",
+    "Time to start an attempt's sandbox",
+    buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
+)
+policy_version = Gauge("rlfleet_rollout_policy_version", "Policy version the engine runs")
+generated_tokens = Counter("rlfleet_rollout_generated_tokens_total", "Tokens sampled")

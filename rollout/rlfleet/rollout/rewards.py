@@ -1,0 +1,245 @@
+"""Rewards: composable scorers over a finished attempt, behind a check for cheating.
+
+An attempt is graded from what it leaves behind (`Outcome`): its submitted answer and its
+final working tree, fetched with the sandbox's `archive` tool. Code is run for grading
+only in a fresh sandbox built from that tree, the hidden tests and the original protected
+files, so nothing the agent left running can touch its grade. `grade` checks for cheating
+first, because a reward that tampering with the checker can raise teaches tampering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+import msgspec
+
+from rlfleet.api.wire import Task, check_relative_path
+from rlfleet.rollout.cheats import changed, detect_cheats, is_bytecode, overlaps
+from rlfleet.rollout.sandbox import Limits, Sandbox, SandboxClosed
+
+
+@dataclass(frozen=True)
+class Outcome:
+    answer: str | None  # the submitted answer; None if the agent never submitted
+    files: dict[str, bytes]  # the agent's final working tree
+    transcript: str
+
+
+class Reward(msgspec.Struct, frozen=True):
+    value: float
+    breakdown: dict[str, float]
+    reason: str = ""
+
+
+class Scorer(Protocol):
+    name: str  # its key in a breakdown
+
+    async def score(self, task: Task, outcome: Outcome) -> Reward: ...
+
+
+class ArchiveError(RuntimeError):
+    """The sandbox could not hand over its working tree."""
+
+
+async def archive(sandbox: Sandbox) -> dict[str, bytes]:
+    """The sandbox's working tree: every regular file by its relative path."""
+    reply = await sandbox.call({"tool": "archive"})
+    if not reply["ok"]:
+        raise ArchiveError(reply["error"])
+    files = {}
+    for path, content in reply["files"].items():
+        check_relative_path(path)  # the server runs beside the agent's code: trust nothing
+        files[path] = base64.b64decode(content, validate=True)
+    return files
+
+
+def _normalised(text: str) -> str:
+    return " ".join(text.split())
+
+
+@dataclass(frozen=True)
+class ExactAnswer:
+    """1 if the submitted answer is the task's answer, whitespace aside."""
+
+    name: str = "exact"
+
+    async def score(self, task: Task, outcome: Outcome) -> Reward:
+        if task.answer is None:
+            raise ValueError(f"task {task.id} has no answer to compare with")
+        if outcome.answer is None:
+            return Reward(0.0, {self.name: 0.0}, "no answer submitted")
+        if _normalised(outcome.answer) == _normalised(task.answer):
+            return Reward(1.0, {self.name: 1.0})
+        return Reward(0.0, {self.name: 0.0}, f"answer {outcome.answer[:80]!r} is wrong")
+
+
+def _grading_tree(task: Task, files: dict[str, bytes]) -> dict[str, bytes]:
+    """The agent's final tree with the hidden tests and the original protected files laid
+    over it. Bytecode is dropped: an unchecked `.pyc` would run in place of its source."""
+    overrides = {path: task.files[path].encode() for path in task.protected}
+    overrides |= {path: content.encode() for path, content in task.hidden_tests.items()}
+    kept = {
+        path: content
+        for path, content in files.items()
+        if not is_bytecode(path) and not any(overlaps(path, other) for other in overrides)
+    }
+    return kept | overrides
+
+
+def _write_tree(directory: Path, files: dict[str, bytes]) -> None:
+    for relative, content in files.items():
+        target = directory / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)
+
+
+@dataclass(frozen=True)
+class HiddenTests:
+    """1 if the task's test command passes in a fresh sandbox holding the grading tree."""
+
+    name: str = "hidden_tests"
+    limits: Limits = field(default_factory=Limits)
+    seconds: float = 60.0  # for the test command
+
+    def _failed(self, reason: str) -> Reward:
+        return Reward(0.0, {self.name: 0.0}, reason)
+
+    async def score(self, task: Task, outcome: Outcome) -> Reward:
+        if task.test_command is None:
+            raise ValueError(f"task {task.id} has no test_command")
+        # The start state must outlive the sandbox: it is copied in after `start` returns.
+        with tempfile.TemporaryDirectory(prefix="rlfleet-grading-") as start:
+            _write_tree(Path(start), _grading_tree(task, outcome.files))
+            try:
+                async with await Sandbox.start(Path(start), self.limits) as sandbox:
+                    command = {"tool": "run", "command": task.test_command}
+                    reply = await sandbox.call(command, self.seconds)
+            except SandboxClosed as error:
+                return self._failed(f"the grading sandbox stopped: {error}")
+        if not reply["ok"]:
+            return self._failed(f"hidden tests did not finish: {reply['error']}")
+        if reply["exit_code"] != 0:
+            tail = reply["output"].strip()[-300:]
+            return self._failed(f"hidden tests failed (exit {reply['exit_code']}): {tail}")
+        return Reward(1.0, {self.name: 1.0})
+
+
+_JUDGE_SYSTEM = (
+    "You grade one attempt at a task on one dimension. Reply with a single integer from "
+    "0 (worst) to 10 (best) and nothing else."
+)
+_FIRST_INTEGER = re.compile(r"\d+")
+
+
+@dataclass(frozen=True)
+class Judge:
+    """An LLM scores the attempt 0-10 on each of the task's rubric dimensions, through
+    any OpenAI-compatible chat-completions endpoint; the value is the mean score / 10.
+    A failed call or an unusable reply scores its dimension 0 with a reason: it never
+    raises, so a flaky judge costs reward, not a worker."""
+
+    base_url: str  # up to and including the API version, e.g. http://judge:8000/v1
+    model: str
+    api_key: str | None = field(default=None, repr=False)
+    # Merged into every request body, e.g. a vLLM guided-decoding regex.
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    name: str = "judge"
+    timeout: float = 60.0
+    max_tokens: int = 8
+    submission_chars: int = 8000
+    transcript_chars: int = 4000  # the transcript's last characters
+
+    def _prompt(self, task: Task, outcome: Outcome, dimension: str, meaning: str) -> str:
+        parts = [] if outcome.answer is None else [f"Submitted answer:\n{outcome.answer}"]
+        parts += [
+            f"--- {path}\n{content.decode(errors='replace')}"
+            for path, content in sorted(changed(task, outcome.files).items())
+        ]
+        submission = "\n\n".join(parts)[: self.submission_chars] or "(nothing submitted)"
+        excerpt = outcome.transcript[-self.transcript_chars :]
+        return (
+            f"Dimension: {dimension}: {meaning}\n\nTask:\n{task.prompt}\n\n"
+            f"Submission:\n{submission}\n\nTranscript (its end):\n{excerpt}\n\n"
+            f"Score the attempt on {dimension} from 0 to 10."
+        )
+
+    async def _ask(self, client: httpx.AsyncClient, prompt: str) -> tuple[int | None, str]:
+        body = {
+            "model": self.model,
+            "messages": [
+                {"role": "system", "content": _JUDGE_SYSTEM},
+                {"role": "user", "content": prompt},
+            ],
+            "temperature": 0.0,
+            "max_tokens": self.max_tokens,
+        } | self.extra_body
+        try:
+            response = await client.post("chat/completions", json=body)
+            response.raise_for_status()
+            content = response.json()["choices"][0]["message"]["content"]
+            match = _FIRST_INTEGER.search(content)
+        except (httpx.HTTPError, ValueError, LookupError, TypeError) as error:
+            return None, f"{type(error).__name__}: {error}"[:200]
+        if match is None or int(match[0]) > 10:
+            return None, f"no score from 0 to 10 in {content[:80]!r}"
+        return int(match[0]), ""
+
+    async def score(self, task: Task, outcome: Outcome) -> Reward:
+        if not task.rubric:
+            raise ValueError(f"task {task.id} has no rubric to judge by")
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        base = self.base_url.rstrip("/") + "/"
+        async with httpx.AsyncClient(
+            base_url=base, headers=headers, timeout=self.timeout
+        ) as client:
+            replies = await asyncio.gather(
+                *(
+                    self._ask(client, self._prompt(task, outcome, dimension, meaning))
+                    for dimension, meaning in task.rubric.items()
+                )
+            )
+        breakdown: dict[str, float] = {}
+        reasons = []
+        for dimension, (points, reason) in zip(task.rubric, replies, strict=True):
+            breakdown[f"{self.name}.{dimension}"] = (points or 0) / 10
+            if points is None:
+                reasons.append(f"{self.name}.{dimension}: {reason}")
+        value = sum(breakdown.values()) / len(breakdown)
+        return Reward(value, {self.name: value} | breakdown, "; ".join(reasons))
+
+
+@dataclass(frozen=True)
+class Combined:
+    """The weighted mean of several scorers; the breakdown keeps every part's values."""
+
+    parts: list[tuple[float, Scorer]]
+    name: str = "combined"
+
+    def __post_init__(self) -> None:
+        if not self.parts or any(weight <= 0 for weight, _ in self.parts):
+            raise ValueError("Combined needs at least one part, each with a positive weight")
+        names = [scorer.name for _, scorer in self.parts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"scorer names must differ to keep their breakdowns apart: {names}")
+
+    async def score(self, task: Task, outcome: Outcome) -> Reward:
+        rewards = await asyncio.gather(*(scorer.score(task, outcome) for _, scorer in self.parts))
+        total = sum(weight for weight, _ in self.parts)
+        value = sum(w * r.value for (w, _), r in zip(self.parts, rewards, strict=True)) / total
+        breakdown = {key: v for reward in rewards for key, v in reward.breakdown.items()}
+        return Reward(value, breakdown, "; ".join(r.reason for r in rewards if r.reason))
+
+
+async def grade(task: Task, outcome: Outcome, scorer: Scorer) -> Reward:
+    """The scorer's reward, or zero with the reason if the attempt cheated."""
+    if cheat := detect_cheats(task, outcome.files):
+        return Reward(0.0, {"cheat": 1.0}, f"cheat: {cheat}")
+    reward = await scorer.score(task, outcome)
+    return msgspec.structs.replace(reward, breakdown={"cheat": 0.0} | reward.breakdown)

@@ -1,0 +1,196 @@
+"""One agent session: the model and a sandbox taking turns until it answers.
+
+Each turn the model writes until it closes a tool call (or stops); the harness parses
+the call strictly, runs it in the sandbox and appends the observation as a user turn.
+The context is kept as token ids, never re-tokenised, so the next request's prompt is
+exactly the previous one plus the new tokens (the engine serves it from its prefix
+cache) and the trainer scores exactly the tokens that were sampled.
+
+When the next turn would not fit the context budget, the model is asked to summarise
+its progress; the window is closed as a segment and a new one starts from the system
+prompt, the task and the summary. Every segment is kept, so the summary is credited
+with the session's final reward. Conversation format is ChatML (Qwen and the tiny models).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+from vllm import SamplingParams
+
+from rlfleet.api.wire import Segment
+from rlfleet.rollout import tools
+from rlfleet.rollout.engine import Completion, Engine
+from rlfleet.rollout.sandbox import Sandbox, SandboxClosed
+
+SYSTEM = (
+    "You are an agent working in a sandboxed directory with no network. "
+    f"{tools.PROTOCOL} A turn with no tool call is your final answer."
+)
+SUMMARY_REQUEST = (
+    "Your context is full. Summarise your progress so far: what you know, what you "
+    "changed, and what is left to do. Your summary replaces the conversation."
+)
+SUMMARY_HEADER = "Summary of your progress so far:\n"
+
+
+class SessionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_turns: int = 50
+    turn_tokens: int = 256  # most new tokens per model turn
+    context_tokens: int = 4096  # a window's budget; over it, the model summarises
+    summary_tokens: int = 256
+    observation_chars: int = 4000  # longer tool output is cut in the middle
+    temperature: float = 1.0
+
+
+@dataclass
+class _Window:
+    """One context window being built into a `Segment`."""
+
+    tokens: list[int]
+    prompt_len: int
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    experts: np.ndarray | None = None
+
+    def add_completion(self, completion: Completion) -> None:
+        self.tokens += completion.token_ids
+        self.generated += [1] * len(completion.token_ids)
+        self.logprobs += completion.logprobs
+        self.versions += completion.versions
+        self.experts = completion.experts  # covers the whole window so far
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.tokens += ids
+        self.generated += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [self.versions[-1]] * len(ids)
+
+    def segment(self) -> Segment:
+        experts = self.experts
+        return Segment(
+            tokens=self.tokens,
+            prompt_len=self.prompt_len,
+            generated=self.generated,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            routed_experts=b"" if experts is None else experts.astype("<u2").tobytes(),
+            moe_layers=0 if experts is None else experts.shape[1],
+            top_k=0 if experts is None else experts.shape[2],
+        )
+
+
+@dataclass
+class Episode:
+    segments: list[Segment]
+    answer: str | None  # the submitted answer, or the final turn's text
+    transcript: str
+    ended: str  # answered | submitted | turns | sandbox | context
+    error: str = ""
+
+
+class Session:
+    def __init__(
+        self, engine: Engine, task_prompt: str, sandbox: Sandbox, config: SessionConfig, seed: int
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.task_prompt = task_prompt
+        self.sandbox = sandbox
+        self.config = config
+        self.seed = seed
+        self.segments: list[Segment] = []
+        self.transcript: list[str] = []
+        self._requests = 0
+        self._end = self._encode("<|im_end|>")
+        self._summary_request = self._user_turn(SUMMARY_REQUEST)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _user_turn(self, text: str) -> list[int]:
+        return self._encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+
+    def _open(self, summary: str | None = None, observation: str | None = None) -> _Window:
+        turns = [("system", SYSTEM), ("user", self.task_prompt)]
+        if summary is not None:
+            turns.append(("user", SUMMARY_HEADER + summary))
+        if observation is not None:
+            turns.append(("user", observation))
+        text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
+        tokens = self._encode(text + "<|im_start|>assistant\n")
+        return _Window(tokens=tokens, prompt_len=len(tokens))
+
+    def _fits(self, window: _Window, extra: int) -> bool:
+        # Room is always kept to ask for a summary and receive it.
+        reserve = len(self._end) + 1 + len(self._summary_request) + self.config.summary_tokens
+        return len(window.tokens) + extra + reserve <= self.config.context_tokens
+
+    def _close(self, completion: Completion) -> list[int]:
+        """End the model's turn, unless it ended it itself with its end-of-turn token."""
+        closed = completion.token_ids[-len(self._end) :] == self._end
+        return self._encode("\n") if closed else self._end + self._encode("\n")
+
+    async def _complete(self, window: _Window, max_tokens: int, stop: list[str]) -> Completion:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.config.temperature,
+            stop=stop,
+            include_stop_str_in_output=True,
+            seed=self.seed * 1_000_003 + self._requests,
+        )
+        self._requests += 1
+        completion = await self.engine.generate(list(window.tokens), params)
+        window.add_completion(completion)
+        return completion
+
+    async def _execute(self, call: tools.ToolCall | tools.ToolError) -> str:
+        if isinstance(call, tools.ToolError):
+            return f"error: {call.message}"
+        reply = await self.sandbox.call(tools.request(call))
+        return tools.observation(reply, self.config.observation_chars)
+
+    async def run(self) -> Episode:
+        window: _Window | None = self._open()
+        if not self._fits(window, self.config.turn_tokens):
+            raise ValueError(
+                f"the task's prompt ({len(window.tokens)} tokens) leaves no room for a turn "
+                f"in a context of {self.config.context_tokens}"
+            )
+        answer, ended, error = None, "turns", ""
+        for turn in range(self.config.max_turns):
+            completion = await self._complete(window, self.config.turn_tokens, [tools.CLOSE])
+            self.transcript.append(f"[assistant] {completion.text}")
+            call = tools.parse(completion.text)
+            if call is None:
+                answer, ended = completion.text.removesuffix("<|im_end|>").strip(), "answered"
+                break
+            if isinstance(call, tools.Submit):
+                answer, ended = call.answer, "submitted"
+                break
+            try:
+                observation = await self._execute(call)
+            except SandboxClosed as closed:
+                ended, error = "sandbox", str(closed)
+                break
+            self.transcript.append(f"[tool] {observation}")
+            if turn + 1 == self.config.max_turns:
+                break
+            reply = self._close(completion) + self._user_turn(observation)
+            if self._fits(window, len(reply) + self.config.turn_tokens):
+                window.add_observation(reply)
+                continue
+            window.add_observation(self._close(completion) + self._summary_request)
+            summary = await self._complete(window, self.config.summary_tokens, [])
+            self.transcript.append(f"[summary] {summary.text}")
+            self.segments.append(window.segment())
+            window = self._open(summary.text.removesuffix("<|im_end|>").strip(), observation)
+            if not self._fits(window, self.config.turn_tokens):
+                ended, error, window = "context", "no room for a turn after the summary", None
+                break
+        if window is not None:
+            self.segments.append(window.segment())
+        return Episode(self.segments, answer, "\n".join(self.transcript), ended, error)

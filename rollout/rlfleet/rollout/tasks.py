@@ -1,0 +1,83 @@
+"""Tasks as data: what the model is asked, what it starts from, and how it is graded.
+
+A suite is a JSON Lines file, one `Task` per line, so suites are reviewed and versioned
+like code and loaded without running any. Shipped suites live in `suites/`:
+
+- `toy.jsonl`: short arithmetic and string questions with exact answers, small enough for
+  a tiny byte-level model to learn. Regenerate it with
+  `python -c "from pathlib import Path; from rlfleet.rollout import tasks;
+  tasks.write_suite(tasks.toy_suite(200, 0), Path('rollout/rlfleet/rollout/suites/toy.jsonl'))"`.
+- `coding.jsonl`: small Python repositories with failing unit tests, graded by hidden
+  tests that only the grading sandbox sees.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import msgspec
+
+from rlfleet.api.wire import Task
+
+SUITES = Path(__file__).parent / "suites"
+
+
+def load_suite(path: Path) -> list[Task]:
+    """Every task in a JSON Lines suite; a bad line is reported with its number."""
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    # Split on newlines only: JSON strings may hold other line separators (U+2028).
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            task = msgspec.json.decode(line, type=Task)
+        except (msgspec.ValidationError, msgspec.DecodeError) as error:
+            raise ValueError(f"{path}:{number}: {error}") from error
+        if task.id in seen:
+            raise ValueError(f"{path}:{number}: duplicate task id {task.id!r}")
+        seen.add(task.id)
+        tasks.append(task)
+    return tasks
+
+
+def write_suite(tasks: list[Task], path: Path) -> None:
+    path.write_bytes(b"".join(msgspec.json.encode(task) + b"\n" for task in tasks))
+
+
+def write_start_state(task: Task, directory: Path) -> None:
+    """The agent's starting tree: the task's files, and never its hidden tests."""
+    for relative, content in task.files.items():
+        target = directory / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content.encode())
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _toy_question(rng: random.Random) -> tuple[str, str]:
+    kind = rng.randrange(5)
+    a, b = rng.randrange(10), rng.randrange(10)
+    if kind == 0:
+        return f"What is {a}+{b}? Answer with the number.", str(a + b)
+    if kind == 1:
+        a, b = max(a, b), min(a, b)
+        return f"What is {a}-{b}? Answer with the number.", str(a - b)
+    if kind == 2:
+        return f"What is {a}*{b}? Answer with the number.", str(a * b)
+    word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(2, 4)))
+    if kind == 3:
+        return f"Reverse the word {word}.", word[::-1]
+    return f"What is the first letter of {word}?", word[0]
+
+
+def toy_suite(count: int, seed: int) -> list[Task]:
+    """A deterministic suite of one-line questions whose answers are 1 to 4 characters."""
+    rng = random.Random(seed)
+    tasks = []
+    for index in range(count):
+        prompt, answer = _toy_question(rng)
+        tasks.append(Task(id=f"toy-{index:04d}", suite="toy", prompt=prompt, answer=answer))
+    return tasks

@@ -1,0 +1,264 @@
+"""The rollout worker: tasks from a JetStream work queue in, trajectories out.
+
+Each task becomes a group of attempts (GRPO), each attempt a session in a fresh sandbox
+holding its own copy of the task's starting state, all driven through one vLLM engine.
+A task message is acknowledged only once its whole group is published, so a worker
+that dies loses nothing: the task is redelivered and run again; the trajectories'
+message ids (group and attempt) let JetStream drop copies published twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import nats
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError
+
+from rlfleet.api.wire import (
+    Task,
+    Trajectory,
+    decode_task_message,
+    encode_trajectory,
+    task_stream,
+    task_subject,
+    trajectory_subject,
+)
+from rlfleet.rollout import metrics, rewards
+from rlfleet.rollout.config import RewardConfig, WorkerConfig
+from rlfleet.rollout.engine import Engine
+from rlfleet.rollout.sandbox import Limits, Sandbox, SandboxClosed
+from rlfleet.rollout.session import Episode, Session
+from rlfleet.rollout.tasks import write_start_state
+from rlfleet.weightsync import vllm_options, vllm_start
+
+log = logging.getLogger(__name__)
+
+CONSUMER = "rollout"  # one durable consumer shared by every worker of the run
+
+
+def make_llm(config: WorkerConfig):
+    from vllm import LLM
+
+    from rlfleet.rollout.vllm_experts import EXTENSION
+
+    return LLM(
+        model=config.model,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        enforce_eager=True,
+        seed=config.seed,
+        enable_prefix_caching=config.prefix_caching,
+        **vllm_options(worker_extension=EXTENSION),
+    )
+
+
+async def ensure_task_stream(js, run: str) -> None:
+    """The run's task queue: each task goes to exactly one worker; idempotent."""
+    config = StreamConfig(
+        name=task_stream(run),
+        subjects=[task_subject(run)],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+    )
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        await js.update_stream(config)
+
+
+@dataclass(frozen=True)
+class _Group:
+    task: Task
+    scorer: rewards.Scorer
+    start: Path  # the task's starting tree, copied into each attempt's sandbox
+    id: str
+    size: int
+
+
+def scorer_for(task: Task, config: RewardConfig, limits: Limits) -> rewards.Scorer:
+    """The weighted parts of the reward that apply to `task`; ValueError if none does."""
+    parts: list[tuple[float, rewards.Scorer]] = []
+    if task.answer is not None and config.exact > 0:
+        parts.append((config.exact, rewards.ExactAnswer()))
+    if task.test_command is not None and config.tests > 0:
+        parts.append((config.tests, rewards.HiddenTests(limits=limits)))
+    if task.rubric and config.judge > 0 and (judge := config.judge_endpoint) is not None:
+        parts.append(
+            (
+                config.judge,
+                rewards.Judge(
+                    judge.base_url,
+                    judge.model,
+                    api_key=judge.api_key,
+                    extra_body=judge.extra_body,
+                    timeout=judge.timeout_s,
+                ),
+            )
+        )
+    if not parts:
+        raise ValueError(f"task {task.id} has nothing the configured rewards can grade")
+    return rewards.Combined(parts)
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.stopping = asyncio.Event()
+        self.engine: Engine | None = None
+        self.sessions = 0  # running now
+        self._groups: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        config = self.config
+        llm = await asyncio.to_thread(make_llm, config)
+        self.engine = engine = Engine(llm, follow_weights=config.follow_weights)
+        await engine.start()
+        if config.follow_weights:
+            domain = config.jetstream_domain
+            await asyncio.to_thread(
+                vllm_start, llm, config.nats_url, config.run, domain, config.sync_config()
+            )
+            if config.start_version is not None:
+                log.info("waiting for policy version %d", config.start_version)
+                await engine.wait_for_version(config.start_version, timeout_s=3600)
+        nc = await nats.connect(config.nats_url, max_reconnect_attempts=-1)
+        try:
+            js = nc.jetstream(domain=config.jetstream_domain)
+            await ensure_task_stream(js, config.run)
+            queue = await js.pull_subscribe(
+                task_subject(config.run),
+                durable=CONSUMER,
+                stream=task_stream(config.run),
+                config=ConsumerConfig(
+                    ack_policy=AckPolicy.EXPLICIT,
+                    ack_wait=config.ack_wait_s,
+                    max_ack_pending=-1,
+                ),
+            )
+            log.info("worker %s taking tasks of run %s", config.name, config.run)
+            while not self.stopping.is_set():
+                await self._take(queue, js)
+            # Finish what was taken: it is acknowledged only when published.
+            await asyncio.gather(*self._groups, return_exceptions=True)
+        finally:
+            await engine.close()
+            await nc.close()
+
+    async def _take(self, queue, js) -> None:
+        free = self.config.max_sessions - self.sessions
+        if free < self.config.group_size:
+            await asyncio.sleep(0.05)
+            return
+        try:
+            messages = await queue.fetch(max(1, free // self.config.group_size), timeout=1)
+        except nats.errors.TimeoutError:
+            return
+        for message in messages:
+            group = asyncio.create_task(self._group(message, js))
+            self._groups.add(group)
+            group.add_done_callback(self._groups.discard)
+
+    async def _group(self, message, js) -> None:
+        try:
+            task = decode_task_message(message.data)
+            if task.run != self.config.run:
+                raise ValueError(f"task for run {task.run!r}, not {self.config.run!r}")
+            scorer = scorer_for(task.task, self.config.rewards, self.config.limits)
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as error:
+            log.warning("rejected task message %s: %s", message.metadata.sequence.stream, error)
+            metrics.tasks_rejected.inc()
+            await message.term()
+            return
+        size = task.group_size or self.config.group_size
+        self.sessions += size
+        heartbeat = asyncio.create_task(self._keep_alive(message))
+        try:
+            group_id = f"{task.task.id}@{message.metadata.sequence.stream}"
+            trajectories = await self._attempts(task.task, scorer, group_id, size)
+            for trajectory in trajectories:
+                await js.publish(
+                    trajectory_subject(self.config.run),
+                    encode_trajectory(trajectory),
+                    headers={"Nats-Msg-Id": f"{group_id}/{trajectory.attempt}"},
+                )
+                metrics.trajectories.inc()
+            await message.ack()
+        except Exception:
+            log.exception("task %s failed; it will be redelivered", task.task.id)
+            await message.nak(delay=5)
+        finally:
+            heartbeat.cancel()
+            self.sessions -= size
+
+    async def _keep_alive(self, message) -> None:
+        while True:
+            await asyncio.sleep(self.config.ack_wait_s / 3)
+            await message.in_progress()
+
+    async def _attempts(
+        self, task: Task, scorer: rewards.Scorer, group_id: str, size: int
+    ) -> list[Trajectory]:
+        with tempfile.TemporaryDirectory(prefix="rlfleet-task-") as start:
+            write_start_state(task, Path(start))
+            group = _Group(task, scorer, Path(start), group_id, size)
+            return list(await asyncio.gather(*(self._attempt(group, i) for i in range(size))))
+
+    async def _attempt(self, group: _Group, attempt: int) -> Trajectory:
+        task, group_id = group.task, group.id
+        assert self.engine is not None
+        started = time.perf_counter()
+        async with await Sandbox.start(group.start, self.config.limits) as sandbox:
+            metrics.sandbox_start.observe(time.perf_counter() - started)
+            seed = zlib.crc32(f"{self.config.seed}/{group_id}/{attempt}".encode())
+            episode = await Session(
+                self.engine, task.prompt, sandbox, self.config.session, seed
+            ).run()
+            files = {} if episode.ended == "sandbox" else await rewards.archive(sandbox)
+        metrics.sessions.labels(episode.ended).inc()
+        if episode.ended == "sandbox":
+            reward = rewards.Reward(0.0, {"sandbox_stopped": 1.0}, f"sandbox: {episode.error}")
+        else:
+            outcome = rewards.Outcome(episode.answer, files, episode.transcript)
+            reward = await rewards.grade(
+                task, outcome, rewards.scorer_for(task, self.config.rewards)
+            )
+        if reward.reason:
+            log.info(
+                "task %s attempt %d: reward %.2f (%s)",
+                task.id,
+                attempt,
+                reward.value,
+                reward.reason,
+            )
+        return Trajectory(
+            run=self.config.run,
+            task_id=task.id,
+            group_id=group_id,
+            group_size=group.size,
+            attempt=attempt,
+            reward=reward.value,
+            reward_breakdown=reward.breakdown,
+            segments=episode.segments,
+            worker=self.config.name,
+            created_at=time.time(),
+        )
+
+    async def _grade(
+        self, task: Task, scorer: rewards.Scorer, episode: Episode, sandbox: Sandbox
+    ) -> rewards.Reward:
+        if episode.ended == "sandbox":
+            return rewards.Reward(0.0, {"sandbox_stopped": 1.0}, f"sandbox: {episode.error}")
+        try:
+            files = await rewards.archive(sandbox)
+        except (rewards.ArchiveError, SandboxClosed) as error:  # the agent can cause both
+            return rewards.Reward(0.0, {"archive_failed": 1.0}, f"archive: {error}")
+        outcome = rewards.Outcome(episode.answer, files, episode.transcript)
+        return await rewards.grade(task, outcome, scorer)
