@@ -79,3 +79,14 @@ def test_a_group_that_never_fills_trains_late_or_expires() -> None:
     buffer.add(_item(3, "late", 1, size=3))
     assert buffer.take(token_budget=20, token_cap=40, now=30.0) == []
     assert [i.seq for i in buffer.take(token_budget=20, token_cap=40, now=61.0)[0]] == [2, 3]
+
+
+def test_an_attempt_published_twice_is_held_once() -> None:
+    # A rollout worker that died after publishing runs the task again: same group and
+    # attempts, new stream sequences. The group must not grow past its size.
+    buffer = GroupBuffer(timeout_s=60)
+    assert buffer.add(_item(1, "a", 0))
+    assert not buffer.add(_item(2, "a", 0))
+    assert buffer.add(_item(3, "a", 1))
+    taken = buffer.take(token_budget=1, token_cap=60, now=1.0)
+    assert [[i.seq for i in g] for g in taken] == [[1, 3]]

@@ -159,10 +159,13 @@ def fine_tune(directory: Path, examples: list[Example], *, steps: int, lr: float
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     dtype = getattr(torch, json.loads((directory / "config.json").read_text())["dtype"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    # Linear decay to zero: a short run still ends settled.
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
     model.train()
     for _ in range(steps):
         loss = model(input_ids=input_ids, attention_mask=attention, labels=targets).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        schedule.step()
     model.to(dtype).save_pretrained(directory, safe_serialization=True)

@@ -36,6 +36,28 @@ SUMMARY_REQUEST = (
 SUMMARY_HEADER = "Summary of your progress so far:\n"
 
 
+END_TURN = "<|im_end|>"
+
+
+def window_text(
+    task_prompt: str, summary: str | None = None, observation: str | None = None
+) -> str:
+    """A fresh window's prompt: system, task, and after a summary the summary and the last
+    observation, ending where the model's turn begins."""
+    turns = [("system", SYSTEM), ("user", task_prompt)]
+    if summary is not None:
+        turns.append(("user", SUMMARY_HEADER + summary))
+    if observation is not None:
+        turns.append(("user", observation))
+    text = "".join(f"<|im_start|>{role}\n{content}{END_TURN}\n" for role, content in turns)
+    return text + "<|im_start|>assistant\n"
+
+
+def user_turn_text(text: str) -> str:
+    """A user turn (an observation, the summary request) after the model's closed turn."""
+    return f"<|im_start|>user\n{text}{END_TURN}\n<|im_start|>assistant\n"
+
+
 class SessionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_turns: int = 50
     turn_tokens: int = 256  # most new tokens per model turn
@@ -105,23 +127,17 @@ class Session:
         self.segments: list[Segment] = []
         self.transcript: list[str] = []
         self._requests = 0
-        self._end = self._encode("<|im_end|>")
+        self._end = self._encode(END_TURN)
         self._summary_request = self._user_turn(SUMMARY_REQUEST)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _user_turn(self, text: str) -> list[int]:
-        return self._encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+        return self._encode(user_turn_text(text))
 
     def _open(self, summary: str | None = None, observation: str | None = None) -> _Window:
-        turns = [("system", SYSTEM), ("user", self.task_prompt)]
-        if summary is not None:
-            turns.append(("user", SUMMARY_HEADER + summary))
-        if observation is not None:
-            turns.append(("user", observation))
-        text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
-        tokens = self._encode(text + "<|im_start|>assistant\n")
+        tokens = self._encode(window_text(self.task_prompt, summary, observation))
         return _Window(tokens=tokens, prompt_len=len(tokens))
 
     def _fits(self, window: _Window, extra: int) -> bool:
@@ -166,7 +182,7 @@ class Session:
             self.transcript.append(f"[assistant] {completion.text}")
             call = tools.parse(completion.text)
             if call is None:
-                answer, ended = completion.text.removesuffix("<|im_end|>").strip(), "answered"
+                answer, ended = completion.text.removesuffix(END_TURN).strip(), "answered"
                 break
             if isinstance(call, tools.Submit):
                 answer, ended = call.answer, "submitted"
@@ -187,7 +203,7 @@ class Session:
             summary = await self._complete(window, self.config.summary_tokens, [])
             self.transcript.append(f"[summary] {summary.text}")
             self.segments.append(window.segment())
-            window = self._open(summary.text.removesuffix("<|im_end|>").strip(), observation)
+            window = self._open(summary.text.removesuffix(END_TURN).strip(), observation)
             if not self._fits(window, self.config.turn_tokens):
                 ended, error, window = "context", "no room for a turn after the summary", None
                 break

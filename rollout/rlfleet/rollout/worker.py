@@ -159,7 +159,7 @@ class Worker:
             return
         try:
             messages = await queue.fetch(max(1, free // self.config.group_size), timeout=1)
-        except nats.errors.TimeoutError:
+        except (TimeoutError, nats.errors.TimeoutError):
             return
         for message in messages:
             group = asyncio.create_task(self._group(message, js))

@@ -38,8 +38,14 @@ class GroupBuffer:
     timeout_s: float
     groups: dict[str, list[Received]] = field(default_factory=dict)
 
-    def add(self, item: Received) -> None:
-        self.groups.setdefault(item.trajectory.group_id, []).append(item)
+    def add(self, item: Received) -> bool:
+        """Hold `item`; False if its group already holds that attempt (a task run twice,
+        after a rollout worker died before acknowledging it)."""
+        items = self.groups.setdefault(item.trajectory.group_id, [])
+        if any(i.trajectory.attempt == item.trajectory.attempt for i in items):
+            return False
+        items.append(item)
+        return True
 
     def holds(self) -> set[int]:
         return {item.seq for items in self.groups.values() for item in items}

@@ -158,7 +158,15 @@ class Trainer:
                 self._drop_stale([Received(seq, trajectory, now)])
                 await msg.ack()
                 continue
-            self.buffer.add(Received(seq, trajectory, now))
+            if not self.buffer.add(Received(seq, trajectory, now)):
+                metrics.trajectories.labels("duplicate").inc()
+                log.info(
+                    "group %s already holds attempt %d: acknowledged",
+                    trajectory.group_id,
+                    trajectory.attempt,
+                )
+                await msg.ack()
+                continue
             self.messages[seq] = msg
 
     def _accept(self, data: bytes, seq: int) -> Trajectory | None:

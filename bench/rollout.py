@@ -1,0 +1,173 @@
+"""Rollout benchmark: multi-turn sessions through the worker's vLLM engine vs Hugging Face.
+
+64 concurrent sessions of 5 turns on the tiny MoE: every session shares the system
+prompt, each turn generates a varied number of tokens (exact, 16-112) and appends an
+observation, so each turn's prompt is the last one grown. The worker's engine serves
+them continuously with prefix caching; the baseline runs the same sessions through
+Hugging Face `generate`, batched per turn (the batch waits for its longest member),
+same model and dtype, in the same run. Only the tokens sessions asked for are counted.
+Also: a sandbox's start-up until its server answers, and tool-call round trips.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from rlfleet.rollout.session import user_turn_text
+
+SESSIONS = 64
+TURNS = 5
+SYSTEM = "<|im_start|>system\nYou are a careful agent. " + "Rules apply. " * 20 + "<|im_end|>\n"
+
+
+def plan(seed: int = 0) -> tuple[list[str], list[list[int]]]:
+    rng = random.Random(seed)
+    prompts = [
+        f"{SYSTEM}<|im_start|>user\nTask {i}: {rng.randint(0, 10**6)}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+        for i in range(SESSIONS)
+    ]
+    lengths = [[rng.randint(16, 112) for _ in range(TURNS)] for _ in range(SESSIONS)]
+    return prompts, lengths
+
+
+def observation(turn: int) -> str:
+    return "<|im_end|>\n" + user_turn_text(f"exit code 0\nresult of step {turn}")
+
+
+async def vllm_sessions(model: Path) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from rlfleet.rollout.engine import Engine
+    from rlfleet.rollout.vllm_experts import EXTENSION
+    from rlfleet.weightsync import vllm_options
+
+    llm = LLM(
+        model=str(model),
+        dtype="bfloat16",
+        max_model_len=2048,
+        enforce_eager=True,
+        seed=0,
+        enable_prefix_caching=True,
+        **vllm_options(worker_extension=EXTENSION),
+    )
+    engine = Engine(llm, follow_weights=False)
+    await engine.start()
+    tokenizer = engine.tokenizer
+    prompts, lengths = plan()
+
+    async def session(index: int) -> None:
+        context = tokenizer.encode(prompts[index], add_special_tokens=False)
+        for turn, length in enumerate(lengths[index]):
+            params = SamplingParams(max_tokens=length, min_tokens=length, temperature=1.0)
+            completion = await engine.generate(context, params)
+            context += completion.token_ids
+            context += tokenizer.encode(observation(turn), add_special_tokens=False)
+
+    await asyncio.gather(*(session(i) for i in range(8)))  # warm-up
+    before = engine.stats.generated_tokens, engine.stats.cached_tokens, engine.stats.prompt_tokens
+    started = time.perf_counter()
+    await asyncio.gather(*(session(i) for i in range(SESSIONS)))
+    seconds = time.perf_counter() - started
+    generated = engine.stats.generated_tokens - before[0]
+    cached = engine.stats.cached_tokens - before[1]
+    prompt = engine.stats.prompt_tokens - before[2]
+    await engine.close()
+    return {
+        "vllm_tokens_per_s": generated / seconds,
+        "vllm_seconds": seconds,
+        "generated_tokens": generated,
+        "prefix_cache_hit_fraction": cached / prompt,
+    }
+
+
+def hf_sessions(model: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    prompts, lengths = plan()
+    pad = tokenizer.pad_token_id
+
+    def run(count: int) -> tuple[int, float]:
+        contexts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[:count]]
+        generated = 0
+        started = time.perf_counter()
+        for turn in range(TURNS):
+            wanted = [lengths[i][turn] for i in range(count)]
+            width = max(map(len, contexts))
+            ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts])
+            mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
+            with torch.no_grad():
+                out = hf.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=max(wanted),
+                    min_new_tokens=max(wanted),
+                    do_sample=True,
+                    temperature=1.0,
+                    pad_token_id=pad,
+                )
+            for i in range(count):
+                new = out[i, width : width + wanted[i]].tolist()
+                contexts[i] = contexts[i] + new
+                contexts[i] += tokenizer.encode(observation(turn), add_special_tokens=False)
+                generated += len(new)
+        return generated, time.perf_counter() - started
+
+    run(8)  # warm-up
+    generated, seconds = run(SESSIONS)
+    return {"hf_tokens_per_s": generated / seconds, "hf_seconds": seconds}
+
+
+async def sandbox_latency() -> dict:
+    from rlfleet.rollout.sandbox import Sandbox
+
+    starts, reads, runs = [], [], []
+    with tempfile.TemporaryDirectory() as start:
+        (Path(start) / "notes.txt").write_text("hello\n")
+        for _ in range(20):
+            began = time.perf_counter()
+            async with await Sandbox.start(Path(start)) as sandbox:
+                await sandbox.call({"tool": "read", "path": "notes.txt"})
+                starts.append(time.perf_counter() - began)
+                for _ in range(10):
+                    began = time.perf_counter()
+                    await sandbox.call({"tool": "read", "path": "notes.txt"})
+                    reads.append(time.perf_counter() - began)
+                began = time.perf_counter()
+                await sandbox.call({"tool": "run", "command": "echo hi"})
+                runs.append(time.perf_counter() - began)
+    return {
+        "sandbox_start_ms": 1000 * statistics.median(starts),
+        "tool_rtt_ms": 1000 * statistics.median(reads),
+        "tool_run_rtt_ms": 1000 * statistics.median(runs),
+    }
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from rlfleet.models.tiny import init_model
+
+    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-rollout-") as root:
+        model = init_model("tiny-moe", Path(root) / "tiny-moe")
+        result = {"bench": "rollout", "sessions": SESSIONS, "turns": TURNS}
+        result |= asyncio.run(vllm_sessions(model))
+        result |= hf_sessions(model)
+        result["vllm_vs_hf"] = result["vllm_tokens_per_s"] / result["hf_tokens_per_s"]
+        result |= asyncio.run(sandbox_latency())
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""The rollout worker process: real vLLM, real sandboxes, tasks and trajectories over
+real NATS JetStream (through a region's leaf node), weights through weightsync."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+import rollout_scripts
+import torch
+from rollout_scripts import ABUSE, HAPPY, SUMMARY, SUMMARY_TASK
+from transformers import AutoTokenizer
+
+from rlfleet.api.wire import (
+    TaskMessage,
+    Trajectory,
+    decode_trajectory,
+    encode,
+    task_subject,
+    trajectory_stream,
+    trajectory_subject,
+)
+from rlfleet.models.tiny import init_model, read_weights
+from rlfleet.rollout.session import SUMMARY_HEADER
+from rlfleet.rollout.tasks import SUITES, load_suite
+from rlfleet.rollout.worker import ensure_task_stream
+from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
+from rlfleet.testbed.processes import free_port
+from rlfleet.trainer.loop import ensure_trajectory_stream
+from rlfleet.trainer.validation import ModelShape, problem
+from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
+
+pytestmark = [pytest.mark.nats, pytest.mark.slow]
+
+SYNC = SyncConfig(snapshot_every=4)
+SHAPE = ModelShape(vocab_size=320, moe_layers=2, num_experts=8, top_k=2)
+
+
+class WorkerUnderTest:
+    def __init__(self, root: Path, servers: StandaloneNats) -> None:
+        self.run = f"r{uuid.uuid4().hex[:8]}"
+        self.hub_url = servers.bed.hub.authenticated_url
+        self.model = init_model("tiny-moe", root / "model")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model)
+        self.session = rollout_scripts.teach(self.model, self.tokenizer)
+        self.metrics_port = free_port()
+        self.config = root / "worker.json"
+        self.config.write_text(
+            json.dumps(
+                {
+                    "run": self.run,
+                    "nats_url": servers.bed.leaves[servers.region].authenticated_url,
+                    "jetstream_domain": HUB_DOMAIN,
+                    "model": str(self.model),
+                    "max_sessions": 16,
+                    "group_size": 2,
+                    "max_model_len": 2048,
+                    "session": {
+                        "max_turns": self.session.max_turns,
+                        "turn_tokens": self.session.turn_tokens,
+                        "context_tokens": self.session.context_tokens,
+                        "summary_tokens": self.session.summary_tokens,
+                        "temperature": 0.0,
+                    },
+                    "limits": rollout_scripts.LIMITS.__dict__,
+                    "metrics_port": self.metrics_port,
+                    "weightsync": {"snapshot_every": SYNC.snapshot_every},
+                }
+            )
+        )
+        self.log = root / "worker.log"
+        self.loop = asyncio.new_event_loop()
+        self.nc = self.loop.run_until_complete(nats.connect(self.hub_url))
+        self.js = self.nc.jetstream(domain=HUB_DOMAIN)
+        self.loop.run_until_complete(ensure_trajectory_stream(self.js, self.run))
+        self.loop.run_until_complete(ensure_task_stream(self.js, self.run))
+        self.trajectories = self.loop.run_until_complete(
+            self.js.pull_subscribe(trajectory_subject(self.run), stream=trajectory_stream(self.run))
+        )
+        weights = WeightStream(self.nc, self.run, SYNC, domain=HUB_DOMAIN)
+        self.loop.run_until_complete(weights.create())
+        self.publisher = Publisher(weights, SYNC)
+        self.publish_weights(read_weights(self.model), 0)
+        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rlfleet.rollout", str(self.config)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def publish_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        self.loop.run_until_complete(self.publisher.publish(tensors, version))
+
+    def publish_tasks(self, *tasks, group_size: int = 2) -> None:
+        async def publish() -> None:
+            for task in tasks:
+                message = TaskMessage(run=self.run, task=task, group_size=group_size)
+                await self.js.publish(task_subject(self.run), encode(message))
+
+        self.loop.run_until_complete(publish())
+
+    def publish_raw(self, payload: bytes) -> None:
+        self.loop.run_until_complete(self.js.publish(task_subject(self.run), payload))
+
+    def collect(self, count: int, timeout_s: float = 600) -> list[Trajectory]:
+        async def fetch() -> list[Trajectory]:
+            found: list[Trajectory] = []
+            deadline = time.monotonic() + timeout_s
+            while len(found) < count:
+                assert self.proc.poll() is None, self.log.read_text()[-5000:]
+                assert time.monotonic() < deadline, self.log.read_text()[-5000:]
+                try:
+                    messages = await self.trajectories.fetch(count - len(found), timeout=2)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    continue
+                for message in messages:
+                    found.append(decode_trajectory(message.data))
+                    await message.ack()
+            return found
+
+        return self.loop.run_until_complete(fetch())
+
+    def metric(self, name: str) -> float:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        raise AssertionError(f"no metric {name}")
+
+    def text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.loop.run_until_complete(self.nc.close())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def worker(
+    tmp_path_factory: pytest.TempPathFactory, nats_servers: StandaloneNats
+) -> Iterator[WorkerUnderTest]:
+    under_test = WorkerUnderTest(tmp_path_factory.mktemp("rollout-worker"), nats_servers)
+    try:
+        yield under_test
+    finally:
+        under_test.stop()
+
+
+def by_task(trajectories: list[Trajectory]) -> dict[str, list[Trajectory]]:
+    found: dict[str, list[Trajectory]] = {}
+    for trajectory in trajectories:
+        found.setdefault(trajectory.task_id, []).append(trajectory)
+    return found
+
+
+def observations(worker: WorkerUnderTest, trajectory: Trajectory) -> str:
+    """Every token the harness inserted, decoded."""
+    return "".join(
+        worker.text(
+            [t for t, g in zip(s.tokens[s.prompt_len :], s.generated, strict=True) if not g]
+        )
+        for s in trajectory.segments
+    )
+
+
+def test_scripted_sessions_write_run_submit_survive_abuse_and_summarise(
+    worker: WorkerUnderTest,
+) -> None:
+    worker.publish_tasks(HAPPY, ABUSE, SUMMARY_TASK)
+    found = by_task(worker.collect(6))
+    assert {len(v) for v in found.values()} == {2}
+    for trajectory in [t for ts in found.values() for t in ts]:
+        assert trajectory.worker == "rollout-0" and trajectory.group_size == 2
+        assert problem(trajectory, SHAPE, worker.run, needs_experts=True) is None
+        for segment in trajectory.segments:
+            assert segment.moe_layers == 2 and segment.top_k == 2
+            assert set(segment.versions) == {0}
+            assert len(segment.tokens) <= worker.session.context_tokens
+
+    # A malformed call is an error observation; then a file written, a command run, a submit.
+    for happy in found[HAPPY.id]:
+        assert happy.reward == 1.0, happy.reward_breakdown
+        assert happy.reward_breakdown == {"cheat": 0.0, "exact": 1.0, "hidden_tests": 1.0}
+        shown = observations(worker, happy)
+        assert "error: invalid tool call" in shown
+        assert "wrote 6 bytes to a.txt" in shown and "exit code 0\nhello" in shown
+        assert len(happy.segments) == 1
+
+    # The network is unreachable, the fork bomb and the endless command are stopped at the
+    # call's deadline, the file size limit kills the disk filler; the session goes on.
+    for abuse in found[ABUSE.id]:
+        shown = observations(worker, abuse)
+        assert "Network is unreachable" in shown
+        assert shown.count("error: timed out after 3") == 2
+        assert "exit code 0\n153" in shown  # 128 + SIGXFSZ
+        assert abuse.reward == 1.0, abuse.reward_breakdown
+
+    # The summary script overflows its context after two turns: it summarises, goes on in a
+    # fresh window that starts from the summary, and finishes; both windows get the reward.
+    for summarised in found[SUMMARY_TASK.id]:
+        first, second = summarised.segments
+        assert worker.text(first.tokens[-20:]).endswith(SUMMARY[-20:] + "<|im_end|>")
+        assert SUMMARY_HEADER + SUMMARY in worker.text(second.tokens[: second.prompt_len])
+        assert summarised.reward == 1.0, summarised.reward_breakdown
+    assert worker.proc.poll() is None
+
+
+def test_a_weight_update_mid_run_is_recorded_per_token(worker: WorkerUnderTest) -> None:
+    toy = load_suite(SUITES / "toy.jsonl")[:8]
+    worker.publish_tasks(*toy)
+    early = worker.collect(1)
+    # The trainer's next version: every weight nudged.
+    tensors = {
+        name: (t.float() + 1e-3 * torch.randn_like(t.float())).to(t.dtype)
+        for name, t in read_weights(worker.model).items()
+    }
+    worker.publish_weights(tensors, 1)
+    rest = worker.collect(2 * len(toy) - 1)
+    versions = []
+    for trajectory in early + rest:
+        assert problem(trajectory, SHAPE, worker.run, needs_experts=True) is None
+        for segment in trajectory.segments:
+            generated = [v for v, g in zip(segment.versions, segment.generated, strict=True) if g]
+            assert generated == sorted(generated)  # a version never goes back
+            versions += generated
+    assert set(versions) == {0, 1}
+    assert early[0].policy_version == 0
+    assert worker.metric("rlfleet_rollout_policy_version") == 1.0
+
+
+def test_a_malformed_task_is_rejected_and_counted(worker: WorkerUnderTest) -> None:
+    before = worker.metric("rlfleet_rollout_tasks_rejected_total")
+    worker.publish_raw(b'{"schema": "rlfleet.io/rollout-task/v1", "run": 7}')
+    worker.publish_tasks(HAPPY)
+    assert {t.task_id for t in worker.collect(2)} == {HAPPY.id}
+    assert worker.metric("rlfleet_rollout_tasks_rejected_total") == before + 1
