@@ -44,21 +44,14 @@ def observation(turn: int) -> str:
 
 
 async def vllm_sessions(model: Path) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
+    from rlfleet.rollout.config import WorkerConfig
     from rlfleet.rollout.engine import Engine
-    from rlfleet.rollout.vllm_experts import EXTENSION
-    from rlfleet.weightsync import vllm_options
+    from rlfleet.rollout.worker import make_llm
 
-    llm = LLM(
-        model=str(model),
-        dtype="bfloat16",
-        max_model_len=2048,
-        enforce_eager=True,
-        seed=0,
-        enable_prefix_caching=True,
-        **vllm_options(worker_extension=EXTENSION),
-    )
+    config = WorkerConfig(run="bench", nats_url="", model=str(model), max_model_len=2048)
+    llm = make_llm(config)  # the worker's own engine settings
     engine = Engine(llm, follow_weights=False)
     await engine.start()
     tokenizer = engine.tokenizer

@@ -77,7 +77,7 @@ SCRIPTS: dict[str, list[str]] = {
             "python3 -c \"import socket; socket.create_connection(('10.1.2.3', 80), 2)\" "
             "2>&1 | tail -n 1"
         ),
-        run("bomb() { bomb | bomb & }; bomb 2>/dev/null"),  # fork bomb
+        run("bomb() { bomb | bomb & }; bomb 2>/dev/null; sleep 10"),  # fork bomb
         run("head -c 50000000 /dev/zero > big; echo $?"),  # fill the disk
         run("sleep 1000"),  # run forever
         call("submit", answer="done"),

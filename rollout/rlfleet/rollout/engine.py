@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from vllm import SamplingParams
@@ -75,13 +79,21 @@ class Engine:
         self._work = asyncio.Event()
         self._next_poll = 0.0
         self._driver: asyncio.Task | None = None
+        # vLLM's client talks to its engine over ZeroMQ sockets, which must not be used
+        # from two threads at once: every call into vLLM runs on this one thread.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm")
 
     @property
     def tokenizer(self):
         return self.llm.get_tokenizer()
 
+    async def call(self, function: Callable[..., Any], *args: Any) -> Any:
+        """Run `function(*args)` (anything that touches vLLM) on the engine's thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, functools.partial(function, *args))
+
     async def start(self) -> None:
-        self.moe = await asyncio.to_thread(vllm_experts.start, self.llm) > 0
+        self.moe = await self.call(vllm_experts.start, self.llm) > 0
         self._driver = asyncio.create_task(self._drive(), name="vllm-driver")
 
     async def close(self) -> None:
@@ -89,6 +101,7 @@ class Engine:
             self._driver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._driver
+        self._thread.shutdown(wait=True)
 
     async def wait_for_version(self, version: int, timeout_s: float) -> None:
         """Block until the model runs `version` or newer (weights arrive via weightsync)."""
@@ -114,13 +127,15 @@ class Engine:
         try:
             while True:
                 await self._maybe_update()
-                self._admit()
+                if self._queue:
+                    queued, self._queue = self._queue, []
+                    await self.call(self._admit, queued)
                 if not self._running:
                     self._work.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._work.wait(), self.poll_s)
                     continue
-                outputs = await asyncio.to_thread(self.engine.step)
+                outputs = await self.call(self.engine.step)
                 self.stats.steps += 1
                 finished = [o for o in outputs if o.finished]
                 if finished:
@@ -134,21 +149,20 @@ class Engine:
                     pending.done.set_exception(RuntimeError(f"vLLM engine failed: {error}"))
             raise
 
-    def _admit(self) -> None:
-        for request_id, pending in self._queue:
+    def _admit(self, queued: list[tuple[str, _Pending]]) -> None:
+        for request_id, pending in queued:
             prompt = {"prompt_token_ids": pending.prompt}
             self.engine.add_request(request_id, prompt, pending.params)
             self._running[request_id] = pending
-        self._queue.clear()
 
     async def _maybe_update(self) -> None:
         if not self.follow_weights or time.monotonic() < self._next_poll:
             return
         self._next_poll = time.monotonic() + self.poll_s
-        held = [s["held"] for s in await asyncio.to_thread(vllm_status, self.llm)]
+        held = [s["held"] for s in await self.call(vllm_status, self.llm)]
         if any(h is None for h in held) or min(held) <= self.version:
             return
-        update = await asyncio.to_thread(vllm_update, self.llm, min(held))
+        update = await self.call(vllm_update, self.llm, min(held))
         self.version = update.version
         self.stats.updates.append((update.version, update.pause_s))
         metrics.policy_version.set(update.version)
@@ -156,12 +170,14 @@ class Engine:
 
     async def _finish(self, outputs) -> None:
         experts = (
-            await asyncio.to_thread(vllm_experts.take, self.llm, outputs)
+            await self.call(vllm_experts.take, self.llm, outputs)
             if self.moe
             else [[None]] * len(outputs)
         )
         for output, (routed,) in zip(outputs, experts, strict=True):
             pending = self._running.pop(output.request_id)
+            if pending.done.done():
+                continue  # its session was cancelled
             completion = output.outputs[0]
             tokens = list(completion.token_ids)
             self.stats.generated_tokens += len(tokens)

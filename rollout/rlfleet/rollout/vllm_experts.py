@@ -190,6 +190,14 @@ def take(llm, outputs) -> list[list[np.ndarray]]:
         for r in outputs
     ]
     found = llm.collective_rpc("rlfleet_experts_take", args=([k for ks in keys for k in ks],))[0]
+
+    def rows(key: str, prompt: int, completion) -> np.ndarray:
+        ids = np.frombuffer(found[key][0], dtype="<u2").reshape(found[key][1])
+        # A stop string is found after the engine has already run the next step: rows past
+        # the last kept token belong to tokens that were thrown away.
+        return ids[: prompt + len(completion.token_ids) - 1]
+
     return [
-        [np.frombuffer(found[k][0], dtype="<u2").reshape(found[k][1]) for k in ks] for ks in keys
+        [rows(k, len(r.prompt_token_ids), c) for k, c in zip(ks, r.outputs, strict=True)]
+        for ks, r in zip(keys, outputs, strict=True)
     ]

@@ -42,6 +42,7 @@ from rlfleet.weightsync import vllm_options, vllm_start
 log = logging.getLogger(__name__)
 
 CONSUMER = "rollout"  # one durable consumer shared by every worker of the run
+MAX_DELIVER = 5
 
 
 def make_llm(config: WorkerConfig):
@@ -123,7 +124,7 @@ class Worker:
         await engine.start()
         if config.follow_weights:
             domain = config.jetstream_domain
-            await asyncio.to_thread(
+            await engine.call(
                 vllm_start, llm, config.nats_url, config.run, domain, config.sync_config()
             )
             if config.start_version is not None:
@@ -141,6 +142,7 @@ class Worker:
                     ack_policy=AckPolicy.EXPLICIT,
                     ack_wait=config.ack_wait_s,
                     max_ack_pending=-1,
+                    max_deliver=MAX_DELIVER,  # a task that keeps failing is not a loop
                 ),
             )
             log.info("worker %s taking tasks of run %s", config.name, config.run)
@@ -191,8 +193,9 @@ class Worker:
                 )
                 metrics.trajectories.inc()
             await message.ack()
-        except Exception:
-            log.exception("task %s failed; it will be redelivered", task.task.id)
+        except Exception:  # an ExceptionGroup from the attempts included
+            tries = message.metadata.num_delivered
+            log.exception("task %s failed (try %d of %d)", task.task.id, tries, MAX_DELIVER)
             await message.nak(delay=5)
         finally:
             heartbeat.cancel()
@@ -209,7 +212,10 @@ class Worker:
         with tempfile.TemporaryDirectory(prefix="rlfleet-task-") as start:
             write_start_state(task, Path(start))
             group = _Group(task, scorer, Path(start), group_id, size)
-            return list(await asyncio.gather(*(self._attempt(group, i) for i in range(size))))
+            # One attempt failing cancels the others: the group is retried as a whole.
+            async with asyncio.TaskGroup() as attempts:
+                running = [attempts.create_task(self._attempt(group, i)) for i in range(size)]
+            return [attempt.result() for attempt in running]
 
     async def _attempt(self, group: _Group, attempt: int) -> Trajectory:
         task, group_id = group.task, group.id
@@ -221,23 +227,12 @@ class Worker:
             episode = await Session(
                 self.engine, task.prompt, sandbox, self.config.session, seed
             ).run()
-            files = {} if episode.ended == "sandbox" else await rewards.archive(sandbox)
+            reward = await self._grade(task, group.scorer, episode, sandbox)
         metrics.sessions.labels(episode.ended).inc()
-        if episode.ended == "sandbox":
-            reward = rewards.Reward(0.0, {"sandbox_stopped": 1.0}, f"sandbox: {episode.error}")
-        else:
-            outcome = rewards.Outcome(episode.answer, files, episode.transcript)
-            reward = await rewards.grade(
-                task, outcome, rewards.scorer_for(task, self.config.rewards)
-            )
+        if "cheat" in reward.reason:
+            metrics.cheats.inc()
         if reward.reason:
-            log.info(
-                "task %s attempt %d: reward %.2f (%s)",
-                task.id,
-                attempt,
-                reward.value,
-                reward.reason,
-            )
+            log.info("%s #%d: reward %.2f, %s", group_id, attempt, reward.value, reward.reason)
         return Trajectory(
             run=self.config.run,
             task_id=task.id,
