@@ -59,6 +59,8 @@ SUMMARY_TASK = Task(
     answer="3",
     test_command="test -s f1.txt && test -s f2.txt && test -s f3.txt",
 )
+
+
 def _long(letter: str) -> str:
     # Numbered, not repeated: a 2-layer model cannot count 250 equal letters.
     return " ".join(f"{letter}{i:02d}" for i in range(56))

@@ -214,7 +214,7 @@ def test_scripted_sessions_write_run_submit_survive_abuse_and_summarise(
         shown = observations(worker, abuse)
         assert "Network is unreachable" in shown
         assert shown.count("error: timed out after 3") == 2
-        assert "exit code 0\n153" in shown  # 128 + SIGXFSZ
+        assert "File size limit exceeded\n153" in shown  # 128 + SIGXFSZ
         assert abuse.reward == 1.0, abuse.reward_breakdown
 
     # The summary script overflows its context after two turns: it summarises, goes on in a
