@@ -4,9 +4,10 @@ Sessions `await generate(...)` concurrently; one driver coroutine owns the engin
 does everything to it in turn: admit new requests, apply a weight update if weightsync
 holds a newer version, run one engine step in a thread. A session waiting on a tool
 call holds nothing, so the engine batches whatever the other sessions have asked for
-(continuous batching) and never waits on a sandbox. Weight updates land between steps,
-also in the middle of a completion; vLLM labels every token with the weights that
-sampled it, and those labels become the trajectory's per-token policy versions.
+(continuous batching) and never waits on a sandbox. A newer policy version is loaded as
+soon as the requests running when it arrived have finished (new ones wait meanwhile),
+so it lands between the turns of a session; vLLM labels every token with the weights
+that sampled it, and those labels become the trajectory's per-token policy versions.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class Engine:
         self._running: dict[str, _Pending] = {}
         self._work = asyncio.Event()
         self._next_poll = 0.0
+        self._draining = False  # a newer version waits for the running requests to finish
         self._driver: asyncio.Task | None = None
         # vLLM's client talks to its engine over ZeroMQ sockets, which must not be used
         # from two threads at once: every call into vLLM runs on this one thread.
@@ -127,7 +129,7 @@ class Engine:
         try:
             while True:
                 await self._maybe_update()
-                if self._queue:
+                if self._queue and not self._draining:
                     queued, self._queue = self._queue, []
                     await self.call(self._admit, queued)
                 if not self._running:
@@ -156,13 +158,24 @@ class Engine:
             self._running[request_id] = pending
 
     async def _maybe_update(self) -> None:
-        if not self.follow_weights or time.monotonic() < self._next_poll:
+        """Load a newer version once the requests running now have finished.
+
+        vLLM reloads weights layer by layer through meta tensors, so no step may run
+        while it does: new requests wait (in `_queue`) until the running ones drain.
+        """
+        if not self.follow_weights:
             return
-        self._next_poll = time.monotonic() + self.poll_s
+        if not self._draining:
+            if time.monotonic() < self._next_poll:
+                return
+            self._next_poll = time.monotonic() + self.poll_s
+            held = [s["held"] for s in await self.call(vllm_status, self.llm)]
+            self._draining = all(h is not None for h in held) and min(held) > self.version
+        if not self._draining or self._running:
+            return
         held = [s["held"] for s in await self.call(vllm_status, self.llm)]
-        if any(h is None for h in held) or min(held) <= self.version:
-            return
         update = await self.call(vllm_update, self.llm, min(held))
+        self._draining = False
         self.version = update.version
         self.stats.updates.append((update.version, update.pause_s))
         metrics.policy_version.set(update.version)
