@@ -173,8 +173,7 @@ class Engine:
             self._draining = all(h is not None for h in held) and min(held) > self.version
         if not self._draining or self._running:
             return
-        held = [s["held"] for s in await self.call(vllm_status, self.llm)]
-        update = await self.call(vllm_update, self.llm, min(held))
+        update = await self.call(vllm_update, self.llm)  # the newest version held
         self._draining = False
         self.version = update.version
         self.stats.updates.append((update.version, update.pause_s))
