@@ -79,7 +79,7 @@ class Engine:
         self._running: dict[str, _Pending] = {}
         self._work = asyncio.Event()
         self._next_poll = 0.0
-        self._draining = False  # a newer version waits for the running requests to finish
+        self._target: int | None = None  # a newer version held, waiting for requests to drain
         self._driver: asyncio.Task | None = None
         # vLLM's client talks to its engine over ZeroMQ sockets, which must not be used
         # from two threads at once: every call into vLLM runs on this one thread.
@@ -129,7 +129,7 @@ class Engine:
         try:
             while True:
                 await self._maybe_update()
-                if self._queue and not self._draining:
+                if self._queue and self._target is None:
                     queued, self._queue = self._queue, []
                     await self.call(self._admit, queued)
                 if not self._running:
@@ -165,16 +165,17 @@ class Engine:
         """
         if not self.follow_weights:
             return
-        if not self._draining:
+        if self._target is None:
             if time.monotonic() < self._next_poll:
                 return
             self._next_poll = time.monotonic() + self.poll_s
             held = [s["held"] for s in await self.call(vllm_status, self.llm)]
-            self._draining = all(h is not None for h in held) and min(held) > self.version
-        if not self._draining or self._running:
+            if all(h is not None for h in held) and min(held) > self.version:
+                self._target = min(held)  # every worker holds it
+        if self._target is None or self._running:
             return
-        update = await self.call(vllm_update, self.llm)  # the newest version held
-        self._draining = False
+        update = await self.call(vllm_update, self.llm, self._target)
+        self._target = None
         self.version = update.version
         self.stats.updates.append((update.version, update.pause_s))
         metrics.policy_version.set(update.version)
