@@ -20,7 +20,7 @@ EXAMPLES = {"rlrun.yaml": RLRUN, "inferencepool.yaml": INFERENCEPOOL, "envpool.y
 
 
 def test_crd_files_match_the_models() -> None:
-    assert stale(ROOT / "crds") == [], "crds/ drifted from rlfleet.api: run `rlfleet crds generate`"
+    assert stale(ROOT) == [], "the CRDs drifted from rlfleet.api: run `rlfleet crds generate`"
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))

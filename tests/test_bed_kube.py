@@ -86,6 +86,8 @@ def test_examples_apply_and_show_printer_columns(kubectl: Kubectl, namespace: st
         "VERSION",
         "STALENESS",
         "GPUS-LENT",
+        "RUNNING",
+        "READY",
         "AGE",
     ]
     applied = json.loads(
@@ -118,6 +120,11 @@ BAD_SPECS = {
         "spec.rollout.regions[0].minGpus",
     ),
     "bad enum": (_rlrun(model={"uri": "file:///m", "format": "gguf"}), "spec.model.format"),
+    "endpoint for an unknown region": (
+        _rlrun(weightSync={"endpoints": [{"region": "region-z", "url": "nats://leaf-z:4222"}]}),
+        "spec.weightSync.endpoints",
+    ),
+    "judge without an endpoint": (_rlrun(rewards=[{"kind": "judge"}]), "spec.rewards[0].endpoint"),
 }
 
 

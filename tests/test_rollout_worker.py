@@ -185,6 +185,11 @@ def observations(worker: WorkerUnderTest, trajectory: Trajectory) -> str:
     )
 
 
+def transcript(worker: WorkerUnderTest, trajectory: Trajectory) -> str:
+    """The whole session as the model saw it, to show when an assertion fails."""
+    return "\n---\n".join(worker.text(s.tokens) for s in trajectory.segments)
+
+
 def test_scripted_sessions_write_run_submit_survive_abuse_and_summarise(
     worker: WorkerUnderTest,
 ) -> None:
@@ -204,18 +209,18 @@ def test_scripted_sessions_write_run_submit_survive_abuse_and_summarise(
         assert happy.reward == 1.0, happy.reward_breakdown
         assert happy.reward_breakdown == {"cheat": 0.0, "exact": 1.0, "hidden_tests": 1.0}
         shown = observations(worker, happy)
-        assert "error: invalid tool call" in shown
+        assert "error: invalid tool call" in shown, transcript(worker, happy)
         assert "wrote 6 bytes to a.txt" in shown and "exit code 0\nhello" in shown
         assert len(happy.segments) == 1
 
     # The network is unreachable, the fork bomb and the endless command are stopped at the
     # call's deadline, the file size limit kills the disk filler; the session goes on.
     for abuse in found[ABUSE.id]:
-        shown = observations(worker, abuse)
-        assert "Network is unreachable" in shown
-        assert shown.count("error: timed out after 3") == 2
-        assert "File size limit exceeded\n153" in shown  # 128 + SIGXFSZ
-        assert abuse.reward == 1.0, abuse.reward_breakdown
+        shown, whole = observations(worker, abuse), transcript(worker, abuse)
+        assert "Network is unreachable" in shown, whole
+        assert shown.count("error: timed out after 3") == 2, whole
+        assert "File size limit exceeded\n153" in shown, whole  # 128 + SIGXFSZ
+        assert abuse.reward == 1.0, (abuse.reward_breakdown, whole)
 
     # The summary script overflows its context after two turns: it summarises, goes on in a
     # fresh window that starts from the summary, and finishes; both windows get the reward.

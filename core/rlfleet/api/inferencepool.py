@@ -19,6 +19,14 @@ class ServingWorkload(ApiModel):
     """The production serving Deployment this pool scales down to lend and up to reclaim."""
 
     deployment_name: Annotated[str, Field(min_length=1, max_length=253)]
+    replicas: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=100000,
+            description="The pool's whole size: serving replicas when nothing is lent.",
+        ),
+    ]
     gpus_per_replica: Annotated[int, Field(ge=1, le=16)]
 
 
@@ -71,6 +79,18 @@ class OffPeakWindow(ApiModel):
 
 
 class InferencePoolSpec(ApiModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.minServingReplicas <= self.serving.replicas",
+                    "minServingReplicas must not exceed serving.replicas",
+                    ".minServingReplicas",
+                )
+            ]
+        }
+    )
+
     serving: ServingWorkload
     min_serving_replicas: Annotated[
         int, Field(ge=0, le=100000, description="Serving never drops below this many replicas.")
@@ -92,8 +112,18 @@ class InferencePoolStatus(ApiModel):
     serving_replicas: Annotated[int, Field(ge=0)] | None = None
     lent_replicas: Annotated[int, Field(ge=0)] | None = None
     reclaiming_replicas: Annotated[int, Field(ge=0)] | None = None
-    lent: Annotated[list[LentToRun], Field(default_factory=list, json_schema_extra=map_list("run"))]
+    lent: Annotated[
+        list[LentToRun],
+        Field(
+            default_factory=list,
+            json_schema_extra=map_list("run"),
+            description="Replicas lent to each run: the decision, recorded before it is acted on.",
+        ),
+    ]
     observed_traffic: float | None = None
+    reclaim_started_at: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = (
+        None
+    )
 
 
 INFERENCEPOOL = ResourceKind(

@@ -34,9 +34,19 @@ class ModelSource(ApiModel):
     format: Literal["hf-safetensors"] = "hf-safetensors"
 
 
+Image = Annotated[str, Field(min_length=1, max_length=1024)]
+
+
 class TrainerSpec(ApiModel):
     replicas: Annotated[int, Field(ge=1, le=4096)] = 1
     gpus_per_replica: Annotated[int, Field(ge=0, le=16)] = 8
+    image: Annotated[
+        Image | None, Field(description="Trainer image; the chart's default when unset.")
+    ] = None
+    deep_speed_config_map: Annotated[
+        Name | None,
+        Field(description="ConfigMap whose ds_config.json overrides the trainer's defaults."),
+    ] = None
     zero_stage: Annotated[int, Field(ge=0, le=3, description="DeepSpeed ZeRO stage.")] = 2
     batch_invariant: Annotated[
         bool,
@@ -75,9 +85,20 @@ class RolloutSpec(ApiModel):
     group_size: Annotated[
         int, Field(ge=1, le=1024, description="Attempts per task (GRPO group).")
     ] = 8
+    image: Annotated[
+        Image | None, Field(description="Rollout worker image; the chart's default when unset.")
+    ] = None
+    task_suite: Annotated[
+        str, Field(min_length=1, max_length=253, description="Task suite the run trains on.")
+    ] = "toy"
     regions: Annotated[
         list[RegionDemand], Field(min_length=1, max_length=64, json_schema_extra=map_list("name"))
     ]
+
+
+class NatsEndpoint(ApiModel):
+    region: Name
+    url: Annotated[str, Field(max_length=2048, pattern=r"^(nats|tls)://")]
 
 
 class WeightSyncSpec(ApiModel):
@@ -85,9 +106,75 @@ class WeightSyncSpec(ApiModel):
         int, Field(ge=1, le=10000, description="A full snapshot every N versions.")
     ] = 20
     shard_size_mib: Annotated[int, Field(ge=1, le=4096)] = 64
+    endpoints: Annotated[
+        list[NatsEndpoint],
+        Field(
+            default_factory=list,
+            max_length=64,
+            json_schema_extra=map_list("region"),
+            description="The NATS server (leaf node) rollouts of each region connect to.",
+        ),
+    ]
+    stall_seconds: Annotated[
+        int,
+        Field(ge=1, le=86400, description="WeightSyncStalled when no version lands this long."),
+    ] = 900
+
+
+class RewardSpec(ApiModel):
+    """One part of the reward, combined with the others by weight."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.kind != 'judge' || has(self.endpoint)",
+                    "a judge reward needs an endpoint",
+                    ".endpoint",
+                )
+            ]
+        }
+    )
+
+    kind: Literal["exactAnswer", "hiddenTests", "judge"]
+    weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
+    endpoint: (
+        Annotated[
+            str,
+            Field(
+                max_length=2048,
+                pattern=r"^https?://",
+                description="OpenAI-compatible endpoint of the judge.",
+            ),
+        ]
+        | None
+    ) = None
+    judge_model: Annotated[str, Field(min_length=1, max_length=253)] | None = None
+
+
+class EvaluationGate(ApiModel):
+    """Held-out evaluation every few versions; the run fails when it falls below the floor."""
+
+    suite: Annotated[str, Field(min_length=1, max_length=253)]
+    every_versions: Annotated[int, Field(ge=1, le=10000)] = 10
+    min_reward: Annotated[float, Field(ge=0, le=1)] = 0.0
 
 
 class RLRunSpec(ApiModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.weightSync) || !has(self.weightSync.endpoints) || "
+                    "self.weightSync.endpoints.all(e, "
+                    "self.rollout.regions.exists(r, r.name == e.region))",
+                    "every weightSync endpoint must name a region of rollout.regions",
+                    ".weightSync.endpoints",
+                )
+            ]
+        }
+    )
+
     model: Annotated[
         ModelSource,
         Field(
@@ -111,17 +198,62 @@ class RLRunSpec(ApiModel):
         list[Name],
         Field(default_factory=list, max_length=64, description="EnvPools the rollouts act in."),
     ]
+    rewards: Annotated[
+        list[RewardSpec],
+        Field(
+            default_factory=list,
+            max_length=16,
+            json_schema_extra=map_list("kind"),
+            description="Parts of the reward; the suite's verifiable checks when empty.",
+        ),
+    ]
+    evaluation: EvaluationGate | None = None
+    priority: Annotated[
+        int,
+        Field(
+            ge=-1000,
+            le=1000,
+            description="Runs with higher priority borrow GPUs first and give them back last.",
+        ),
+    ] = 0
     suspend: bool = False
+
+
+Count = Annotated[int, Field(ge=0)]
+
+
+class RegionStatus(ApiModel):
+    """Rollout GPUs of the run in one region, as that region's operator last reported."""
+
+    name: Name
+    reachable: bool = True
+    requested: Count = 0
+    lent: Count = 0
+    running: Count = 0
+    last_seen: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = None
+
+
+class WeightSyncStatus(ApiModel):
+    version: Count
+    bytes: Count
+    seconds: Annotated[float, Field(ge=0)]
+    time: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = None
 
 
 class RLRunStatus(ApiModel):
     phase: Literal["Pending", "Running", "Suspended", "Succeeded", "Failed"] | None = None
     observed_generation: Annotated[int, Field(ge=0)] | None = None
     conditions: Conditions
-    policy_version: Annotated[int, Field(ge=0)] | None = None
-    trainer_step: Annotated[int, Field(ge=0)] | None = None
-    staleness: Annotated[int, Field(ge=0)] | None = None
-    gpus_lent: Annotated[int, Field(ge=0)] | None = None
+    policy_version: Count | None = None
+    trainer_step: Count | None = None
+    staleness: Count | None = None
+    trainer_replicas: Count | None = None
+    gpus_lent: Count | None = None
+    gpus_running: Count | None = None
+    regions: Annotated[
+        list[RegionStatus], Field(default_factory=list, json_schema_extra=map_list("name"))
+    ]
+    last_weight_sync: WeightSyncStatus | None = None
 
 
 RLRUN = ResourceKind(
@@ -137,6 +269,10 @@ RLRUN = ResourceKind(
         PrinterColumn("Version", ".status.policyVersion", "integer", "Current policy version"),
         PrinterColumn("Staleness", ".status.staleness", "integer", "Versions behind, worst region"),
         PrinterColumn("GPUs-Lent", ".status.gpusLent", "integer", "Rollout GPUs borrowed"),
+        PrinterColumn("Running", ".status.gpusRunning", "integer", "Rollout GPUs in running pods"),
+        PrinterColumn(
+            "Ready", '.status.conditions[?(@.type=="Ready")].status', "string", "All well"
+        ),
         AGE,
     ),
 )

@@ -123,6 +123,21 @@ def crd_filename(kind: ResourceKind) -> str:
     return f"{GROUP}_{kind.plural}.yaml"
 
 
+HEADER = "# Generated from rlfleet.api by `rlfleet crds generate`; do not edit.\n"
+
+
 def render(kind: ResourceKind) -> str:
-    header = "# Generated from rlfleet.api by `rlfleet crds generate`; do not edit.\n"
-    return header + yaml.safe_dump(crd(kind), sort_keys=False, width=100)
+    return HEADER + yaml.safe_dump(crd(kind), sort_keys=False, width=100)
+
+
+def render_chart_template() -> str:
+    """The chart's copy of every CRD, as a template so that `helm upgrade` updates them
+    (Helm never upgrades files in a chart's crds/ folder) and kept on uninstall, which
+    would otherwise delete every run with its CRD."""
+    documents = []
+    for kind in KINDS:
+        manifest = crd(kind)
+        manifest["metadata"]["annotations"] = {"helm.sh/resource-policy": "keep"}
+        documents.append(yaml.safe_dump(manifest, sort_keys=False, width=100))
+    body = "---\n".join(documents)
+    return f"{HEADER}{{{{- if .Values.crds.install }}}}\n{body}{{{{- end }}}}\n"

@@ -5,40 +5,45 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rlfleet.api.schema import KINDS, crd_filename, render
+from rlfleet.api.schema import KINDS, crd_filename, render, render_chart_template
 from rlfleet.cli.commands import add_group
 
-
-def generate(directory: Path) -> list[Path]:
-    directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    for kind in KINDS:
-        path = directory / crd_filename(kind)
-        path.write_text(render(kind))
-        written.append(path)
-    return written
+CHART_CRDS = Path("helm/rlfleet/templates/crds.yaml")
 
 
-def stale(directory: Path) -> list[str]:
-    """Names of the CRD files in directory that differ from what the models generate."""
+def generated(root: Path) -> dict[Path, str]:
+    """Every generated CRD file under the repository root, with its content."""
+    files = {root / "crds" / crd_filename(kind): render(kind) for kind in KINDS}
+    files[root / CHART_CRDS] = render_chart_template()
+    return files
+
+
+def generate(root: Path) -> list[Path]:
+    for path, text in generated(root).items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return list(generated(root))
+
+
+def stale(root: Path) -> list[Path]:
+    """The generated CRD files under root that differ from what the models generate."""
     return [
-        crd_filename(kind)
-        for kind in KINDS
-        if not (directory / crd_filename(kind)).is_file()
-        or (directory / crd_filename(kind)).read_text() != render(kind)
+        path
+        for path, text in generated(root).items()
+        if not path.is_file() or path.read_text() != text
     ]
 
 
 def _generate(args: argparse.Namespace) -> int:
-    for path in generate(args.dir):
+    for path in generate(args.root):
         print(f"wrote {path}")
     return 0
 
 
 def _check(args: argparse.Namespace) -> int:
-    drifted = stale(args.dir)
-    for name in drifted:
-        print(f"{args.dir / name} is out of date: run `rlfleet crds generate`")
+    drifted = stale(args.root)
+    for path in drifted:
+        print(f"{path} is out of date: run `rlfleet crds generate`")
     return 1 if drifted else 0
 
 
@@ -51,5 +56,7 @@ def register(groups: argparse._SubParsersAction) -> None:
             ("generate", _generate, "write the CRD manifests"),
             ("check", _check, "fail if the CRD manifests drifted from the models"),
         ],
-        lambda command: command.add_argument("--dir", type=Path, default=Path("crds")),
+        lambda command: command.add_argument(
+            "--root", type=Path, default=Path(), help="the repository root"
+        ),
     )

@@ -1,0 +1,184 @@
+"""How many serving replicas of each InferencePool to lend to each RLRun: a pure decision.
+
+The decision takes what the pool has lent so far (its recorded intent) and returns what it
+should lend now. Two thresholds make it hysteretic: a pool lends more only while the load
+per serving replica is below `lend_below` and gives replicas back only once it rises above
+`reclaim_above`; in between it holds. Lending stops at the serving floor and at
+`max_lend_fraction`; outside its off-peak windows a pool lends nothing. Runs with higher
+priority borrow first and give back last; a replica already lent stays with its run
+unless the pool must shrink, so the decision never moves GPUs between runs for nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, time
+from zoneinfo import ZoneInfo
+
+from rlfleet.api.inferencepool import InferencePoolSpec, OffPeakWindow
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """One pool as the decision sees it."""
+
+    name: str
+    replicas: int  # the pool's whole size
+    gpus_per_replica: int
+    min_serving: int
+    max_lend_fraction: float
+    lend_below: float
+    reclaim_above: float
+    load: float | None  # the traffic signal summed over serving replicas; None: unknown
+    in_window: bool = True
+    lent: Mapping[str, int] = field(default_factory=dict)  # run -> replicas, the intent so far
+
+    @classmethod
+    def of(
+        cls,
+        name: str,
+        spec: InferencePoolSpec,
+        load: float | None,
+        lent: Mapping[str, int],
+        now: datetime,
+    ) -> PoolState:
+        return cls(
+            name=name,
+            replicas=spec.serving.replicas,
+            gpus_per_replica=spec.serving.gpus_per_replica,
+            min_serving=spec.min_serving_replicas,
+            max_lend_fraction=spec.max_lend_fraction,
+            lend_below=spec.traffic.lend_below,
+            reclaim_above=spec.traffic.reclaim_above,
+            load=load,
+            in_window=in_off_peak(spec.off_peak_windows, now),
+            lent=dict(lent),
+        )
+
+    @property
+    def lendable(self) -> int:
+        """The most replicas this pool may ever lend at once."""
+        by_fraction = math.floor(self.max_lend_fraction * self.replicas + 1e-9)
+        return max(0, min(self.replicas - self.min_serving, by_fraction))
+
+
+@dataclass(frozen=True)
+class RunDemand:
+    """What one run wants in this region, in GPUs, and from which pools."""
+
+    run: str
+    priority: int
+    min_gpus: int
+    max_gpus: int
+    pools: tuple[str, ...]
+    active: bool = True  # False while suspended or being deleted
+
+
+@dataclass(frozen=True)
+class Decision:
+    lent: dict[str, int]  # run -> replicas; runs lent nothing are left out
+    reason: str  # Lend | Hold | Reclaim | OffPeakOver | TrafficUnknown | NoDemand
+
+    @property
+    def total(self) -> int:
+        return sum(self.lent.values())
+
+
+def in_off_peak(windows: list[OffPeakWindow], now: datetime) -> bool:
+    """Whether now is inside one of the windows; no windows means always."""
+    if not windows:
+        return True
+    for window in windows:
+        local = now.astimezone(ZoneInfo(window.time_zone)).time()
+        start, end = time.fromisoformat(window.start), time.fromisoformat(window.end)
+        inside = start <= local < end if start <= end else (local >= start or local < end)
+        if inside:
+            return True
+    return False
+
+
+def _target_total(pool: PoolState) -> tuple[int, str]:
+    """How many replicas the pool should lend in all, and why."""
+    current = sum(pool.lent.values())
+    if not pool.in_window:
+        return 0, "OffPeakOver"
+    if pool.load is None:
+        # No signal: lend nothing more, and take nothing back on a guess.
+        return min(current, pool.lendable), "TrafficUnknown"
+    serving = max(pool.replicas - current, 1)
+    per_replica = pool.load / serving
+    # Enough serving replicas to bring the load per replica down to lend_below.
+    comfortable = (
+        math.ceil(pool.load / pool.lend_below - 1e-9) if pool.lend_below > 0 else pool.replicas
+    )
+    room = max(0, min(pool.lendable, pool.replicas - max(comfortable, pool.min_serving)))
+    if per_replica > pool.reclaim_above:
+        return min(current, room), "Reclaim"
+    if per_replica < pool.lend_below:
+        return max(min(current, pool.lendable), room), "Lend"
+    return min(current, pool.lendable), "Hold"
+
+
+def _wants(demand: RunDemand, pool: PoolState, elsewhere: Mapping[str, int]) -> tuple[int, int]:
+    """The replicas of this pool a run needs for its floor, and at most, given the GPUs
+    other pools of the region already lend it."""
+    if not demand.active or pool.name not in demand.pools:
+        return 0, 0
+    other = elsewhere.get(demand.run, 0)
+    floor = max(0, math.ceil((demand.min_gpus - other) / pool.gpus_per_replica))
+    most = max(0, (demand.max_gpus - other) // pool.gpus_per_replica)
+    return min(floor, most), most
+
+
+def decide(
+    pool: PoolState, demands: list[RunDemand], elsewhere: Mapping[str, int] | None = None
+) -> Decision:
+    """What the pool lends to each run now. `elsewhere`: GPUs other pools of the region
+    lend each run, so a run's demand is counted once across pools."""
+    elsewhere = elsewhere or {}
+    target, reason = _target_total(pool)
+    wants = {d.run: _wants(d, pool, elsewhere) for d in demands}
+    by_priority = sorted(demands, key=lambda d: (-d.priority, d.run))
+    # Keep what is lent, within each run's demand; a run that is gone keeps nothing.
+    lent = {run: min(n, wants[run][1]) for run, n in pool.lent.items() if run in wants}
+    # Shrink: the lowest priority gives back first.
+    for demand in reversed(by_priority):
+        excess = sum(lent.values()) - target
+        if excess <= 0:
+            break
+        give_back = min(excess, lent.get(demand.run, 0))
+        lent[demand.run] = lent.get(demand.run, 0) - give_back
+    # Grow: the highest priority borrows first, floors before maxima.
+    for level in (0, 1):
+        for demand in by_priority:
+            room = target - sum(lent.values())
+            if room <= 0:
+                break
+            extra = min(room, max(0, wants[demand.run][level] - lent.get(demand.run, 0)))
+            lent[demand.run] = lent.get(demand.run, 0) + extra
+    lent = {run: n for run, n in sorted(lent.items()) if n > 0}
+    if not lent and reason == "Lend" and target > 0:
+        reason = "NoDemand"
+    return Decision(lent, reason)
+
+
+def plan_region(pools: list[PoolState], demands: list[RunDemand]) -> dict[str, Decision]:
+    """Every pool's decision, pool by pool in name order, each seeing what the pools before
+    it decided and what the ones after it lend now."""
+    decided: dict[str, dict[str, int]] = {p.name: dict(p.lent) for p in pools}
+    by_pool = {p.name: p for p in pools}
+    out: dict[str, Decision] = {}
+    for name in sorted(by_pool):
+        pool = by_pool[name]
+        elsewhere: dict[str, int] = {}
+        for other, lent in decided.items():
+            if other == name:
+                continue
+            for run, replicas in lent.items():
+                gpus = replicas * by_pool[other].gpus_per_replica
+                elsewhere[run] = elsewhere.get(run, 0) + gpus
+        out[name] = decide(pool, demands, elsewhere)
+        decided[name] = out[name].lent
+    return out

@@ -1,0 +1,156 @@
+"""The lending decision alone (a pure function): floors, caps, hysteresis, priorities,
+windows, and the invariants the region operator relies on."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlfleet.api.inferencepool import OffPeakWindow
+from rlfleet.operator.lending import PoolState, RunDemand, decide, in_off_peak, plan_region
+
+
+def pool(load: float | None, lent: dict[str, int] | None = None, **changes) -> PoolState:
+    base = dict(
+        name="chat",
+        replicas=8,
+        gpus_per_replica=8,
+        min_serving=2,
+        max_lend_fraction=0.75,
+        lend_below=4.0,
+        reclaim_above=12.0,
+        load=load,
+        lent=lent or {},
+    )
+    return PoolState(**(base | changes))
+
+
+def run(name: str, max_gpus: int = 64, priority: int = 0, **changes) -> RunDemand:
+    return RunDemand(
+        **(dict(run=name, priority=priority, min_gpus=0, max_gpus=max_gpus, pools=("chat",)))
+        | changes
+    )
+
+
+def test_idle_pool_lends_up_to_its_cap_and_floor() -> None:
+    # 8 replicas, floor 2, fraction 0.75: at most 6 may go.
+    decision = decide(pool(load=0.0), [run("a")])
+    assert decision.lent == {"a": 6} and decision.reason == "Lend"
+    assert decide(pool(load=0.0, min_serving=7), [run("a")]).lent == {"a": 1}
+
+
+def test_lends_only_what_keeps_the_load_per_replica_at_the_lend_threshold() -> None:
+    # 20 requests want 5 replicas at 4 per replica: 3 may go.
+    assert decide(pool(load=20.0), [run("a")]).lent == {"a": 3}
+
+
+def test_between_the_thresholds_it_holds() -> None:
+    # 3 lent, 5 serving: 8 per replica is between 4 and 12, so nothing moves either way.
+    decision = decide(pool(load=40.0, lent={"a": 3}), [run("a")])
+    assert decision.lent == {"a": 3} and decision.reason == "Hold"
+    assert decide(pool(load=40.0), [run("a")]).lent == {}
+
+
+def test_a_spike_reclaims_down_to_what_serving_needs() -> None:
+    # 6 lent, 2 serving, 26 requests: 13 per replica. 7 replicas bring it to 4: keep 1.
+    decision = decide(pool(load=26.0, lent={"a": 6}), [run("a")])
+    assert decision.lent == {"a": 1} and decision.reason == "Reclaim"
+    assert decide(pool(load=1000.0, lent={"a": 6}), [run("a")]).lent == {}
+
+
+def test_the_decision_is_a_fixed_point_so_a_restart_does_not_flap() -> None:
+    for load in (0.0, 10.0, 20.0, 26.0, 60.0, 1000.0):
+        first = decide(pool(load=load, lent={"a": 4}), [run("a")])
+        again = decide(pool(load=load, lent=first.lent), [run("a")])
+        assert again.lent == first.lent, load
+
+
+def test_higher_priority_borrows_first_and_gives_back_last() -> None:
+    runs = [run("low", priority=0), run("high", priority=5)]
+    assert decide(pool(load=0.0, max_lend_fraction=0.25), runs).lent == {"high": 2}
+    shrunk = decide(pool(load=26.0, lent={"low": 3, "high": 3}), runs)
+    assert shrunk.lent == {"high": 1}
+
+
+def test_floors_are_met_before_anyone_gets_more() -> None:
+    runs = [run("big", priority=1, max_gpus=64), run("small", min_gpus=16, max_gpus=16)]
+    assert decide(pool(load=0.0, max_lend_fraction=0.5), runs).lent == {"big": 2, "small": 2}
+
+
+def test_lent_replicas_stay_with_their_run() -> None:
+    # A new higher-priority run does not take replicas already lent: it gets the rest.
+    runs = [run("old"), run("new", priority=9)]
+    decision = decide(pool(load=0.0, lent={"old": 4}), runs)
+    assert decision.lent == {"old": 4, "new": 2}
+
+
+def test_suspended_gone_and_unrelated_runs_get_nothing() -> None:
+    runs = [run("paused", active=False), run("other", pools=("batch",))]
+    decision = decide(pool(load=0.0, lent={"paused": 3, "deleted": 2}), runs)
+    assert decision.lent == {} and decision.reason == "NoDemand"
+
+
+def test_a_runs_demand_counts_gpus_other_pools_lend_it() -> None:
+    decision = decide(pool(load=0.0), [run("a", max_gpus=24)], elsewhere={"a": 16})
+    assert decision.lent == {"a": 1}
+
+
+def test_unknown_traffic_lends_nothing_more_and_takes_nothing_back() -> None:
+    decision = decide(pool(load=None, lent={"a": 2}), [run("a")])
+    assert decision.lent == {"a": 2} and decision.reason == "TrafficUnknown"
+
+
+def test_outside_the_off_peak_windows_everything_comes_back() -> None:
+    night = [OffPeakWindow(start="22:00", end="06:00", time_zone="America/Los_Angeles")]
+    # 10:00 UTC is 02:00 in Los Angeles (PST); 20:00 UTC is noon.
+    assert in_off_peak(night, datetime(2026, 11, 21, 10, 0, tzinfo=UTC))
+    assert not in_off_peak(night, datetime(2026, 11, 21, 20, 0, tzinfo=UTC))
+    assert in_off_peak([], datetime(2026, 11, 21, 20, 0, tzinfo=UTC))
+    decision = decide(pool(load=0.0, lent={"a": 6}, in_window=False), [run("a")])
+    assert decision.lent == {} and decision.reason == "OffPeakOver"
+
+
+def test_a_region_plan_lends_each_run_its_demand_once_across_pools() -> None:
+    pools = [pool(load=0.0, name="chat"), pool(load=0.0, name="code")]
+    decisions = plan_region(pools, [run("a", max_gpus=64, pools=("chat", "code"))])
+    assert decisions["chat"].lent == {"a": 6} and decisions["code"].lent == {"a": 2}
+
+
+pools_strategy = st.builds(
+    pool,
+    load=st.one_of(st.none(), st.floats(min_value=0, max_value=500)),
+    lent=st.dictionaries(st.sampled_from("abcd"), st.integers(1, 8), max_size=4),
+    replicas=st.integers(1, 16),
+    min_serving=st.integers(0, 16),
+    max_lend_fraction=st.floats(0, 1),
+)
+runs_strategy = st.lists(
+    st.builds(
+        run,
+        st.sampled_from("abcde"),
+        max_gpus=st.integers(1, 128),
+        priority=st.integers(-2, 2),
+        min_gpus=st.integers(0, 64),
+        active=st.booleans(),
+    ),
+    unique_by=lambda d: d.run,
+    max_size=5,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(pools_strategy, runs_strategy)
+def test_invariants_hold_for_any_input(state: PoolState, demands: list[RunDemand]) -> None:
+    decision = decide(state, demands)
+    by_run = {d.run: d for d in demands}
+    # Serving never below its floor (when the floor is possible at all), never over the cap.
+    assert decision.total <= state.lendable
+    assert state.replicas - decision.total >= min(state.min_serving, state.replicas)
+    for name, replicas in decision.lent.items():
+        assert replicas > 0 and by_run[name].active
+        assert replicas * state.gpus_per_replica <= by_run[name].max_gpus
+    # Deciding again from the decision changes nothing: no flapping.
+    again = decide(PoolState(**(state.__dict__ | {"lent": decision.lent})), demands)
+    assert again.lent == decision.lent
