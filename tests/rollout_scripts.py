@@ -25,8 +25,10 @@ from rlfleet.rollout.session import (
     window_text,
 )
 
+# A call gets 10 s: vLLM's CPU engine spins on both cores, and starting a Python in a
+# sandbox beside it took up to 3 s in CI; the fork bomb and the sleep still hit the limit.
 LIMITS = Limits(
-    call_seconds=3, wall_seconds=120, processes=32, disk_bytes=8 << 20, file_bytes=4 << 20
+    call_seconds=10, wall_seconds=180, processes=32, disk_bytes=8 << 20, file_bytes=4 << 20
 )
 SUMMARY = "I wrote f1.txt and f2.txt; f3.txt is left."
 
@@ -79,7 +81,7 @@ SCRIPTS: dict[str, list[str]] = {
             "python3 -c \"import socket; socket.create_connection(('10.1.2.3', 80), 2)\" "
             "2>&1 | tail -n 1"
         ),
-        run("bomb() { bomb | bomb & }; bomb 2>/dev/null; sleep 10"),  # fork bomb
+        run("bomb() { bomb | bomb & }; bomb 2>/dev/null; sleep 600"),  # fork bomb
         run("head -c 50000000 /dev/zero > big; echo $?"),  # fill the disk
         run("sleep 1000"),  # run forever
         call("submit", answer="done"),

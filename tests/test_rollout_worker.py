@@ -218,7 +218,8 @@ def test_scripted_sessions_write_run_submit_survive_abuse_and_summarise(
     for abuse in found[ABUSE.id]:
         shown, whole = observations(worker, abuse), transcript(worker, abuse)
         assert "Network is unreachable" in shown, whole
-        assert shown.count("error: timed out after 3") == 2, whole
+        limit = rollout_scripts.LIMITS.call_seconds
+        assert shown.count(f"error: timed out after {limit:.1f}s") == 2, whole
         assert "File size limit exceeded\n153" in shown, whole  # 128 + SIGXFSZ
         assert abuse.reward == 1.0, (abuse.reward_breakdown, whole)
 

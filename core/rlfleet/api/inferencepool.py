@@ -41,6 +41,11 @@ class TrafficSignal(ApiModel):
                     "exactly one of metricsUrl and prometheusQuery must be set",
                 ),
                 cel(
+                    "has(self.prometheusQuery) == has(self.prometheusUrl)",
+                    "prometheusQuery and prometheusUrl go together",
+                    ".prometheusUrl",
+                ),
+                cel(
                     "self.lendBelow < self.reclaimAbove",
                     "lendBelow must be below reclaimAbove",
                     ".lendBelow",
@@ -61,6 +66,17 @@ class TrafficSignal(ApiModel):
         | None
     ) = None
     prometheus_query: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    prometheus_url: (
+        Annotated[
+            str,
+            Field(
+                max_length=2048,
+                pattern=r"^https?://",
+                description="The Prometheus server prometheusQuery is sent to.",
+            ),
+        ]
+        | None
+    ) = None
     metric: Annotated[
         str, Field(min_length=1, max_length=256, description="Metric name read from metricsUrl.")
     ] = "vllm:num_requests_running"

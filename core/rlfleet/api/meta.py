@@ -12,6 +12,7 @@ GROUP = "rlfleet.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 CATEGORY = "rlfleet"
+GPU_RESOURCE = "nvidia.com/gpu"
 
 # A DNS-1123 label: names of regions, pools and other objects a spec refers to.
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import yaml
 
+from rlfleet.api.meta import GPU_RESOURCE
 from rlfleet.testbed.binaries import binary
 from rlfleet.testbed.pki import Pki, write_secret
 from rlfleet.testbed.processes import Supervisor, free_port
 
-GPU = "nvidia.com/gpu"
+GPU = GPU_RESOURCE
 REGION_LABEL = "rlfleet.io/region"
 KWOK_SELECTOR = ("type", "kwok")
 SERVICE_CIDR = "10.96.0.0/16"

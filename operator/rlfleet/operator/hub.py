@@ -1,0 +1,222 @@
+"""The hub role: an RLRun becomes trainer objects here and a mirror in each named region.
+
+`reconcile` is level-driven: it applies what the spec wants (server-side apply, so running
+it again changes nothing), reads back what each region reports on its mirror and returns
+the whole new status with the events worth telling the on-call engineer. A region that
+does not answer keeps its last report, marked unreachable, and after
+`region_timeout_seconds` the run says so (`RegionUnreachable`); training goes on with
+the others, and when the region answers again the mirror is applied once more, which
+updates it in place rather than making another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kubernetes.client.exceptions import ApiException
+
+from rlfleet.api.meta import API_VERSION
+from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.operator.config import OperatorConfig
+from rlfleet.operator.kube import Kube, Ref, Unreachable
+from rlfleet.operator.regions import RegionClients, RegionCredentials
+from rlfleet.operator.status import Event, condition, now, parse_time, timestamp
+from rlfleet.operator.workloads import mirror, trainer_objects
+
+
+@dataclass
+class Outcome:
+    status: dict
+    events: list[Event] = field(default_factory=list)
+
+
+@dataclass
+class RegionReport:
+    name: str
+    reachable: bool
+    entry: dict  # the run's status.regions entry for this region
+    problem: str = ""  # why it is not reachable: credentials or the network
+    credentials: bool = False  # the problem is the kubeconfig Secret, not the network
+
+
+def _mirror_ref(run: dict) -> Ref:
+    meta = run["metadata"]
+    return Ref(API_VERSION, "RLRun", meta["name"], meta["namespace"])
+
+
+class Hub:
+    def __init__(self, local: Kube, regions: RegionClients, config: OperatorConfig) -> None:
+        self.local = local
+        self.regions = regions
+        self.config = config
+
+    def _report(self, run: dict, region: str, previous: dict) -> RegionReport:
+        try:
+            kube = self.regions.client(region)
+            kube.apply(mirror(run, self.config.cluster))
+            found = kube.get(_mirror_ref(run)) or {}
+        except RegionCredentials as error:
+            return RegionReport(region, False, previous, str(error), credentials=True)
+        except ApiException as error:
+            if error.status not in (401, 403):
+                raise
+            problem = f"region {region} refused the hub's credentials ({error.status})"
+            return RegionReport(region, False, previous, problem, credentials=True)
+        except Unreachable as error:
+            return RegionReport(region, False, previous, str(error))
+        reported = next(
+            (e for e in found.get("status", {}).get("regions", []) if e.get("name") == region),
+            {},
+        )
+        entry = {"requested": 0, "lent": 0, "running": 0} | reported
+        return RegionReport(region, True, entry | {"name": region, "lastSeen": timestamp()})
+
+    def _forget(self, run: dict, region: str) -> bool:
+        """Deletes the run's mirror in a region; False if the region could not be reached."""
+        try:
+            self.regions.client(region).delete(_mirror_ref(run))
+        except (RegionCredentials, Unreachable):
+            return False
+        return True
+
+    def reconcile(self, run: dict) -> Outcome:
+        spec = RLRunSpec.model_validate(run["spec"])
+        meta, old = run["metadata"], run.get("status") or {}
+        generation = meta.get("generation", 0)
+        for manifest in trainer_objects(run, self.config.images.trainer):
+            self.local.apply(manifest)
+        trainer = self.local.get(
+            Ref("apps/v1", "StatefulSet", f"{meta['name']}-trainer", meta["namespace"])
+        )
+        ready = (trainer or {}).get("status", {}).get("readyReplicas", 0)
+
+        events: list[Event] = []
+        previous = {e["name"]: e for e in old.get("regions", [])}
+        wanted = [r.name for r in spec.rollout.regions]
+        reports = [self._report(run, name, previous.get(name, {"name": name})) for name in wanted]
+        # Regions dropped from the spec lose their mirror; one not answering is retried.
+        leftover = [n for n in previous if n not in wanted and not self._forget(run, n)]
+        entries, lost, refused = [], [], []
+        for report in reports:
+            entry = dict(report.entry)
+            was_reachable = previous.get(report.name, {}).get("reachable", True)
+            if report.reachable:
+                entry["reachable"] = True
+                if not was_reachable:
+                    events.append(
+                        Event("Normal", "RegionReachable", f"region {report.name} answers again")
+                    )
+            else:
+                last_seen = parse_time(entry.get("lastSeen")) or parse_time(
+                    meta.get("creationTimestamp")
+                )
+                silent = (now() - last_seen).total_seconds() if last_seen else 0.0
+                if report.credentials:
+                    refused.append(report)
+                    entry["reachable"] = False
+                elif silent >= self.config.region_timeout_seconds:
+                    entry["reachable"] = False
+                    lost.append((report, silent))
+                else:
+                    entry["reachable"] = was_reachable  # not yet: within the timeout
+                if not entry["reachable"] and was_reachable:
+                    reason = (
+                        "RegionCredentialsInvalid" if report.credentials else "RegionUnreachable"
+                    )
+                    gpus = entry.get("running", 0)
+                    events.append(
+                        Event(
+                            "Warning",
+                            reason,
+                            f"region {report.name}: {report.problem}; silent {silent:.0f}s, "
+                            f"its {gpus} rollout GPUs are not counted; training goes on",
+                        )
+                    )
+            entries.append(entry)
+        entries += [previous[n] | {"reachable": False} for n in leftover]
+
+        reachable = [e for e in entries if e.get("reachable") and e["name"] in wanted]
+        lent = sum(e.get("lent", 0) for e in reachable)
+        running = sum(e.get("running", 0) for e in reachable)
+        if lent != old.get("gpusLent") and reachable:
+            detail = ", ".join(f"{e['name']} {e.get('lent', 0)}" for e in reachable)
+            events.append(Event("Normal", "GPUsLent", f"{lent} rollout GPUs lent ({detail})"))
+
+        conditions = old.get("conditions", [])
+        training = not spec.suspend and ready >= spec.trainer.replicas
+        degraded_why = [f"{r.name} unreachable for {s:.0f}s" for r, s in lost] + [
+            f"{r.name}: {r.problem}" for r in refused
+        ]
+        below_floor = [
+            f"{e['name']} runs {e.get('running', 0)} of at least {d.min_gpus} GPUs"
+            for d in spec.rollout.regions
+            for e in reachable
+            if e["name"] == d.name and e.get("running", 0) < d.min_gpus
+        ]
+        degraded = degraded_why + below_floor
+        new_conditions = [
+            condition(
+                conditions,
+                "Training",
+                training,
+                "TrainerReady" if training else "TrainerNotReady",
+                f"{ready}/{0 if spec.suspend else spec.trainer.replicas} trainer replicas ready",
+                generation,
+            ),
+            condition(
+                conditions,
+                "RolloutsDegraded",
+                bool(degraded),
+                (
+                    "RegionUnreachable"
+                    if lost
+                    else "RegionCredentialsInvalid"
+                    if refused
+                    else "BelowMinGpus"
+                    if below_floor
+                    else "AllRegionsServing"
+                ),
+                "; ".join(degraded)
+                or f"{running} rollout GPUs running in {len(reachable)} regions",
+                generation,
+            ),
+            condition(
+                conditions,
+                "Suspended",
+                spec.suspend,
+                "SpecSuspend" if spec.suspend else "NotSuspended",
+                "spec.suspend is true" if spec.suspend else "",
+                generation,
+            ),
+        ]
+        healthy = training and not degraded and running > 0
+        new_conditions.insert(
+            0,
+            condition(
+                conditions,
+                "Ready",
+                healthy,
+                "Healthy" if healthy else "NotReady",
+                "training with rollouts in every region"
+                if healthy
+                else "; ".join(degraded or ["waiting for the trainer or rollout GPUs"]),
+                generation,
+            ),
+        )
+        phase = "Suspended" if spec.suspend else "Running" if training else "Pending"
+        status = {
+            "phase": phase,
+            "observedGeneration": generation,
+            "conditions": new_conditions,
+            "trainerReplicas": ready,
+            "gpusLent": lent,
+            "gpusRunning": running,
+            "regions": entries,
+        }
+        return Outcome(status, events)
+
+    def delete(self, run: dict) -> list[str]:
+        """Deletes every mirror of the run; returns the regions that could not be reached."""
+        named = {r["name"] for r in run["spec"]["rollout"]["regions"]}
+        named |= {e["name"] for e in (run.get("status") or {}).get("regions", [])}
+        return sorted(region for region in named if not self._forget(run, region))

@@ -1,0 +1,168 @@
+"""A small Kubernetes REST client for the kinds the operator manages, in any cluster.
+
+The operator talks to its own cluster and, from the hub, to regions through kubeconfig
+Secrets; both go through `Kube`. Writes of desired state are server-side applies owned by
+one field manager, so re-applying after a crash or a lost region converges instead of
+duplicating; every call has a timeout, so a region that stops answering cannot hang a
+reconcile.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import kubernetes
+import urllib3
+from kubernetes.client import ApiClient
+from kubernetes.client.exceptions import ApiException
+from opentelemetry import trace
+
+from rlfleet.api.meta import API_VERSION
+from rlfleet.api.schema import KINDS
+
+FIELD_MANAGER = "rlfleet-operator"
+_tracer = trace.get_tracer("rlfleet.operator")
+
+_PLURALS = {
+    ("apps/v1", "Deployment"): "deployments",
+    ("apps/v1", "StatefulSet"): "statefulsets",
+    ("v1", "Pod"): "pods",
+    ("v1", "Service"): "services",
+    ("v1", "Secret"): "secrets",
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Namespace"): "namespaces",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    **{(API_VERSION, kind.kind): kind.plural for kind in KINDS},
+}
+
+
+class Unreachable(Exception):
+    """The cluster did not answer: connection refused, timed out, or no credentials."""
+
+
+@dataclass(frozen=True)
+class Ref:
+    api_version: str
+    kind: str
+    name: str | None = None
+    namespace: str | None = None
+
+    @classmethod
+    def of(cls, manifest: dict[str, Any]) -> Ref:
+        meta = manifest["metadata"]
+        return cls(manifest["apiVersion"], manifest["kind"], meta["name"], meta.get("namespace"))
+
+    def path(self, subresource: str = "") -> str:
+        prefix = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+        where = f"/namespaces/{self.namespace}" if self.namespace else ""
+        path = f"{prefix}{where}/{_PLURALS[(self.api_version, self.kind)]}"
+        if self.name:
+            path += f"/{self.name}"
+        return path + (f"/{subresource}" if subresource else "")
+
+
+class Kube:
+    """One cluster's API server."""
+
+    def __init__(self, client: ApiClient, cluster: str, timeout_s: float = 5.0) -> None:
+        self.client = client
+        self.cluster = cluster
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def from_kubeconfig(cls, config: dict, cluster: str, timeout_s: float = 5.0) -> Kube:
+        """A client for a cluster described by a kubeconfig document (a region's Secret)."""
+        try:
+            client = kubernetes.config.new_client_from_config_dict(config, persist_config=False)
+        except (kubernetes.config.ConfigException, KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"not a usable kubeconfig: {error}") from error
+        return cls(client, cluster, timeout_s)
+
+    @classmethod
+    def local(cls, cluster: str, timeout_s: float = 5.0) -> Kube:
+        """The cluster the operator runs in: in-cluster credentials, else $KUBECONFIG."""
+        try:
+            kubernetes.config.load_incluster_config()
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config()
+        return cls(ApiClient(), cluster, timeout_s)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        query: list[tuple[str, Any]] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        with _tracer.start_as_current_span(
+            f"kube {method}", attributes={"k8s.cluster": self.cluster, "http.path": path}
+        ):
+            method, url, headers, payload, _ = self.client.param_serialize(
+                method=method,
+                resource_path=path,
+                query_params=query or [],
+                header_params={"Content-Type": content_type, "Accept": "application/json"},
+                body=body,
+                auth_settings=["BearerToken"],
+            )
+            try:
+                response = self.client.call_api(
+                    method,
+                    url,
+                    header_params=headers,
+                    body=payload,
+                    _request_timeout=self.timeout_s,
+                )
+                raw = response.read()
+            except (OSError, urllib3.exceptions.HTTPError) as error:
+                raise Unreachable(f"{self.cluster}: {error}") from error
+            if response.status in (502, 503, 504):
+                raise Unreachable(f"{self.cluster}: HTTP {response.status}")
+            if not 200 <= response.status < 300:
+                raise ApiException(status=response.status, reason=response.reason, body=raw)
+        return json.loads(raw) if raw else None
+
+    def get(self, ref: Ref) -> dict | None:
+        try:
+            return self.request("GET", ref.path())
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def list(self, ref: Ref, selector: str | None = None) -> list[dict]:
+        query = [("labelSelector", selector)] if selector else []
+        return self.request("GET", ref.path(), query=query)["items"]
+
+    def apply(self, manifest: dict) -> dict:
+        """Server-side apply: the fields in manifest become ours; others are left alone."""
+        return self.request(
+            "PATCH",
+            Ref.of(manifest).path(),
+            manifest,
+            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            content_type="application/apply-patch+yaml",
+        )
+
+    def merge_patch(self, ref: Ref, patch: dict, subresource: str = "") -> dict:
+        return self.request(
+            "PATCH", ref.path(subresource), patch, content_type="application/merge-patch+json"
+        )
+
+    def delete(self, ref: Ref, grace_seconds: int | None = None) -> bool:
+        """Deletes the object (its dependents in the background); False if it was gone."""
+        body: dict[str, Any] = {"propagationPolicy": "Background"}
+        if grace_seconds is not None:
+            body["gracePeriodSeconds"] = grace_seconds
+        try:
+            self.request("DELETE", ref.path(), body)
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True

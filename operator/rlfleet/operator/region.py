@@ -1,0 +1,348 @@
+"""The region role: lends InferencePool replicas to mirrored RLRuns and takes them back.
+
+For each pool, `reconcile_pool` decides (`lending.decide`) and records the decision in the
+pool's status before acting on it, so an operator restarted at any point reads what it
+meant to do and carries on. Acting keeps two rules, checked against the pods that exist,
+not against what was asked for:
+
+- a GPU is lent at most once: rollout pods grow only into GPUs that serving pods have
+  actually left (serving pods alive + rollout pods alive never exceed the pool's size);
+- serving comes back only once rollout pods are gone. Rollout pods get SIGTERM and the
+  pool's `reclaimDeadlineSeconds` to finish their groups; past it they are killed.
+
+Serving never drops below its floor because the decision never lends past it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from rlfleet.api.envpool import EnvPoolSpec
+from rlfleet.api.inferencepool import InferencePoolSpec
+from rlfleet.api.meta import API_VERSION
+from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.operator.config import OperatorConfig
+from rlfleet.operator.kube import Kube, Ref
+from rlfleet.operator.lending import Decision, PoolState, RunDemand, decide
+from rlfleet.operator.status import Event, condition, now, parse_time, timestamp
+from rlfleet.operator.traffic import TrafficUnknown, read_load
+from rlfleet.operator.workloads import (
+    COMPONENT_LABEL,
+    ENVPOOL_LABEL,
+    ORIGIN_LABEL,
+    POOL_LABEL,
+    RUN_LABEL,
+    envpool_objects,
+    rollout_deployment,
+    spec_config_map,
+)
+
+BUSY_ANNOTATION = "rlfleet.io/busy"  # set to "true" on a sandbox pod a rollout holds
+
+
+def _alive(pods: Iterable[dict]) -> list[dict]:
+    return [p for p in pods if p.get("status", {}).get("phase") not in ("Succeeded", "Failed")]
+
+
+def _running(pods: Iterable[dict]) -> list[dict]:
+    return [
+        p
+        for p in pods
+        if p.get("status", {}).get("phase") == "Running"
+        and not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+def _selector(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+class Region:
+    def __init__(self, local: Kube, config: OperatorConfig) -> None:
+        self.local = local
+        self.config = config
+        self.name = config.cluster
+        # Pools of a region share runs' demand: one decision at a time.
+        self.lock = threading.Lock()
+
+    # --- runs -------------------------------------------------------------------------
+
+    def _runs(self, namespace: str) -> list[dict]:
+        return self.local.list(Ref(API_VERSION, "RLRun", namespace=namespace), ORIGIN_LABEL)
+
+    def _demand(self, run: dict) -> RunDemand | None:
+        spec = RLRunSpec.model_validate(run["spec"])
+        here = next((d for d in spec.rollout.regions if d.name == self.name), None)
+        if here is None:
+            return None
+        return RunDemand(
+            run=run["metadata"]["name"],
+            priority=spec.priority,
+            min_gpus=here.min_gpus,
+            max_gpus=here.max_gpus,
+            pools=tuple(here.inference_pools),
+            active=not spec.suspend and not run["metadata"].get("deletionTimestamp"),
+        )
+
+    def report_run(self, run: dict) -> None:
+        """Writes the region's part of a mirrored run's status, read by the hub."""
+        meta = run["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        self.local.apply(spec_config_map(run))
+        demand = self._demand(run)
+        pools = self.local.list(Ref(API_VERSION, "InferencePool", namespace=namespace))
+        lent = running = 0
+        for pool in pools:
+            gpus = pool["spec"]["serving"]["gpusPerReplica"]
+            for entry in (pool.get("status") or {}).get("lent", []):
+                if entry["run"] == name:
+                    lent += entry["replicas"] * gpus
+            pods = self.local.list(
+                Ref("v1", "Pod", namespace=namespace),
+                _selector({RUN_LABEL: name, POOL_LABEL: pool["metadata"]["name"]}),
+            )
+            running += len(_running(pods)) * gpus
+        entry = {
+            "name": self.name,
+            "requested": demand.max_gpus if demand else 0,
+            "lent": lent,
+            "running": running,
+            "lastSeen": timestamp(),
+        }
+        status = {
+            "observedGeneration": meta.get("generation", 0),
+            "regions": [entry],
+            "gpusLent": lent,
+            "gpusRunning": running,
+        }
+        self.local.merge_patch(Ref.of(run), {"status": status}, "status")
+
+    # --- pools ------------------------------------------------------------------------
+
+    def reconcile_pool(self, pool: dict) -> list[Event]:
+        with self.lock:
+            return self._reconcile_pool(pool)
+
+    def _reconcile_pool(self, pool: dict) -> list[Event]:
+        meta, old = pool["metadata"], pool.get("status") or {}
+        namespace, name = meta["namespace"], meta["name"]
+        spec = InferencePoolSpec.model_validate(pool["spec"])
+        ref, generation = Ref.of(pool), meta.get("generation", 0)
+        conditions = old.get("conditions", [])
+        events: list[Event] = []
+
+        serving = self.local.get(
+            Ref("apps/v1", "Deployment", spec.serving.deployment_name, namespace)
+        )
+        if serving is None:
+            message = f"Deployment {namespace}/{spec.serving.deployment_name} does not exist"
+            ready = condition(conditions, "Ready", False, "ServingNotFound", message, generation)
+            if ready["lastTransitionTime"] != next(
+                (c["lastTransitionTime"] for c in conditions if c["type"] == "Ready"), None
+            ):
+                events.append(Event("Warning", "ServingNotFound", message))
+            self.local.merge_patch(ref, {"status": {"conditions": [ready]}}, "status")
+            return events
+
+        try:
+            load: float | None = read_load(spec.traffic, self.config.traffic_timeout_seconds)
+            traffic_problem = ""
+        except TrafficUnknown as error:
+            load, traffic_problem = None, str(error)
+
+        runs = self._runs(namespace)
+        by_name = {r["metadata"]["name"]: r for r in runs}
+        demands = [d for d in (self._demand(r) for r in runs) if d is not None]
+        elsewhere: dict[str, int] = {}
+        for other in self.local.list(Ref(API_VERSION, "InferencePool", namespace=namespace)):
+            if other["metadata"]["name"] == name:
+                continue
+            gpus = other["spec"]["serving"]["gpusPerReplica"]
+            for entry in (other.get("status") or {}).get("lent", []):
+                elsewhere[entry["run"]] = elsewhere.get(entry["run"], 0) + entry["replicas"] * gpus
+        current = {e["run"]: e["replicas"] for e in old.get("lent", [])}
+        state = PoolState.of(name, spec, load, current, now())
+        decision = decide(state, demands, elsewhere)
+
+        if decision.lent != current:
+            # The decision is durable before anything acts on it.
+            lent = [{"run": r, "replicas": n} for r, n in decision.lent.items()]
+            self.local.merge_patch(ref, {"status": {"lent": lent}}, "status")
+            events += self._decision_events(spec, state, decision, current)
+
+        reclaiming, forced = self._act(namespace, name, spec, serving, decision, by_name), 0
+        started = parse_time(old.get("reclaimStartedAt"))
+        if reclaiming and started is None:
+            started = now()
+        if started and not reclaiming:
+            seconds = (now() - started).total_seconds()
+            events.append(
+                Event(
+                    "Normal",
+                    "GPUsReclaimed",
+                    f"serving has its GPUs back {seconds:.1f}s after the reclaim began "
+                    f"(deadline {spec.reclaim_deadline_seconds}s); "
+                    f"{decision.total * spec.serving.gpus_per_replica} GPUs stay lent",
+                )
+            )
+            started = None
+        if started and (now() - started).total_seconds() > spec.reclaim_deadline_seconds:
+            forced = self._force(namespace, name)
+        if forced:
+            events.append(
+                Event(
+                    "Warning",
+                    "ReclaimDeadlineExceeded",
+                    f"{forced} rollout pods did not finish within "
+                    f"{spec.reclaim_deadline_seconds}s and were killed",
+                )
+            )
+
+        serving_pods = self._pods(namespace, serving["spec"]["selector"]["matchLabels"])
+        status = {
+            "observedGeneration": generation,
+            "servingReplicas": len(_running(serving_pods)),
+            "lentReplicas": decision.total,
+            "reclaimingReplicas": reclaiming,
+            "lent": [{"run": r, "replicas": n} for r, n in decision.lent.items()],
+            "observedTraffic": load,
+            "reclaimStartedAt": timestamp(started) if started else None,
+            "conditions": [
+                condition(
+                    conditions,
+                    "Ready",
+                    load is not None,
+                    "TrafficRead" if load is not None else "TrafficUnknown",
+                    traffic_problem or f"load {load:g} over {len(serving_pods)} serving pods",
+                    generation,
+                ),
+                condition(
+                    conditions,
+                    "Lending",
+                    decision.total > 0,
+                    decision.reason,
+                    f"{decision.total} of {spec.serving.replicas} replicas lent",
+                    generation,
+                ),
+                condition(
+                    conditions,
+                    "Reclaiming",
+                    reclaiming > 0,
+                    "Draining" if reclaiming else "Idle",
+                    f"{reclaiming} rollout pods draining" if reclaiming else "",
+                    generation,
+                ),
+            ],
+        }
+        self.local.merge_patch(ref, {"status": status}, "status")
+        return events
+
+    def _decision_events(
+        self, spec: InferencePoolSpec, state: PoolState, decision: Decision, current: dict
+    ) -> list[Event]:
+        gpus = spec.serving.gpus_per_replica
+        load = "unknown" if state.load is None else f"{state.load:g}"
+        events = []
+        for run in sorted(set(current) | set(decision.lent)):
+            before, after = current.get(run, 0), decision.lent.get(run, 0)
+            if after > before:
+                events.append(
+                    Event(
+                        "Normal",
+                        "GPUsLent",
+                        f"lending {(after - before) * gpus} GPUs ({after - before} replicas) "
+                        f"to {run}, {after * gpus} in all; serving keeps "
+                        f"{spec.serving.replicas - decision.total} of {spec.serving.replicas} "
+                        f"replicas at load {load}",
+                    )
+                )
+            elif after < before:
+                events.append(
+                    Event(
+                        "Normal",
+                        "GPUsReclaiming",
+                        f"taking {(before - after) * gpus} GPUs back from {run} "
+                        f"({decision.reason}, load {load}); deadline "
+                        f"{spec.reclaim_deadline_seconds}s",
+                    )
+                )
+        return events
+
+    def _pods(self, namespace: str, labels: dict[str, str]) -> list[dict]:
+        return _alive(self.local.list(Ref("v1", "Pod", namespace=namespace), _selector(labels)))
+
+    def _act(
+        self,
+        namespace: str,
+        pool: str,
+        spec: InferencePoolSpec,
+        serving: dict,
+        decision: Decision,
+        runs: dict[str, dict],
+    ) -> int:
+        """Moves pods toward the decision; returns how many rollout pods are draining."""
+        rollout_selector = {POOL_LABEL: pool, COMPONENT_LABEL: "rollout"}
+        deployments = {
+            d["metadata"]["labels"][RUN_LABEL]: d
+            for d in self.local.list(
+                Ref("apps/v1", "Deployment", namespace=namespace), _selector(rollout_selector)
+            )
+        }
+        rollout_pods = self._pods(namespace, rollout_selector)
+        serving_pods = self._pods(namespace, serving["spec"]["selector"]["matchLabels"])
+        # Shrink first: scaling a rollout Deployment down sends its pods SIGTERM.
+        for run, deployment in deployments.items():
+            want = decision.lent.get(run, 0)
+            if deployment["spec"]["replicas"] > want:
+                self.local.merge_patch(Ref.of(deployment), {"spec": {"replicas": want}})
+        # Serving takes back only GPUs no rollout pod holds any more.
+        in_use = max(len(rollout_pods), decision.total)
+        serving_target = spec.serving.replicas - in_use
+        if serving["spec"].get("replicas") != serving_target:
+            self.local.merge_patch(Ref.of(serving), {"spec": {"replicas": serving_target}})
+        # Grow into GPUs that serving pods have actually left.
+        free = spec.serving.replicas - len(serving_pods) - len(rollout_pods)
+        for run in sorted(decision.lent):
+            have = deployments.get(run, {}).get("spec", {}).get("replicas", 0)
+            grow = min(decision.lent[run] - have, free)
+            if grow <= 0 or run not in runs:
+                continue
+            free -= grow
+            self.local.apply(
+                rollout_deployment(
+                    runs[run], pool, spec, have + grow, self.config.images.rollout, self.name
+                )
+            )
+        return max(0, len(rollout_pods) - decision.total)
+
+    def _force(self, namespace: str, pool: str) -> int:
+        """Kills rollout pods still terminating past the reclaim deadline."""
+        killed = 0
+        for pod in self._pods(namespace, {POOL_LABEL: pool, COMPONENT_LABEL: "rollout"}):
+            if pod["metadata"].get("deletionTimestamp"):
+                self.local.delete(Ref.of(pod), grace_seconds=0)
+                killed += 1
+        return killed
+
+    # --- sandboxes --------------------------------------------------------------------
+
+    def reconcile_envpool(self, envpool: dict) -> None:
+        """Keeps `warm` idle sandboxes beside the busy ones, up to `maxBurst`."""
+        meta = envpool["metadata"]
+        spec = EnvPoolSpec.model_validate(envpool["spec"])
+        pods = self._pods(meta["namespace"], {ENVPOOL_LABEL: meta["name"]})
+        busy = [
+            p for p in pods if p["metadata"].get("annotations", {}).get(BUSY_ANNOTATION) == "true"
+        ]
+        replicas = min(spec.max_burst, len(busy) + spec.warm)
+        for manifest in envpool_objects(envpool, replicas):
+            self.local.apply(manifest)
+        ready = [p for p in _running(pods) if p not in busy]
+        status = {
+            "observedGeneration": meta.get("generation", 0),
+            "ready": len(ready),
+            "busy": len(busy),
+            "warming": len(pods) - len(ready) - len(busy),
+        }
+        self.local.merge_patch(Ref.of(envpool), {"status": status}, "status")

@@ -1,0 +1,367 @@
+"""The operator on the real four-cluster bed: the chart installed with helm in each cluster,
+one operator process per cluster running under the chart's ServiceAccount.
+
+The tests run in file order and share one RLRun: applied, lending in three regions, a
+traffic spike reclaimed, an operator crashed mid-lend, a region cut off and back, a broken
+kubeconfig Secret, and finally the run deleted from all four clusters.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import yaml
+from conftest import ROOT
+
+from rlfleet.testbed.bed import BedInfo
+from rlfleet.testbed.fleet import HUB, RELEASE, RELEASE_NAMESPACE, Fleet, TrafficServer
+
+pytestmark = pytest.mark.bed
+
+REGIONS = ["region-a", "region-b", "region-c"]
+RUN = "tiny-moe-arith"
+POOL = "chat-prod"
+# examples/rlrun.yaml wants 8-16, 0-16 and 0-8 GPUs; each pool may lend 2 of 4 replicas.
+LENT = {"region-a": 16, "region-b": 16, "region-c": 8}
+
+
+def wait_for(what: str, check, timeout: float = 90.0, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+class World:
+    def __init__(self, fleet: Fleet, namespace: str, traffic: TrafficServer) -> None:
+        self.fleet = fleet
+        self.ns = namespace
+        self.traffic = traffic
+
+    def get(self, cluster: str, *what: str) -> dict:
+        return json.loads(self.fleet.kubectl(cluster, "-n", self.ns, "get", *what, "-o", "json"))
+
+    def items(self, cluster: str, *what: str) -> list[dict]:
+        return self.get(cluster, *what)["items"]
+
+    def apply(self, cluster: str, document: dict) -> None:
+        self.fleet.kubectl(cluster, "-n", self.ns, "apply", "-f", "-", stdin=json.dumps(document))
+
+    def running(self, cluster: str, selector: str) -> int:
+        pods = self.items(cluster, "pods", "-l", selector)
+        return sum(
+            1
+            for p in pods
+            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+        )
+
+    def rollout_pods(self, region: str) -> int:
+        return self.running(region, f"rlfleet.io/run={RUN},rlfleet.io/component=rollout")
+
+    def serving_pods(self, region: str) -> int:
+        return self.running(region, "app=chat-vllm")
+
+    def run_status(self) -> dict:
+        return self.get(HUB, "rlrun", RUN).get("status", {})
+
+    def events(self, cluster: str, name: str) -> list[dict]:
+        return self.items(cluster, "events", "--field-selector", f"involvedObject.name={name}")
+
+    def reasons(self, cluster: str, name: str) -> set[str]:
+        return {e["reason"] for e in self.events(cluster, name)}
+
+    def condition(self, kind: str) -> dict:
+        return next((c for c in self.run_status().get("conditions", []) if c["type"] == kind), {})
+
+    def lent_everywhere(self) -> bool:
+        status = self.run_status()
+        return (
+            all(self.rollout_pods(r) * 8 == LENT[r] for r in REGIONS)
+            and status.get("gpusRunning") == sum(LENT.values())
+            and status.get("gpusLent") == sum(LENT.values())
+        )
+
+
+def serving(region: str) -> dict:
+    labels = {"app": "chat-vllm"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "chat-vllm", "labels": labels},
+        "spec": {
+            "replicas": 4,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "vllm",
+                            "image": "vllm/vllm-openai",
+                            "resources": {"limits": {"nvidia.com/gpu": "8"}},
+                        }
+                    ]
+                },
+            },
+        },
+    }
+
+
+def example(name: str) -> dict:
+    return yaml.safe_load((ROOT / "examples" / name).read_text())
+
+
+@pytest.fixture(scope="module")
+def world(
+    bed: BedInfo, crds_installed: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[World]:
+    namespace = f"op-{uuid.uuid4().hex[:6]}"
+    fleet = Fleet(bed, tmp_path_factory.mktemp("fleet"), [namespace], REGIONS)
+    fleet.values = {"resyncSeconds": 1, "regionTimeoutSeconds": 5, "callTimeoutSeconds": 2}
+    traffic = TrafficServer()
+    for cluster in [HUB, *REGIONS]:
+        fleet.kubectl(cluster, "create", "namespace", namespace)
+    fleet.setup()
+    world = World(fleet, namespace, traffic)
+    for region in REGIONS:
+        traffic.load[region] = 0.0
+        world.apply(region, serving(region))
+        pool = example("inferencepool.yaml")
+        pool["spec"]["traffic"]["metricsUrl"] = traffic.url(region)
+        pool["spec"]["reclaimDeadlineSeconds"] = 20
+        world.apply(region, pool)
+        world.apply(region, example("envpool.yaml"))
+    fleet.start_all()
+    try:
+        yield world
+    finally:
+        fleet.stop()
+        traffic.close()
+        for link in fleet.links.values():
+            link.listener.close()
+
+
+def test_applying_the_example_trains_in_the_hub_and_borrows_gpus_in_three_regions(
+    world: World,
+) -> None:
+    world.fleet.kubectl(HUB, "-n", world.ns, "apply", "-f", str(ROOT / "examples" / "rlrun.yaml"))
+    wait_for("trainer pods running", lambda: world.running(HUB, f"rlfleet.io/run={RUN}") == 1)
+    wait_for("rollout pods on lent GPUs in every region", world.lent_everywhere)
+    for region in REGIONS:
+        # Serving gave exactly the lent replicas; never below its floor of 1.
+        assert world.serving_pods(region) == 4 - LENT[region] // 8
+        pool = world.get(region, "inferencepool", POOL)["status"]
+        assert pool["lent"] == [{"run": RUN, "replicas": LENT[region] // 8}]
+        lent_events = [e for e in world.events(region, POOL) if e["reason"] == "GPUsLent"]
+        assert lent_events and f"to {RUN}" in lent_events[0]["message"]
+        # The mirror is labelled with its origin and has no cross-cluster ownerReference.
+        mirror = world.get(region, "rlrun", RUN)
+        assert mirror["metadata"]["labels"]["rlfleet.io/origin"] == HUB
+        assert "ownerReferences" not in mirror["metadata"]
+        envpool = wait_for(
+            "warm sandboxes",
+            lambda r=region: world.get(r, "envpool", "arith-sandbox").get("status"),
+        )
+        assert envpool["ready"] + envpool["warming"] == 4
+    wait_for("Ready", lambda: world.condition("Ready").get("status") == "True")
+    status = world.run_status()
+    assert status["phase"] == "Running" and status["trainerReplicas"] == 1
+    assert {e["name"]: e["running"] for e in status["regions"]} == LENT
+    assert "GPUsLent" in world.reasons(HUB, RUN)
+    table = world.fleet.kubectl(HUB, "-n", world.ns, "get", "rlrun", RUN).splitlines()
+    assert table[0].split()[:6] == ["NAME", "PHASE", "VERSION", "STALENESS", "GPUS-LENT", "RUNNING"]
+    assert table[1].split()[1] == "Running" and "40" in table[1].split()
+    budget = world.get(HUB, "poddisruptionbudget", f"{RUN}-trainer")
+    assert budget["spec"]["maxUnavailable"] == 0
+
+
+class Sampler:
+    """Samples a region's serving and rollout pods until stopped."""
+
+    def __init__(self, world: World, region: str) -> None:
+        self.samples: list[tuple[int, int, int]] = []  # (serving pods, rollout pods, replicas)
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(world, region), daemon=True)
+        self.thread.start()
+
+    def _run(self, world: World, region: str) -> None:
+        while not self._stop.is_set():
+            pods = world.items(region, "pods")
+            alive = [p for p in pods if p["status"].get("phase") not in ("Succeeded", "Failed")]
+            serving = sum(1 for p in alive if p["metadata"]["labels"].get("app") == "chat-vllm")
+            rollout = sum(
+                1 for p in alive if p["metadata"]["labels"].get("rlfleet.io/component") == "rollout"
+            )
+            replicas = world.get(region, "deployment", "chat-vllm")["spec"]["replicas"]
+            self.samples.append((serving, rollout, replicas))
+
+    def stop(self) -> list[tuple[int, int, int]]:
+        self._stop.set()
+        self.thread.join()
+        return self.samples
+
+
+def test_a_traffic_spike_reclaims_the_gpus_and_serving_never_dips_below_its_floor(
+    world: World,
+) -> None:
+    wait_for("lending", world.lent_everywhere)
+    sampler = Sampler(world, "region-b")
+    world.traffic.load["region-b"] = 200.0  # 100 requests per serving replica
+    wait_for("serving back to 4", lambda: world.serving_pods("region-b") == 4)
+    assert world.rollout_pods("region-b") == 0
+    pool = world.get("region-b", "inferencepool", POOL)["status"]
+    assert pool.get("lent", []) == [] and pool["observedTraffic"] == 200.0
+    assert {"GPUsReclaiming", "GPUsReclaimed"} <= world.reasons("region-b", POOL)
+    # The other regions kept lending; the hub's count follows.
+    assert world.rollout_pods("region-a") == 2 and world.rollout_pods("region-c") == 1
+    wait_for("hub sees 24 GPUs", lambda: world.run_status().get("gpusRunning") == 24)
+    samples = sampler.stop()
+    assert samples
+    assert min(serving for serving, _, _ in samples) >= 1  # the floor
+    assert min(replicas for _, _, replicas in samples) >= 1
+    assert max(serving + rollout for serving, rollout, _ in samples) <= 4  # lent once
+    # Quiet again: the GPUs go back to the run.
+    world.traffic.load["region-b"] = 0.0
+    wait_for("lending again", world.lent_everywhere)
+
+
+def test_an_operator_killed_mid_lend_converges_without_flapping(world: World) -> None:
+    wait_for("lending", world.lent_everywhere)
+    world.traffic.load["region-a"] = 200.0
+    wait_for(
+        "the reclaim to start",
+        lambda: world.get("region-a", "inferencepool", POOL)["status"].get("lent") in ([], None),
+    )
+    world.fleet.crash_and_restart("region-a")
+    world.traffic.load["region-a"] = 0.0
+    wait_for(
+        "the decision to lend",
+        lambda: world.get("region-a", "inferencepool", POOL)["status"].get("lent"),
+    )
+    world.fleet.crash_and_restart("region-a")
+    wait_for("lending", world.lent_everywhere)
+    # Settled: nothing moves while nothing changes.
+    sampler = Sampler(world, "region-a")
+    time.sleep(8)
+    samples = sampler.stop()
+    assert set(samples) == {(2, 2, 2)}, samples
+
+
+def test_a_region_cut_off_is_reported_and_rejoins_without_duplicates(world: World) -> None:
+    wait_for("lending", world.lent_everywhere)
+    world.fleet.links["region-c"].cut()
+    try:
+        wait_for(
+            "region-c marked unreachable",
+            lambda: world.condition("RolloutsDegraded").get("reason") == "RegionUnreachable",
+        )
+        status = world.run_status()
+        entry = next(e for e in status["regions"] if e["name"] == "region-c")
+        assert entry["reachable"] is False
+        assert status["gpusRunning"] == 32  # region-c's 8 are not counted
+        assert "RegionUnreachable" in world.reasons(HUB, RUN)
+        # Training goes on; the other regions keep their rollouts.
+        assert world.running(HUB, f"rlfleet.io/run={RUN}") == 1
+        assert world.condition("Training")["status"] == "True"
+    finally:
+        world.fleet.links["region-c"].restore()
+    wait_for("region-c back", lambda: world.condition("RolloutsDegraded").get("status") == "False")
+    assert "RegionReachable" in world.reasons(HUB, RUN)
+    assert len(world.items("region-c", "rlruns")) == 1
+    assert len(world.items("region-c", "deployments", "-l", "rlfleet.io/component=rollout")) == 1
+    wait_for("lending", world.lent_everywhere)
+
+
+def test_a_broken_kubeconfig_secret_is_a_condition_and_an_event_not_a_crash(
+    world: World,
+) -> None:
+    good = world.fleet.kubectl(
+        HUB, "-n", RELEASE_NAMESPACE, "get", "secret", "rlfleet-region-region-b", "-o", "json"
+    )
+    world.fleet.region_secret("region-b", "this is: [not a kubeconfig")
+    try:
+        wait_for(
+            "the credentials condition",
+            lambda: world.condition("RolloutsDegraded").get("reason") == "RegionCredentialsInvalid",
+        )
+        assert "RegionCredentialsInvalid" in world.reasons(HUB, RUN)
+        assert "rlfleet-region-region-b" in world.condition("RolloutsDegraded")["message"]
+        assert world.fleet.supervisor.check_alive() is None
+    finally:
+        secret = json.loads(good)
+        for key in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
+            secret["metadata"].pop(key, None)
+        world.fleet.kubectl(HUB, "apply", "-f", "-", stdin=json.dumps(secret))
+    wait_for("healthy again", lambda: world.condition("RolloutsDegraded").get("status") == "False")
+
+
+def test_the_operator_account_reads_secrets_only_in_its_namespace(world: World) -> None:
+    account = f"system:serviceaccount:{RELEASE_NAMESPACE}:{RELEASE}-operator"
+
+    def can(cluster: str, *args: str) -> str:
+        try:
+            return world.fleet.kubectl(cluster, "auth", "can-i", *args, f"--as={account}").strip()
+        except RuntimeError as error:  # `can-i` exits 1 for "no"
+            return str(error).split(":")[-1].strip() or "no"
+
+    assert can(HUB, "get", "secrets", "-n", RELEASE_NAMESPACE) == "yes"
+    assert can(HUB, "get", "secrets", "-n", world.ns).startswith("no")
+    assert can("region-a", "get", "secrets", "-n", RELEASE_NAMESPACE).startswith("no")
+    hub_account = f"system:serviceaccount:{RELEASE_NAMESPACE}:{RELEASE}-hub"
+    allowed = world.fleet.kubectl(
+        "region-a",
+        "auth",
+        "can-i",
+        "create",
+        "rlruns.rlfleet.io",
+        "-n",
+        world.ns,
+        f"--as={hub_account}",
+    )
+    assert allowed.strip() == "yes"
+
+
+def test_the_chart_upgrades_cleanly_and_rejects_bad_values(world: World) -> None:
+    upgraded = world.fleet.install("region-a", resyncSeconds=2)
+    assert upgraded.returncode == 0, upgraded.stderr
+    history = world.fleet.helm(
+        "region-a", "history", RELEASE, "-n", RELEASE_NAMESPACE, "-o", "json"
+    )
+    assert json.loads(history.stdout)[-1]["status"] == "deployed"
+    bad = world.fleet.install("region-a", role="trainer")
+    assert bad.returncode != 0 and "role" in bad.stderr
+    crd = json.loads(
+        world.fleet.kubectl("region-a", "get", "crd", "rlruns.rlfleet.io", "-o", "json")
+    )
+    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:
+    world.fleet.kubectl(HUB, "-n", world.ns, "delete", "rlrun", RUN, "--wait=false")
+    wait_for("the hub object gone", lambda: not world.items(HUB, "rlruns"))
+    for region in REGIONS:
+        wait_for(f"{region} mirror gone", lambda r=region: not world.items(r, "rlruns"))
+        wait_for(
+            f"{region} rollouts gone",
+            lambda r=region: (
+                not world.items(r, "deployments", "-l", "rlfleet.io/component=rollout")
+            ),
+        )
+        wait_for(f"{region} serving whole", lambda r=region: world.serving_pods(r) == 4)
+    wait_for("trainer gone", lambda: not world.items(HUB, "statefulsets"))
+    assert not world.items(HUB, "poddisruptionbudgets")
+
+
+def test_operator_logs_have_no_tracebacks(world: World) -> None:
+    for cluster in [HUB, *REGIONS]:
+        log = world.fleet.log(cluster)
+        assert "Traceback" not in log, log[-4000:]
