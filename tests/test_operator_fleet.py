@@ -116,6 +116,14 @@ def serving(region: str) -> dict:
     }
 
 
+GVISOR = {
+    "apiVersion": "node.k8s.io/v1",
+    "kind": "RuntimeClass",
+    "metadata": {"name": "gvisor"},
+    "handler": "runsc",
+}
+
+
 def example(name: str) -> dict:
     return yaml.safe_load((ROOT / "examples" / name).read_text())
 
@@ -134,6 +142,8 @@ def world(
     world = World(fleet, namespace, traffic)
     for region in REGIONS:
         traffic.load[region] = 0.0
+        # The example's sandboxes run under gVisor, which a region's admins install.
+        fleet.kubectl(region, "apply", "-f", "-", stdin=json.dumps(GVISOR))
         world.apply(region, serving(region))
         pool = example("inferencepool.yaml")
         pool["spec"]["traffic"]["metricsUrl"] = traffic.url(region)
@@ -167,11 +177,14 @@ def test_applying_the_example_trains_in_the_hub_and_borrows_gpus_in_three_region
         mirror = world.get(region, "rlrun", RUN)
         assert mirror["metadata"]["labels"]["rlfleet.io/origin"] == HUB
         assert "ownerReferences" not in mirror["metadata"]
-        envpool = wait_for(
-            "warm sandboxes",
-            lambda r=region: world.get(r, "envpool", "arith-sandbox").get("status"),
+        wait_for(
+            "four warm sandboxes",
+            lambda r=region: (
+                world.get(r, "envpool", "arith-sandbox").get("status", {}).get("ready") == 4
+            ),
         )
-        assert envpool["ready"] + envpool["warming"] == 4
+        policy = world.get(region, "networkpolicy", "arith-sandbox-sandbox")
+        assert not policy["spec"].get("egress") and "Egress" in policy["spec"]["policyTypes"]
     wait_for("Ready", lambda: world.condition("Ready").get("status") == "True")
     status = world.run_status()
     assert status["phase"] == "Running" and status["trainerReplicas"] == 1

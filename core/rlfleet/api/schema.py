@@ -22,6 +22,12 @@ KINDS: tuple[ResourceKind, ...] = (RLRUN, INFERENCEPOOL, ENVPOOL)
 _DROPPED = {"title", "$defs"}
 
 
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return value
+
+
 def _structural(node: Any, defs: dict[str, Any]) -> Any:
     if isinstance(node, list):
         return [_structural(item, defs) for item in node]
@@ -40,6 +46,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             node = {**non_null[0], **node}
             if node.get("default", ...) is None:
                 del node["default"]
+            if "$ref" in node:  # Optional[Model]: resolve the model now
+                return _structural(node, defs)
     out: dict[str, Any] = {}
     for key, value in node.items():
         if key in _DROPPED:
@@ -52,6 +60,9 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             continue
         if key == "const":
             out["enum"] = [value]
+            continue
+        if key == "default" and isinstance(value, dict):
+            out[key] = _without_nulls(value)  # an unset optional field is absent, not null
             continue
         if key == "properties":
             out[key] = {name: _structural(prop, defs) for name, prop in value.items()}

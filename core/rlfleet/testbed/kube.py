@@ -198,7 +198,13 @@ def _start_cluster_controllers(cluster: Cluster, supervisor: Supervisor, pki: Pk
 def node_manifest(spec: ClusterSpec, index: int) -> dict:
     name = f"{spec.name}-gpu-{index}"
     key, value = KWOK_SELECTOR
-    capacity = {"cpu": "96", "memory": "1024Gi", "pods": "110", GPU: str(spec.gpus_per_node)}
+    capacity = {
+        "cpu": "96",
+        "memory": "1024Gi",
+        "ephemeral-storage": "2Ti",
+        "pods": "110",
+        GPU: str(spec.gpus_per_node),
+    }
     return {
         "apiVersion": "v1",
         "kind": "Node",

@@ -23,6 +23,7 @@ from rlfleet.operator.status import Event
 from rlfleet.operator.workloads import ORIGIN_LABEL
 
 FINALIZER = f"{GROUP}/cleanup"
+RETRY_S = 5.0  # a failed reconcile is tried again this soon (kopf's default is 60 s)
 
 
 def settings(config: OperatorConfig) -> kopf.OperatorSettings:
@@ -56,6 +57,12 @@ class _Locks:
 
 def registry(config: OperatorConfig, local: Kube) -> kopf.OperatorRegistry:
     chosen = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=chosen)
+    def login(**kwargs) -> kopf.ConnectionInfo | None:
+        # The same credentials as `Kube.local`: in-cluster, else $KUBECONFIG.
+        return kopf.login_via_client(**kwargs)
+
     if config.role == "hub":
         _hub(chosen, config, local)
     else:
@@ -67,7 +74,7 @@ def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -
     hub = Hub(local, RegionClients(local, config), config)
     locks = _Locks()
     # The hub's own runs; mirrors (labelled with an origin) belong to a region's operator.
-    own = dict(group=GROUP, version=VERSION, plural="rlruns", registry=registry)
+    own = dict(group=GROUP, version=VERSION, plural="rlruns", registry=registry, backoff=RETRY_S)
     own_labels = {ORIGIN_LABEL: kopf.ABSENT}
 
     @kopf.on.resume(**own, labels=own_labels)
@@ -100,10 +107,16 @@ def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -
 def _region(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -> None:
     region = Region(local, config)
     locks = _Locks()
-    pools = dict(group=GROUP, version=VERSION, plural="inferencepools", registry=registry)
-    mirrors = dict(group=GROUP, version=VERSION, plural="rlruns", registry=registry)
+    pools = dict(
+        group=GROUP, version=VERSION, plural="inferencepools", registry=registry, backoff=RETRY_S
+    )
+    mirrors = dict(
+        group=GROUP, version=VERSION, plural="rlruns", registry=registry, backoff=RETRY_S
+    )
     mirror_labels = {ORIGIN_LABEL: kopf.PRESENT}
-    envpools = dict(group=GROUP, version=VERSION, plural="envpools", registry=registry)
+    envpools = dict(
+        group=GROUP, version=VERSION, plural="envpools", registry=registry, backoff=RETRY_S
+    )
 
     @kopf.on.resume(**pools)
     @kopf.on.create(**pools)

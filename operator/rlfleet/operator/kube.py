@@ -137,7 +137,11 @@ class Kube:
 
     def list(self, ref: Ref, selector: str | None = None) -> list[dict]:
         query = [("labelSelector", selector)] if selector else []
-        return self.request("GET", ref.path(), query=query)["items"]
+        # Items of a list carry no apiVersion and kind; put them back so they are refs too.
+        return [
+            {"apiVersion": ref.api_version, "kind": ref.kind} | item
+            for item in self.request("GET", ref.path(), query=query)["items"]
+        ]
 
     def apply(self, manifest: dict) -> dict:
         """Server-side apply: the fields in manifest become ours; others are left alone."""
