@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,18 @@ def nats_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalon
         yield servers
     finally:
         servers.stop()
+
+
+def wait_for(what: str, check, timeout: float = 90.0, interval: float = 0.5):
+    """Polls check until it returns something true, and returns that."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 class Kubectl:

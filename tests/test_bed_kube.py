@@ -4,29 +4,19 @@ and the rlfleet.io CRDs with validation done by the API server itself."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CLUSTERS, ROOT, Kubectl
+from conftest import CLUSTERS, ROOT, Kubectl, wait_for
 
 pytestmark = pytest.mark.bed
 
 
-def wait_for(what: str, check, timeout: float = 60.0, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 @pytest.fixture
-def namespace(kubectl: Kubectl) -> str:
+def namespace(kubectl: Kubectl) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"
     for context in CLUSTERS:
         kubectl.run(context, "create", "namespace", name)
@@ -38,7 +28,14 @@ def namespace(kubectl: Kubectl) -> str:
             for c in CLUSTERS
         ),
     )
-    return name
+    yield name
+    # The bed is shared by the session: give back what the test held (GPUs above all).
+    for context in CLUSTERS:
+        kubectl.run(context, "delete", "namespace", name, "--wait=false")
+    wait_for(
+        "the test's pods gone",
+        lambda: not kubectl.run("hub", "-n", name, "get", "pods", "-o", "name").stdout.strip(),
+    )
 
 
 def test_four_api_servers_answer_with_gpu_nodes(kubectl: Kubectl) -> None:

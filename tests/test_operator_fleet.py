@@ -16,10 +16,18 @@ from collections.abc import Iterator
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, wait_for
 
 from rlfleet.testbed.bed import BedInfo
-from rlfleet.testbed.fleet import HUB, RELEASE, RELEASE_NAMESPACE, Fleet, TrafficServer
+from rlfleet.testbed.fleet import (
+    GVISOR,
+    HUB,
+    RELEASE,
+    RELEASE_NAMESPACE,
+    Fleet,
+    TrafficServer,
+    serving_deployment,
+)
 
 pytestmark = pytest.mark.bed
 
@@ -28,17 +36,6 @@ RUN = "tiny-moe-arith"
 POOL = "chat-prod"
 # examples/rlrun.yaml wants 8-16, 0-16 and 0-8 GPUs; each pool may lend 2 of 4 replicas.
 LENT = {"region-a": 16, "region-b": 16, "region-c": 8}
-
-
-def wait_for(what: str, check, timeout: float = 90.0, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 class World:
@@ -91,39 +88,6 @@ class World:
         )
 
 
-def serving(region: str) -> dict:
-    labels = {"app": "chat-vllm"}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "chat-vllm", "labels": labels},
-        "spec": {
-            "replicas": 4,
-            "selector": {"matchLabels": labels},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "vllm",
-                            "image": "vllm/vllm-openai",
-                            "resources": {"limits": {"nvidia.com/gpu": "8"}},
-                        }
-                    ]
-                },
-            },
-        },
-    }
-
-
-GVISOR = {
-    "apiVersion": "node.k8s.io/v1",
-    "kind": "RuntimeClass",
-    "metadata": {"name": "gvisor"},
-    "handler": "runsc",
-}
-
-
 def example(name: str) -> dict:
     return yaml.safe_load((ROOT / "examples" / name).read_text())
 
@@ -144,7 +108,7 @@ def world(
         traffic.load[region] = 0.0
         # The example's sandboxes run under gVisor, which a region's admins install.
         fleet.kubectl(region, "apply", "-f", "-", stdin=json.dumps(GVISOR))
-        world.apply(region, serving(region))
+        world.apply(region, serving_deployment("chat-vllm", replicas=4, gpus=8))
         pool = example("inferencepool.yaml")
         pool["spec"]["traffic"]["metricsUrl"] = traffic.url(region)
         pool["spec"]["reclaimDeadlineSeconds"] = 20

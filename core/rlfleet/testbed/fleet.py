@@ -31,6 +31,34 @@ RELEASE_NAMESPACE = "rlfleet-system"
 HUB = "hub"
 
 
+GVISOR = {
+    "apiVersion": "node.k8s.io/v1",
+    "kind": "RuntimeClass",
+    "metadata": {"name": "gvisor"},
+    "handler": "runsc",
+}
+
+
+def serving_deployment(name: str, replicas: int, gpus: int) -> dict:
+    """A production vLLM fleet as an InferencePool sees it (kwok runs its pods)."""
+    labels = {"app": name}
+    container = {
+        "name": "vllm",
+        "image": "vllm/vllm-openai",
+        "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": {"containers": [container]}},
+        },
+    }
+
+
 class Link:
     """A TCP relay to a region's API server that can be cut and restored."""
 

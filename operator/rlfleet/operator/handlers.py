@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 
 import kopf
 
@@ -70,17 +71,34 @@ def registry(config: OperatorConfig, local: Kube) -> kopf.OperatorRegistry:
     return chosen
 
 
+def _kind(registry: kopf.OperatorRegistry, plural: str) -> dict:
+    return dict(group=GROUP, version=VERSION, plural=plural, registry=registry, backoff=RETRY_S)
+
+
+def _level_driven(resource: dict, interval: float, **filters) -> Callable:
+    """Runs the handler when the operator starts, on create, on a spec change, and every
+    `interval` seconds: it reads the world, so it must not wait for a spec change."""
+
+    def register(handler: Callable) -> Callable:
+        for decorator in (
+            kopf.on.resume(**resource, **filters),
+            kopf.on.create(**resource, **filters),
+            kopf.on.update(**resource, **filters, field="spec"),
+            kopf.timer(**resource, **filters, interval=interval),
+        ):
+            handler = decorator(handler)
+        return handler
+
+    return register
+
+
 def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -> None:
     hub = Hub(local, RegionClients(local, config), config)
     locks = _Locks()
     # The hub's own runs; mirrors (labelled with an origin) belong to a region's operator.
-    own = dict(group=GROUP, version=VERSION, plural="rlruns", registry=registry, backoff=RETRY_S)
-    own_labels = {ORIGIN_LABEL: kopf.ABSENT}
+    runs, own = _kind(registry, "rlruns"), {"labels": {ORIGIN_LABEL: kopf.ABSENT}}
 
-    @kopf.on.resume(**own, labels=own_labels)
-    @kopf.on.create(**own, labels=own_labels)
-    @kopf.on.update(**own, labels=own_labels, field="spec")
-    @kopf.timer(**own, labels=own_labels, interval=config.resync_seconds)
+    @_level_driven(runs, config.resync_seconds, **own)
     def reconcile_run(body: kopf.Body, namespace: str, name: str, uid: str, **_) -> None:
         if body.metadata.get("deletionTimestamp"):
             return
@@ -93,7 +111,7 @@ def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -
             )
         _post(body, outcome.events)
 
-    @kopf.on.delete(**own, labels=own_labels)
+    @kopf.on.delete(**runs, **own)
     def delete_run(body: kopf.Body, namespace: str, name: str, uid: str, **_) -> None:
         with locks.of(uid), telemetry.reconciling("RLRun", namespace, name):
             unreachable = hub.delete(dict(body))
@@ -107,44 +125,23 @@ def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -
 def _region(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -> None:
     region = Region(local, config)
     locks = _Locks()
-    pools = dict(
-        group=GROUP, version=VERSION, plural="inferencepools", registry=registry, backoff=RETRY_S
-    )
-    mirrors = dict(
-        group=GROUP, version=VERSION, plural="rlruns", registry=registry, backoff=RETRY_S
-    )
-    mirror_labels = {ORIGIN_LABEL: kopf.PRESENT}
-    envpools = dict(
-        group=GROUP, version=VERSION, plural="envpools", registry=registry, backoff=RETRY_S
-    )
+    every = config.resync_seconds
 
-    @kopf.on.resume(**pools)
-    @kopf.on.create(**pools)
-    @kopf.on.update(**pools, field="spec")
-    @kopf.timer(**pools, interval=config.resync_seconds)
+    @_level_driven(_kind(registry, "inferencepools"), every)
     def reconcile_pool(body: kopf.Body, namespace: str, name: str, uid: str, **_) -> None:
         with locks.of(uid), telemetry.reconciling("InferencePool", namespace, name):
-            events = region.reconcile_pool(dict(body))
-        lent = body.get("status", {}).get("lentReplicas") or 0
-        telemetry.GPUS_LENT.labels(namespace, name).set(
-            lent * body["spec"]["serving"]["gpusPerReplica"]
-        )
+            events, lent_gpus = region.reconcile_pool(dict(body))
+        telemetry.GPUS_LENT.labels(namespace, name).set(lent_gpus)
         _post(body, events)
 
-    @kopf.on.resume(**mirrors, labels=mirror_labels)
-    @kopf.on.create(**mirrors, labels=mirror_labels)
-    @kopf.on.update(**mirrors, labels=mirror_labels, field="spec")
-    @kopf.timer(**mirrors, labels=mirror_labels, interval=config.resync_seconds)
+    @_level_driven(_kind(registry, "rlruns"), every, labels={ORIGIN_LABEL: kopf.PRESENT})
     def report_run(body: kopf.Body, namespace: str, name: str, uid: str, **_) -> None:
         if body.metadata.get("deletionTimestamp"):
             return
         with locks.of(uid), telemetry.reconciling("RLRun", namespace, name):
             region.report_run(dict(body))
 
-    @kopf.on.resume(**envpools)
-    @kopf.on.create(**envpools)
-    @kopf.on.update(**envpools, field="spec")
-    @kopf.timer(**envpools, interval=config.resync_seconds)
+    @_level_driven(_kind(registry, "envpools"), every)
     def reconcile_envpool(body: kopf.Body, namespace: str, name: str, uid: str, **_) -> None:
         with locks.of(uid), telemetry.reconciling("EnvPool", namespace, name):
             region.reconcile_envpool(dict(body))

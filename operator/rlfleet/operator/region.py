@@ -120,11 +120,12 @@ class Region:
 
     # --- pools ------------------------------------------------------------------------
 
-    def reconcile_pool(self, pool: dict) -> list[Event]:
+    def reconcile_pool(self, pool: dict) -> tuple[list[Event], int]:
+        """Decides, records, acts; returns the events to post and the GPUs now lent."""
         with self.lock:
             return self._reconcile_pool(pool)
 
-    def _reconcile_pool(self, pool: dict) -> list[Event]:
+    def _reconcile_pool(self, pool: dict) -> tuple[list[Event], int]:
         meta, old = pool["metadata"], pool.get("status") or {}
         namespace, name = meta["namespace"], meta["name"]
         spec = InferencePoolSpec.model_validate(pool["spec"])
@@ -143,7 +144,7 @@ class Region:
             ):
                 events.append(Event("Warning", "ServingNotFound", message))
             self.local.merge_patch(ref, {"status": {"conditions": [ready]}}, "status")
-            return events
+            return events, 0
 
         try:
             load: float | None = read_load(spec.traffic, self.config.traffic_timeout_seconds)
@@ -236,7 +237,7 @@ class Region:
             ],
         }
         self.local.merge_patch(ref, {"status": status}, "status")
-        return events
+        return events, decision.total * spec.serving.gpus_per_replica
 
     def _decision_events(
         self, spec: InferencePoolSpec, state: PoolState, decision: Decision, current: dict

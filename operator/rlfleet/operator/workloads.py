@@ -59,6 +59,19 @@ def spec_config_map(run: dict) -> dict:
     }
 
 
+def _deployment(owner_body: dict, name: str, labels: dict, replicas: int, pod: dict) -> dict:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner_body, name, labels),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": pod},
+        },
+    }
+
+
 def _container(name: str, image: str, run: str, gpus: int, env: dict[str, str]) -> dict:
     return {
         "name": name,
@@ -174,23 +187,12 @@ def rollout_deployment(
         pool_spec.serving.gpus_per_replica,
         env,
     )
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _meta(run, rollout_name(name, pool), labels),
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": labels},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "containers": [container],
-                    "volumes": [_spec_volume(name)],
-                    "terminationGracePeriodSeconds": pool_spec.reclaim_deadline_seconds,
-                },
-            },
-        },
+    pod = {
+        "containers": [container],
+        "volumes": [_spec_volume(name)],
+        "terminationGracePeriodSeconds": pool_spec.reclaim_deadline_seconds,
     }
+    return _deployment(run, rollout_name(name, pool), labels, replicas, pod)
 
 
 def envpool_objects(envpool: dict, replicas: int) -> list[dict]:
@@ -227,17 +229,7 @@ def envpool_objects(envpool: dict, replicas: int) -> list[dict]:
     }
     if spec.template.runtime_class_name:
         pod["runtimeClassName"] = spec.template.runtime_class_name
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _meta(envpool, f"{name}-sandbox", labels),
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": labels}, "spec": pod},
-        },
-    }
-    objects = [deployment]
+    objects = [_deployment(envpool, f"{name}-sandbox", labels, replicas, pod)]
     if spec.network.egress == "Deny":
         objects.append(
             {

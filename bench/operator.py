@@ -1,0 +1,217 @@
+"""Benchmark: the operator on the four-cluster bed.
+
+- apply_to_running_seconds: `kubectl apply` of examples/rlrun.yaml in the hub until its
+  rollout pods run on lent GPUs in all three regions.
+- reclaim_seconds: a traffic spike on region-b's pool (through its metrics endpoint) until
+  serving is back to its whole size with no rollout pod left; against the pool's
+  reclaim_deadline_seconds.
+- reconcile_p50/p99_seconds: the operators' own reconcile-duration histograms (every kind,
+  all four clusters) with 50 RLRuns and 12 InferencePools, after a spec change to every run;
+  spec_to_status_p50/p99_seconds: from that change to the run's status showing it.
+
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import yaml
+
+from rlfleet.testbed.bed import Bed
+from rlfleet.testbed.fleet import GVISOR, HUB, Fleet, TrafficServer, serving_deployment
+
+ROOT = Path(__file__).resolve().parent.parent
+REGIONS = ["region-a", "region-b", "region-c"]
+RUNS = 50
+POOLS_PER_REGION = 4  # 12 in all
+RECLAIM_DEADLINE_S = 20
+
+
+def wait(check, timeout: float = 180.0, interval: float = 0.1) -> float:
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout:
+            raise TimeoutError(check)
+        time.sleep(interval)
+    return time.monotonic() - started
+
+
+def quantile_from_histogram(buckets: list[tuple[float, float]], q: float) -> float:
+    """Prometheus' histogram_quantile over cumulative (upper bound, count) buckets."""
+    total = buckets[-1][1]
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound
+            share = (rank - lower_count) / max(count - lower_count, 1e-9)
+            return lower_bound + (bound - lower_bound) * share
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def reconcile_buckets(ports: list[int]) -> list[tuple[float, float]]:
+    summed: dict[float, float] = {}
+    for port in ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("rlfleet_operator_reconcile_seconds_bucket"):
+                    le = line.split('le="', 1)[1].split('"', 1)[0]
+                    bound = float("inf") if le == "+Inf" else float(le)
+                    summed[bound] = summed.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    return sorted(summed.items())
+
+
+def minus(after: list[tuple[float, float]], before: list[tuple[float, float]]):
+    earlier = dict(before)
+    return [(bound, count - earlier.get(bound, 0.0)) for bound, count in after]
+
+
+class Bench:
+    def __init__(self, fleet: Fleet, namespace: str, traffic: TrafficServer) -> None:
+        self.fleet, self.ns, self.traffic = fleet, namespace, traffic
+
+    def items(self, cluster: str, *what: str) -> list[dict]:
+        out = self.fleet.kubectl(cluster, "-n", self.ns, "get", *what, "-o", "json")
+        return json.loads(out)["items"]
+
+    def apply(self, cluster: str, document: dict) -> None:
+        self.fleet.kubectl(cluster, "-n", self.ns, "apply", "-f", "-", stdin=json.dumps(document))
+
+    def running(self, cluster: str, selector: str) -> int:
+        return sum(
+            1
+            for p in self.items(cluster, "pods", "-l", selector)
+            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+        )
+
+    def pool(self, region: str, name: str, replicas: int, gpus: int) -> None:
+        self.apply(region, serving_deployment(name, replicas, gpus))
+        document = yaml.safe_load((ROOT / "examples" / "inferencepool.yaml").read_text())
+        document["metadata"]["name"] = name
+        spec = document["spec"]
+        spec["serving"] |= {"deploymentName": name, "replicas": replicas, "gpusPerReplica": gpus}
+        spec["traffic"]["metricsUrl"] = self.traffic.url(f"{region}-{name}")
+        spec["reclaimDeadlineSeconds"] = RECLAIM_DEADLINE_S
+        self.traffic.load[f"{region}-{name}"] = 0.0
+        self.apply(region, document)
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-operator-") as state:
+        bed = Bed(Path(state) / "bed", attached=True)
+        info = bed.start()
+        namespace = f"bench-{uuid.uuid4().hex[:6]}"
+        fleet = Fleet(info, Path(state), [namespace], REGIONS)
+        fleet.values = {"resyncSeconds": 1, "regionTimeoutSeconds": 10}
+        traffic = TrafficServer()
+        try:
+            for cluster in [HUB, *REGIONS]:
+                fleet.kubectl(cluster, "apply", "--server-side", "-f", str(ROOT / "crds"))
+                fleet.kubectl(cluster, "create", "namespace", namespace)
+            fleet.setup()
+            bench = Bench(fleet, namespace, traffic)
+            for region in REGIONS:
+                fleet.kubectl(region, "apply", "-f", "-", stdin=json.dumps(GVISOR))
+                bench.pool(region, "chat-prod", replicas=4, gpus=8)
+            fleet.start_all()
+            result = measure(bench, fleet)
+        finally:
+            fleet.stop()
+            traffic.close()
+            bed.stop()
+    print(json.dumps({"bench": "operator", **result}))
+
+
+def measure(bench: Bench, fleet: Fleet) -> dict:
+    run = "tiny-moe-arith"
+    selector = f"rlfleet.io/run={run},rlfleet.io/component=rollout"
+    lent = {"region-a": 2, "region-b": 2, "region-c": 1}
+    started = time.monotonic()
+    fleet.kubectl(HUB, "-n", bench.ns, "apply", "-f", str(ROOT / "examples" / "rlrun.yaml"))
+    wait(lambda: all(bench.running(r, selector) == n for r, n in lent.items()), interval=0.05)
+    apply_to_running = time.monotonic() - started
+
+    bench.traffic.load["region-b-chat-prod"] = 200.0
+    reclaim = wait(
+        lambda: (
+            bench.running("region-b", "app=chat-prod") == 4
+            and bench.running("region-b", selector) == 0
+        ),
+        interval=0.05,
+    )
+    bench.traffic.load["region-b-chat-prod"] = 0.0
+
+    # Scale: 12 pools (the three above and three more per region) and 50 runs.
+    for region in REGIONS:
+        for index in range(1, POOLS_PER_REGION):
+            bench.pool(region, f"batch-{index}", replicas=2, gpus=1)
+    example = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())
+    for index in range(1, RUNS):
+        document = json.loads(json.dumps(example))
+        document["metadata"]["name"] = f"run-{index:02d}"
+        for demand in document["spec"]["rollout"]["regions"]:
+            demand |= {"minGpus": 0, "maxGpus": 2, "inferencePools": [f"batch-{1 + index % 3}"]}
+        bench.apply(HUB, document)
+    names = [run] + [f"run-{i:02d}" for i in range(1, RUNS)]
+    wait(
+        lambda: (
+            all(
+                (r.get("status") or {}).get("observedGeneration") == r["metadata"]["generation"]
+                for r in bench.items(HUB, "rlruns")
+            )
+            and len(bench.items(HUB, "rlruns")) == RUNS
+        ),
+        timeout=600,
+        interval=1.0,
+    )
+    time.sleep(10)  # settle: every object reconciled a few times at this scale
+    ports = list(fleet.metrics_ports.values())
+    before = reconcile_buckets(ports)
+    changed_at = {}
+    for name in names:
+        patch = {"spec": {"maxStaleness": 3}}
+        fleet.kubectl(
+            HUB, "-n", bench.ns, "patch", "rlrun", name, "--type=merge", "-p", json.dumps(patch)
+        )
+        changed_at[name] = time.monotonic()
+    seen: dict[str, float] = {}
+    deadline = time.monotonic() + 300
+    while len(seen) < len(names) and time.monotonic() < deadline:
+        for item in bench.items(HUB, "rlruns"):
+            name = item["metadata"]["name"]
+            if (
+                name not in seen
+                and (item.get("status") or {}).get("observedGeneration")
+                == item["metadata"]["generation"]
+            ):
+                seen[name] = time.monotonic() - changed_at[name]
+        time.sleep(0.2)
+    time.sleep(10)
+    window = minus(reconcile_buckets(ports), before)
+    lags = sorted(seen.values())
+    return {
+        "apply_to_running_seconds": round(apply_to_running, 2),
+        "reclaim_seconds": round(reclaim, 2),
+        "reclaim_deadline_seconds": RECLAIM_DEADLINE_S,
+        "runs": RUNS,
+        "inference_pools": POOLS_PER_REGION * len(REGIONS),
+        "reconciles_measured": int(window[-1][1]),
+        "reconcile_p50_seconds": round(quantile_from_histogram(window, 0.5), 4),
+        "reconcile_p99_seconds": round(quantile_from_histogram(window, 0.99), 4),
+        "spec_to_status_p50_seconds": round(statistics.median(lags), 3),
+        "spec_to_status_p99_seconds": round(lags[min(len(lags) - 1, int(0.99 * len(lags)))], 3),
+        "status_missing": len(names) - len(seen),
+    }
+
+
+if __name__ == "__main__":
+    main()
