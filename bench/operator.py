@@ -111,7 +111,7 @@ def main() -> None:
         info = bed.start()
         namespace = f"bench-{uuid.uuid4().hex[:6]}"
         fleet = Fleet(info, Path(state), [namespace], REGIONS)
-        fleet.values = {"resyncSeconds": 1, "regionTimeoutSeconds": 10}
+        fleet.values = {"regionTimeoutSeconds": 10}  # the chart's default resync: 2 s
         traffic = TrafficServer()
         try:
             for cluster in [HUB, *REGIONS]:

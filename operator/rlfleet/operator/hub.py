@@ -73,6 +73,8 @@ class Hub:
 
     def _forget(self, run: dict, region: str) -> bool:
         """Deletes the run's mirror in a region; False if the region could not be reached."""
+        if region not in self.regions.access:
+            return True  # never configured, so the hub never mirrored anything there
         try:
             self.regions.client(region).delete(_mirror_ref(run))
         except (RegionCredentials, Unreachable):

@@ -92,17 +92,24 @@ class Region:
         self.local.apply(spec_config_map(run))
         demand = self._demand(run)
         pools = self.local.list(Ref(API_VERSION, "InferencePool", namespace=namespace))
+        pods = _running(
+            self.local.list(
+                Ref("v1", "Pod", namespace=namespace),
+                _selector({RUN_LABEL: name, COMPONENT_LABEL: "rollout"}),
+            )
+        )
         lent = running = 0
         for pool in pools:
             gpus = pool["spec"]["serving"]["gpusPerReplica"]
             for entry in (pool.get("status") or {}).get("lent", []):
                 if entry["run"] == name:
                     lent += entry["replicas"] * gpus
-            pods = self.local.list(
-                Ref("v1", "Pod", namespace=namespace),
-                _selector({RUN_LABEL: name, POOL_LABEL: pool["metadata"]["name"]}),
-            )
-            running += len(_running(pods)) * gpus
+            here = [
+                p
+                for p in pods
+                if p["metadata"]["labels"].get(POOL_LABEL) == pool["metadata"]["name"]
+            ]
+            running += len(here) * gpus
         entry = {
             "name": self.name,
             "requested": demand.max_gpus if demand else 0,
