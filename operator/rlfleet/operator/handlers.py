@@ -84,9 +84,16 @@ def _level_driven(resource: dict, interval: float, **filters) -> Callable:
             kopf.on.resume(**resource, **filters),
             kopf.on.create(**resource, **filters),
             kopf.on.update(**resource, **filters, field="spec"),
-            kopf.timer(**resource, **filters, interval=interval),
         ):
             handler = decorator(handler)
+
+        def resync(**kwargs) -> None:
+            handler(resync=True, **kwargs)
+
+        timer = kopf.timer(
+            **resource, **filters, interval=interval, id=f"{handler.__name__}-resync"
+        )
+        timer(resync)
         return handler
 
     return register
@@ -99,11 +106,13 @@ def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -
     runs, own = _kind(registry, "rlruns"), {"labels": {ORIGIN_LABEL: kopf.ABSENT}}
 
     @_level_driven(runs, config.resync_seconds, **own)
-    def reconcile_run(body: kopf.Body, namespace: str, name: str, uid: str, **_) -> None:
+    def reconcile_run(
+        body: kopf.Body, namespace: str, name: str, uid: str, resync: bool = False, **_
+    ) -> None:
         if body.metadata.get("deletionTimestamp"):
             return
         with locks.of(uid), telemetry.reconciling("RLRun", namespace, name):
-            outcome = hub.reconcile(dict(body))
+            outcome = hub.reconcile(dict(body), resync)
             local.merge_patch(Ref.of(dict(body)), {"status": outcome.status}, subresource="status")
         for entry in outcome.status["regions"]:
             telemetry.REGION_REACHABLE.labels(namespace, name, entry["name"]).set(
@@ -129,17 +138,20 @@ def _region(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube
 
     @_level_driven(_kind(registry, "inferencepools"), every)
     def reconcile_pool(body: kopf.Body, namespace: str, name: str, uid: str, **_) -> None:
+        # Traffic and pods change without a spec change: a resync decides afresh too.
         with locks.of(uid), telemetry.reconciling("InferencePool", namespace, name):
             events, lent_gpus = region.reconcile_pool(dict(body))
         telemetry.GPUS_LENT.labels(namespace, name).set(lent_gpus)
         _post(body, events)
 
     @_level_driven(_kind(registry, "rlruns"), every, labels={ORIGIN_LABEL: kopf.PRESENT})
-    def report_run(body: kopf.Body, namespace: str, name: str, uid: str, **_) -> None:
+    def report_run(
+        body: kopf.Body, namespace: str, name: str, uid: str, resync: bool = False, **_
+    ) -> None:
         if body.metadata.get("deletionTimestamp"):
             return
         with locks.of(uid), telemetry.reconciling("RLRun", namespace, name):
-            region.report_run(dict(body))
+            region.report_run(dict(body), resync)
 
     @_level_driven(_kind(registry, "envpools"), every)
     def reconcile_envpool(body: kopf.Body, namespace: str, name: str, uid: str, **_) -> None:

@@ -50,11 +50,13 @@ class Hub:
         self.regions = regions
         self.config = config
 
-    def _report(self, run: dict, region: str, previous: dict) -> RegionReport:
+    def _report(self, run: dict, region: str, previous: dict, resync: bool) -> RegionReport:
         try:
             kube = self.regions.client(region)
-            kube.apply(mirror(run, self.config.cluster))
-            found = kube.get(_mirror_ref(run)) or {}
+            # A resync reads the mirror; it writes only what is missing or was out of reach.
+            found = kube.get(_mirror_ref(run)) if resync and previous.get("reachable") else None
+            if found is None:
+                found = kube.apply(mirror(run, self.config.cluster))
         except RegionCredentials as error:
             return RegionReport(region, False, previous, str(error), credentials=True)
         except ApiException as error:
@@ -81,21 +83,26 @@ class Hub:
             return False
         return True
 
-    def reconcile(self, run: dict) -> Outcome:
+    def reconcile(self, run: dict, resync: bool = False) -> Outcome:
+        """The run's new status and events. `resync` (the timer) re-reads the world but
+        writes only what is missing; a change or a start applies everything."""
         spec = RLRunSpec.model_validate(run["spec"])
         meta, old = run["metadata"], run.get("status") or {}
         generation = meta.get("generation", 0)
-        for manifest in trainer_objects(run, self.config.images.trainer):
-            self.local.apply(manifest)
-        trainer = self.local.get(
-            Ref("apps/v1", "StatefulSet", f"{meta['name']}-trainer", meta["namespace"])
-        )
+        trainer_ref = Ref("apps/v1", "StatefulSet", f"{meta['name']}-trainer", meta["namespace"])
+        trainer = self.local.get(trainer_ref) if resync else None
+        if trainer is None:
+            for manifest in trainer_objects(run, self.config.images.trainer):
+                self.local.apply(manifest)
+            trainer = self.local.get(trainer_ref)
         ready = (trainer or {}).get("status", {}).get("readyReplicas", 0)
 
         events: list[Event] = []
         previous = {e["name"]: e for e in old.get("regions", [])}
         wanted = [r.name for r in spec.rollout.regions]
-        reports = [self._report(run, name, previous.get(name, {"name": name})) for name in wanted]
+        reports = [
+            self._report(run, name, previous.get(name, {"name": name}), resync) for name in wanted
+        ]
         # Regions dropped from the spec lose their mirror; one not answering is retried.
         leftover = [n for n in previous if n not in wanted and not self._forget(run, n)]
         entries, lost, refused = [], [], []

@@ -85,11 +85,13 @@ class Region:
             active=not spec.suspend and not run["metadata"].get("deletionTimestamp"),
         )
 
-    def report_run(self, run: dict) -> None:
-        """Writes the region's part of a mirrored run's status, read by the hub."""
+    def report_run(self, run: dict, resync: bool = False) -> None:
+        """Writes the region's part of a mirrored run's status, read by the hub; on a
+        change (not a `resync`) also the run's spec for its pods."""
         meta = run["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        self.local.apply(spec_config_map(run))
+        if not resync:
+            self.local.apply(spec_config_map(run))
         demand = self._demand(run)
         pools = self.local.list(Ref(API_VERSION, "InferencePool", namespace=namespace))
         pods = _running(
