@@ -148,9 +148,8 @@ class Region:
         if serving is None:
             message = f"Deployment {namespace}/{spec.serving.deployment_name} does not exist"
             ready = condition(conditions, "Ready", False, "ServingNotFound", message, generation)
-            if ready["lastTransitionTime"] != next(
-                (c["lastTransitionTime"] for c in conditions if c["type"] == "Ready"), None
-            ):
+            was = next((c for c in conditions if c["type"] == "Ready"), {})
+            if was.get("reason") != "ServingNotFound":  # tell once, not every resync
                 events.append(Event("Warning", "ServingNotFound", message))
             self.local.merge_patch(ref, {"status": {"conditions": [ready]}}, "status")
             return events, 0
