@@ -8,16 +8,20 @@ kubeconfig Secret, and finally the run deleted from all four clusters.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 
+import nats
 import pytest
 import yaml
 from conftest import ROOT, wait_for
 
+from rlfleet.api.streams import step_stream
+from rlfleet.api.wire import StepReport, encode, step_subject, task_stream, trajectory_stream
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import (
     GVISOR,
@@ -320,6 +324,95 @@ def test_the_chart_upgrades_cleanly_and_rejects_bad_values(world: World) -> None
         world.fleet.kubectl("region-a", "get", "crd", "rlruns.rlfleet.io", "-o", "json")
     )
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+def on_hub_nats(world: World, work) -> object:
+    async def connected():
+        hub = world.fleet.bed.nats.hub
+        nc = await nats.connect(hub.url, user=hub.user, password=hub.password)
+        try:
+            return await work(nc)
+        finally:
+            await nc.close()
+
+    return asyncio.run(connected())
+
+
+def step_report(step: int, dropped_stale: int) -> StepReport:
+    return StepReport(
+        run=RUN,
+        step=step,
+        policy_version=step,
+        trajectories=["g1/0", "g1/1"],
+        groups=1,
+        tokens=96,
+        reward_mean=0.5,
+        loss=0.1,
+        staleness_mean=0.5,
+        staleness_max=1,
+        mismatch_mean_abs=0.0,
+        mismatch_max_abs=0.0,
+        mismatch_kl=0.0,
+        clipped_fraction=0.0,
+        dropped_stale_total=dropped_stale,
+        rejected_total=0,
+        step_seconds=1.0,
+        finished_at=time.time(),
+        weight_bytes=12345,
+        weight_seconds=0.25,
+    )
+
+
+def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: World) -> None:
+    async def streams(nc) -> tuple[list[str], dict[str, str]]:
+        hub = nc.jetstream()
+        names = [trajectory_stream(RUN), task_stream(RUN), step_stream(RUN), f"WEIGHTS-{RUN}"]
+        made = [(await hub.stream_info(name)).config.name for name in names]
+        mirrors = {}
+        for region in REGIONS:
+            info = await nc.jetstream(domain=region).stream_info(f"WEIGHTS-{RUN}")
+            mirrors[region] = info.config.mirror.name
+        return made, mirrors
+
+    made, mirrors = on_hub_nats(world, streams)
+    assert len(made) == 4
+    assert mirrors == {r: f"WEIGHTS-{RUN}" for r in REGIONS}
+
+    def publish(report: StepReport):
+        # What the trainer publishes after each durable step.
+        return lambda nc: nc.jetstream().publish(step_subject(RUN), encode(report))
+
+    on_hub_nats(world, publish(step_report(7, dropped_stale=3)))
+    wait_for("policy version 7", lambda: world.run_status().get("policyVersion") == 7)
+    status = world.run_status()
+    assert status["trainerStep"] == 7 and status["staleness"] == 1
+    assert status["trajectoriesDroppedStale"] == 3
+    sync = status["lastWeightSync"]
+    assert (sync["version"], sync["bytes"], sync["seconds"]) == (7, 12345, 0.25)
+    assert world.condition("WeightSyncStalled")["status"] == "False"
+    dropped = [e for e in world.events(HUB, RUN) if e["reason"] == "StalenessBoundExceeded"]
+    assert dropped and dropped[0]["message"].startswith("3 trajectories arrived more than")
+    row = world.fleet.kubectl(HUB, "-n", world.ns, "get", "rlrun", RUN).splitlines()[1].split()
+    assert row[2:4] == ["7", "1"]  # VERSION, STALENESS
+
+    def stall_after(seconds: int) -> None:
+        patch = {"spec": {"weightSync": {"stallSeconds": seconds}}}
+        world.fleet.kubectl(
+            HUB, "-n", world.ns, "patch", "rlrun", RUN, "--type=merge", "-p", json.dumps(patch)
+        )
+
+    stall_after(2)
+    wait_for("stalled", lambda: world.condition("WeightSyncStalled").get("status") == "True")
+    assert world.condition("Ready")["status"] == "False"
+    stalled = [e for e in world.events(HUB, RUN) if e["reason"] == "WeightSyncStalled"]
+    assert stalled and "version 7 published at" in stalled[0]["message"]
+    stall_after(900)
+    on_hub_nats(world, publish(step_report(8, dropped_stale=3)))
+    wait_for("policy version 8", lambda: world.run_status().get("policyVersion") == 8)
+    wait_for("flowing", lambda: world.condition("WeightSyncStalled").get("status") == "False")
+    wait_for("Ready again", lambda: world.condition("Ready").get("status") == "True")
+    # No new drops, no new warning.
+    assert len([e for e in world.events(HUB, RUN) if e["reason"] == "StalenessBoundExceeded"]) == 1
 
 
 def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:

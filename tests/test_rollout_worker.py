@@ -22,6 +22,7 @@ import torch
 from rollout_scripts import ABUSE, HAPPY, SUMMARY, SUMMARY_TASK
 from transformers import AutoTokenizer
 
+from rlfleet.api.streams import ensure_stream, task_stream_config, trajectory_stream_config
 from rlfleet.api.wire import (
     TaskMessage,
     Trajectory,
@@ -34,10 +35,8 @@ from rlfleet.api.wire import (
 from rlfleet.models.tiny import init_model, read_weights
 from rlfleet.rollout.session import SUMMARY_HEADER
 from rlfleet.rollout.tasks import SUITES, load_suite
-from rlfleet.rollout.worker import ensure_task_stream
 from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.testbed.processes import free_port
-from rlfleet.trainer.loop import ensure_trajectory_stream
 from rlfleet.trainer.validation import ModelShape, problem
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 
@@ -83,8 +82,8 @@ class WorkerUnderTest:
         self.loop = asyncio.new_event_loop()
         self.nc = self.loop.run_until_complete(nats.connect(self.hub_url))
         self.js = self.nc.jetstream(domain=HUB_DOMAIN)
-        self.loop.run_until_complete(ensure_trajectory_stream(self.js, self.run))
-        self.loop.run_until_complete(ensure_task_stream(self.js, self.run))
+        self.loop.run_until_complete(ensure_stream(self.js, trajectory_stream_config(self.run)))
+        self.loop.run_until_complete(ensure_stream(self.js, task_stream_config(self.run)))
         self.trajectories = self.loop.run_until_complete(
             self.js.pull_subscribe(trajectory_subject(self.run), stream=trajectory_stream(self.run))
         )

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from rlfleet.api.streams import ensure_stream, trajectory_stream_config
 from rlfleet.api.wire import Segment, Trajectory, encode_trajectory, trajectory_subject
 from rlfleet.models.tiny import init_model
 from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.testbed.processes import run_in_session
-from rlfleet.trainer.loop import ensure_trajectory_stream
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
@@ -76,7 +76,7 @@ async def publish(url: str, run: str, payloads: list[bytes]) -> None:
     nc = await nats.connect(url)
     try:
         js = nc.jetstream(domain=HUB_DOMAIN)
-        await ensure_trajectory_stream(js, run)
+        await ensure_stream(js, trajectory_stream_config(run))
         for payload in payloads:
             await js.publish(trajectory_subject(run), payload)
     finally:

@@ -105,7 +105,10 @@ class WeightSyncSpec(ApiModel):
     snapshot_interval: Annotated[
         int, Field(ge=1, le=10000, description="A full snapshot every N versions.")
     ] = 20
-    shard_size_mib: Annotated[int, Field(ge=1, le=4096)] = 64
+    shard_size_mib: Annotated[
+        int,
+        Field(ge=1, le=12, description="Encoded shards stay below this; four are fetched at once."),
+    ] = 8
     endpoints: Annotated[
         list[NatsEndpoint],
         Field(
@@ -247,6 +250,7 @@ class RLRunStatus(ApiModel):
     policy_version: Count | None = None
     trainer_step: Count | None = None
     staleness: Count | None = None
+    trajectories_dropped_stale: Count | None = None
     trainer_replicas: Count | None = None
     gpus_lent: Count | None = None
     gpus_running: Count | None = None

@@ -201,6 +201,10 @@ class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
     rejected_total: int
     step_seconds: float
     finished_at: float
+    # The version this step made, as weightsync shipped it: encoded bytes of what a
+    # receiver holding the previous version fetches, and the seconds publishing took.
+    weight_bytes: int = 0
+    weight_seconds: float = 0.0
 
 
 def decode_task_message(data: bytes) -> TaskMessage:

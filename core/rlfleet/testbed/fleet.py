@@ -28,6 +28,7 @@ from rlfleet.testbed.processes import Supervisor, free_port
 CHART = Path(__file__).resolve().parents[3] / "helm" / "rlfleet"
 RELEASE = "rlfleet"
 RELEASE_NAMESPACE = "rlfleet-system"
+NATS_SECRET = "rlfleet-nats"  # the hub operator's NATS user
 HUB = "hub"
 
 
@@ -217,6 +218,7 @@ class Fleet:
             values["regions"] = [
                 {"name": r, "kubeconfigSecret": f"rlfleet-region-{r}"} for r in self.regions
             ]
+            values["nats"] = {"url": self.bed.nats.hub.url, "credentialsSecret": NATS_SECRET}
         return values | self.values
 
     def install(self, cluster: str, **extra_values) -> subprocess.CompletedProcess[str]:
@@ -273,6 +275,22 @@ class Fleet:
             result = self.install(cluster)
             if result.returncode != 0:
                 raise RuntimeError(f"helm install in {cluster}: {result.stderr}")
+        hub_nats = self.bed.nats.hub
+        credentials = {"user": hub_nats.user, "password": hub_nats.password}
+        self.kubectl(
+            HUB,
+            "apply",
+            "-f",
+            "-",
+            stdin=json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "metadata": {"name": NATS_SECRET, "namespace": RELEASE_NAMESPACE},
+                    "stringData": credentials,
+                }
+            ),
+        )
         for region in self.regions:
             self.links[region] = Link(self._server(region)[0])
             self.region_secret(

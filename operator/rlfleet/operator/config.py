@@ -30,6 +30,17 @@ class Images(BaseModel):
     rollout: str = "ghcr.io/rlfleet/rollout:0.1.0"
 
 
+class NatsAccess(BaseModel):
+    """The hub's NATS server: the hub makes each run's streams there and reads its progress."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: Annotated[str, Field(pattern=r"^(nats|tls)://")]
+    domain: Name = "hub"  # the hub's JetStream domain; a region's domain is its name
+    # A Secret in the operator's namespace with keys `user` and `password`; none: anonymous.
+    credentials_secret: str | None = None
+
+
 class OperatorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -39,6 +50,7 @@ class OperatorConfig(BaseModel):
     watch_namespaces: list[str] = Field(default_factory=list)  # empty: every namespace
     regions: list[RegionAccess] = Field(default_factory=list)
     images: Images = Images()
+    nats: NatsAccess | None = None  # hub only; without it, no streams and no progress
     resync_seconds: Annotated[float, Field(gt=0, le=3600)] = 2.0
     region_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] = 30.0
     call_timeout_seconds: Annotated[float, Field(gt=0, le=300)] = 3.0

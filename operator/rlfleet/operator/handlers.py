@@ -7,6 +7,7 @@ spec changes; a lock per object keeps a timer and a change from running it twice
 
 from __future__ import annotations
 
+import base64
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -16,6 +17,7 @@ import kopf
 from rlfleet.api.meta import GROUP, VERSION
 from rlfleet.operator import telemetry
 from rlfleet.operator.config import OperatorConfig
+from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable
 from rlfleet.operator.hub import Hub
 from rlfleet.operator.kube import Kube, Ref
 from rlfleet.operator.region import Region
@@ -99,8 +101,27 @@ def _level_driven(resource: dict, interval: float, **filters) -> Callable:
     return register
 
 
+def _dataplane(config: OperatorConfig, local: Kube) -> DataPlane | None:
+    access = config.nats
+    if access is None:
+        return None
+
+    def credentials() -> tuple[str | None, str | None]:
+        if access.credentials_secret is None:
+            return None, None
+        ref = Ref("v1", "Secret", access.credentials_secret, config.namespace)
+        data = (local.get(ref) or {}).get("data") or {}
+        if "user" not in data or "password" not in data:
+            raise DataPlaneUnavailable(
+                f"Secret {config.namespace}/{access.credentials_secret} needs keys user, password"
+            )
+        return tuple(base64.b64decode(data[k]).decode() for k in ("user", "password"))
+
+    return DataPlane(access.url, credentials, access.domain, config.call_timeout_seconds)
+
+
 def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -> None:
-    hub = Hub(local, RegionClients(local, config), config)
+    hub = Hub(local, RegionClients(local, config), config, _dataplane(config, local))
     locks = _Locks()
     # The hub's own runs; mirrors (labelled with an origin) belong to a region's operator.
     runs, own = _kind(registry, "rlruns"), {"labels": {ORIGIN_LABEL: kopf.ABSENT}}
@@ -113,7 +134,7 @@ def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -
             return
         with locks.of(uid), telemetry.reconciling("RLRun", namespace, name):
             outcome = hub.reconcile(dict(body), resync)
-            local.merge_patch(Ref.of(dict(body)), {"status": outcome.status}, subresource="status")
+            local.write_status(dict(body), outcome.status)
         for entry in outcome.status["regions"]:
             telemetry.REGION_REACHABLE.labels(namespace, name, entry["name"]).set(
                 1 if entry.get("reachable") else 0

@@ -11,17 +11,27 @@ updates it in place rather than making another.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from kubernetes.client.exceptions import ApiException
 
 from rlfleet.api.meta import API_VERSION
 from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.operator import progress
 from rlfleet.operator.config import OperatorConfig
+from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable
 from rlfleet.operator.kube import Kube, Ref, Unreachable
 from rlfleet.operator.regions import RegionClients, RegionCredentials
 from rlfleet.operator.status import Event, condition, now, parse_time, timestamp
 from rlfleet.operator.workloads import mirror, trainer_objects
+
+log = logging.getLogger(__name__)
+
+# While a region answers, its lastSeen is rewritten at most this often: a resync that
+# learns nothing new then writes nothing. Silence is timed from the last answer in memory.
+LAST_SEEN_REFRESH_S = 60
 
 
 @dataclass
@@ -45,10 +55,19 @@ def _mirror_ref(run: dict) -> Ref:
 
 
 class Hub:
-    def __init__(self, local: Kube, regions: RegionClients, config: OperatorConfig) -> None:
+    def __init__(
+        self,
+        local: Kube,
+        regions: RegionClients,
+        config: OperatorConfig,
+        dataplane: DataPlane | None = None,
+    ) -> None:
         self.local = local
         self.regions = regions
         self.config = config
+        self.dataplane = dataplane
+        self._streams: set[tuple[str, int]] = set()  # (run uid, generation) whose streams exist
+        self._answered: dict[tuple[str, str], datetime] = {}  # (run uid, region) -> last answer
 
     def _report(self, run: dict, region: str, previous: dict, resync: bool) -> RegionReport:
         try:
@@ -71,7 +90,38 @@ class Hub:
             {},
         )
         entry = {"requested": 0, "lent": 0, "running": 0} | reported
-        return RegionReport(region, True, entry | {"name": region, "lastSeen": timestamp()})
+        self._answered[(run["metadata"]["uid"], region)] = moment = now()
+        seen = parse_time(previous.get("lastSeen"))
+        recent = seen and (moment - seen).total_seconds() < LAST_SEEN_REFRESH_S
+        last_seen = previous["lastSeen"] if recent and previous.get("reachable") else timestamp()
+        return RegionReport(region, True, entry | {"name": region, "lastSeen": last_seen})
+
+    def _progress(
+        self, run: dict, spec: RLRunSpec, training: bool, events: list[Event]
+    ) -> progress.Progress | None:
+        """Makes the run's streams once per generation and folds its trainer's newest step
+        report; None when there is no NATS to ask or it does not answer."""
+        if self.dataplane is None:
+            return None
+        meta, old = run["metadata"], run.get("status") or {}
+        name, key = meta["name"], (meta["uid"], meta.get("generation", 0))
+        try:
+            if key not in self._streams:
+                regions = [r.name for r in spec.rollout.regions]
+                if not self.dataplane.ensure_streams(name, regions):
+                    self._streams.add(key)
+            report = self.dataplane.last_step(name)
+        except DataPlaneUnavailable as error:
+            log.warning("run %s/%s: %s", meta["namespace"], name, error)
+            return None
+        was = next((c for c in old.get("conditions", []) if c["type"] == "Training"), {})
+        since = parse_time(was.get("lastTransitionTime")) if was.get("status") == "True" else None
+        moment = now()
+        found = progress.fold(
+            report, spec, old, (since or moment) if training else None, moment, key[1]
+        )
+        events += found.events
+        return found
 
     def _forget(self, run: dict, region: str) -> bool:
         """Deletes the run's mirror in a region; False if the region could not be reached."""
@@ -116,9 +166,13 @@ class Hub:
                         Event("Normal", "RegionReachable", f"region {report.name} answers again")
                     )
             else:
-                last_seen = parse_time(entry.get("lastSeen")) or parse_time(
-                    meta.get("creationTimestamp")
+                last_seen = (
+                    self._answered.get((meta["uid"], report.name))
+                    or parse_time(entry.get("lastSeen"))
+                    or parse_time(meta.get("creationTimestamp"))
                 )
+                if last_seen:
+                    entry["lastSeen"] = timestamp(last_seen)
                 silent = (now() - last_seen).total_seconds() if last_seen else 0.0
                 if report.credentials:
                     refused.append(report)
@@ -153,6 +207,8 @@ class Hub:
 
         conditions = old.get("conditions", [])
         training = not spec.suspend and ready >= spec.trainer.replicas
+        found = self._progress(run, spec, training, events)
+        stalled = found is not None and found.stalled
         degraded_why = [f"{r.name} unreachable for {s:.0f}s" for r, s in lost] + [
             f"{r.name}: {r.problem}" for r in refused
         ]
@@ -198,7 +254,9 @@ class Hub:
                 generation,
             ),
         ]
-        healthy = training and not degraded and running > 0
+        if found is not None:
+            new_conditions.append(found.condition)
+        healthy = training and not degraded and running > 0 and not stalled
         new_conditions.insert(
             0,
             condition(
@@ -208,7 +266,11 @@ class Hub:
                 "Healthy" if healthy else "NotReady",
                 "training with rollouts in every region"
                 if healthy
-                else "; ".join(degraded or ["waiting for the trainer or rollout GPUs"]),
+                else "; ".join(
+                    degraded
+                    or (["no new policy version for stallSeconds"] if stalled else [])
+                    or ["waiting for the trainer or rollout GPUs"]
+                ),
                 generation,
             ),
         )
@@ -221,6 +283,7 @@ class Hub:
             "gpusLent": lent,
             "gpusRunning": running,
             "regions": entries,
+            **(found.fields if found is not None else {}),
         }
         return Outcome(status, events)
 
@@ -228,4 +291,6 @@ class Hub:
         """Deletes every mirror of the run; returns the regions that could not be reached."""
         named = {r["name"] for r in run["spec"]["rollout"]["regions"]}
         named |= {e["name"] for e in (run.get("status") or {}).get("regions", [])}
+        for region in named:
+            self._answered.pop((run["metadata"]["uid"], region), None)
         return sorted(region for region in named if not self._forget(run, region))

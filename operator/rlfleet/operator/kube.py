@@ -21,6 +21,7 @@ from opentelemetry import trace
 
 from rlfleet.api.meta import API_VERSION
 from rlfleet.api.schema import KINDS
+from rlfleet.operator.status import differs
 
 FIELD_MANAGER = "rlfleet-operator"
 _tracer = trace.get_tracer("rlfleet.operator")
@@ -157,6 +158,15 @@ class Kube:
         return self.request(
             "PATCH", ref.path(subresource), patch, content_type="application/merge-patch+json"
         )
+
+    def write_status(self, obj: dict, status: dict) -> bool:
+        """Merges `status` into the object's status unless it already says so; returns
+        whether it wrote. A resync that finds nothing new costs no write, and no watch
+        event for every operator and controller that watches the kind."""
+        if not differs(obj.get("status"), status):
+            return False
+        self.merge_patch(Ref.of(obj), {"status": status}, "status")
+        return True
 
     def delete(self, ref: Ref, grace_seconds: int | None = None) -> bool:
         """Deletes the object (its dependents in the background); False if it was gone."""

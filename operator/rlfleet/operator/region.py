@@ -117,7 +117,6 @@ class Region:
             "requested": demand.max_gpus if demand else 0,
             "lent": lent,
             "running": running,
-            "lastSeen": timestamp(),
         }
         status = {
             "observedGeneration": meta.get("generation", 0),
@@ -125,7 +124,7 @@ class Region:
             "gpusLent": lent,
             "gpusRunning": running,
         }
-        self.local.merge_patch(Ref.of(run), {"status": status}, "status")
+        self.local.write_status(run, status)
 
     # --- pools ------------------------------------------------------------------------
 
@@ -151,7 +150,7 @@ class Region:
             was = next((c for c in conditions if c["type"] == "Ready"), {})
             if was.get("reason") != "ServingNotFound":  # tell once, not every resync
                 events.append(Event("Warning", "ServingNotFound", message))
-            self.local.merge_patch(ref, {"status": {"conditions": [ready]}}, "status")
+            self.local.write_status(pool, {"conditions": [ready]})
             return events, 0
 
         try:
@@ -244,7 +243,7 @@ class Region:
                 ),
             ],
         }
-        self.local.merge_patch(ref, {"status": status}, "status")
+        self.local.write_status(pool, status)
         return events, decision.total * spec.serving.gpus_per_replica
 
     def _decision_events(
@@ -354,4 +353,4 @@ class Region:
             "busy": len(busy),
             "warming": len(pods) - len(ready) - len(busy),
         }
-        self.local.merge_patch(Ref.of(envpool), {"status": status}, "status")
+        self.local.write_status(envpool, status)

@@ -2,18 +2,22 @@
 
 A Secret that is missing or does not hold a usable kubeconfig is a `RegionCredentials`
 error the run's status and events report; the operator keeps going. A client is rebuilt
-when its Secret changes, so rotating credentials needs no restart.
+when its Secret changes, so rotating credentials needs no restart; the Secret is re-read
+at most every `SECRET_RECHECK_S`, not on every call (50 runs x 3 regions every resync).
 """
 
 from __future__ import annotations
 
 import base64
 import threading
+import time
 
 import yaml
 
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.kube import Kube, Ref
+
+SECRET_RECHECK_S = 10.0
 
 
 class RegionCredentials(Exception):
@@ -26,6 +30,7 @@ class RegionClients:
         self.config = config
         self.access = {region.name: region for region in config.regions}
         self._clients: dict[str, tuple[str, Kube]] = {}  # region -> (Secret version, client)
+        self._checked: dict[str, float] = {}  # region -> when its Secret was last read
         self._lock = threading.Lock()
 
     def client(self, region: str) -> Kube:
@@ -34,6 +39,10 @@ class RegionClients:
             raise RegionCredentials(
                 f"region {region} is not configured in the hub's values (regions[])"
             )
+        with self._lock:
+            cached = self._clients.get(region)
+            if cached and time.monotonic() - self._checked[region] < SECRET_RECHECK_S:
+                return cached[1]
         secret = self.local.get(
             Ref("v1", "Secret", access.kubeconfig_secret, self.config.namespace)
         )
@@ -46,6 +55,7 @@ class RegionClients:
         with self._lock:
             cached = self._clients.get(region)
             if cached and cached[0] == version:
+                self._checked[region] = time.monotonic()
                 return cached[1]
         encoded = (secret.get("data") or {}).get(access.kubeconfig_key)
         if not encoded:
@@ -63,4 +73,5 @@ class RegionClients:
             ) from error
         with self._lock:
             self._clients[region] = (version, kube)
+            self._checked[region] = time.monotonic()
         return kube

@@ -46,3 +46,9 @@ def condition(
 
 def is_true(conditions: list[dict], kind: str) -> bool:
     return any(c.get("type") == kind and c.get("status") == "True" for c in conditions)
+
+
+def differs(old: dict | None, new: dict) -> bool:
+    """Whether merging `new` into the status `old` would change it (None deletes a key)."""
+    old = old or {}
+    return any(old.get(key) != value for key, value in new.items())

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import msgspec
 import nats
-from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.api import AckPolicy, ConsumerConfig
 
+from rlfleet.api.streams import ensure_stream, task_stream_config
 from rlfleet.api.wire import (
     Task,
     Trajectory,
@@ -59,20 +59,6 @@ def make_llm(config: WorkerConfig):
         enable_prefix_caching=config.prefix_caching,
         **vllm_options(worker_extension=EXTENSION),
     )
-
-
-async def ensure_task_stream(js, run: str) -> None:
-    """The run's task queue: each task goes to exactly one worker; idempotent."""
-    config = StreamConfig(
-        name=task_stream(run),
-        subjects=[task_subject(run)],
-        retention=RetentionPolicy.WORK_QUEUE,
-        storage=StorageType.FILE,
-    )
-    try:
-        await js.add_stream(config)
-    except BadRequestError:
-        await js.update_stream(config)
 
 
 @dataclass(frozen=True)
@@ -133,7 +119,7 @@ class Worker:
         nc = await nats.connect(config.nats_url, max_reconnect_attempts=-1)
         try:
             js = nc.jetstream(domain=config.jetstream_domain)
-            await ensure_task_stream(js, config.run)
+            await ensure_stream(js, task_stream_config(config.run))
             queue = await js.pull_subscribe(
                 task_subject(config.run),
                 durable=CONSUMER,

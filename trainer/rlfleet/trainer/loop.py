@@ -19,9 +19,9 @@ import nats
 import prometheus_client
 import torch
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.api import AckPolicy, ConsumerConfig
 
+from rlfleet.api.streams import ensure_stream, step_stream_config, trajectory_stream_config
 from rlfleet.api.wire import (
     StepReport,
     Trajectory,
@@ -43,21 +43,6 @@ from rlfleet.weightsync import Publisher, WeightStream
 log = logging.getLogger(__name__)
 
 CONSUMER = "trainer"
-
-
-async def ensure_trajectory_stream(js, run: str) -> None:
-    """The run's trajectory stream (work-queue semantics come from acknowledgement); idempotent."""
-    config = StreamConfig(
-        name=trajectory_stream(run),
-        subjects=[trajectory_subject(run)],
-        storage=StorageType.FILE,
-        discard=DiscardPolicy.OLD,
-        max_msg_size=32 << 20,
-    )
-    try:
-        await js.add_stream(config)
-    except BadRequestError:
-        await js.update_stream(config)
 
 
 class Trainer:
@@ -86,7 +71,8 @@ class Trainer:
         nc = await nats.connect(config.nats_url, max_reconnect_attempts=-1)
         try:
             js = nc.jetstream(domain=config.jetstream_domain)
-            await ensure_trajectory_stream(js, config.run)
+            await ensure_stream(js, trajectory_stream_config(config.run))
+            await ensure_stream(js, step_stream_config(config.run))
             subscription = await js.pull_subscribe(
                 trajectory_subject(config.run),
                 durable=CONSUMER,
@@ -271,8 +257,11 @@ class Trainer:
         )
         self.consumed = set(seqs)
         self._append_log(record)
-        await self._publish_weights()
+        weight_bytes, weight_seconds = await self._publish_weights()
         await self._ack(seqs)
+        report = msgspec.structs.replace(
+            report, weight_bytes=weight_bytes, weight_seconds=round(weight_seconds, 3)
+        )
         await nc.publish(step_subject(self.config.run), encode(report))
         metrics.steps.inc()
         metrics.trajectories.labels("trained").inc(len(items))
@@ -293,7 +282,12 @@ class Trainer:
             report.step_seconds,
         )
 
-    async def _publish_weights(self) -> None:
+    async def _publish_weights(self) -> tuple[int, float]:
+        """Publishes the current version; returns the bytes a follower fetches for it (the
+        delta when there is one) and the seconds publishing took."""
+        started = time.perf_counter()
         tensors = await asyncio.to_thread(self.policy.weights)
-        await self.publisher.publish(tensors, self.version)
+        manifests = await self.publisher.publish(tensors, self.version)
         metrics.policy_version.set(self.version)
+        shipped = next((m for m in manifests if m.kind == "delta"), manifests[0])
+        return sum(s.size for s in shipped.shards), time.perf_counter() - started

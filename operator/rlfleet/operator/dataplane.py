@@ -1,0 +1,110 @@
+"""The hub's NATS, seen from the operator: each run's streams, and its trainer's progress.
+
+kopf runs our handlers in threads; nats-py is asyncio. One event loop on its own thread
+holds the one connection, and handlers submit to it with a timeout, so a NATS outage
+slows a reconcile by at most `timeout_s` and never blocks kopf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+
+from rlfleet.api.streams import ensure_stream, run_stream_configs, step_stream
+from rlfleet.api.wire import StepReport, decode_step_report, step_subject
+from rlfleet.weightsync import SyncConfig, WeightStream
+
+log = logging.getLogger(__name__)
+
+
+class DataPlaneUnavailable(Exception):
+    """NATS did not answer in time, or refused what was asked."""
+
+
+class DataPlane:
+    def __init__(
+        self,
+        url: str,
+        credentials: Callable[[], tuple[str | None, str | None]],
+        domain: str,
+        timeout_s: float,
+    ) -> None:
+        self.url = url
+        self.credentials = credentials  # (user, password), read when connecting
+        self.domain = domain  # the hub's JetStream domain, which region mirrors name
+        self.timeout_s = timeout_s
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="nats", daemon=True).start()
+        self._nc: nats.NATS | None = None
+        self._connecting = asyncio.Lock()
+
+    def _run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(self.timeout_s)
+        except TimeoutError as error:
+            future.cancel()
+            raise DataPlaneUnavailable(
+                f"NATS {self.url}: no answer in {self.timeout_s}s"
+            ) from error
+        except (nats.errors.Error, OSError) as error:
+            raise DataPlaneUnavailable(f"NATS {self.url}: {error}") from error
+
+    async def _client(self) -> nats.NATS:
+        async with self._connecting:
+            if self._nc is None or self._nc.is_closed:
+                user, password = self.credentials()
+                self._nc = await nats.connect(
+                    self.url,
+                    user=user,
+                    password=password,
+                    connect_timeout=self.timeout_s,
+                    max_reconnect_attempts=-1,
+                    name="rlfleet-operator",
+                )
+            return self._nc
+
+    def ensure_streams(self, run: str, regions: list[str]) -> list[str]:
+        """Creates the run's streams in the hub and a mirror of its weights in each region's
+        JetStream domain; returns the regions whose mirror could not be made yet."""
+        return self._run(self._ensure_streams(run, regions))
+
+    async def _ensure_streams(self, run: str, regions: list[str]) -> list[str]:
+        nc = await self._client()
+        js = nc.jetstream()
+        for config in run_stream_configs(run):
+            await ensure_stream(js, config)
+        # Only the chunk size shapes the stream; shard sizes are the trainer's choice.
+        await WeightStream(nc, run, SyncConfig()).create()
+        missing = []
+        for region in regions:
+            try:
+                await WeightStream(nc, run, SyncConfig(), domain=region).mirror(self.domain)
+            except (nats.errors.Error, TimeoutError) as error:
+                log.warning("weights mirror of run %s in region %s: %s", run, region, error)
+                missing.append(region)
+        return missing
+
+    def last_step(self, run: str) -> StepReport | None:
+        """The trainer's newest step report, None before its first step."""
+        return self._run(self._last_step(run))
+
+    async def _last_step(self, run: str) -> StepReport | None:
+        js = (await self._client()).jetstream()
+        try:
+            message = await js.get_last_msg(step_stream(run), step_subject(run), direct=True)
+        except (nats.js.errors.NotFoundError, nats.errors.NoRespondersError):
+            return None  # no step yet, or no stream yet
+        try:
+            return decode_step_report(message.data)
+        except msgspec.ValidationError as error:
+            log.warning("run %s: the newest step report is not one: %s", run, error)
+            return None

@@ -1,0 +1,117 @@
+"""How a trainer's step report becomes a run's status (a pure function): the progress
+fields, WeightSyncStalled and StalenessBoundExceeded."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import yaml
+from conftest import ROOT
+
+from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.api.wire import StepReport
+from rlfleet.operator.progress import fold
+
+NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
+SPEC = RLRunSpec.model_validate(
+    yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())["spec"]
+    | {"weightSync": {"stallSeconds": 300}, "maxStaleness": 2}
+)
+
+
+def report(version: int, age_s: float, dropped: int = 0) -> StepReport:
+    return StepReport(
+        run="r",
+        step=version,
+        policy_version=version,
+        trajectories=[],
+        groups=1,
+        tokens=10,
+        reward_mean=0.5,
+        loss=0.0,
+        staleness_mean=1.0,
+        staleness_max=2,
+        mismatch_mean_abs=0.0,
+        mismatch_max_abs=0.0,
+        mismatch_kl=0.0,
+        clipped_fraction=0.0,
+        dropped_stale_total=dropped,
+        rejected_total=0,
+        step_seconds=1.0,
+        finished_at=(NOW - timedelta(seconds=age_s)).timestamp(),
+        weight_bytes=1000,
+        weight_seconds=0.5,
+    )
+
+
+def stalled_condition(status: str) -> dict:
+    return {
+        "type": "WeightSyncStalled",
+        "status": status,
+        "reason": "x",
+        "message": "x",
+        "lastTransitionTime": "2026-11-21T11:00:00Z",
+    }
+
+
+def test_a_fresh_report_fills_the_status_and_is_not_stalled() -> None:
+    found = fold(report(7, age_s=10), SPEC, {}, NOW - timedelta(hours=1), NOW, 1)
+    assert found.fields["policyVersion"] == 7 and found.fields["staleness"] == 2
+    assert found.fields["lastWeightSync"] == {
+        "version": 7,
+        "bytes": 1000,
+        "seconds": 0.5,
+        "time": "2026-11-21T11:59:50Z",
+    }
+    assert not found.stalled and found.condition["status"] == "False"
+    assert found.events == []
+
+
+def test_no_version_for_stall_seconds_while_training_is_stalled_and_told_once() -> None:
+    found = fold(report(7, age_s=301), SPEC, {}, NOW - timedelta(hours=1), NOW, 1)
+    assert found.stalled and found.condition["reason"] == "NoNewVersion"
+    assert [e.reason for e in found.events] == ["WeightSyncStalled"]
+    assert "version 7 published at 2026-11-21T11:54:59Z" in found.events[0].message
+    again = fold(
+        report(7, age_s=400),
+        SPEC,
+        {"conditions": [stalled_condition("True")]},
+        NOW - timedelta(hours=1),
+        NOW,
+        1,
+    )
+    assert again.stalled and again.events == []
+
+
+def test_a_trainer_that_just_started_is_not_stalled_by_an_old_report() -> None:
+    # Resumed after a suspend: the last version is old, but training began a minute ago.
+    found = fold(report(7, age_s=3600), SPEC, {}, NOW - timedelta(seconds=60), NOW, 1)
+    assert not found.stalled
+    # Not training at all (suspended, trainer not ready): never stalled.
+    assert not fold(report(7, age_s=3600), SPEC, {}, None, NOW, 1).stalled
+    # Training with no report yet is timed from when training began.
+    assert fold(None, SPEC, {}, NOW - timedelta(seconds=301), NOW, 1).stalled
+
+
+def test_new_drops_beyond_the_staleness_bound_are_an_event_with_the_numbers() -> None:
+    old = {"trajectoriesDroppedStale": 4}
+    found = fold(report(9, age_s=1, dropped=7), SPEC, old, NOW, NOW, 1)
+    (event,) = found.events
+    assert event.reason == "StalenessBoundExceeded" and event.type == "Warning"
+    assert event.message.startswith("3 trajectories arrived more than maxStaleness 2 versions")
+    assert "7 in all" in event.message
+    assert fold(report(9, age_s=1, dropped=4), SPEC, old, NOW, NOW, 1).events == []
+
+
+def test_a_resync_that_learns_nothing_yields_the_same_condition() -> None:
+    same = report(7, age_s=10)
+    first = fold(same, SPEC, {}, NOW - timedelta(hours=1), NOW, 1)
+    later = fold(
+        same,
+        SPEC,
+        {"conditions": [first.condition]},
+        NOW - timedelta(hours=1),
+        NOW + timedelta(seconds=60),
+        1,
+    )
+    assert later.condition == first.condition
