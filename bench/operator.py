@@ -58,21 +58,30 @@ def quantile_from_histogram(buckets: list[tuple[float, float]], q: float) -> flo
     return lower_bound
 
 
-def reconcile_buckets(ports: list[int]) -> list[tuple[float, float]]:
-    summed: dict[float, float] = {}
-    for port in ports:
+def reconcile_buckets(ports: dict[str, int]) -> dict[str, list[tuple[float, float]]]:
+    """Cumulative buckets per "<role> <kind>" (hub or region), and "all"."""
+    summed: dict[str, dict[float, float]] = {}
+    for cluster, port in ports.items():
+        role = "hub" if cluster == HUB else "region"
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
             for line in response.read().decode().splitlines():
                 if line.startswith("rlfleet_operator_reconcile_seconds_bucket"):
+                    kind = line.split('kind="', 1)[1].split('"', 1)[0]
                     le = line.split('le="', 1)[1].split('"', 1)[0]
                     bound = float("inf") if le == "+Inf" else float(le)
-                    summed[bound] = summed.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
-    return sorted(summed.items())
+                    count = float(line.rsplit(" ", 1)[1])
+                    for key in (f"{role} {kind}", "all"):
+                        buckets = summed.setdefault(key, {})
+                        buckets[bound] = buckets.get(bound, 0.0) + count
+    return {key: sorted(buckets.items()) for key, buckets in summed.items()}
 
 
-def minus(after: list[tuple[float, float]], before: list[tuple[float, float]]):
-    earlier = dict(before)
-    return [(bound, count - earlier.get(bound, 0.0)) for bound, count in after]
+def minus(after: dict, before: dict) -> dict:
+    windows = {}
+    for key, buckets in after.items():
+        earlier = dict(before.get(key, []))
+        windows[key] = [(bound, count - earlier.get(bound, 0.0)) for bound, count in buckets]
+    return windows
 
 
 class Bench:
@@ -174,7 +183,7 @@ def measure(bench: Bench, fleet: Fleet) -> dict:
         interval=1.0,
     )
     time.sleep(10)  # settle: every object reconciled a few times at this scale
-    ports = list(fleet.metrics_ports.values())
+    ports = dict(fleet.metrics_ports)
     before = reconcile_buckets(ports)
     changed_at = {}
     for name in names:
@@ -196,7 +205,8 @@ def measure(bench: Bench, fleet: Fleet) -> dict:
                 seen[name] = time.monotonic() - changed_at[name]
         time.sleep(0.2)
     time.sleep(10)
-    window = minus(reconcile_buckets(ports), before)
+    windows = minus(reconcile_buckets(ports), before)
+    window = windows.pop("all")
     lags = sorted(seen.values())
     return {
         "apply_to_running_seconds": round(apply_to_running, 2),
@@ -207,6 +217,12 @@ def measure(bench: Bench, fleet: Fleet) -> dict:
         "reconciles_measured": int(window[-1][1]),
         "reconcile_p50_seconds": round(quantile_from_histogram(window, 0.5), 4),
         "reconcile_p99_seconds": round(quantile_from_histogram(window, 0.99), 4),
+        "reconcile_p99_seconds_by_kind": {
+            key: round(quantile_from_histogram(buckets, 0.99), 4)
+            for key, buckets in sorted(windows.items())
+            if buckets[-1][1] > 0
+        },
+        "reconciles_by_kind": {key: int(b[-1][1]) for key, b in sorted(windows.items())},
         "spec_to_status_p50_seconds": round(statistics.median(lags), 3),
         "spec_to_status_p99_seconds": round(lags[min(len(lags) - 1, int(0.99 * len(lags)))], 3),
         "status_missing": len(names) - len(seen),

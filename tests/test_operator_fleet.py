@@ -285,6 +285,37 @@ def test_a_broken_kubeconfig_secret_is_a_condition_and_an_event_not_a_crash(
     wait_for("healthy again", lambda: world.condition("RolloutsDegraded").get("status") == "False")
 
 
+def test_an_envpool_keeps_its_warm_sandboxes_and_bursts_while_they_are_taken(
+    world: World,
+) -> None:
+    region, pool = "region-c", "arith-sandbox"
+
+    def sandboxes() -> list[str]:
+        pods = world.items(region, "pods", "-l", f"rlfleet.io/envpool={pool}")
+        return [
+            p["metadata"]["name"]
+            for p in pods
+            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+        ]
+
+    def counts() -> tuple[int, int, int]:
+        status = world.get(region, "envpool", pool).get("status", {})
+        return status.get("ready"), status.get("busy"), status.get("warming")
+
+    def mark(names: list[str], busy: bool) -> None:
+        value = "rlfleet.io/busy=true" if busy else "rlfleet.io/busy-"
+        for name in names:
+            world.fleet.kubectl(region, "-n", world.ns, "annotate", "pod", name, value)
+
+    taken = sandboxes()[:3]
+    mark(taken, busy=True)  # what a rollout does when it takes a sandbox
+    wait_for("four warm beside three busy", lambda: counts() == (4, 3, 0))
+    assert len(sandboxes()) == 7
+    assert world.get(region, "deployment", f"{pool}-sandbox")["spec"]["replicas"] == 7
+    mark(taken, busy=False)
+    wait_for("back to four warm", lambda: counts() == (4, 0, 0) and len(sandboxes()) == 4)
+
+
 def test_the_operator_account_reads_secrets_only_in_its_namespace(world: World) -> None:
     account = f"system:serviceaccount:{RELEASE_NAMESPACE}:{RELEASE}-operator"
 

@@ -25,7 +25,7 @@ from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable
 from rlfleet.operator.kube import Kube, Ref, Unreachable
 from rlfleet.operator.regions import RegionClients, RegionCredentials
 from rlfleet.operator.status import Event, condition, now, parse_time, timestamp
-from rlfleet.operator.workloads import mirror, trainer_objects
+from rlfleet.operator.workloads import COMPONENT_LABEL, ORIGIN_LABEL, mirror, trainer_objects
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +66,15 @@ class Hub:
         self.regions = regions
         self.config = config
         self.dataplane = dataplane
-        self._streams: set[tuple[str, int]] = set()  # (run uid, generation) whose streams exist
+        # (run uid, its regions) whose streams and weight mirrors all exist
+        self._streams: set[tuple[str, tuple[str, ...]]] = set()
         self._answered: dict[tuple[str, str], datetime] = {}  # (run uid, region) -> last answer
 
     def _report(self, run: dict, region: str, previous: dict, resync: bool) -> RegionReport:
         try:
             kube = self.regions.client(region)
             # A resync reads the mirror; it writes only what is missing or was out of reach.
-            found = kube.get(_mirror_ref(run)) if resync and previous.get("reachable") else None
+            found = self._listed_mirror(kube, run) if resync and previous.get("reachable") else None
             if found is None:
                 found = kube.apply(mirror(run, self.config.cluster))
         except RegionCredentials as error:
@@ -96,20 +97,32 @@ class Hub:
         last_seen = previous["lastSeen"] if recent and previous.get("reachable") else timestamp()
         return RegionReport(region, True, entry | {"name": region, "lastSeen": last_seen})
 
+    def _fresh_s(self) -> float:
+        return self.config.resync_seconds / 2
+
+    def _listed_mirror(self, kube: Kube, run: dict) -> dict | None:
+        """The run's mirror from a recent list of all this hub's mirrors in the namespace."""
+        meta = run["metadata"]
+        mirrors = kube.list_recent(
+            Ref(API_VERSION, "RLRun", namespace=meta["namespace"]),
+            f"{ORIGIN_LABEL}={self.config.cluster}",
+            self._fresh_s(),
+        )
+        return next((m for m in mirrors if m["metadata"]["name"] == meta["name"]), None)
+
     def _progress(
         self, run: dict, spec: RLRunSpec, training: bool, events: list[Event]
     ) -> progress.Progress | None:
-        """Makes the run's streams once per generation and folds its trainer's newest step
-        report; None when there is no NATS to ask or it does not answer."""
+        """Makes the run's streams once (again when its regions change) and folds its
+        trainer's newest step report; None when there is no NATS to ask or no answer."""
         if self.dataplane is None:
             return None
         meta, old = run["metadata"], run.get("status") or {}
-        name, key = meta["name"], (meta["uid"], meta.get("generation", 0))
+        name, regions = meta["name"], tuple(r.name for r in spec.rollout.regions)
         try:
-            if key not in self._streams:
-                regions = [r.name for r in spec.rollout.regions]
-                if not self.dataplane.ensure_streams(name, regions):
-                    self._streams.add(key)
+            made = (meta["uid"], regions) in self._streams
+            if not made and not self.dataplane.ensure_streams(name, list(regions)):
+                self._streams.add((meta["uid"], regions))
             report = self.dataplane.last_step(name)
         except DataPlaneUnavailable as error:
             log.warning("run %s/%s: %s", meta["namespace"], name, error)
@@ -118,7 +131,7 @@ class Hub:
         since = parse_time(was.get("lastTransitionTime")) if was.get("status") == "True" else None
         moment = now()
         found = progress.fold(
-            report, spec, old, (since or moment) if training else None, moment, key[1]
+            report, spec, old, (since or moment) if training else None, moment, meta["generation"]
         )
         events += found.events
         return found
@@ -140,7 +153,14 @@ class Hub:
         meta, old = run["metadata"], run.get("status") or {}
         generation = meta.get("generation", 0)
         trainer_ref = Ref("apps/v1", "StatefulSet", f"{meta['name']}-trainer", meta["namespace"])
-        trainer = self.local.get(trainer_ref) if resync else None
+        trainer = None
+        if resync:
+            trainers = self.local.list_recent(
+                Ref("apps/v1", "StatefulSet", namespace=meta["namespace"]),
+                f"{COMPONENT_LABEL}=trainer",
+                self._fresh_s(),
+            )
+            trainer = next((t for t in trainers if Ref.of(t) == trainer_ref), None)
         if trainer is None:
             for manifest in trainer_objects(run, self.config.images.trainer):
                 self.local.apply(manifest)

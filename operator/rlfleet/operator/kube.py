@@ -10,6 +10,9 @@ reconcile.
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +75,11 @@ class Kube:
         self.client = client
         self.cluster = cluster
         self.timeout_s = timeout_s
+        self._recent: dict[tuple[str, str | None], tuple[float, list[dict]]] = {}
+        self._fetching: defaultdict[tuple[str, str | None], threading.Lock] = defaultdict(
+            threading.Lock
+        )
+        self._guard = threading.Lock()
 
     @classmethod
     def from_kubeconfig(cls, config: dict, cluster: str, timeout_s: float = 5.0) -> Kube:
@@ -143,6 +151,20 @@ class Kube:
             {"apiVersion": ref.api_version, "kind": ref.kind} | item
             for item in self.request("GET", ref.path(), query=query)["items"]
         ]
+
+    def list_recent(self, ref: Ref, selector: str | None, max_age_s: float) -> list[dict]:
+        """A list at most `max_age_s` old, shared by every caller: the resyncs of 50 runs
+        read one list of their namespace's mirrors or pods instead of 50 objects each."""
+        key = (ref.path(), selector)
+        with self._guard:
+            fetching = self._fetching[key]
+        with fetching:  # one fetch at a time per list; the others wait and share it
+            fetched = self._recent.get(key)
+            if fetched and time.monotonic() - fetched[0] < max_age_s:
+                return fetched[1]
+            items = self.list(ref, selector)
+            self._recent[key] = (time.monotonic(), items)
+            return items
 
     def apply(self, manifest: dict) -> dict:
         """Server-side apply: the fields in manifest become ours; others are left alone."""

@@ -69,7 +69,13 @@ class Region:
     # --- runs -------------------------------------------------------------------------
 
     def _runs(self, namespace: str) -> list[dict]:
-        return self.local.list(Ref(API_VERSION, "RLRun", namespace=namespace), ORIGIN_LABEL)
+        """The namespace's mirrors, shared by the pools' decisions for half a resync: only
+        their specs (demand) matter here, and what is lent is read fresh from the pools."""
+        return self.local.list_recent(
+            Ref(API_VERSION, "RLRun", namespace=namespace),
+            ORIGIN_LABEL,
+            self.config.resync_seconds / 2,
+        )
 
     def _demand(self, run: dict) -> RunDemand | None:
         spec = RLRunSpec.model_validate(run["spec"])
@@ -93,13 +99,20 @@ class Region:
         if not resync:
             self.local.apply(spec_config_map(run))
         demand = self._demand(run)
-        pools = self.local.list(Ref(API_VERSION, "InferencePool", namespace=namespace))
-        pods = _running(
-            self.local.list(
-                Ref("v1", "Pod", namespace=namespace),
-                _selector({RUN_LABEL: name, COMPONENT_LABEL: "rollout"}),
-            )
+        # Every mirror's report reads the same two lists: share one fetch per half resync.
+        fresh_s = self.config.resync_seconds / 2
+        pools = self.local.list_recent(
+            Ref(API_VERSION, "InferencePool", namespace=namespace), None, fresh_s
         )
+        pods = [
+            p
+            for p in _running(
+                self.local.list_recent(
+                    Ref("v1", "Pod", namespace=namespace), f"{COMPONENT_LABEL}=rollout", fresh_s
+                )
+            )
+            if p["metadata"]["labels"].get(RUN_LABEL) == name
+        ]
         lent = running = 0
         for pool in pools:
             gpus = pool["spec"]["serving"]["gpusPerReplica"]
