@@ -228,7 +228,10 @@ class Hub:
         conditions = old.get("conditions", [])
         training = not spec.suspend and ready >= spec.trainer.replicas
         found = self._progress(run, spec, training, events)
-        stalled = found is not None and found.stalled
+        # NATS not answering this time leaves the last word on weight sync standing.
+        held = next((c for c in conditions if c["type"] == "WeightSyncStalled"), None)
+        synced = found.condition if found is not None else held
+        stalled = synced is not None and synced["status"] == "True"
         degraded_why = [f"{r.name} unreachable for {s:.0f}s" for r, s in lost] + [
             f"{r.name}: {r.problem}" for r in refused
         ]
@@ -274,8 +277,8 @@ class Hub:
                 generation,
             ),
         ]
-        if found is not None:
-            new_conditions.append(found.condition)
+        if synced is not None:
+            new_conditions.append(synced)
         healthy = training and not degraded and running > 0 and not stalled
         new_conditions.insert(
             0,
