@@ -23,6 +23,12 @@ from rlfleet.api.wire import Task
 SUITES = Path(__file__).parent / "suites"
 
 
+def suite_path(suite: str) -> Path:
+    """A shipped suite by name (`toy`), or any suite by path."""
+    shipped = SUITES / f"{suite}.jsonl"
+    return shipped if shipped.exists() else Path(suite)
+
+
 def load_suite(path: Path) -> list[Task]:
     """Every task in a JSON Lines suite; a bad line is reported with its number."""
     tasks: list[Task] = []

@@ -1,0 +1,1 @@
+"""`rlfleet run`: one RLRun on this machine, the same components as local processes."""

@@ -1,0 +1,167 @@
+"""What `rlfleet run` starts for an RLRun on one machine, decided without starting it.
+
+The same spec the operator reads becomes one trainer, one rollout worker per region
+(each behind its region's NATS leaf node, as in production) and a task feeder. The
+trainer and the rollout workers get disjoint CPU cores, as they would sit on separate
+GPUs, so an asynchronous run measures overlap rather than contention.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.testbed.nats import HUB_DOMAIN, NatsBed
+
+TINY_SCHEME = "tiny://"  # model.uri tiny://tiny-moe: made on the spot, then warmed up
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a local run keeps everything; running again with the same root resumes."""
+
+    root: Path
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "trainer"
+
+    @property
+    def nats(self) -> Path:
+        return self.root / "nats"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def configs(self) -> Path:
+        return self.root / "config"
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report"
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Sizes for a tiny model on a few CPU cores; production sizes come from the images."""
+
+    step_tokens: int = 8192  # about five groups of four
+    lr: float = 1e-4
+    turn_tokens: int = 24
+    max_turns: int = 2
+    max_model_len: int = 1024
+    max_sessions: int = 16
+    queue_depth: int = 8
+
+
+@dataclass(frozen=True)
+class Process:
+    name: str
+    argv: list[str]
+    config: dict  # written as JSON beside the run and passed as the only argument
+    env: dict[str, str]
+
+
+def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
+    """Trainer cores and rollout cores, disjoint, at least one each (shared if only one)."""
+    if len(cores) < 2:
+        return cores, cores
+    half = len(cores) // 2
+    return cores[:half], cores[half:]
+
+
+def _pinned(module: str, cores: list[int], config_path: Path) -> list[str]:
+    cpus = ",".join(map(str, cores))
+    return ["taskset", "-c", cpus, sys.executable, "-m", module, str(config_path)]
+
+
+def model_path(spec: RLRunSpec, layout: Layout) -> Path:
+    uri = spec.model.uri
+    if uri.startswith(TINY_SCHEME):
+        return layout.model
+    if uri.startswith("file://"):
+        return Path(uri.removeprefix("file://"))
+    raise ValueError(f"spec.model.uri: a local run reads tiny:// or file:// models, not {uri!r}")
+
+
+def processes(
+    name: str, spec: RLRunSpec, layout: Layout, nats: NatsBed, tuning: Tuning
+) -> list[Process]:
+    trainer_cores, rollout_cores = split_cores(sorted(os.sched_getaffinity(0)))
+    model = str(model_path(spec, layout))
+    sync = {"snapshot_every": spec.weight_sync.snapshot_interval}
+    threads = {"OMP_NUM_THREADS": str(len(trainer_cores))}
+    found: list[Process] = []
+
+    def add(process_name: str, module: str, cores: list[int], config: dict, env: dict) -> None:
+        path = layout.configs / f"{process_name}.json"
+        found.append(Process(process_name, _pinned(module, cores, path), config, env))
+
+    add(
+        "trainer",
+        "rlfleet.trainer",
+        trainer_cores,
+        {
+            "run": name,
+            "nats_url": nats.hub.authenticated_url,
+            "model": model,
+            "checkpoint_dir": str(layout.checkpoints),
+            "zero_stage": min(spec.trainer.zero_stage, 2),
+            "batch_invariant": spec.trainer.batch_invariant,
+            "router_replay": spec.trainer.router_replay,
+            "max_staleness": spec.max_staleness,
+            "step_tokens": tuning.step_tokens,
+            "lr": tuning.lr,
+            "weightsync": sync,
+        },
+        threads,
+    )
+    rollout_env = {
+        "OMP_NUM_THREADS": str(len(rollout_cores)),
+        # vLLM's CPU engine binds its own threads; keep them on the rollout cores.
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, rollout_cores)),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+    for demand in spec.rollout.regions:
+        leaf = nats.leaves[demand.name]
+        add(
+            f"rollout-{demand.name}",
+            "rlfleet.rollout",
+            rollout_cores,
+            {
+                "run": name,
+                "nats_url": leaf.authenticated_url,
+                "jetstream_domain": HUB_DOMAIN,
+                "model": model,
+                "name": f"{demand.name}-0",
+                "group_size": spec.rollout.group_size,
+                "max_sessions": tuning.max_sessions,
+                "max_model_len": tuning.max_model_len,
+                "session": {"turn_tokens": tuning.turn_tokens, "max_turns": tuning.max_turns},
+                "weightsync": sync,
+            },
+            rollout_env,
+        )
+    add(
+        "feed",
+        "rlfleet.rollout.feed",
+        rollout_cores,
+        {
+            "run": name,
+            "nats_url": nats.hub.authenticated_url,
+            "suite": spec.rollout.task_suite,
+            "depth": tuning.queue_depth,
+            "group_size": spec.rollout.group_size,
+        },
+        {},
+    )
+    return found

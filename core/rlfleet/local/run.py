@@ -1,0 +1,174 @@
+"""`rlfleet run FILE`: an RLRun trained on this machine, end to end.
+
+An embedded NATS hub with a leaf node per region, a tiny MoE made on the spot and warmed
+up on the task suite, then the trainer, one rollout worker per region and a task feeder
+as local processes (`plan.processes`). The trainer's step reports drive a live display;
+the run stops after its time budget or on Ctrl-C (each process finishes what it is doing)
+and leaves a report. Everything lives under one folder, so running again resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+import yaml
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.api.streams import step_stream
+from rlfleet.api.wire import StepReport, decode_step_report, step_subject
+from rlfleet.local import plan, report
+from rlfleet.testbed.nats import start_nats
+from rlfleet.testbed.processes import Supervisor
+
+console = Console()
+
+
+def load(path: Path) -> tuple[str, RLRunSpec]:
+    document = yaml.safe_load(path.read_text())
+    if not isinstance(document, dict) or document.get("kind") != "RLRun":
+        raise ValueError(f"{path}: not an RLRun document")
+    return document["metadata"]["name"], RLRunSpec.model_validate(document["spec"])
+
+
+def make_model(spec: RLRunSpec, layout: plan.Layout, warmup_steps: int) -> None:
+    """A tiny model of the kind the URI names, warmed up on the suite; kept for re-runs."""
+    if not spec.model.uri.startswith(plan.TINY_SCHEME) or (layout.model / "config.json").exists():
+        return
+    kind = spec.model.uri.removeprefix(plan.TINY_SCHEME)
+    staging = layout.root / "model.partial"
+    shutil.rmtree(staging, ignore_errors=True)  # what an interrupted warm-up left
+    console.print(f"making a {kind} model and warming it up on the {spec.rollout.task_suite} suite")
+    subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", "model", "init", "--kind", kind, str(staging)],
+        check=True,
+    )
+    suite = spec.rollout.task_suite
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlfleet.rollout.warmup",
+            str(staging),
+            suite,
+            "--steps",
+            str(warmup_steps),
+        ],
+        check=True,
+    )
+    staging.rename(layout.model)  # only a finished warm-up counts
+
+
+STARTUP_LIMIT_S = 900  # the first step must come within this; DeepSpeed and vLLM start slowly
+
+
+def table(name: str, reports: list[StepReport], trained_s: float, budget_s: float) -> Table:
+    progress = f"{trained_s:.0f}s of {budget_s:.0f}s training" if reports else "starting"
+    shown = Table(title=f"rlfleet run {name}: {progress}")
+    for column in ("version", "reward", "staleness", "delta bytes", "sync s", "tokens/s"):
+        shown.add_column(column, justify="right")
+    for r in reports[-12:]:
+        shown.add_row(
+            str(r.policy_version),
+            f"{r.reward_mean:.3f}",
+            f"{r.staleness_mean:.2f} (max {r.staleness_max})",
+            f"{r.weight_bytes:,}",
+            f"{r.weight_seconds:.2f}",
+            f"{r.tokens / max(r.step_seconds, 1e-9):.0f}",
+        )
+    return shown
+
+
+async def follow(
+    name: str, url: str, budget_s: float, stop: asyncio.Event, supervisor: Supervisor
+) -> None:
+    """Shows step reports as they come until the training budget (counted from the first
+    step, so start-up is not charged to it) is spent or `stop` is set."""
+    reports: list[StepReport] = []
+    launched = time.monotonic()
+    first_step: float | None = None
+
+    def trained_s() -> float:
+        return 0.0 if first_step is None else time.monotonic() - first_step
+
+    nc = await nats.connect(url)
+    subscription = await nc.subscribe(step_subject(name))
+    try:
+        with Live(table(name, reports, 0.0, budget_s), console=console) as live:
+            while not stop.is_set() and trained_s() < budget_s:
+                supervisor.check_alive()
+                if first_step is None and time.monotonic() - launched > STARTUP_LIMIT_S:
+                    raise TimeoutError(f"no training step in {STARTUP_LIMIT_S}s; see the logs")
+                try:
+                    message = await subscription.next_msg(timeout=1.0)
+                    reports.append(decode_step_report(message.data))
+                    first_step = first_step or time.monotonic()
+                except (TimeoutError, nats.errors.TimeoutError, msgspec.ValidationError):
+                    pass
+                live.update(table(name, reports, trained_s(), budget_s))
+    finally:
+        await nc.close()
+
+
+async def recorded_steps(name: str, url: str) -> list[StepReport]:
+    """Every step report the run's stream holds, re-runs included, oldest first."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        state = (await js.stream_info(step_stream(name))).state
+        found = []
+        for seq in range(state.first_seq, state.last_seq + 1) if state.messages else []:
+            try:
+                message = await js.get_msg(step_stream(name), seq, direct=True)
+                found.append(decode_step_report(message.data))
+            except (nats.js.errors.NotFoundError, msgspec.ValidationError):
+                continue
+        return found
+    finally:
+        await nc.close()
+
+
+def run(path: Path, root: Path | None, minutes: float, warmup_steps: int) -> int:
+    name, spec = load(path)
+    layout = plan.Layout(root or Path(".rlfleet") / "runs" / name)
+    for folder in (layout.root, layout.logs, layout.configs):
+        folder.mkdir(parents=True, exist_ok=True)
+    make_model(spec, layout, warmup_steps)
+    supervisor = Supervisor(layout.logs, attached=True)
+    stop = asyncio.Event()
+    try:
+        bed = start_nats([r.name for r in spec.rollout.regions], supervisor, layout.nats)
+        for process in plan.processes(name, spec, layout, bed, plan.Tuning()):
+            config_path = layout.configs / f"{process.name}.json"
+            config_path.write_text(json.dumps(process.config, indent=2))
+            supervisor.start(process.name, process.argv, process.env)
+        console.print(f"started {name}: logs in {layout.logs}; Ctrl-C stops and reports")
+
+        async def watched() -> list[StepReport]:
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGINT, stop.set)
+            loop.add_signal_handler(signal.SIGTERM, stop.set)
+            url = bed.hub.authenticated_url
+            await follow(name, url, minutes * 60, stop, supervisor)
+            return await recorded_steps(name, url)
+
+        reports = asyncio.run(watched())
+    finally:
+        supervisor.stop_all(grace_seconds=30)
+    summary = report.write(reports, layout.report)
+    console.print_json(data=summary)
+    console.print(f"report in {layout.report}")
+    return 0

@@ -1,0 +1,43 @@
+"""`python -m rlfleet.rollout.warmup MODEL_DIR SUITE.jsonl`: supervised warm-up before RL.
+
+A freshly made tiny model never answers in the harness's format, so every attempt scores
+zero and GRPO has no signal. A short fine-tune on part of a suite's answers, written
+exactly as a session would see them (the harness's own prompt and turn ending), gives RL
+a start that answers in the right shape and is right on some tasks, not all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+from rlfleet.api.wire import Task
+from rlfleet.models.tiny import Example, fine_tune
+from rlfleet.rollout.session import END_TURN, window_text
+from rlfleet.rollout.tasks import load_suite, suite_path
+
+
+def examples(tasks: list[Task], fraction: float, seed: int) -> list[Example]:
+    """Prompt as read, answer and turn end as trained, for a `fraction` of the tasks."""
+    answered = [t for t in tasks if t.answer is not None]
+    chosen = random.Random(seed).sample(answered, round(len(answered) * fraction))
+    return [[(window_text(t.prompt), False), (f"{t.answer}{END_TURN}", True)] for t in chosen]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", type=Path, help="checkpoint directory, changed in place")
+    parser.add_argument("suite", help="a shipped suite's name (toy) or a JSON Lines path")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--fraction", type=float, default=0.5, help="of the tasks shown")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    chosen = examples(load_suite(suite_path(args.suite)), args.fraction, args.seed)
+    fine_tune(args.model, chosen, steps=args.steps, lr=args.lr)
+    print(f"warmed up {args.model} on {len(chosen)} tasks of {args.suite} in {args.steps} steps")
+
+
+if __name__ == "__main__":
+    main()
