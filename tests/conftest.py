@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.api.schema import KINDS
+from rlfleet.api.wire import StepReport
 from rlfleet.testbed.bed import Bed, BedInfo
 from rlfleet.testbed.binaries import binary
 from rlfleet.testbed.nats import StandaloneNats
@@ -37,6 +38,32 @@ def nats_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalon
         yield servers
     finally:
         servers.stop()
+
+
+def step_report(run: str, version: int, finished_at: float, dropped_stale: int) -> StepReport:
+    """A trainer's report of the step that made `version`, as it publishes one."""
+    return StepReport(
+        run=run,
+        step=version,
+        policy_version=version,
+        trajectories=["g1/0", "g1/1"],
+        groups=1,
+        tokens=96,
+        reward_mean=0.5,
+        loss=0.1,
+        staleness_mean=1.0,
+        staleness_max=2,
+        mismatch_mean_abs=0.0,
+        mismatch_max_abs=0.0,
+        mismatch_kl=0.0,
+        clipped_fraction=0.0,
+        dropped_stale_total=dropped_stale,
+        rejected_total=0,
+        step_seconds=1.0,
+        finished_at=finished_at,
+        weight_bytes=12345,
+        weight_seconds=0.25,
+    )
 
 
 def wait_for(what: str, check, timeout: float = 90.0, interval: float = 0.5):

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import nats
 import pytest
 import yaml
-from conftest import ROOT, wait_for
+from conftest import ROOT, step_report, wait_for
 
 from rlfleet.api.streams import step_stream
 from rlfleet.api.wire import StepReport, encode, step_subject, task_stream, trajectory_stream
@@ -369,31 +369,6 @@ def on_hub_nats(world: World, work) -> object:
     return asyncio.run(connected())
 
 
-def step_report(step: int, dropped_stale: int) -> StepReport:
-    return StepReport(
-        run=RUN,
-        step=step,
-        policy_version=step,
-        trajectories=["g1/0", "g1/1"],
-        groups=1,
-        tokens=96,
-        reward_mean=0.5,
-        loss=0.1,
-        staleness_mean=0.5,
-        staleness_max=1,
-        mismatch_mean_abs=0.0,
-        mismatch_max_abs=0.0,
-        mismatch_kl=0.0,
-        clipped_fraction=0.0,
-        dropped_stale_total=dropped_stale,
-        rejected_total=0,
-        step_seconds=1.0,
-        finished_at=time.time(),
-        weight_bytes=12345,
-        weight_seconds=0.25,
-    )
-
-
 def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: World) -> None:
     async def streams(nc) -> tuple[list[str], dict[str, str]]:
         hub = nc.jetstream()
@@ -413,10 +388,10 @@ def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: 
         # What the trainer publishes after each durable step.
         return lambda nc: nc.jetstream().publish(step_subject(RUN), encode(report))
 
-    on_hub_nats(world, publish(step_report(7, dropped_stale=3)))
+    on_hub_nats(world, publish(step_report(RUN, 7, time.time(), dropped_stale=3)))
     wait_for("policy version 7", lambda: world.run_status().get("policyVersion") == 7)
     status = world.run_status()
-    assert status["trainerStep"] == 7 and status["staleness"] == 1
+    assert status["trainerStep"] == 7 and status["staleness"] == 2
     assert status["trajectoriesDroppedStale"] == 3
     sync = status["lastWeightSync"]
     assert (sync["version"], sync["bytes"], sync["seconds"]) == (7, 12345, 0.25)
@@ -424,7 +399,7 @@ def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: 
     dropped = [e for e in world.events(HUB, RUN) if e["reason"] == "StalenessBoundExceeded"]
     assert dropped and dropped[0]["message"].startswith("3 trajectories arrived more than")
     row = world.fleet.kubectl(HUB, "-n", world.ns, "get", "rlrun", RUN).splitlines()[1].split()
-    assert row[2:4] == ["7", "1"]  # VERSION, STALENESS
+    assert row[2:4] == ["7", "2"]  # VERSION, STALENESS
 
     def stall_after(seconds: int) -> None:
         patch = {"spec": {"weightSync": {"stallSeconds": seconds}}}
@@ -438,7 +413,7 @@ def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: 
     stalled = [e for e in world.events(HUB, RUN) if e["reason"] == "WeightSyncStalled"]
     assert stalled and "version 7 published at" in stalled[0]["message"]
     stall_after(900)
-    on_hub_nats(world, publish(step_report(8, dropped_stale=3)))
+    on_hub_nats(world, publish(step_report(RUN, 8, time.time(), dropped_stale=3)))
     wait_for("policy version 8", lambda: world.run_status().get("policyVersion") == 8)
     wait_for("flowing", lambda: world.condition("WeightSyncStalled").get("status") == "False")
     wait_for("Ready again", lambda: world.condition("Ready").get("status") == "True")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import yaml
-from conftest import ROOT
+from conftest import ROOT, step_report
 
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import StepReport
@@ -20,28 +20,7 @@ SPEC = RLRunSpec.model_validate(
 
 
 def report(version: int, age_s: float, dropped: int = 0) -> StepReport:
-    return StepReport(
-        run="r",
-        step=version,
-        policy_version=version,
-        trajectories=[],
-        groups=1,
-        tokens=10,
-        reward_mean=0.5,
-        loss=0.0,
-        staleness_mean=1.0,
-        staleness_max=2,
-        mismatch_mean_abs=0.0,
-        mismatch_max_abs=0.0,
-        mismatch_kl=0.0,
-        clipped_fraction=0.0,
-        dropped_stale_total=dropped,
-        rejected_total=0,
-        step_seconds=1.0,
-        finished_at=(NOW - timedelta(seconds=age_s)).timestamp(),
-        weight_bytes=1000,
-        weight_seconds=0.5,
-    )
+    return step_report("r", version, (NOW - timedelta(seconds=age_s)).timestamp(), dropped)
 
 
 def stalled_condition(status: str) -> dict:
@@ -59,8 +38,8 @@ def test_a_fresh_report_fills_the_status_and_is_not_stalled() -> None:
     assert found.fields["policyVersion"] == 7 and found.fields["staleness"] == 2
     assert found.fields["lastWeightSync"] == {
         "version": 7,
-        "bytes": 1000,
-        "seconds": 0.5,
+        "bytes": 12345,
+        "seconds": 0.25,
         "time": "2026-11-21T11:59:50Z",
     }
     assert not found.stalled and found.condition["status"] == "False"
