@@ -8,7 +8,6 @@ its server is a `Link`, a TCP relay the tests can cut to take a region off the n
 
 from __future__ import annotations
 
-import base64
 import json
 import socket
 import subprocess
@@ -259,11 +258,15 @@ class Fleet:
     def region_secret(self, region: str, document: dict | str) -> None:
         """The hub's kubeconfig Secret for a region (a document, or any text to break it)."""
         text = document if isinstance(document, str) else yaml.safe_dump(document)
+        self.hub_secret(f"rlfleet-region-{region}", {"kubeconfig": text})
+
+    def hub_secret(self, name: str, data: dict[str, str]) -> None:
+        """A Secret in the hub's release namespace, where the hub operator reads them."""
         secret = {
             "apiVersion": "v1",
             "kind": "Secret",
-            "metadata": {"name": f"rlfleet-region-{region}", "namespace": RELEASE_NAMESPACE},
-            "data": {"kubeconfig": base64.b64encode(text.encode()).decode()},
+            "metadata": {"name": name, "namespace": RELEASE_NAMESPACE},
+            "stringData": data,
         }
         self.kubectl(HUB, "apply", "-f", "-", stdin=json.dumps(secret))
 
@@ -276,21 +279,7 @@ class Fleet:
             if result.returncode != 0:
                 raise RuntimeError(f"helm install in {cluster}: {result.stderr}")
         hub_nats = self.bed.nats.hub
-        credentials = {"user": hub_nats.user, "password": hub_nats.password}
-        self.kubectl(
-            HUB,
-            "apply",
-            "-f",
-            "-",
-            stdin=json.dumps(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Secret",
-                    "metadata": {"name": NATS_SECRET, "namespace": RELEASE_NAMESPACE},
-                    "stringData": credentials,
-                }
-            ),
-        )
+        self.hub_secret(NATS_SECRET, {"user": hub_nats.user, "password": hub_nats.password})
         for region in self.regions:
             self.links[region] = Link(self._server(region)[0])
             self.region_secret(
