@@ -27,7 +27,7 @@ from rlfleet.rollout.rewards import (
     grade,
 )
 from rlfleet.rollout.sandbox import Limits, Sandbox
-from rlfleet.rollout.tasks import SUITES, load_suite, toy_suite, write_start_state
+from rlfleet.rollout.tasks import SUITES, load_suite, rules_suite, toy_suite, write_start_state
 
 LIMITS = Limits(disk_bytes=8 << 20, file_bytes=4 << 20, call_seconds=10, processes=32)
 GRADER = HiddenTests(limits=LIMITS, seconds=30)
@@ -333,6 +333,21 @@ def test_the_shipped_suites() -> None:
         seen.add(pattern)
     assert seen == set(kinds) and {"+", "-", "*"} <= set("".join(t.prompt for t in toy))
     assert toy_suite(20, 1) != toy_suite(20, 0)
+    rules = load_suite(SUITES / "rules.jsonl")
+    assert rules == rules_suite(400, 0)
+    rule_kinds = {
+        r"What is the first letter of ([a-z]+)\?": lambda word: word[0],
+        r"What is the last letter of ([a-z]+)\?": lambda word: word[-1],
+        r"Repeat the word ([a-z]+)\.": lambda word: word,
+        r"Which is larger, (\d or \d)\?": lambda pair: max(pair.split(" or ")),
+    }
+    seen = set()
+    for task in rules:
+        assert not task.tools and task.answer and not task.files
+        [(pattern, solve)] = [(p, s) for p, s in rule_kinds.items() if re.fullmatch(p, task.prompt)]
+        assert solve(re.fullmatch(pattern, task.prompt)[1]) == task.answer
+        seen.add(pattern)
+    assert seen == set(rule_kinds)
     for task in CODING.values():
         assert task.hidden_tests and task.protected and task.test_command and task.rubric
 

@@ -143,6 +143,7 @@ class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
     test_command: str | None = None  # run in the grading sandbox; exit 0 passes
     protected: list[str] = []  # may be read, never changed or deleted (visible tests)
     rubric: dict[str, str] = {}  # judge dimension -> what it means
+    tools: bool = True  # False: a bare question, asked without the tool protocol
 
     def __post_init__(self) -> None:
         for path in [*self.files, *self.hidden_tests]:
@@ -205,6 +206,9 @@ class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
     # receiver holding the previous version fetches, and the seconds publishing took.
     weight_bytes: int = 0
     weight_seconds: float = 0.0
+    # Seconds the trainer sat waiting for trajectories before this step, since the previous
+    # version was published (or since it started): the pipeline's idle time.
+    wait_seconds: float = 0.0
 
 
 def decode_task_message(data: bytes) -> TaskMessage:

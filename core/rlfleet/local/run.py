@@ -141,17 +141,18 @@ async def recorded_steps(name: str, url: str) -> list[StepReport]:
         await nc.close()
 
 
-def run(path: Path, root: Path | None, minutes: float, warmup_steps: int) -> int:
-    name, spec = load(path)
-    layout = plan.Layout(root or Path(".rlfleet") / "runs" / name)
+def train(
+    name: str, spec: RLRunSpec, layout: plan.Layout, budget_s: float, tuning: plan.Tuning
+) -> list[StepReport]:
+    """Runs the RLRun's processes until `budget_s` of training or Ctrl-C, then stops them;
+    returns every step the run has recorded."""
     for folder in (layout.root, layout.logs, layout.configs):
         folder.mkdir(parents=True, exist_ok=True)
-    make_model(spec, layout, warmup_steps)
     supervisor = Supervisor(layout.logs, attached=True)
     stop = asyncio.Event()
     try:
         bed = start_nats([r.name for r in spec.rollout.regions], supervisor, layout.nats)
-        for process in plan.processes(name, spec, layout, bed, plan.Tuning()):
+        for process in plan.processes(name, spec, layout, bed, tuning):
             config_path = layout.configs / f"{process.name}.json"
             config_path.write_text(json.dumps(process.config, indent=2))
             supervisor.start(process.name, process.argv, process.env)
@@ -162,12 +163,20 @@ def run(path: Path, root: Path | None, minutes: float, warmup_steps: int) -> int
             loop.add_signal_handler(signal.SIGINT, stop.set)
             loop.add_signal_handler(signal.SIGTERM, stop.set)
             url = bed.hub.authenticated_url
-            await follow(name, url, minutes * 60, stop, supervisor)
+            await follow(name, url, budget_s, stop, supervisor)
             return await recorded_steps(name, url)
 
-        reports = asyncio.run(watched())
+        return asyncio.run(watched())
     finally:
         supervisor.stop_all(grace_seconds=30)
+
+
+def run(path: Path, root: Path | None, minutes: float, warmup_steps: int) -> int:
+    name, spec = load(path)
+    layout = plan.Layout(root or Path(".rlfleet") / "runs" / name)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    make_model(spec, layout, warmup_steps)
+    reports = train(name, spec, layout, minutes * 60, plan.Tuning())
     summary = report.write(reports, layout.report)
     console.print_json(data=summary)
     console.print(f"report in {layout.report}")

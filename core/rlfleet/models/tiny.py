@@ -8,6 +8,7 @@ without unknown tokens. head_dim is 32 because vLLM's CPU attention rejects 16.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 from typing import Literal
@@ -135,9 +136,18 @@ def train_step(directory: Path, out: Path, *, lr: float, seed: int = 0) -> Path:
 Example = list[tuple[str, bool]]  # pieces of one text, each trained on (True) or only read
 
 
-def fine_tune(directory: Path, examples: list[Example], *, steps: int, lr: float = 3e-3) -> None:
+def fine_tune(
+    directory: Path,
+    examples: list[Example],
+    *,
+    steps: int,
+    lr: float = 3e-3,
+    batch: int | None = None,
+    seed: int = 0,
+) -> None:
     """Supervised fine-tuning in place: the loss covers only the trained pieces.
 
+    Each step trains on `batch` examples drawn at random, or on all of them if None.
     Used to teach a tiny model a format (tool calls, short answers) before RL, and by
     tests to make one follow fixed scripts when decoding greedily.
     """
@@ -151,18 +161,22 @@ def fine_tune(directory: Path, examples: list[Example], *, steps: int, lr: float
             mask += [trained] * len(piece)
         rows.append(ids)
         labels.append([t if m else -100 for t, m in zip(ids, mask, strict=True)])
-    width = max(map(len, rows))
     pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
-    targets = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
-    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     dtype = getattr(torch, json.loads((directory / "config.json").read_text())["dtype"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     # Linear decay to zero: a short run still ends settled.
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
+    rng = random.Random(seed)
     model.train()
     for _ in range(steps):
+        chosen = range(len(rows)) if batch is None else rng.sample(range(len(rows)), batch)
+        width = max(len(rows[i]) for i in chosen)
+        input_ids = torch.tensor([rows[i] + [pad] * (width - len(rows[i])) for i in chosen])
+        targets = torch.tensor([labels[i] + [-100] * (width - len(labels[i])) for i in chosen])
+        attention = torch.tensor(
+            [[1] * len(rows[i]) + [0] * (width - len(rows[i])) for i in chosen]
+        )
         loss = model(input_ids=input_ids, attention_mask=attention, labels=targets).loss
         optimizer.zero_grad()
         loss.backward()

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 from vllm import SamplingParams
 
-from rlfleet.api.wire import Segment
+from rlfleet.api.wire import Segment, Task
 from rlfleet.rollout import tools
 from rlfleet.rollout.engine import Completion, Engine
 from rlfleet.rollout.sandbox import Sandbox, SandboxClosed
@@ -40,11 +40,17 @@ END_TURN = "<|im_end|>"
 
 
 def window_text(
-    task_prompt: str, summary: str | None = None, observation: str | None = None
+    task_prompt: str,
+    summary: str | None = None,
+    observation: str | None = None,
+    *,
+    tools: bool = True,
 ) -> str:
     """A fresh window's prompt: system, task, and after a summary the summary and the last
-    observation, ending where the model's turn begins."""
-    turns = [("system", SYSTEM), ("user", task_prompt)]
+    observation, ending where the model's turn begins. A task without tools is asked bare:
+    the protocol would only be noise to it (and, for a small model, most of its context)."""
+    turns = [("system", SYSTEM)] if tools else []
+    turns.append(("user", task_prompt))
     if summary is not None:
         turns.append(("user", SUMMARY_HEADER + summary))
     if observation is not None:
@@ -116,11 +122,16 @@ class Episode:
 
 class Session:
     def __init__(
-        self, engine: Engine, task_prompt: str, sandbox: Sandbox, config: SessionConfig, seed: int
+        self,
+        engine: Engine,
+        task: Task,
+        sandbox: Sandbox | None,  # None for a task without tools
+        config: SessionConfig,
+        seed: int,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.task_prompt = task_prompt
+        self.task = task
         self.sandbox = sandbox
         self.config = config
         self.seed = seed
@@ -137,7 +148,8 @@ class Session:
         return self._encode(user_turn_text(text))
 
     def _open(self, summary: str | None = None, observation: str | None = None) -> _Window:
-        tokens = self._encode(window_text(self.task_prompt, summary, observation))
+        text = window_text(self.task.prompt, summary, observation, tools=self.task.tools)
+        tokens = self._encode(text)
         return _Window(tokens=tokens, prompt_len=len(tokens))
 
     def _fits(self, window: _Window, extra: int) -> bool:
@@ -166,6 +178,7 @@ class Session:
     async def _execute(self, call: tools.ToolCall | tools.ToolError) -> str:
         if isinstance(call, tools.ToolError):
             return f"error: {call.message}"
+        assert self.sandbox is not None, "only a task with tools makes tool calls"
         reply = await self.sandbox.call(tools.request(call))
         return tools.observation(reply, self.config.observation_chars)
 
@@ -180,7 +193,7 @@ class Session:
         for turn in range(self.config.max_turns):
             completion = await self._complete(window, self.config.turn_tokens, [tools.CLOSE])
             self.transcript.append(f"[assistant] {completion.text}")
-            call = tools.parse(completion.text)
+            call = tools.parse(completion.text) if self.task.tools else None
             if call is None:
                 answer, ended = completion.text.removesuffix(END_TURN).strip(), "answered"
                 break

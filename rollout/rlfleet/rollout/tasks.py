@@ -7,6 +7,10 @@ like code and loaded without running any. Shipped suites live in `suites/`:
   a tiny byte-level model to learn. Regenerate it with
   `python -c "from pathlib import Path; from rlfleet.rollout import tasks;
   tasks.write_suite(tasks.toy_suite(200, 0), Path('rollout/rlfleet/rollout/suites/toy.jsonl'))"`.
+- `rules.jsonl`: bare questions (no tool protocol) answered by a rule read off the prompt:
+  first or last letter, repeat a word, the larger of two digits. A rule learned on some
+  tasks carries over to the rest, so RL on a tiny model improves in minutes (`rlfleet run`'s
+  default). Regenerate it with `tasks.rules_suite(400, 0)` in the same way.
 - `coding.jsonl`: small Python repositories with failing unit tests, graded by hidden
   tests that only the grading sandbox sees.
 """
@@ -77,6 +81,32 @@ def _toy_question(rng: random.Random) -> tuple[str, str]:
     if kind == 3:
         return f"Reverse the word {word}.", word[::-1]
     return f"What is the first letter of {word}?", word[0]
+
+
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice(_LETTERS) for _ in range(rng.randint(3, 5)))
+
+
+def _rule_question(rng: random.Random) -> tuple[str, str]:
+    kind = rng.randrange(4)
+    if kind == 3:
+        a, b = rng.sample(range(10), 2)
+        return f"Which is larger, {a} or {b}?", str(max(a, b))
+    word = _word(rng)
+    if kind == 0:
+        return f"What is the first letter of {word}?", word[0]
+    if kind == 1:
+        return f"What is the last letter of {word}?", word[-1]
+    return f"Repeat the word {word}.", word
+
+
+def rules_suite(count: int, seed: int) -> list[Task]:
+    """A deterministic suite of bare questions answered by one of four rules."""
+    rng = random.Random(seed)
+    return [
+        Task(id=f"rules-{i:04d}", suite="rules", prompt=prompt, answer=answer, tools=False)
+        for i, (prompt, answer) in enumerate(_rule_question(rng) for _ in range(count))
+    ]
 
 
 def toy_suite(count: int, seed: int) -> list[Task]:

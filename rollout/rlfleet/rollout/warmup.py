@@ -22,20 +22,25 @@ def examples(tasks: list[Task], fraction: float, seed: int) -> list[Example]:
     """Prompt as read, answer and turn end as trained, for a `fraction` of the tasks."""
     answered = [t for t in tasks if t.answer is not None]
     chosen = random.Random(seed).sample(answered, round(len(answered) * fraction))
-    return [[(window_text(t.prompt), False), (f"{t.answer}{END_TURN}", True)] for t in chosen]
+    return [
+        [(window_text(t.prompt, tools=t.tools), False), (f"{t.answer}{END_TURN}", True)]
+        for t in chosen
+    ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path, help="checkpoint directory, changed in place")
     parser.add_argument("suite", help="a shipped suite's name (toy) or a JSON Lines path")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--batch", type=int, default=32, help="examples per step")
     parser.add_argument("--fraction", type=float, default=0.5, help="of the tasks shown")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     chosen = examples(load_suite(suite_path(args.suite)), args.fraction, args.seed)
-    fine_tune(args.model, chosen, steps=args.steps, lr=args.lr)
+    batch = min(args.batch, len(chosen))
+    fine_tune(args.model, chosen, steps=args.steps, lr=args.lr, batch=batch, seed=args.seed)
     print(f"warmed up {args.model} on {len(chosen)} tasks of {args.suite} in {args.steps} steps")
 
 

@@ -10,6 +10,7 @@ message ids (group and attempt) let JetStream drop copies published twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import tempfile
 import time
@@ -207,12 +208,13 @@ class Worker:
         task, group_id = group.task, group.id
         assert self.engine is not None
         started = time.perf_counter()
-        async with await Sandbox.start(group.start, self.config.limits) as sandbox:
-            metrics.sandbox_start.observe(time.perf_counter() - started)
+        # A bare question has no tools, so nothing for a sandbox to run.
+        sandbox = await Sandbox.start(group.start, self.config.limits) if task.tools else None
+        async with sandbox or contextlib.nullcontext():
+            if sandbox is not None:
+                metrics.sandbox_start.observe(time.perf_counter() - started)
             seed = zlib.crc32(f"{self.config.seed}/{group_id}/{attempt}".encode())
-            episode = await Session(
-                self.engine, task.prompt, sandbox, self.config.session, seed
-            ).run()
+            episode = await Session(self.engine, task, sandbox, self.config.session, seed).run()
             reward = await self._grade(task, group.scorer, episode, sandbox)
         metrics.sessions.labels(episode.ended).inc()
         if "cheat" in reward.reason:
@@ -233,12 +235,12 @@ class Worker:
         )
 
     async def _grade(
-        self, task: Task, scorer: rewards.Scorer, episode: Episode, sandbox: Sandbox
+        self, task: Task, scorer: rewards.Scorer, episode: Episode, sandbox: Sandbox | None
     ) -> rewards.Reward:
         if episode.ended == "sandbox":
             return rewards.Reward(0.0, {"sandbox_stopped": 1.0}, f"sandbox: {episode.error}")
         try:
-            files = await rewards.archive(sandbox)
+            files = {} if sandbox is None else await rewards.archive(sandbox)
         except (rewards.ArchiveError, SandboxClosed) as error:  # the agent can cause both
             return rewards.Reward(0.0, {"archive_failed": 1.0}, f"archive: {error}")
         outcome = rewards.Outcome(episode.answer, files, episode.transcript)

@@ -55,6 +55,7 @@ class Trainer:
         self.dropped_stale = 0
         self.rejected = 0
         self.stopping = asyncio.Event()
+        self.ready_at = time.perf_counter()  # when the trainer last became free to train
         self.log_path = config.checkpoint_dir / "steps.jsonl"
 
     @property
@@ -87,6 +88,7 @@ class Trainer:
             await weights.create()
             self.publisher = Publisher(weights, config.sync_config())
             await self._publish_weights()
+            self.ready_at = time.perf_counter()
             while not self.stopping.is_set() and not self._done():
                 await self._receive(subscription)
                 await self._maybe_step(nc)
@@ -206,6 +208,7 @@ class Trainer:
         if not groups:
             return
         started = time.perf_counter()
+        waited = started - self.ready_at
         items = [item for group in groups for item in group]
         rewards = torch.tensor([i.trajectory.reward for i in items])
         group_index = torch.tensor([n for n, group in enumerate(groups) for _ in group])
@@ -259,8 +262,12 @@ class Trainer:
         self._append_log(record)
         weight_bytes, weight_seconds = await self._publish_weights()
         await self._ack(seqs)
+        self.ready_at = time.perf_counter()
         report = msgspec.structs.replace(
-            report, weight_bytes=weight_bytes, weight_seconds=round(weight_seconds, 3)
+            report,
+            weight_bytes=weight_bytes,
+            weight_seconds=round(weight_seconds, 3),
+            wait_seconds=round(waited, 3),
         )
         await nc.publish(step_subject(self.config.run), encode(report))
         metrics.steps.inc()

@@ -1,0 +1,93 @@
+"""Pipeline benchmark: asynchronous RL against its synchronous baseline, same budget.
+
+`examples/local.yaml` is trained twice from one warmed-up model, for the same wall-clock
+budget each (counted from the first step): once with `maxStaleness: 0` (the trainer only
+trains on rollouts of its current version, so generation and training take turns) and
+once as written (rollouts run ahead while the trainer trains). The trainer and the
+rollout workers sit on disjoint cores in both, so the comparison measures overlap.
+
+Reward is compared smoothed over the last `WINDOW` steps' trajectories. Idle fraction is
+the trainer's time waiting for trajectories (`StepReport.wait_seconds`) over its time
+from its first step to its last. Prints one JSON object; `--minutes` sets the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from rlfleet.api.wire import StepReport
+from rlfleet.local import plan
+from rlfleet.local.run import load, make_model, train
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "local.yaml"
+WINDOW = 10  # steps a smoothed reward averages over
+
+
+def smoothed(reports: list[StepReport]) -> list[tuple[float, float]]:
+    """(seconds since the first step began, reward over the last WINDOW steps) per step."""
+    start = reports[0].finished_at - reports[0].step_seconds
+    points = []
+    for index, report in enumerate(reports):
+        window = reports[max(0, index + 1 - WINDOW) : index + 1]
+        weight = sum(len(r.trajectories) for r in window)
+        reward = sum(r.reward_mean * len(r.trajectories) for r in window) / weight
+        points.append((report.finished_at - start, reward))
+    return points
+
+
+def idle_fraction(reports: list[StepReport]) -> float:
+    """Waiting time over the span between the first and the last step's end."""
+    span = reports[-1].finished_at - reports[0].finished_at
+    return sum(r.wait_seconds for r in reports[1:]) / span if span > 0 else 0.0
+
+
+def measure(name: str, reports: list[StepReport]) -> dict:
+    curve = smoothed(reports)
+    return {
+        f"{name}_steps": len(reports),
+        f"{name}_seconds": round(curve[-1][0], 1),
+        f"{name}_reward_start": round(statistics.fmean(r for _, r in curve[:1]), 4),
+        f"{name}_final_reward": round(curve[-1][1], 4),
+        f"{name}_idle_fraction": round(idle_fraction(reports), 4),
+        f"{name}_staleness_mean": round(statistics.fmean(r.staleness_mean for r in reports), 3),
+        f"{name}_dropped_stale": reports[-1].dropped_stale_total,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=4.0, help="training budget per run")
+    parser.add_argument("--warmup-steps", type=int, default=160)
+    args = parser.parse_args()
+    name, spec = load(EXAMPLE)
+    with tempfile.TemporaryDirectory(prefix="rlfleet-pipeline-") as tmp:
+        shared = plan.Layout(Path(tmp) / "shared")
+        shared.root.mkdir()
+        make_model(spec, shared, args.warmup_steps)
+        model = spec.model.model_copy(update={"uri": f"file://{shared.model}"})
+        runs = {}
+        for mode, staleness in (("sync", 0), ("async", spec.max_staleness)):
+            moded = spec.model_copy(update={"model": model, "max_staleness": staleness})
+            layout = plan.Layout(Path(tmp) / mode)
+            runs[mode] = train(name, moded, layout, args.minutes * 60, plan.Tuning())
+    result = {"budget_seconds": args.minutes * 60, "async_max_staleness": spec.max_staleness}
+    for mode, reports in runs.items():
+        result |= measure(mode, reports)
+    target = result["sync_final_reward"]
+    reached = next((t for t, r in smoothed(runs["async"]) if r >= target), None)
+    result["async_seconds_to_sync_reward"] = None if reached is None else round(reached, 1)
+    result["async_time_ratio"] = (
+        None if reached is None else round(reached / result["sync_seconds"], 3)
+    )
+    result["idle_ratio"] = round(
+        result["async_idle_fraction"] / max(result["sync_idle_fraction"], 1e-9), 3
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
