@@ -4,7 +4,7 @@ SHELL := bash
 export PATH := $(CURDIR)/.bin:$(CURDIR)/.venv/bin:$(PATH)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo down bench lock crds
+.PHONY: setup test lint demo bed down bench lock crds
 
 setup:
 	@bash scripts/setup.sh
@@ -19,7 +19,10 @@ test: lint
 	pytest $(PYTEST_ARGS)
 
 demo: setup
-	@bash scripts/demo.sh
+	rlfleet run examples/local.yaml
+
+bed: setup
+	@bash scripts/bed.sh
 
 down: setup
 	rlfleet dev down

@@ -33,7 +33,7 @@ from rlfleet.api.wire import (
     trajectory_subject,
 )
 from rlfleet.models.tiny import init_model, read_weights
-from rlfleet.rollout.session import SUMMARY_HEADER
+from rlfleet.rollout.session import SUMMARY_HEADER, window_text
 from rlfleet.rollout.tasks import SUITES, load_suite
 from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.testbed.processes import free_port
@@ -253,6 +253,21 @@ def test_a_weight_update_mid_run_is_recorded_per_token(worker: WorkerUnderTest) 
     assert set(versions) == {0, 1}
     assert early[0].policy_version == 0
     assert worker.metric("rlfleet_rollout_policy_version") == 1.0
+
+
+def test_a_bare_question_is_asked_without_the_tool_protocol_or_a_sandbox(
+    worker: WorkerUnderTest,
+) -> None:
+    [question] = load_suite(SUITES / "rules.jsonl")[:1]
+    sandboxes = worker.metric("rlfleet_rollout_sandbox_start_seconds_count")
+    worker.publish_tasks(question)
+    for trajectory in worker.collect(2):
+        [segment] = trajectory.segments  # one turn: its text is the answer
+        prompt = worker.text(segment.tokens[: segment.prompt_len])
+        assert prompt == window_text(question.prompt, tools=False)
+        assert "<|im_start|>system" not in prompt and "<tool>" not in prompt
+        assert "exact" in trajectory.reward_breakdown  # graded against the task's answer
+    assert worker.metric("rlfleet_rollout_sandbox_start_seconds_count") == sandboxes
 
 
 def test_a_malformed_task_is_rejected_and_counted(worker: WorkerUnderTest) -> None:

@@ -19,7 +19,7 @@ def register(groups: argparse._SubParsersAction) -> None:
         "--state", type=Path, default=None, help="run folder (default .rlfleet/runs/NAME)"
     )
     command.add_argument(
-        "--minutes", type=float, default=8.0, help="training budget, from the first step"
+        "--minutes", type=float, default=7.0, help="training budget, from the first step"
     )
     command.add_argument("--warmup-steps", type=int, default=160, help="supervised warm-up")
     command.set_defaults(handler=_run)

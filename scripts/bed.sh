@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make demo`: brings up four real clusters and NATS, installs rlfleet's CRDs and the examples,
+# `make bed`: brings up four real clusters and NATS, installs rlfleet's CRDs and the examples,
 # and shows what an on-call engineer sees. The bed stays up until `make down`.
 set -euo pipefail
 rlfleet dev up
