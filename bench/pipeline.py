@@ -20,23 +20,18 @@ import tempfile
 from pathlib import Path
 
 from rlfleet.api.wire import StepReport
-from rlfleet.local import plan
+from rlfleet.local import plan, report
 from rlfleet.local.run import load, make_model, train
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "local.yaml"
-WINDOW = 10  # steps a smoothed reward averages over
+WINDOW = report.SMOOTHING_STEPS
 
 
 def smoothed(reports: list[StepReport]) -> list[tuple[float, float]]:
     """(seconds since the first step began, reward over the last WINDOW steps) per step."""
     start = reports[0].finished_at - reports[0].step_seconds
-    points = []
-    for index, report in enumerate(reports):
-        window = reports[max(0, index + 1 - WINDOW) : index + 1]
-        weight = sum(len(r.trajectories) for r in window)
-        reward = sum(r.reward_mean * len(r.trajectories) for r in window) / weight
-        points.append((report.finished_at - start, reward))
-    return points
+    rewards = report.rolling_reward(reports, WINDOW)
+    return [(r.finished_at - start, reward) for r, reward in zip(reports, rewards, strict=True)]
 
 
 def idle_fraction(reports: list[StepReport]) -> float:

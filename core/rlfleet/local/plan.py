@@ -56,6 +56,7 @@ class Tuning:
 
     step_tokens: int = 2048  # about eight groups of eight bare questions
     lr: float = 5e-4  # 1e-3 collapses the tiny policy onto one answer per question
+    lr_warmup_steps: int = 50
     turn_tokens: int = 24
     max_turns: int = 2
     max_model_len: int = 1024
@@ -121,6 +122,7 @@ def processes(
             "max_staleness": spec.max_staleness,
             "step_tokens": tuning.step_tokens,
             "lr": tuning.lr,
+            "lr_warmup_steps": tuning.lr_warmup_steps,
             "weightsync": sync,
         },
         threads,

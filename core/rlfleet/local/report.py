@@ -17,7 +17,18 @@ import matplotlib.pyplot as plt
 
 from rlfleet.api.wire import StepReport
 
-EDGE_STEPS = 5  # reward_start and reward_end average this many steps at each end
+EDGE_STEPS = 25  # reward_start and reward_end average this many steps at each end
+SMOOTHING_STEPS = 25  # a step's reward is over a few dozen trajectories: noisy alone
+
+
+def rolling_reward(reports: list[StepReport], window: int = SMOOTHING_STEPS) -> list[float]:
+    """Per step, the mean reward of the trajectories of the last `window` steps."""
+    found = []
+    for index in range(len(reports)):
+        steps = reports[max(0, index + 1 - window) : index + 1]
+        count = sum(len(r.trajectories) for r in steps)
+        found.append(sum(r.reward_mean * len(r.trajectories) for r in steps) / max(count, 1))
+    return found
 
 
 def summary(reports: list[StepReport]) -> dict:
@@ -28,8 +39,8 @@ def summary(reports: list[StepReport]) -> dict:
         "steps": len(reports),
         "policy_version": reports[-1].policy_version,
         "seconds": round(reports[-1].finished_at - reports[0].finished_at, 1),
-        "reward_start": round(statistics.fmean(r.reward_mean for r in first), 4),
-        "reward_end": round(statistics.fmean(r.reward_mean for r in last), 4),
+        "reward_start": round(rolling_reward(first, EDGE_STEPS)[-1], 4),
+        "reward_end": round(rolling_reward(last, EDGE_STEPS)[-1], 4),
         "staleness_mean": round(statistics.fmean(r.staleness_mean for r in reports), 3),
         "dropped_stale": reports[-1].dropped_stale_total,
         "delta_bytes_mean": round(statistics.fmean(r.weight_bytes for r in reports)),
@@ -52,11 +63,16 @@ def _plots(reports: list[StepReport], folder: Path) -> None:
     seconds = [r.finished_at - start for r in reports]
     versions = [r.policy_version for r in reports]
     rewards = [r.reward_mean for r in reports]
+    smoothed = rolling_reward(reports)
     figure, axes = plt.subplots(2, 2, figsize=(11, 8))
-    axes[0][0].plot(seconds, rewards)
-    axes[0][0].set(title="reward vs time", xlabel="seconds", ylabel="mean reward")
-    axes[0][1].plot(versions, rewards)
-    axes[0][1].set(title="reward vs policy version", xlabel="version", ylabel="mean reward")
+    for axis, x, name, unit in (
+        (axes[0][0], seconds, "time", "seconds"),
+        (axes[0][1], versions, "policy version", "version"),
+    ):
+        axis.plot(x, rewards, color="lightsteelblue", label="per step")
+        axis.plot(x, smoothed, color="navy", label=f"last {SMOOTHING_STEPS} steps")
+        axis.set(title=f"reward vs {name}", xlabel=unit, ylabel="mean reward")
+        axis.legend(loc="upper left")
     axes[1][0].hist([r.staleness_mean for r in reports], bins=20)
     axes[1][0].set(title="staleness per step", xlabel="versions behind (mean)", ylabel="steps")
     axes[1][1].bar(versions, [r.weight_bytes for r in reports])

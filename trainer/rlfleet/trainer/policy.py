@@ -73,9 +73,16 @@ class Policy:
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
+        # Adam's first updates move every weight by about lr whatever the gradient's size;
+        # ramping lr up keeps a policy's first noisy RL steps from undoing its warm start.
+        warmup = max(config.lr_warmup_steps, 1)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / warmup)
+        )
         self.engine, *_ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
+            lr_scheduler=schedule,  # stepped with the optimiser and kept in checkpoints
             config={
                 "train_micro_batch_size_per_gpu": 1,
                 "gradient_accumulation_steps": 1,
