@@ -6,7 +6,7 @@ trains on rollouts of its current version, so generation and training take turns
 once as written (rollouts run ahead while the trainer trains). The trainer and the
 rollout workers sit on disjoint cores in both, so the comparison measures overlap.
 
-Reward is compared smoothed over the last `WINDOW` steps' trajectories. Idle fraction is
+Reward is compared smoothed (`report.rolling_reward`). Idle fraction is
 the trainer's time waiting for trajectories (`StepReport.wait_seconds`) over its time
 from its first step to its last. Prints one JSON object; `--minutes` sets the budget.
 """
@@ -24,13 +24,12 @@ from rlfleet.local import plan, report
 from rlfleet.local.run import load, make_model, train
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "local.yaml"
-WINDOW = report.SMOOTHING_STEPS
 
 
 def smoothed(reports: list[StepReport]) -> list[tuple[float, float]]:
-    """(seconds since the first step began, reward over the last WINDOW steps) per step."""
+    """(seconds since the first step began, reward over the last steps' window) per step."""
     start = reports[0].finished_at - reports[0].step_seconds
-    rewards = report.rolling_reward(reports, WINDOW)
+    rewards = report.rolling_reward(reports)
     return [(r.finished_at - start, reward) for r, reward in zip(reports, rewards, strict=True)]
 
 
@@ -45,7 +44,7 @@ def measure(name: str, reports: list[StepReport]) -> dict:
     return {
         f"{name}_steps": len(reports),
         f"{name}_seconds": round(curve[-1][0], 1),
-        f"{name}_reward_start": round(statistics.fmean(r for _, r in curve[:1]), 4),
+        f"{name}_reward_start": round(curve[0][1], 4),
         f"{name}_final_reward": round(curve[-1][1], 4),
         f"{name}_idle_fraction": round(idle_fraction(reports), 4),
         f"{name}_staleness_mean": round(statistics.fmean(r.staleness_mean for r in reports), 3),
@@ -61,7 +60,6 @@ def main() -> None:
     name, spec = load(EXAMPLE)
     with tempfile.TemporaryDirectory(prefix="rlfleet-pipeline-") as tmp:
         shared = plan.Layout(Path(tmp) / "shared")
-        shared.root.mkdir()
         make_model(spec, shared, args.warmup_steps)
         model = spec.model.model_copy(update={"uri": f"file://{shared.model}"})
         runs = {}

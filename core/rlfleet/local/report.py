@@ -21,14 +21,15 @@ EDGE_STEPS = 25  # reward_start and reward_end average this many steps at each e
 SMOOTHING_STEPS = 25  # a step's reward is over a few dozen trajectories: noisy alone
 
 
+def mean_reward(steps: list[StepReport]) -> float:
+    """The mean reward over the trajectories of `steps` (steps differ in size)."""
+    count = sum(len(r.trajectories) for r in steps)
+    return sum(r.reward_mean * len(r.trajectories) for r in steps) / max(count, 1)
+
+
 def rolling_reward(reports: list[StepReport], window: int = SMOOTHING_STEPS) -> list[float]:
     """Per step, the mean reward of the trajectories of the last `window` steps."""
-    found = []
-    for index in range(len(reports)):
-        steps = reports[max(0, index + 1 - window) : index + 1]
-        count = sum(len(r.trajectories) for r in steps)
-        found.append(sum(r.reward_mean * len(r.trajectories) for r in steps) / max(count, 1))
-    return found
+    return [mean_reward(reports[max(0, i + 1 - window) : i + 1]) for i in range(len(reports))]
 
 
 def summary(reports: list[StepReport]) -> dict:
@@ -39,8 +40,8 @@ def summary(reports: list[StepReport]) -> dict:
         "steps": len(reports),
         "policy_version": reports[-1].policy_version,
         "seconds": round(reports[-1].finished_at - reports[0].finished_at, 1),
-        "reward_start": round(rolling_reward(first, EDGE_STEPS)[-1], 4),
-        "reward_end": round(rolling_reward(last, EDGE_STEPS)[-1], 4),
+        "reward_start": round(mean_reward(first), 4),
+        "reward_end": round(mean_reward(last), 4),
         "staleness_mean": round(statistics.fmean(r.staleness_mean for r in reports), 3),
         "dropped_stale": reports[-1].dropped_stale_total,
         "delta_bytes_mean": round(statistics.fmean(r.weight_bytes for r in reports)),

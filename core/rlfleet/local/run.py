@@ -174,7 +174,6 @@ def train(
 def run(path: Path, root: Path | None, minutes: float, warmup_steps: int) -> int:
     name, spec = load(path)
     layout = plan.Layout(root or Path(".rlfleet") / "runs" / name)
-    layout.root.mkdir(parents=True, exist_ok=True)
     make_model(spec, layout, warmup_steps)
     reports = train(name, spec, layout, minutes * 60, plan.Tuning())
     summary = report.write(reports, layout.report)
