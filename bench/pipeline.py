@@ -14,6 +14,7 @@ from its first step to its last. Prints one JSON object; `--minutes` sets the bu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -56,7 +57,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=4.0, help="training budget per run")
     parser.add_argument("--warmup-steps", type=int, default=160)
+    parser.add_argument(
+        "--updates-per-step",
+        type=int,
+        default=1,
+        help="optimiser passes per batch; 2 balances the trainer with the rollouts on 2 cores",
+    )
+    parser.add_argument(
+        "--plot", type=Path, default=Path(".rlfleet/bench/pipeline.png"), help="reward vs time"
+    )
     args = parser.parse_args()
+    tuning = dataclasses.replace(plan.Tuning(), updates_per_step=args.updates_per_step)
     name, spec = load(EXAMPLE)
     with tempfile.TemporaryDirectory(prefix="rlfleet-pipeline-") as tmp:
         shared = plan.Layout(Path(tmp) / "shared")
@@ -66,8 +77,12 @@ def main() -> None:
         for mode, staleness in (("sync", 0), ("async", spec.max_staleness)):
             moded = spec.model_copy(update={"model": model, "max_staleness": staleness})
             layout = plan.Layout(Path(tmp) / mode)
-            runs[mode] = train(name, moded, layout, args.minutes * 60, plan.Tuning())
-    result = {"budget_seconds": args.minutes * 60, "async_max_staleness": spec.max_staleness}
+            runs[mode] = train(name, moded, layout, args.minutes * 60, tuning)
+    result = {
+        "budget_seconds": args.minutes * 60,
+        "async_max_staleness": spec.max_staleness,
+        "updates_per_step": args.updates_per_step,
+    }
     for mode, reports in runs.items():
         result |= measure(mode, reports)
     target = result["sync_final_reward"]
@@ -79,6 +94,7 @@ def main() -> None:
     result["idle_ratio"] = round(
         result["async_idle_fraction"] / max(result["sync_idle_fraction"], 1e-9), 3
     )
+    report.compare(runs, args.plot)
     print(json.dumps(result))
 
 

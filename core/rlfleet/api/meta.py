@@ -13,6 +13,9 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 CATEGORY = "rlfleet"
 GPU_RESOURCE = "nvidia.com/gpu"
+# Labels on every object the operator creates for a run: which run, which component.
+RUN_LABEL = f"{GROUP}/run"
+COMPONENT_LABEL = f"{GROUP}/component"
 
 # A DNS-1123 label: names of regions, pools and other objects a spec refers to.
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"

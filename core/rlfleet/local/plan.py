@@ -57,6 +57,9 @@ class Tuning:
     step_tokens: int = 2048  # about eight groups of eight bare questions
     lr: float = 5e-4  # 1e-3 collapses the tiny policy onto one answer per question
     lr_warmup_steps: int = 50
+    # Optimiser passes over each batch. Two learn more per step but make the one trainer
+    # core the bottleneck: no more reward per minute here, and far more stale rollouts.
+    updates_per_step: int = 1
     turn_tokens: int = 24
     max_turns: int = 2
     max_model_len: int = 1024
@@ -123,6 +126,7 @@ def processes(
             "step_tokens": tuning.step_tokens,
             "lr": tuning.lr,
             "lr_warmup_steps": tuning.lr_warmup_steps,
+            "updates_per_step": tuning.updates_per_step,
             "weightsync": sync,
         },
         threads,

@@ -81,3 +81,22 @@ def _plots(reports: list[StepReport], folder: Path) -> None:
     figure.tight_layout()
     figure.savefig(folder / "report.png", dpi=100)
     plt.close(figure)
+
+
+def compare(runs: dict[str, list[StepReport]], path: Path) -> None:
+    """Smoothed reward against training time, one line per run (a benchmark's plot)."""
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for name, reports in runs.items():
+        if reports:
+            start = reports[0].finished_at - reports[0].step_seconds
+            seconds = [r.finished_at - start for r in reports]
+            axis.plot(seconds, rolling_reward(reports), label=f"{name} ({len(reports)} steps)")
+    axis.set(
+        title=f"reward (last {SMOOTHING_STEPS} steps) vs time",
+        xlabel="seconds of training",
+        ylabel="mean reward",
+    )
+    axis.legend(loc="upper left")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

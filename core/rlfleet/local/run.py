@@ -141,6 +141,13 @@ async def recorded_steps(name: str, url: str) -> list[StepReport]:
         await nc.close()
 
 
+def launch(process: plan.Process, supervisor: Supervisor) -> None:
+    """Writes the process's config where its argv names it, then starts it."""
+    config_path = Path(process.argv[-1])
+    config_path.write_text(json.dumps(process.config, indent=2))
+    supervisor.start(process.name, process.argv, process.env)
+
+
 def train(
     name: str, spec: RLRunSpec, layout: plan.Layout, budget_s: float, tuning: plan.Tuning
 ) -> list[StepReport]:
@@ -153,9 +160,7 @@ def train(
     try:
         bed = start_nats([r.name for r in spec.rollout.regions], supervisor, layout.nats)
         for process in plan.processes(name, spec, layout, bed, tuning):
-            config_path = layout.configs / f"{process.name}.json"
-            config_path.write_text(json.dumps(process.config, indent=2))
-            supervisor.start(process.name, process.argv, process.env)
+            launch(process, supervisor)
         console.print(f"started {name}: logs in {layout.logs}; Ctrl-C stops and reports")
 
         async def watched() -> list[StepReport]:

@@ -79,6 +79,19 @@ class Supervisor:
         self.processes.remove(old)
         return self.start(name, old.argv, old.env)
 
+    def stop(self, name: str, grace_seconds: float = 10.0) -> int | None:
+        """Stops one process as a kubelet stops a container: SIGTERM to the process alone
+        (its children, such as vLLM's engine, are its to stop while it drains), then
+        whatever is left of its group after the grace period. Returns its exit code."""
+        managed = next(m for m in self.processes if m.name == name)
+        self.processes.remove(managed)
+        with contextlib.suppress(ProcessLookupError):
+            managed.process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            managed.process.wait(timeout=grace_seconds)
+        stop_pids([managed.process.pid], grace_seconds=5)
+        return managed.process.poll()
+
     def check_alive(self) -> None:
         for managed in self.processes:
             if managed.process.poll() is not None:

@@ -13,13 +13,11 @@ from typing import Any
 
 from rlfleet.api.envpool import EnvPoolSpec
 from rlfleet.api.inferencepool import InferencePoolSpec
-from rlfleet.api.meta import API_VERSION, GPU_RESOURCE, GROUP
+from rlfleet.api.meta import API_VERSION, COMPONENT_LABEL, GPU_RESOURCE, GROUP, RUN_LABEL
 from rlfleet.api.rlrun import RLRunSpec
 
-RUN_LABEL = f"{GROUP}/run"
 POOL_LABEL = f"{GROUP}/pool"
 ENVPOOL_LABEL = f"{GROUP}/envpool"
-COMPONENT_LABEL = f"{GROUP}/component"
 ORIGIN_LABEL = f"{GROUP}/origin"  # on a region's mirror: the hub cluster it came from
 ORIGIN_UID = f"{GROUP}/origin-uid"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "rlfleet-operator"}

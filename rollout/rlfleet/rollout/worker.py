@@ -136,6 +136,7 @@ class Worker:
             while not self.stopping.is_set():
                 await self._take(queue, js)
             # Finish what was taken: it is acknowledged only when published.
+            log.info("stopping: finishing %d groups under way", len(self._groups))
             await asyncio.gather(*self._groups, return_exceptions=True)
         finally:
             await engine.close()

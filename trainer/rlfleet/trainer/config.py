@@ -26,7 +26,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_step_tokens: Positive | None = None  # and on more when ready, up to this (2x by default)
     micro_batch_tokens: Positive = 8192  # padded tokens per forward/backward
     lr: float = 1e-5
-    lr_warmup_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # lr ramps up over these steps
+    lr_warmup_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # lr ramps up over these updates
+    updates_per_step: Positive = 1  # optimiser passes over each batch (PPO epochs)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     clip_low: float = 0.2

@@ -259,7 +259,6 @@ class Trainer:
             },
         )
         self.consumed = set(seqs)
-        self._append_log(record)
         weight_bytes, weight_seconds = await self._publish_weights()
         await self._ack(seqs)
         self.ready_at = time.perf_counter()
@@ -269,6 +268,7 @@ class Trainer:
             weight_seconds=round(weight_seconds, 3),
             wait_seconds=round(waited, 3),
         )
+        self._append_log(msgspec.to_builtins(report))
         await nc.publish(step_subject(self.config.run), encode(report))
         metrics.steps.inc()
         metrics.trajectories.labels("trained").inc(len(items))

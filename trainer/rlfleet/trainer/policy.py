@@ -113,38 +113,49 @@ class Policy:
         )
 
     def train_step(self, micro_batches: list[Rows]) -> StepResult:
-        """One optimiser step over all `micro_batches`; the loss is a mean over all their tokens."""
+        """`updates_per_step` optimiser steps over all `micro_batches`, each a mean over all
+        their tokens. The first pass's log-probs are the proximal policy: later passes are
+        clipped against it (PPO epochs), which is what makes reusing a batch safe."""
         self.engine.train()
         tokens = sum(rows.tokens for rows in micro_batches)
-        total_loss, clipped = 0.0, 0.0
-        trainer_lp, behaviour_lp, masks = [], [], []
-        for rows in micro_batches:
-            logprobs = self.logprobs(rows)
-            reference = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    reference = self.logprobs(rows, self.reference)
-            # One update per batch: the proximal policy is the current one (ratio 1, clip idle),
-            # and the truncated importance weight carries the off-policy correction.
-            result = policy_loss(
-                logprobs,
-                logprobs.detach(),
-                rows.behaviour,
-                rows.advantages,
-                rows.mask,
-                self.objective,
-                reference,
-                tokens=tokens,
-            )
-            self.engine.backward(result.loss, scale_wrt_gas=False)
-            total_loss += float(result.loss.detach())
-            clipped += result.clipped_fraction * rows.tokens / tokens
-            trainer_lp.append(logprobs.detach().flatten())
-            behaviour_lp.append(rows.behaviour.flatten())
-            masks.append(rows.mask.flatten())
-        self.engine.step()
-        mismatch = Mismatch.of(torch.cat(trainer_lp), torch.cat(behaviour_lp), torch.cat(masks))
-        return StepResult(total_loss, tokens, mismatch, clipped)
+        proximal: list[torch.Tensor] = []
+        first: StepResult | None = None
+        for _ in range(self.config.updates_per_step):
+            total_loss, clipped = 0.0, 0.0
+            for index, rows in enumerate(micro_batches):
+                logprobs = self.logprobs(rows)
+                if len(proximal) <= index:
+                    proximal.append(logprobs.detach())
+                reference = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        reference = self.logprobs(rows, self.reference)
+                # The truncated importance weight proximal/behaviour carries the off-policy
+                # correction; on the first pass the ratio is 1 and the clip idle.
+                result = policy_loss(
+                    logprobs,
+                    proximal[index],
+                    rows.behaviour,
+                    rows.advantages,
+                    rows.mask,
+                    self.objective,
+                    reference,
+                    tokens=tokens,
+                )
+                self.engine.backward(result.loss, scale_wrt_gas=False)
+                total_loss += float(result.loss.detach())
+                clipped += result.clipped_fraction * rows.tokens / tokens
+            self.engine.step()
+            if first is None:
+                mismatch = Mismatch.of(
+                    torch.cat([lp.flatten() for lp in proximal]),
+                    torch.cat([rows.behaviour.flatten() for rows in micro_batches]),
+                    torch.cat([rows.mask.flatten() for rows in micro_batches]),
+                )
+                first = StepResult(total_loss, tokens, mismatch, clipped)
+        # The loss and mismatch are the first pass's: the batch as the engine sampled it. The
+        # clipped fraction is the last pass's: how far the reuse pushed from the proximal.
+        return StepResult(first.loss, tokens, first.mismatch, clipped)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The policy's tensors under the checkpoint's names, in the serving dtype."""

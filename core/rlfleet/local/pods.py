@@ -1,0 +1,133 @@
+"""The operator-driven local mode: the pods the operator creates run as local processes.
+
+On the test bed nodes are kwok's, so a pod reaches Running and nothing runs in it. Here
+each of a run's trainer and rollout pods is bound to a local process made by the same
+plan as `rlfleet run`, so the data plane runs under the control plane's decisions: a
+rollout pod the operator creates on lent GPUs starts a worker; a pod deleted on reclaim
+stops it (SIGTERM: the worker stops taking tasks and publishes the groups under way);
+training goes on with the workers left.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import kubernetes
+
+from rlfleet.api.meta import COMPONENT_LABEL, RUN_LABEL
+from rlfleet.local.plan import Process
+from rlfleet.local.run import launch
+from rlfleet.testbed.processes import Supervisor
+
+log = logging.getLogger(__name__)
+
+REGION_ENV = "RLFLEET_REGION"  # set on every rollout container by the operator
+
+
+@dataclass(frozen=True)
+class Pod:
+    cluster: str
+    name: str
+    component: str
+    region: str | None  # a rollout pod's region
+
+    @property
+    def key(self) -> str:
+        return f"{self.cluster}/{self.name}"
+
+
+def live_pods(cluster: str, run: str, items: Iterable[dict]) -> list[Pod]:
+    """The run's trainer and rollout pods that are Running and not being deleted."""
+    found = []
+    for item in items:
+        meta, status = item["metadata"], item.get("status", {})
+        labels = meta.get("labels", {})
+        component = labels.get(COMPONENT_LABEL)
+        if labels.get(RUN_LABEL) != run or component not in ("trainer", "rollout"):
+            continue
+        if meta.get("deletionTimestamp") or status.get("phase") != "Running":
+            continue
+        env = {
+            e["name"]: e.get("value")
+            for container in item["spec"]["containers"]
+            for e in container.get("env", [])
+        }
+        found.append(Pod(cluster, meta["name"], component, env.get(REGION_ENV)))
+    return found
+
+
+def process_for(pod: Pod, plan: dict[str, Process]) -> Process | None:
+    """The local process a pod stands for: the plan's trainer, or its region's rollout
+    worker named after the pod (`cluster/pod`, so trajectories say which pod made them)."""
+    if pod.component == "trainer":
+        return plan["trainer"]
+    template = plan.get(f"rollout-{pod.region}")
+    if template is None:
+        return None
+    name = f"rollout-{pod.cluster}-{pod.name}"
+    config_path = str(Path(template.argv[-1]).with_name(f"{name}.json"))
+    return replace(
+        template,
+        name=name,
+        argv=[*template.argv[:-1], config_path],
+        config=template.config | {"name": pod.key},
+    )
+
+
+def kube_pods(kubeconfig: Path, namespace: str, run: str) -> Callable[[str], list[dict]]:
+    """Lists the run's pods in `namespace` of a kubeconfig context (one client per context)."""
+    apis: dict[str, kubernetes.client.CoreV1Api] = {}
+
+    def list_pods(cluster: str) -> list[dict]:
+        if cluster not in apis:
+            client = kubernetes.config.new_client_from_config(str(kubeconfig), context=cluster)
+            apis[cluster] = kubernetes.client.CoreV1Api(client)
+        response = apis[cluster].list_namespaced_pod(
+            namespace,
+            label_selector=f"{RUN_LABEL}={run}",
+            _preload_content=False,
+            _request_timeout=10,
+        )
+        return json.loads(response.data)["items"]
+
+    return list_pods
+
+
+@dataclass
+class PodRunner:
+    """Keeps one local process per live pod: `sync` starts what is new, stops what is gone."""
+
+    run: str
+    plan: dict[str, Process]  # by name, from `plan.processes`
+    list_pods: Callable[[str], list[dict]]  # cluster -> its pods in the run's namespace
+    clusters: list[str]
+    supervisor: Supervisor
+    stop_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        self.running: dict[str, str] = {}  # pod key -> process name
+        self.exits: dict[str, int | None] = {}  # process name -> exit code once stopped
+
+    def sync(self) -> None:
+        pods = {
+            pod.key: pod
+            for cluster in self.clusters
+            for pod in live_pods(cluster, self.run, self.list_pods(cluster))
+        }
+        for key in sorted(set(self.running) - set(pods)):
+            name = self.running[key]
+            log.info("pod %s is gone: stopping %s", key, name)
+            self.exits[name] = self.supervisor.stop(name, self.stop_grace_s)
+            del self.running[key]  # only now: until it has exited, it still runs
+        for key in sorted(set(pods) - set(self.running)):
+            process = process_for(pods[key], self.plan)
+            if process is None:
+                log.warning("pod %s has no local process (region not in the plan)", key)
+                continue
+            log.info("pod %s is running: starting %s", key, process.name)
+            launch(process, self.supervisor)
+            self.running[key] = process.name
