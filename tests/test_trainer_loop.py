@@ -215,7 +215,10 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_trajectories(
 ) -> None:
     url = nats_servers.bed.hub.authenticated_url
     names = "abcdef"
-    with trainer(tmp_path, tiny_moe, nats_servers, max_steps=3, ack_wait_s=3) as process:
+    # Two optimiser passes per batch: the optimiser state they leave is what resumes.
+    with trainer(
+        tmp_path, tiny_moe, nats_servers, max_steps=3, ack_wait_s=3, updates_per_step=2
+    ) as process:
         run = process.run
         asyncio.run(publish(url, run, [p for name in names for p in group(run, name, 0)]))
         process.start()

@@ -243,6 +243,7 @@ class Trainer:
             rejected_total=self.rejected,
             step_seconds=time.perf_counter() - started,
             finished_at=time.time(),
+            wait_seconds=round(waited, 3),
         )
         self.step += 1
         seqs = [item.seq for item in items]
@@ -259,16 +260,14 @@ class Trainer:
             },
         )
         self.consumed = set(seqs)
+        # Durable now: the log line goes out before the weights (their size is on the stream).
+        self._append_log(record)
         weight_bytes, weight_seconds = await self._publish_weights()
         await self._ack(seqs)
         self.ready_at = time.perf_counter()
         report = msgspec.structs.replace(
-            report,
-            weight_bytes=weight_bytes,
-            weight_seconds=round(weight_seconds, 3),
-            wait_seconds=round(waited, 3),
+            report, weight_bytes=weight_bytes, weight_seconds=round(weight_seconds, 3)
         )
-        self._append_log(msgspec.to_builtins(report))
         await nc.publish(step_subject(self.config.run), encode(report))
         metrics.steps.inc()
         metrics.trajectories.labels("trained").inc(len(items))
