@@ -122,6 +122,7 @@ def world(
     try:
         yield world
     finally:
+        fleet.release()
         fleet.stop()
         traffic.close()
         for link in fleet.links.values():

@@ -188,6 +188,7 @@ def world(
     finally:
         binding.stop()
         listener.close()
+        fleet.release()
         fleet.stop()
         traffic.close()
         for link in fleet.links.values():

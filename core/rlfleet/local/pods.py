@@ -111,6 +111,7 @@ class PodRunner:
     def __post_init__(self) -> None:
         self.running: dict[str, str] = {}  # pod key -> process name
         self.exits: dict[str, int | None] = {}  # process name -> exit code once stopped
+        self.unbound: set[str] = set()  # pods with no process of their own, warned about once
 
     def sync(self) -> None:
         pods = {
@@ -123,10 +124,13 @@ class PodRunner:
             log.info("pod %s is gone: stopping %s", key, name)
             self.exits[name] = self.supervisor.stop(name, self.stop_grace_s)
             del self.running[key]  # only now: until it has exited, it still runs
-        for key in sorted(set(pods) - set(self.running)):
+        self.unbound &= set(pods)
+        for key in sorted(set(pods) - set(self.running) - self.unbound):
             process = process_for(pods[key], self.plan)
-            if process is None:
-                log.warning("pod %s has no local process (region not in the plan)", key)
+            if process is None or process.name in self.running.values():
+                # A region the plan lacks, or a second trainer replica: one machine runs one.
+                log.warning("pod %s gets no local process of its own", key)
+                self.unbound.add(key)
                 continue
             log.info("pod %s is running: starting %s", key, process.name)
             launch(process, self.supervisor)

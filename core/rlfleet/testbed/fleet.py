@@ -322,5 +322,12 @@ class Fleet:
     def log(self, cluster: str) -> str:
         return (self.work / "logs" / f"operator-{cluster}.log").read_text(errors="replace")
 
+    def release(self) -> None:
+        """Deletes the watched namespaces everywhere, without waiting, so that the next
+        test's pods get the kwok nodes' GPUs; the operators, still up, drop their finalizers."""
+        for cluster in [HUB, *self.regions]:
+            for namespace in self.watch:
+                self.kubectl(cluster, "delete", "namespace", namespace, "--wait=false")
+
     def stop(self) -> None:
         self.supervisor.stop_all()
