@@ -138,7 +138,8 @@ class World:
             self.fleet.kubectl(cluster, "-n", self.namespace, "get", *what, "-o", "json")
         )
 
-    def wait(self, what: str, check, timeout: float = 240.0):
+    # Generous: a vLLM worker on a shared core takes minutes to start after a busy module.
+    def wait(self, what: str, check, timeout: float = 600.0):
         return wait_for(what, lambda: self.binding.ok() and check(), timeout=timeout)
 
 
