@@ -27,13 +27,6 @@ from rlfleet.local.run import load, make_model, train
 EXAMPLE = Path(__file__).parent.parent / "examples" / "local.yaml"
 
 
-def smoothed(reports: list[StepReport]) -> list[tuple[float, float]]:
-    """(seconds since the first step began, reward over the last steps' window) per step."""
-    start = reports[0].finished_at - reports[0].step_seconds
-    rewards = report.rolling_reward(reports)
-    return [(r.finished_at - start, reward) for r, reward in zip(reports, rewards, strict=True)]
-
-
 def idle_fraction(reports: list[StepReport]) -> float:
     """Waiting time over the span between the first and the last step's end."""
     span = reports[-1].finished_at - reports[0].finished_at
@@ -41,7 +34,7 @@ def idle_fraction(reports: list[StepReport]) -> float:
 
 
 def measure(name: str, reports: list[StepReport]) -> dict:
-    curve = smoothed(reports)
+    curve = report.reward_curve(reports)
     return {
         f"{name}_steps": len(reports),
         f"{name}_seconds": round(curve[-1][0], 1),
@@ -86,7 +79,7 @@ def main() -> None:
     for mode, reports in runs.items():
         result |= measure(mode, reports)
     target = result["sync_final_reward"]
-    reached = next((t for t, r in smoothed(runs["async"]) if r >= target), None)
+    reached = next((t for t, r in report.reward_curve(runs["async"]) if r >= target), None)
     result["async_seconds_to_sync_reward"] = None if reached is None else round(reached, 1)
     result["async_time_ratio"] = (
         None if reached is None else round(reached / result["sync_seconds"], 3)

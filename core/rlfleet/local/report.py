@@ -32,6 +32,13 @@ def rolling_reward(reports: list[StepReport], window: int = SMOOTHING_STEPS) -> 
     return [mean_reward(reports[max(0, i + 1 - window) : i + 1]) for i in range(len(reports))]
 
 
+def reward_curve(reports: list[StepReport]) -> list[tuple[float, float]]:
+    """(seconds since the first step began, rolling reward) per step."""
+    start = reports[0].finished_at - reports[0].step_seconds
+    rewards = rolling_reward(reports)
+    return [(r.finished_at - start, reward) for r, reward in zip(reports, rewards, strict=True)]
+
+
 def summary(reports: list[StepReport]) -> dict:
     if not reports:
         return {"steps": 0}
@@ -88,9 +95,8 @@ def compare(runs: dict[str, list[StepReport]], path: Path) -> None:
     figure, axis = plt.subplots(figsize=(8, 5))
     for name, reports in runs.items():
         if reports:
-            start = reports[0].finished_at - reports[0].step_seconds
-            seconds = [r.finished_at - start for r in reports]
-            axis.plot(seconds, rolling_reward(reports), label=f"{name} ({len(reports)} steps)")
+            seconds, rewards = zip(*reward_curve(reports), strict=True)
+            axis.plot(seconds, rewards, label=f"{name} ({len(reports)} steps)")
     axis.set(
         title=f"reward (last {SMOOTHING_STEPS} steps) vs time",
         xlabel="seconds of training",

@@ -323,8 +323,8 @@ class Fleet:
         return (self.work / "logs" / f"operator-{cluster}.log").read_text(errors="replace")
 
     def release(self) -> None:
-        """Deletes the watched namespaces everywhere, without waiting, so that the next
-        test's pods get the kwok nodes' GPUs; the operators, still up, drop their finalizers."""
+        """Deletes the watched namespaces everywhere, without waiting: their pods go at once,
+        so the next test's pods get the kwok nodes' GPUs."""
         for cluster in [HUB, *self.regions]:
             for namespace in self.watch:
                 self.kubectl(cluster, "delete", "namespace", namespace, "--wait=false")

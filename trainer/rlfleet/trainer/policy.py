@@ -118,44 +118,55 @@ class Policy:
         clipped against it (PPO epochs), which is what makes reusing a batch safe."""
         self.engine.train()
         tokens = sum(rows.tokens for rows in micro_batches)
-        proximal: list[torch.Tensor] = []
-        first: StepResult | None = None
-        for _ in range(self.config.updates_per_step):
-            total_loss, clipped = 0.0, 0.0
-            for index, rows in enumerate(micro_batches):
-                logprobs = self.logprobs(rows)
-                if len(proximal) <= index:
-                    proximal.append(logprobs.detach())
-                reference = None
-                if self.reference is not None:
-                    with torch.no_grad():
-                        reference = self.logprobs(rows, self.reference)
-                # The truncated importance weight proximal/behaviour carries the off-policy
-                # correction; on the first pass the ratio is 1 and the clip idle.
-                result = policy_loss(
-                    logprobs,
-                    proximal[index],
-                    rows.behaviour,
-                    rows.advantages,
-                    rows.mask,
-                    self.objective,
-                    reference,
-                    tokens=tokens,
-                )
-                self.engine.backward(result.loss, scale_wrt_gas=False)
-                total_loss += float(result.loss.detach())
-                clipped += result.clipped_fraction * rows.tokens / tokens
-            self.engine.step()
-            if first is None:
-                mismatch = Mismatch.of(
-                    torch.cat([lp.flatten() for lp in proximal]),
-                    torch.cat([rows.behaviour.flatten() for rows in micro_batches]),
-                    torch.cat([rows.mask.flatten() for rows in micro_batches]),
-                )
-                first = StepResult(total_loss, tokens, mismatch, clipped)
+        references = [self._reference(rows) for rows in micro_batches]  # frozen: once
+        loss, clipped, proximal = self._update(micro_batches, references, tokens, None)
+        for _ in range(self.config.updates_per_step - 1):
+            _, clipped, _ = self._update(micro_batches, references, tokens, proximal)
+        mismatch = Mismatch.of(
+            torch.cat([lp.flatten() for lp in proximal]),
+            torch.cat([rows.behaviour.flatten() for rows in micro_batches]),
+            torch.cat([rows.mask.flatten() for rows in micro_batches]),
+        )
         # The loss and mismatch are the first pass's: the batch as the engine sampled it. The
         # clipped fraction is the last pass's: how far the reuse pushed from the proximal.
-        return StepResult(first.loss, tokens, first.mismatch, clipped)
+        return StepResult(loss, tokens, mismatch, clipped)
+
+    def _reference(self, rows: Rows) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            return self.logprobs(rows, self.reference)
+
+    def _update(
+        self,
+        micro_batches: list[Rows],
+        references: list[torch.Tensor | None],
+        tokens: int,
+        proximal: list[torch.Tensor] | None,
+    ) -> tuple[float, float, list[torch.Tensor]]:
+        """One optimiser step over every micro-batch, clipped against `proximal` (on the
+        first pass, the pass's own log-probs: ratio 1, clip idle; the truncated importance
+        weight proximal/behaviour carries the off-policy correction). Returns the loss, the
+        clipped fraction and this pass's log-probs before the step."""
+        total_loss, clipped, logprobs_seen = 0.0, 0.0, []
+        for index, (rows, reference) in enumerate(zip(micro_batches, references, strict=True)):
+            logprobs = self.logprobs(rows)
+            logprobs_seen.append(logprobs.detach())
+            result = policy_loss(
+                logprobs,
+                logprobs_seen[-1] if proximal is None else proximal[index],
+                rows.behaviour,
+                rows.advantages,
+                rows.mask,
+                self.objective,
+                reference,
+                tokens=tokens,
+            )
+            self.engine.backward(result.loss, scale_wrt_gas=False)
+            total_loss += float(result.loss.detach())
+            clipped += result.clipped_fraction * rows.tokens / tokens
+        self.engine.step()
+        return total_loss, clipped, logprobs_seen
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The policy's tensors under the checkpoint's names, in the serving dtype."""
