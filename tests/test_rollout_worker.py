@@ -19,6 +19,7 @@ import nats
 import pytest
 import rollout_scripts
 import torch
+from conftest import wait_for
 from rollout_scripts import ABUSE, HAPPY, SUMMARY, SUMMARY_TASK
 from transformers import AutoTokenizer
 
@@ -104,10 +105,15 @@ class WorkerUnderTest:
     def publish_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         self.loop.run_until_complete(self.publisher.publish(tensors, version))
 
-    def publish_tasks(self, *tasks, group_size: int = 2) -> None:
+    def publish_tasks(self, *tasks, group_size: int = 2, min_policy_version: int = 0) -> None:
         async def publish() -> None:
             for task in tasks:
-                message = TaskMessage(run=self.run, task=task, group_size=group_size)
+                message = TaskMessage(
+                    run=self.run,
+                    task=task,
+                    group_size=group_size,
+                    min_policy_version=min_policy_version,
+                )
                 await self.js.publish(task_subject(self.run), encode(message))
 
         self.loop.run_until_complete(publish())
@@ -236,12 +242,7 @@ def test_a_weight_update_mid_run_is_recorded_per_token(worker: WorkerUnderTest) 
     toy = load_suite(SUITES / "toy.jsonl")[:8]
     worker.publish_tasks(*toy)
     early = worker.collect(1)
-    # The trainer's next version: every weight nudged.
-    tensors = {
-        name: (t.float() + 1e-3 * torch.randn_like(t.float())).to(t.dtype)
-        for name, t in read_weights(worker.model).items()
-    }
-    worker.publish_weights(tensors, 1)
+    worker.publish_weights(nudged(worker), 1)
     rest = worker.collect(2 * len(toy) - 1)
     versions = []
     for trajectory in early + rest:
@@ -253,6 +254,31 @@ def test_a_weight_update_mid_run_is_recorded_per_token(worker: WorkerUnderTest) 
     assert set(versions) == {0, 1}
     assert early[0].policy_version == 0
     assert worker.metric("rlfleet_rollout_policy_version") == 1.0
+
+
+def nudged(worker: WorkerUnderTest) -> dict[str, torch.Tensor]:
+    """A trainer's next version: every weight moved a little."""
+    return {
+        name: (t.float() + 1e-3 * torch.randn_like(t.float())).to(t.dtype)
+        for name, t in read_weights(worker.model).items()
+    }
+
+
+def test_a_task_for_a_newer_policy_waits_for_it(worker: WorkerUnderTest) -> None:
+    held = worker.metric("rlfleet_rollout_policy_version")
+    wanted = int(held) + 1
+    task = load_suite(SUITES / "toy.jsonl")[0]
+    worker.publish_tasks(task, min_policy_version=wanted)
+    wait_for(
+        "the worker to hold the task for the next version",
+        lambda: worker.metric("rlfleet_rollout_tasks_awaiting_version") == 1.0,
+    )
+    worker.publish_weights(nudged(worker), wanted)
+    group = worker.collect(2)
+    for trajectory in group:
+        assert trajectory.policy_version == wanted  # nothing of the older policy in it
+    assert worker.metric("rlfleet_rollout_tasks_awaiting_version") == 0.0
+    assert worker.metric("rlfleet_rollout_version_wait_seconds_total") > 0
 
 
 def test_a_bare_question_is_asked_without_the_tool_protocol_or_a_sandbox(

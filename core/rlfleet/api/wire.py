@@ -162,6 +162,9 @@ class TaskMessage(WireMessage, tag="rlfleet.io/rollout-task/v1"):
     run: str
     task: Task
     group_size: Annotated[int, msgspec.Meta(ge=2)] | None = None  # the worker's default if unset
+    # The oldest policy version that may attempt it: the trainer would drop anything older
+    # as stale by the time it gets there (the feed's staleness-aware admission).
+    min_policy_version: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 def encode(message: WireMessage) -> bytes:

@@ -55,6 +55,7 @@ class Tuning:
     """Sizes for a tiny model on a few CPU cores; production sizes come from the images."""
 
     step_tokens: int = 2048  # about eight groups of eight bare questions
+    groups_per_step: int = 8  # the feed's first guess at that; the trainer's reports correct it
     lr: float = 5e-4  # 1e-3 collapses the tiny policy onto one answer per question
     lr_warmup_steps: int = 50
     # Optimiser passes over each batch. Two learn more per step but make the one trainer
@@ -166,6 +167,8 @@ def processes(
             "nats_url": nats.hub.authenticated_url,
             "suite": spec.rollout.task_suite,
             "depth": tuning.queue_depth,
+            "max_staleness": spec.max_staleness,
+            "groups_per_step": tuning.groups_per_step,
             "group_size": spec.rollout.group_size,
         },
         {},

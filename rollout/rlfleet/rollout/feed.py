@@ -1,9 +1,10 @@
 """`python -m rlfleet.rollout.feed CONFIG.json`: keeps a run's task queue stocked.
 
 Tasks come from a suite (a shipped name such as `toy`, or a path), shuffled afresh each
-pass. The queue is topped up to `depth` tasks waiting or under way, never more: a task
-published long before a worker takes it would be attempted by an older policy than
-needed, and the staleness bound would drop its trajectories.
+pass. What is published follows the trainer (its step reports) through `Admission`: no
+more tasks than it can train within the staleness bound, each naming the oldest policy
+version allowed to attempt it. The queue also never holds more than `depth` tasks
+waiting or under way, so workers share the work as it comes.
 """
 
 from __future__ import annotations
@@ -14,15 +15,26 @@ import logging
 import random
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
 import nats
+from nats.js.api import DeliverPolicy
 
-from rlfleet.api.streams import ensure_stream, task_stream_config
-from rlfleet.api.wire import Task, TaskMessage, encode, task_stream, task_subject
+from rlfleet.api.streams import ensure_stream, step_stream, step_stream_config, task_stream_config
+from rlfleet.api.wire import (
+    Task,
+    TaskMessage,
+    decode_step_report,
+    encode,
+    step_subject,
+    task_stream,
+    task_subject,
+)
+from rlfleet.rollout.admission import Admission
 from rlfleet.rollout.tasks import load_suite, suite_path
 
 log = logging.getLogger(__name__)
@@ -33,10 +45,12 @@ class FeedConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nats_url: str
     suite: str  # a shipped suite's name, or a path to a JSON Lines file
     jetstream_domain: str | None = None
+    max_staleness: Annotated[int, msgspec.Meta(ge=0)] = 4  # the trainer's bound
+    groups_per_step: Annotated[int, msgspec.Meta(ge=1)] = 8  # a first guess; steps correct it
     depth: Annotated[int, msgspec.Meta(ge=1)] = 8
     group_size: Annotated[int, msgspec.Meta(ge=2)] | None = None  # the workers' default
     seed: int = 0
-    poll_s: float = 0.5
+    poll_s: float = 0.25
 
 
 def passes(tasks: list[Task], seed: int) -> Iterator[Task]:
@@ -48,18 +62,60 @@ def passes(tasks: list[Task], seed: int) -> Iterator[Task]:
         yield from order
 
 
+class _Trainer:
+    """What the feed knows of the trainer: its step reports, as they arrive."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+        self.changed = time.monotonic()  # when the version last moved
+        self.step_s = 0.0  # the last step's training and publishing time
+
+    async def report(self, msg) -> None:
+        report = decode_step_report(msg.data)
+        if report.policy_version > self.admission.version:
+            self.changed = time.monotonic()
+            self.step_s = report.step_seconds + report.weight_seconds
+        self.admission.observe(report.policy_version, report.groups)
+
+    def starving(self, since: float) -> bool:
+        """Nothing has been waiting or under way since `since`, and the trainer has not
+        stepped for longer than a step takes: it must be short of tokens."""
+        quiet = time.monotonic() - max(since, self.changed)
+        return quiet > 1.0 + 2 * self.step_s
+
+
 async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
     tasks = passes(load_suite(suite_path(config.suite)), config.seed)
+    admission = Admission(config.max_staleness, config.groups_per_step)
+    trainer = _Trainer(admission)
     nc = await nats.connect(config.nats_url, max_reconnect_attempts=-1)
     try:
         js = nc.jetstream(domain=config.jetstream_domain)
         await ensure_stream(js, task_stream_config(config.run))
-        published = 0
+        await ensure_stream(js, step_stream_config(config.run))
+        await js.subscribe(
+            step_subject(config.run),
+            stream=step_stream(config.run),
+            cb=trainer.report,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.LAST,  # the trainer's version now, then each step
+        )
+        queued = await _queued(js, config.run)
+        admission.admit(queued)  # tasks left by an earlier feed count against the quotas
+        published, empty_since = 0, time.monotonic()
         while not stop.is_set():
-            queued = (await js.stream_info(task_stream(config.run))).state.messages
-            for _ in range(config.depth - queued):
+            queued = await _queued(js, config.run)
+            if queued:
+                empty_since = time.monotonic()
+            elif trainer.starving(empty_since):
+                admission.starved()
+                empty_since = time.monotonic()
+            for min_version in admission.admit(config.depth - queued):
                 message = TaskMessage(
-                    run=config.run, task=next(tasks), group_size=config.group_size
+                    run=config.run,
+                    task=next(tasks),
+                    group_size=config.group_size,
+                    min_policy_version=min_version,
                 )
                 await js.publish(task_subject(config.run), encode(message))
                 published += 1
@@ -68,6 +124,11 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
         log.info("published %d tasks of %s", published, config.suite)
     finally:
         await nc.close()
+
+
+async def _queued(js, run: str) -> int:
+    """Tasks waiting or under way (a work queue keeps a task until it is acknowledged)."""
+    return (await js.stream_info(task_stream(run))).state.messages
 
 
 def main() -> None:

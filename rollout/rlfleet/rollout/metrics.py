@@ -17,3 +17,11 @@ sandbox_start = Histogram(
 )
 policy_version = Gauge("rlfleet_rollout_policy_version", "Policy version the engine runs")
 generated_tokens = Counter("rlfleet_rollout_generated_tokens_total", "Tokens sampled")
+awaiting_version = Gauge(
+    "rlfleet_rollout_tasks_awaiting_version",
+    "Tasks held until the engine runs the newest policy they may be attempted by",
+)
+version_wait = Counter(
+    "rlfleet_rollout_version_wait_seconds_total",
+    "Seconds tasks spent waiting for a newer policy version",
+)

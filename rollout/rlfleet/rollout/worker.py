@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 CONSUMER = "rollout"  # one durable consumer shared by every worker of the run
 MAX_DELIVER = 5
+# A task waits this long for the policy version it needs (a trainer restarting from its
+# checkpoint takes minutes); then it goes back to the queue, to be tried again.
+VERSION_WAIT_S = 1800.0
 
 
 def make_llm(config: WorkerConfig):
@@ -171,6 +174,7 @@ class Worker:
         self.sessions += size
         heartbeat = asyncio.create_task(self._keep_alive(message))
         try:
+            await self._await_version(task.min_policy_version)
             group_id = f"{task.task.id}@{message.metadata.sequence.stream}"
             trajectories = await self._attempts(task.task, scorer, group_id, size)
             for trajectory in trajectories:
@@ -188,6 +192,17 @@ class Worker:
         finally:
             heartbeat.cancel()
             self.sessions -= size
+
+    async def _await_version(self, version: int) -> None:
+        """Hold the task (and its sessions' places) until the engine runs `version`: the
+        trainer would drop as stale what an older version made of it."""
+        assert self.engine is not None
+        if not self.config.follow_weights or self.engine.version >= version:
+            return  # an engine that follows no weights has only the version it loaded
+        started = time.perf_counter()
+        with metrics.awaiting_version.track_inprogress():
+            await self.engine.wait_for_version(version, timeout_s=VERSION_WAIT_S)
+        metrics.version_wait.inc(time.perf_counter() - started)
 
     async def _keep_alive(self, message) -> None:
         while True:
