@@ -26,32 +26,40 @@ from rlfleet.rollout.feed import FeedConfig, feed
 from rlfleet.testbed.nats import StandaloneNats
 
 
+def min_versions(admission: Admission, room: int) -> list[int]:
+    return [admission.min_version(target) for target in admission.admit(room)]
+
+
 def test_synchronous_admission_publishes_one_batch_per_version() -> None:
     admission = Admission(max_staleness=0, groups_per_step=3)
-    assert admission.admit(8) == [0, 0, 0]
+    # This version's batch, and the next one's, which waits for version 1 in the workers.
+    assert min_versions(admission, 8) == [0, 0, 0, 1, 1, 1]
     assert admission.admit(8) == []  # the trainer has not used them yet
     admission.observe(version=1, groups=3)
-    assert admission.admit(8) == [1, 1, 1]  # and only the new version may attempt them
+    assert min_versions(admission, 8) == [2, 2, 2]
 
 
 def test_asynchronous_admission_runs_ahead_by_the_bound_and_no_further() -> None:
     admission = Admission(max_staleness=2, groups_per_step=2)
-    # Batches for versions 0, 1 and 2 of the trainer, all from the base policy.
-    assert admission.admit(4) == [0, 0, 0, 0]
-    assert admission.admit(4) == [0, 0]
-    assert admission.admit(4) == []
+    # Batches for the steps from versions 0 to 3; the last must come from version 1 or
+    # newer to be at most 2 behind when it is trained.
+    assert min_versions(admission, 6) == [0, 0, 0, 0, 0, 0]
+    assert min_versions(admission, 6) == [1, 1]
     admission.observe(version=1, groups=2)
-    # The batch for version 3 must come from version 1 or newer to be trained at 3.
-    assert admission.admit(4) == [1, 1]
+    assert min_versions(admission, 6) == [2, 2]
+    assert admission.admit(6) == []
 
 
-def test_the_batch_follows_what_the_trainer_steps_on() -> None:
-    admission = Admission(max_staleness=0, groups_per_step=3)
-    admission.admit(8)
-    admission.starved()  # three groups were short of the step's tokens
+def test_a_batch_short_of_a_group_gets_one_more_and_the_next_follows_the_reports() -> None:
+    admission = Admission(max_staleness=0, groups_per_step=2)
+    for seq, target in enumerate(admission.admit(8), start=1):
+        admission.published(target, seq)
+    assert not admission.batch_done(first_unfinished_seq=2)
+    assert admission.batch_done(first_unfinished_seq=3)
+    admission.starved()  # a group was lost and the trainer waits for its batch
     assert admission.admit(8) == [0]
-    admission.observe(version=1, groups=4)
-    assert admission.admit(8) == [1, 1, 1, 1]
+    admission.observe(version=1, groups=3)
+    assert admission.admit(8) == [1, 2, 2, 2]
     admission.observe(version=1, groups=9)  # a report seen twice changes nothing
     assert admission.admit(8) == []
 
@@ -93,12 +101,13 @@ def test_the_feed_follows_the_trainer_through_its_step_reports(
                             await msg.ack()
                 return found
 
-            assert await take(2) == [0, 0]
-            # Both groups were done and the trainer did not step: it needs a third.
+            # This version's batch, then the next one's, to be held until version 1.
+            assert await take(4) == [0, 0, 1, 1]
+            # The first batch is done and the trainer has not stepped: one more for it.
             assert await take(1) == [0]
             await js.publish(step_subject(run), encode(step_report(run, 1, 0.0, 0)))
-            # The report says one group made version 1: one task, for version 1 or newer.
-            assert await take(1) == [1]
+            # The report says one group made version 1: one task for the step after.
+            assert await take(1) == [2]
         finally:
             stop.set()
             await feeding

@@ -60,6 +60,17 @@ def test_a_step_takes_what_is_ready_up_to_its_cap_oldest_first() -> None:
     assert set(buffer.groups) == {"d", "e"}
 
 
+def test_a_step_of_a_fixed_group_count_takes_exactly_that_many_oldest_first() -> None:
+    buffer = GroupBuffer(timeout_s=60)
+    _fill(buffer, "ab")
+    buffer.add(_item(99, "c", 0))  # half a group is not ready
+    assert buffer.take_groups(3, now=1.0) == []
+    _fill(buffer, "de")
+    taken = buffer.take_groups(3, now=1.0)
+    assert [g[0].trajectory.group_id for g in taken] == ["a", "b", "d"]
+    assert set(buffer.groups) == {"c", "e"}
+
+
 def test_stale_trajectories_leave_the_buffer_to_be_counted() -> None:
     buffer = GroupBuffer(timeout_s=60)
     _fill(buffer, "ab", version=0)

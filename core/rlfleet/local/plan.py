@@ -54,8 +54,9 @@ class Layout:
 class Tuning:
     """Sizes for a tiny model on a few CPU cores; production sizes come from the images."""
 
-    step_tokens: int = 2048  # about eight groups of eight bare questions
-    groups_per_step: int = 8  # the feed's first guess at that; the trainer's reports correct it
+    # Eight groups of eight bare questions (about 2,000 tokens) per step, a count the feed
+    # issues exactly: a synchronous run then wastes no rollout.
+    step_groups: int = 8
     lr: float = 5e-4  # 1e-3 collapses the tiny policy onto one answer per question
     lr_warmup_steps: int = 50
     # Optimiser passes over each batch. Two learn more per step but make the one trainer
@@ -124,7 +125,7 @@ def processes(
             "batch_invariant": spec.trainer.batch_invariant,
             "router_replay": spec.trainer.router_replay,
             "max_staleness": spec.max_staleness,
-            "step_tokens": tuning.step_tokens,
+            "step_groups": tuning.step_groups,
             "lr": tuning.lr,
             "lr_warmup_steps": tuning.lr_warmup_steps,
             "updates_per_step": tuning.updates_per_step,
@@ -168,7 +169,7 @@ def processes(
             "suite": spec.rollout.task_suite,
             "depth": tuning.queue_depth,
             "max_staleness": spec.max_staleness,
-            "groups_per_step": tuning.groups_per_step,
+            "groups_per_step": tuning.step_groups,
             "group_size": spec.rollout.group_size,
         },
         {},

@@ -22,7 +22,7 @@ from typing import Annotated
 
 import msgspec
 import nats
-from nats.js.api import DeliverPolicy
+from nats.js.api import DeliverPolicy, StreamState
 
 from rlfleet.api.streams import ensure_stream, step_stream, step_stream_config, task_stream_config
 from rlfleet.api.wire import (
@@ -77,11 +77,9 @@ class _Trainer:
             self.step_s = report.step_seconds + report.weight_seconds
         self.admission.observe(report.policy_version, report.groups)
 
-    def starving(self, since: float) -> bool:
-        """Nothing has been waiting or under way since `since`, and the trainer has not
-        stepped for longer than a step takes: it must be short of tokens."""
-        quiet = time.monotonic() - max(since, self.changed)
-        return quiet > 1.0 + 2 * self.step_s
+    def stuck(self, since: float) -> bool:
+        """No new version for longer than a step takes, counted from `since`."""
+        return time.monotonic() - max(since, self.changed) > 1.0 + 2 * self.step_s
 
 
 async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
@@ -100,24 +98,27 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
             ordered_consumer=True,
             deliver_policy=DeliverPolicy.LAST,  # the trainer's version now, then each step
         )
-        queued = await _queued(js, config.run)
-        admission.admit(queued)  # tasks left by an earlier feed count against the quotas
-        published, empty_since = 0, time.monotonic()
+        # Tasks an earlier feed left count against the quotas, as published last.
+        state = await _queue_state(js, config.run)
+        for target in admission.admit(state.messages):
+            admission.published(target, state.last_seq)
+        published, done_since = 0, time.monotonic()
         while not stop.is_set():
-            queued = await _queued(js, config.run)
-            if queued:
-                empty_since = time.monotonic()
-            elif trainer.starving(empty_since):
+            state = await _queue_state(js, config.run)
+            if not admission.batch_done(state.first_seq):
+                done_since = time.monotonic()
+            elif trainer.stuck(done_since):
                 admission.starved()
-                empty_since = time.monotonic()
-            for min_version in admission.admit(config.depth - queued):
+                done_since = time.monotonic()
+            for target in admission.admit(config.depth - state.messages):
                 message = TaskMessage(
                     run=config.run,
                     task=next(tasks),
                     group_size=config.group_size,
-                    min_policy_version=min_version,
+                    min_policy_version=admission.min_version(target),
                 )
-                await js.publish(task_subject(config.run), encode(message))
+                ack = await js.publish(task_subject(config.run), encode(message))
+                admission.published(target, ack.seq)
                 published += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), config.poll_s)
@@ -126,9 +127,9 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
         await nc.close()
 
 
-async def _queued(js, run: str) -> int:
-    """Tasks waiting or under way (a work queue keeps a task until it is acknowledged)."""
-    return (await js.stream_info(task_stream(run))).state.messages
+async def _queue_state(js, run: str) -> StreamState:
+    """The work queue keeps each task, waiting or under way, until it is acknowledged."""
+    return (await js.stream_info(task_stream(run))).state
 
 
 def main() -> None:

@@ -24,6 +24,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_staleness: Annotated[int, msgspec.Meta(ge=0)] = 4
     step_tokens: Positive = 4096  # each optimiser step trains on at least this many tokens
     max_step_tokens: Positive | None = None  # and on more when ready, up to this (2x by default)
+    # Or on exactly this many groups (tasks), ignoring the token budget: a batch the task
+    # feed's staleness-aware admission can issue exactly, so nothing goes stale unused.
+    step_groups: Positive | None = None
     micro_batch_tokens: Positive = 8192  # padded tokens per forward/backward
     lr: float = 1e-5
     lr_warmup_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # lr ramps up over these updates

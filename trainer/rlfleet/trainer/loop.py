@@ -203,8 +203,11 @@ class Trainer:
             log.warning("dropped %d trajectories whose groups never filled", len(expired))
         self._drop_stale(stale)
         await self._ack(item.seq for item in stale + expired)
-        budget = self.config.step_tokens
-        groups = self.buffer.take(budget, self.config.max_step_tokens or 2 * budget, now)
+        if self.config.step_groups is not None:
+            groups = self.buffer.take_groups(self.config.step_groups, now)
+        else:
+            budget = self.config.step_tokens
+            groups = self.buffer.take(budget, self.config.max_step_tokens or 2 * budget, now)
         if not groups:
             return
         started = time.perf_counter()
