@@ -79,8 +79,16 @@ def main() -> None:
     for mode, reports in runs.items():
         result |= measure(mode, reports)
     target = result["sync_final_reward"]
-    reached = next((t for t, r in report.reward_curve(runs["async"]) if r >= target), None)
-    result["async_seconds_to_sync_reward"] = None if reached is None else round(reached, 1)
+    # Only once the smoothing window is full: the first few steps alone are too noisy to
+    # count as reaching anything.
+    curve = report.reward_curve(runs["async"])[report.SMOOTHING_STEPS - 1 :]
+    reached = next((t for t, r in curve if r >= target), None)
+    # And the time from which it never fell below again, for a curve that only brushes it.
+    held = next(
+        (t for i, (t, _) in enumerate(curve) if min(r for _, r in curve[i:]) >= target), None
+    )
+    for key, seconds in (("reward", reached), ("reward_held", held)):
+        result[f"async_seconds_to_sync_{key}"] = None if seconds is None else round(seconds, 1)
     result["async_time_ratio"] = (
         None if reached is None else round(reached / result["sync_seconds"], 3)
     )

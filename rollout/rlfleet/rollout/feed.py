@@ -108,6 +108,10 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
             if not admission.batch_done(state.first_seq):
                 done_since = time.monotonic()
             elif trainer.stuck(done_since):
+                log.info(
+                    "version %d's batch is done and the trainer still waits: one more task",
+                    admission.version,
+                )
                 admission.starved()
                 done_since = time.monotonic()
             for target in admission.admit(config.depth - state.messages):

@@ -91,7 +91,7 @@ class Trainer:
             self.ready_at = time.perf_counter()
             while not self.stopping.is_set() and not self._done():
                 await self._receive(subscription)
-                await self._maybe_step(nc)
+                await self._maybe_step(js)
         finally:
             await nc.close()
 
@@ -194,7 +194,7 @@ class Trainer:
             if msg is not None:
                 await msg.ack_sync()
 
-    async def _maybe_step(self, nc) -> None:
+    async def _maybe_step(self, js) -> None:
         now = time.monotonic()
         stale = self.buffer.drop_stale(self.version, self.config.max_staleness)
         expired = self.buffer.expire(now)
@@ -271,7 +271,8 @@ class Trainer:
         report = msgspec.structs.replace(
             report, weight_bytes=weight_bytes, weight_seconds=round(weight_seconds, 3)
         )
-        await nc.publish(step_subject(self.config.run), encode(report))
+        # Stored before it counts as sent: the task feed paces itself by these reports.
+        await js.publish(step_subject(self.config.run), encode(report))
         metrics.steps.inc()
         metrics.trajectories.labels("trained").inc(len(items))
         for stat in ("mean_abs", "max_abs", "kl"):
