@@ -60,7 +60,7 @@ class Tuning:
     lr: float = 5e-4  # 1e-3 collapses the tiny policy onto one answer per question
     lr_warmup_steps: int = 50
     # Optimiser passes over each batch. Two learn more per step but make the one trainer
-    # core the bottleneck: no more reward per minute here, and far more stale rollouts.
+    # core the bottleneck: measured before admission control, no more reward per minute.
     updates_per_step: int = 1
     turn_tokens: int = 24
     max_turns: int = 2
