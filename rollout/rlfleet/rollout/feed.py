@@ -68,7 +68,9 @@ class _Trainer:
     def __init__(self, admission: Admission) -> None:
         self.admission = admission
         self.changed = time.monotonic()  # when the version last moved
-        self.step_s = 0.0  # the last step's training and publishing time
+        # The last step's training and publishing time; the first step, a trainer still
+        # warming up, takes seconds.
+        self.step_s = 5.0
 
     async def report(self, msg) -> None:
         report = decode_step_report(msg.data)
