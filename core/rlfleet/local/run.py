@@ -32,7 +32,7 @@ from rlfleet.api.streams import step_stream
 from rlfleet.api.wire import StepReport, decode_step_report, step_subject
 from rlfleet.local import plan, report
 from rlfleet.testbed.nats import start_nats
-from rlfleet.testbed.processes import Supervisor
+from rlfleet.testbed.processes import Supervisor, stop_pids
 
 console = Console()
 
@@ -157,10 +157,12 @@ def train(
         folder.mkdir(parents=True, exist_ok=True)
     supervisor = Supervisor(layout.logs, attached=True)
     stop = asyncio.Event()
+    components: list[str] = []
     try:
         bed = start_nats([r.name for r in spec.rollout.regions], supervisor, layout.nats)
         for process in plan.processes(name, spec, layout, bed, tuning):
             launch(process, supervisor)
+            components.append(process.name)
         console.print(f"started {name}: logs in {layout.logs}; Ctrl-C stops and reports")
 
         async def watched() -> list[StepReport]:
@@ -173,6 +175,8 @@ def train(
 
         return asyncio.run(watched())
     finally:
+        # The run's own processes before NATS, so the trainer's last step still gets out.
+        stop_pids([pid for n, pid in supervisor.pids().items() if n in components], 30)
         supervisor.stop_all(grace_seconds=30)
 
 
