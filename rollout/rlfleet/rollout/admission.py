@@ -27,15 +27,17 @@ class Admission:
     last_seq: dict[int, int] = field(default_factory=dict)  # stream sequence of the last
     extra: int = 0  # tasks added to the current batch because the trainer starved
 
-    def observe(self, version: int, groups: int) -> None:
-        """A step report: the trainer made `version` from `groups` groups."""
+    def observe(self, version: int, groups: int) -> bool:
+        """A step report: the trainer made `version` from `groups` groups. False if it is
+        not news (a report seen before, or an older one)."""
         if version <= self.version:
-            return
+            return False
         self.version = version
         self.groups_per_step = max(1, groups)
         self.issued = {t: n for t, n in self.issued.items() if t >= version}
         self.last_seq = {t: s for t, s in self.last_seq.items() if t >= version}
         self.extra = 0
+        return True
 
     def min_version(self, target: int) -> int:
         return max(0, target - self.max_staleness)

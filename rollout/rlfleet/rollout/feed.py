@@ -74,10 +74,9 @@ class _Trainer:
 
     async def report(self, msg) -> None:
         report = decode_step_report(msg.data)
-        if report.policy_version > self.admission.version:
+        if self.admission.observe(report.policy_version, report.groups):
             self.changed = time.monotonic()
             self.step_s = report.step_seconds + report.weight_seconds
-        self.admission.observe(report.policy_version, report.groups)
 
     def stuck(self, since: float) -> bool:
         """No new version for longer than a step takes, counted from `since`."""
