@@ -204,6 +204,7 @@ def test_stale_and_malformed_trajectories_never_reach_the_optimiser(
     assert steps[-1]["dropped_stale_total"] == 2 * GROUP
     assert steps[-1]["rejected_total"] == len(malformed)
     assert [s["policy_version"] for s in steps] == [1, 2, 3]
+    assert all(s["weight_bytes"] > 0 for s in steps)  # the log tells what each step shipped
     log = process.log.read_text()
     for reason in ("malformed", "token_out_of_range", "expert_out_of_range", "is not finite"):
         assert reason in log
@@ -222,10 +223,12 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_trajectories(
         run = process.run
         asyncio.run(publish(url, run, [p for name in names for p in group(run, name, 0)]))
         process.start()
-        # Killed the moment step 1 is durable: before its weights or acknowledgements go out.
-        process.wait(lambda: len(process.steps()) >= 1)
+        # Killed the moment step 1 is checkpointed: before its weights or acknowledgements
+        # go out, and before its log line, which the resume writes.
+        latest = process.directory / "checkpoints" / "latest"
+        process.wait(latest.exists)
         process.kill()
-        killed_at = len(process.steps())
+        killed_at = int(latest.read_text().strip().removeprefix("step-"))
         process.start()
         process.wait(lambda: len(process.steps()) == 3)
         assert process.proc is not None and process.proc.wait(timeout=60) == 0

@@ -263,14 +263,14 @@ class Trainer:
             },
         )
         self.consumed = set(seqs)
-        # Durable now: the log line goes out before the weights (their size is on the stream).
-        self._append_log(record)
         weight_bytes, weight_seconds = await self._publish_weights()
         await self._ack(seqs)
         self.ready_at = time.perf_counter()
         report = msgspec.structs.replace(
             report, weight_bytes=weight_bytes, weight_seconds=round(weight_seconds, 3)
         )
+        # With the weights' size; a crash before this line is mended on resume (`_resume`).
+        self._append_log(msgspec.to_builtins(report))
         # Stored before it counts as sent: the task feed paces itself by these reports.
         await js.publish(step_subject(self.config.run), encode(report))
         metrics.steps.inc()
