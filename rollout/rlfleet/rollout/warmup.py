@@ -1,9 +1,11 @@
 """`python -m rlfleet.rollout.warmup MODEL_DIR SUITE.jsonl`: supervised warm-up before RL.
 
 A freshly made tiny model never answers in the harness's format, so every attempt scores
-zero and GRPO has no signal. A short fine-tune on part of a suite's answers, written
-exactly as a session would see them (the harness's own prompt and turn ending), gives RL
-a start that answers in the right shape and is right on some tasks, not all.
+zero and GRPO has no signal. A short fine-tune on a suite's answers, written exactly as a
+session would see them (the harness's own prompt and turn ending), stopped long before it
+learns them, gives RL a start that answers in the right shape and is sometimes right on
+most tasks. GRPO learns only from groups whose attempts disagree: a fine-tune on half the
+tasks leaves the tiny model at zero on the other half, and RL then learned half as fast.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def main() -> None:
     parser.add_argument("suite", help="a shipped suite's name (toy) or a JSON Lines path")
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--batch", type=int, default=32, help="examples per step")
-    parser.add_argument("--fraction", type=float, default=0.5, help="of the tasks shown")
+    parser.add_argument("--fraction", type=float, default=1.0, help="of the tasks shown")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
