@@ -122,6 +122,14 @@ BAD_SPECS = {
         "spec.weightSync.endpoints",
     ),
     "judge without an endpoint": (_rlrun(rewards=[{"kind": "judge"}]), "spec.rewards[0].endpoint"),
+    "judge without the model it serves": (
+        _rlrun(rewards=[{"kind": "judge", "endpoint": "http://judge:8000/v1"}]),
+        "spec.rewards[0].judgeModel",
+    ),
+    "a group of one attempt": (
+        _rlrun(rollout={"groupSize": 1, "regions": [{"name": "region-a", "maxGpus": 8}]}),
+        "spec.rollout.groupSize",
+    ),
 }
 
 

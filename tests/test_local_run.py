@@ -46,7 +46,7 @@ def test_a_local_run_trains_reports_and_resumes(tmp_path: Path) -> None:
     assert (tmp_path / "report" / "report.png").stat().st_size > 0
     for region in ("region-a", "region-b"):
         log = (tmp_path / "logs" / f"rollout-{region}.log").read_text()
-        assert f"worker {region}-0 taking tasks" in log and "policy version" in log
+        assert f"worker {region}/0 taking tasks" in log and "policy version" in log
     second = run(tmp_path, minutes=0.5)
     # The trainer resumed from its checkpoint: versions go on, and the report covers both.
     assert second["policy_version"] > first["policy_version"]

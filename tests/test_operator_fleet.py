@@ -65,6 +65,9 @@ class World:
             if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
         )
 
+    def trainer_pods(self) -> int:
+        return self.running(HUB, f"rlfleet.io/run={RUN},rlfleet.io/component=trainer")
+
     def rollout_pods(self, region: str) -> int:
         return self.running(region, f"rlfleet.io/run={RUN},rlfleet.io/component=rollout")
 
@@ -133,7 +136,8 @@ def test_applying_the_example_trains_in_the_hub_and_borrows_gpus_in_three_region
     world: World,
 ) -> None:
     world.fleet.kubectl(HUB, "-n", world.ns, "apply", "-f", str(ROOT / "examples" / "rlrun.yaml"))
-    wait_for("trainer pods running", lambda: world.running(HUB, f"rlfleet.io/run={RUN}") == 1)
+    wait_for("trainer pods running", lambda: world.trainer_pods() == 1)
+    wait_for("the task feed running", lambda: world.running(HUB, "rlfleet.io/component=feed") == 1)
     wait_for("rollout pods on lent GPUs in every region", world.lent_everywhere)
     for region in REGIONS:
         # Serving gave exactly the lent replicas; never below its floor of 1.
@@ -164,6 +168,37 @@ def test_applying_the_example_trains_in_the_hub_and_borrows_gpus_in_three_region
     assert table[1].split()[1] == "Running" and "40" in table[1].split()
     budget = world.get(HUB, "poddisruptionbudget", f"{RUN}-trainer")
     assert budget["spec"]["maxUnavailable"] == 0
+
+
+def container_env(pod: dict) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_every_pod_reads_the_runs_mounted_spec_and_is_told_where_nats_is(world: World) -> None:
+    """The environment `rlfleet.api.launch.Placement` reads, as the operators set it: the
+    trainer and the feed reach the hub's NATS, a rollout worker its region's leaf node and
+    the hub's JetStream domain (from the mirror), and each names itself by its pod."""
+    hub_pods = world.items(HUB, "pods", "-l", f"rlfleet.io/run={RUN}")
+    rollout = world.items("region-a", "pods", "-l", "rlfleet.io/component=rollout")[0]
+    spec = json.loads(world.get(HUB, "configmap", f"{RUN}-spec")["data"]["rlrun.json"])
+    assert spec["name"] == RUN and spec["spec"]["rollout"]["groupSize"] == 8
+    for pod in [*hub_pods, rollout]:
+        container = pod["spec"]["containers"][0]
+        assert container["args"] == ["--rlrun", "/etc/rlfleet/rlrun.json"]
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["spec"] == "/etc/rlfleet"
+        pod_name = next(e for e in container["env"] if e["name"] == "RLFLEET_POD_NAME")
+        assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    hub_nats = world.fleet.bed.nats.hub.url
+    components = {p["metadata"]["labels"]["rlfleet.io/component"]: p for p in hub_pods}
+    assert set(components) == {"trainer", "feed"}
+    for pod in components.values():
+        env = container_env(pod)
+        assert env["RLFLEET_NATS_URL"] == hub_nats and env["RLFLEET_JETSTREAM_DOMAIN"] == "hub"
+    feed = world.get(HUB, "deployment", f"{RUN}-feed")
+    assert feed["spec"]["replicas"] == 1 and feed["spec"]["strategy"]["type"] == "Recreate"
+    env = container_env(rollout)
+    assert env["RLFLEET_REGION"] == "region-a" and env["RLFLEET_JETSTREAM_DOMAIN"] == "hub"
 
 
 class Sampler:
@@ -252,7 +287,7 @@ def test_a_region_cut_off_is_reported_and_rejoins_without_duplicates(world: Worl
         assert status["gpusRunning"] == 32  # region-c's 8 are not counted
         assert "RegionUnreachable" in world.reasons(HUB, RUN)
         # Training goes on; the other regions keep their rollouts.
-        assert world.running(HUB, f"rlfleet.io/run={RUN}") == 1
+        assert world.trainer_pods() == 1
         assert world.condition("Training")["status"] == "True"
     finally:
         world.fleet.links["region-c"].restore()
@@ -435,6 +470,7 @@ def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:
         )
         wait_for(f"{region} serving whole", lambda r=region: world.serving_pods(r) == 4)
     wait_for("trainer gone", lambda: not world.items(HUB, "statefulsets"))
+    wait_for("feed gone", lambda: not world.items(HUB, "deployments"))
     assert not world.items(HUB, "poddisruptionbudgets")
 
 

@@ -25,7 +25,7 @@ from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import decode_step_report, decode_trajectory, step_subject, trajectory_subject
 from rlfleet.local import plan
 from rlfleet.local.pods import PodRunner, kube_pods
-from rlfleet.local.run import launch, make_model
+from rlfleet.local.run import make_model
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import HUB, Fleet, TrafficServer, serving_deployment
 from rlfleet.testbed.processes import Supervisor
@@ -173,7 +173,6 @@ def world(
     make_model(spec, layout, warmup_steps=20)  # flow, not learning, is under test here
     processes = {p.name: p for p in plan.processes(name, spec, layout, bed.nats, plan.Tuning())}
     supervisor = Supervisor(layout.logs, attached=True)
-    launch(processes["feed"], supervisor)  # tasks come from outside the pods
     runner = PodRunner(
         name,
         processes,

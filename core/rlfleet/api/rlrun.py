@@ -83,7 +83,12 @@ class RegionDemand(ApiModel):
 
 class RolloutSpec(ApiModel):
     group_size: Annotated[
-        int, Field(ge=1, le=1024, description="Attempts per task (GRPO group).")
+        int,
+        Field(
+            ge=2,
+            le=1024,
+            description="Attempts per task (a GRPO group; one alone gives no signal).",
+        ),
     ] = 8
     image: Annotated[
         Image | None, Field(description="Rollout worker image; the chart's default when unset.")
@@ -134,7 +139,12 @@ class RewardSpec(ApiModel):
                     "self.kind != 'judge' || has(self.endpoint)",
                     "a judge reward needs an endpoint",
                     ".endpoint",
-                )
+                ),
+                cel(
+                    "self.kind != 'judge' || has(self.judgeModel)",
+                    "a judge reward needs judgeModel, the model the endpoint serves",
+                    ".judgeModel",
+                ),
             ]
         }
     )

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlfleet.api import launch
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.testbed.nats import HUB_DOMAIN, NatsBed
 
@@ -91,45 +92,38 @@ def _pinned(module: str, cores: list[int], config_path: Path) -> list[str]:
 
 
 def model_path(spec: RLRunSpec, layout: Layout) -> Path:
-    uri = spec.model.uri
-    if uri.startswith(TINY_SCHEME):
+    if spec.model.uri.startswith(TINY_SCHEME):
         return layout.model
-    if uri.startswith("file://"):
-        return Path(uri.removeprefix("file://"))
-    raise ValueError(f"spec.model.uri: a local run reads tiny:// or file:// models, not {uri!r}")
+    return Path(launch.model_dir(spec))
 
 
 def processes(
     name: str, spec: RLRunSpec, layout: Layout, nats: NatsBed, tuning: Tuning
 ) -> list[Process]:
+    """The components as local processes, with the settings pods get from the same spec
+    (`rlfleet.api.launch`) and this machine's tuning on top."""
     trainer_cores, rollout_cores = split_cores(sorted(os.sched_getaffinity(0)))
     model = str(model_path(spec, layout))
-    sync = {"snapshot_every": spec.weight_sync.snapshot_interval}
     threads = {"OMP_NUM_THREADS": str(len(trainer_cores))}
+    hub = launch.Placement(nats.hub.authenticated_url)
     found: list[Process] = []
 
     def add(process_name: str, module: str, cores: list[int], config: dict, env: dict) -> None:
         path = layout.configs / f"{process_name}.json"
         found.append(Process(process_name, _pinned(module, cores, path), config, env))
 
+    trainer = launch.trainer_settings(name, spec, model, str(layout.checkpoints), hub)
     add(
         "trainer",
         "rlfleet.trainer",
         trainer_cores,
-        {
-            "run": name,
-            "nats_url": nats.hub.authenticated_url,
-            "model": model,
-            "checkpoint_dir": str(layout.checkpoints),
-            "zero_stage": min(spec.trainer.zero_stage, 2),
-            "batch_invariant": spec.trainer.batch_invariant,
-            "router_replay": spec.trainer.router_replay,
-            "max_staleness": spec.max_staleness,
+        trainer
+        | {
+            "zero_stage": min(spec.trainer.zero_stage, 2),  # ZeRO-3 needs a GPU
             "step_groups": tuning.step_groups,
             "lr": tuning.lr,
             "lr_warmup_steps": tuning.lr_warmup_steps,
             "updates_per_step": tuning.updates_per_step,
-            "weightsync": sync,
         },
         threads,
     )
@@ -140,38 +134,28 @@ def processes(
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
     for demand in spec.rollout.regions:
-        leaf = nats.leaves[demand.name]
+        at = launch.Placement(
+            nats.leaves[demand.name].authenticated_url, HUB_DOMAIN, demand.name, "0"
+        )
+        worker = launch.rollout_settings(name, spec, model, at)
         add(
             f"rollout-{demand.name}",
             "rlfleet.rollout",
             rollout_cores,
-            {
-                "run": name,
-                "nats_url": leaf.authenticated_url,
-                "jetstream_domain": HUB_DOMAIN,
-                "model": model,
-                "name": f"{demand.name}-0",
-                "group_size": spec.rollout.group_size,
+            worker
+            | {
                 "max_sessions": tuning.max_sessions,
                 "max_model_len": tuning.max_model_len,
                 "session": {"turn_tokens": tuning.turn_tokens, "max_turns": tuning.max_turns},
-                "weightsync": sync,
             },
             rollout_env,
         )
+    feed = launch.feed_settings(name, spec, hub)
     add(
         "feed",
         "rlfleet.rollout.feed",
         rollout_cores,
-        {
-            "run": name,
-            "nats_url": nats.hub.authenticated_url,
-            "suite": spec.rollout.task_suite,
-            "depth": tuning.queue_depth,
-            "max_staleness": spec.max_staleness,
-            "groups_per_step": tuning.step_groups,
-            "group_size": spec.rollout.group_size,
-        },
+        feed | {"depth": tuning.queue_depth, "groups_per_step": tuning.step_groups},
         {},
     )
     return found

@@ -1,7 +1,7 @@
 """The operator-driven local mode: the pods the operator creates run as local processes.
 
 On the test bed nodes are kwok's, so a pod reaches Running and nothing runs in it. Here
-each of a run's trainer and rollout pods is bound to a local process made by the same
+each of a run's trainer, feed and rollout pods is bound to a local process made by the same
 plan as `rlfleet run`, so the data plane runs under the control plane's decisions: a
 rollout pod the operator creates on lent GPUs starts a worker; a pod deleted on reclaim
 stops it (SIGTERM: the worker stops taking tasks and publishes the groups under way);
@@ -18,14 +18,13 @@ from pathlib import Path
 
 import kubernetes
 
+from rlfleet.api.launch import REGION_ENV
 from rlfleet.api.meta import COMPONENT_LABEL, RUN_LABEL
 from rlfleet.local.plan import Process
 from rlfleet.local.run import launch
 from rlfleet.testbed.processes import Supervisor
 
 log = logging.getLogger(__name__)
-
-REGION_ENV = "RLFLEET_REGION"  # set on every rollout container by the operator
 
 
 @dataclass(frozen=True)
@@ -41,13 +40,13 @@ class Pod:
 
 
 def live_pods(cluster: str, run: str, items: Iterable[dict]) -> list[Pod]:
-    """The run's trainer and rollout pods that are Running and not being deleted."""
+    """The run's trainer, feed and rollout pods that are Running and not being deleted."""
     found = []
     for item in items:
         meta, status = item["metadata"], item.get("status", {})
         labels = meta.get("labels", {})
         component = labels.get(COMPONENT_LABEL)
-        if labels.get(RUN_LABEL) != run or component not in ("trainer", "rollout"):
+        if labels.get(RUN_LABEL) != run or component not in ("trainer", "feed", "rollout"):
             continue
         if meta.get("deletionTimestamp") or status.get("phase") != "Running":
             continue
@@ -61,10 +60,11 @@ def live_pods(cluster: str, run: str, items: Iterable[dict]) -> list[Pod]:
 
 
 def process_for(pod: Pod, plan: dict[str, Process]) -> Process | None:
-    """The local process a pod stands for: the plan's trainer, or its region's rollout
-    worker named after the pod (`cluster/pod`, so trajectories say which pod made them)."""
-    if pod.component == "trainer":
-        return plan["trainer"]
+    """The local process a pod stands for: the plan's trainer or feed, or its region's
+    rollout worker named after the pod (`cluster/pod`, so trajectories say which pod made
+    them)."""
+    if pod.component in ("trainer", "feed"):
+        return plan[pod.component]
     template = plan.get(f"rollout-{pod.region}")
     if template is None:
         return None

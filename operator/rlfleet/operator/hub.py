@@ -25,7 +25,7 @@ from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable
 from rlfleet.operator.kube import Kube, Ref, Unreachable
 from rlfleet.operator.regions import RegionClients, RegionCredentials
 from rlfleet.operator.status import Event, condition, now, parse_time, timestamp
-from rlfleet.operator.workloads import COMPONENT_LABEL, ORIGIN_LABEL, mirror, trainer_objects
+from rlfleet.operator.workloads import COMPONENT_LABEL, ORIGIN_LABEL, hub_objects, mirror
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Hub:
             # A resync reads the mirror; it writes only what is missing or was out of reach.
             found = self._listed_mirror(kube, run) if resync and previous.get("reachable") else None
             if found is None:
-                found = kube.apply(mirror(run, self.config.cluster))
+                found = kube.apply(mirror(run, self.config.cluster, self.config.nats))
         except RegionCredentials as error:
             return RegionReport(region, False, previous, str(error), credentials=True)
         except ApiException as error:
@@ -146,6 +146,12 @@ class Hub:
             return False
         return True
 
+    def _listed(self, ref: Ref, component: str) -> dict | None:
+        """A run's object from a recent list of its namespace's objects of that component."""
+        kind = Ref(ref.api_version, ref.kind, namespace=ref.namespace)
+        found = self.local.list_recent(kind, f"{COMPONENT_LABEL}={component}", self._fresh_s())
+        return next((o for o in found if Ref.of(o) == ref), None)
+
     def reconcile(self, run: dict, resync: bool = False) -> Outcome:
         """The run's new status and events. `resync` (the timer) re-reads the world but
         writes only what is missing; a change or a start applies everything."""
@@ -153,16 +159,13 @@ class Hub:
         meta, old = run["metadata"], run.get("status") or {}
         generation = meta.get("generation", 0)
         trainer_ref = Ref("apps/v1", "StatefulSet", f"{meta['name']}-trainer", meta["namespace"])
-        trainer = None
+        feed_ref = Ref("apps/v1", "Deployment", f"{meta['name']}-feed", meta["namespace"])
+        trainer = feed = None
         if resync:
-            trainers = self.local.list_recent(
-                Ref("apps/v1", "StatefulSet", namespace=meta["namespace"]),
-                f"{COMPONENT_LABEL}=trainer",
-                self._fresh_s(),
-            )
-            trainer = next((t for t in trainers if Ref.of(t) == trainer_ref), None)
-        if trainer is None:
-            for manifest in trainer_objects(run, self.config.images.trainer):
+            trainer = self._listed(trainer_ref, "trainer")
+            feed = self._listed(feed_ref, "feed")
+        if trainer is None or feed is None:
+            for manifest in hub_objects(run, self.config.images, self.config.nats):
                 self.local.apply(manifest)
             trainer = self.local.get(trainer_ref)
         ready = (trainer or {}).get("status", {}).get("readyReplicas", 0)

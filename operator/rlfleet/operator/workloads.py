@@ -8,20 +8,23 @@ by that region's mirror of the run.
 
 from __future__ import annotations
 
-import json
+from pathlib import Path
 from typing import Any
 
+from rlfleet.api import launch
 from rlfleet.api.envpool import EnvPoolSpec
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import API_VERSION, COMPONENT_LABEL, GPU_RESOURCE, GROUP, RUN_LABEL
 from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.operator.config import Images, NatsAccess
 
 POOL_LABEL = f"{GROUP}/pool"
 ENVPOOL_LABEL = f"{GROUP}/envpool"
 ORIGIN_LABEL = f"{GROUP}/origin"  # on a region's mirror: the hub cluster it came from
 ORIGIN_UID = f"{GROUP}/origin-uid"
+# On a region's mirror: the hub's JetStream domain, where the run's streams live.
+JETSTREAM_DOMAIN = f"{GROUP}/jetstream-domain"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "rlfleet-operator"}
-SPEC_FILE = "/etc/rlfleet/rlrun.json"
 TRAINER_PORT = 29500  # torch.distributed rendezvous
 
 
@@ -53,7 +56,7 @@ def spec_config_map(run: dict) -> dict:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(run, f"{name}-spec", {RUN_LABEL: name}),
-        "data": {"rlrun.json": json.dumps({"name": name, "spec": run["spec"]}, sort_keys=True)},
+        "data": {Path(launch.SPEC_FILE).name: launch.spec_document(name, run["spec"])},
     }
 
 
@@ -71,34 +74,54 @@ def _deployment(owner_body: dict, name: str, labels: dict, replicas: int, pod: d
 
 
 def _container(name: str, image: str, run: str, gpus: int, env: dict[str, str]) -> dict:
+    """A component reading its run's mounted spec (`python -m ... --rlrun`), placed by
+    the environment (`rlfleet.api.launch.Placement`)."""
     return {
         "name": name,
         "image": image,
-        "args": [SPEC_FILE],
-        "env": [{"name": k, "value": v} for k, v in ({"RLFLEET_RUN": run} | env).items()],
+        "args": ["--rlrun", launch.SPEC_FILE],
+        "env": [
+            *({"name": k, "value": v} for k, v in ({launch.RUN_ENV: run} | env).items()),
+            {
+                "name": launch.POD_NAME_ENV,
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+            },
+        ],
         "resources": {"limits": {GPU_RESOURCE: str(gpus)}} if gpus else {},
-        "volumeMounts": [{"name": "spec", "mountPath": "/etc/rlfleet", "readOnly": True}],
+        "volumeMounts": [{"name": "spec", "mountPath": launch.SPEC_DIR, "readOnly": True}],
     }
+
+
+def _nats_env(nats: NatsAccess | None) -> dict[str, str]:
+    """The hub's NATS, for the trainer and the feed. Without the chart's `nats` they are
+    told none, and stop saying so (`Placement.from_env`)."""
+    if nats is None:
+        return {}
+    return {launch.NATS_URL_ENV: nats.url, launch.JETSTREAM_DOMAIN_ENV: nats.domain}
 
 
 def _spec_volume(run: str) -> dict:
     return {"name": "spec", "configMap": {"name": f"{run}-spec"}}
 
 
-def trainer_objects(run: dict, default_image: str) -> list[dict]:
-    """StatefulSet (stable ranks), headless Service for rendezvous, PodDisruptionBudget."""
+def hub_objects(run: dict, images: Images, nats: NatsAccess | None) -> list[dict]:
+    """The run's spec, its trainer (StatefulSet with stable ranks, headless Service for
+    rendezvous, PodDisruptionBudget) and its task feed."""
     name = run["metadata"]["name"]
     spec = RLRunSpec.model_validate(run["spec"])
     labels = {RUN_LABEL: name, COMPONENT_LABEL: "trainer"}
     replicas = 0 if spec.suspend else spec.trainer.replicas
     container = _container(
         "trainer",
-        spec.trainer.image or default_image,
+        spec.trainer.image or images.trainer,
         name,
         spec.trainer.gpus_per_replica,
-        {"RLFLEET_TRAINER_SERVICE": f"{name}-trainer"},
+        {"RLFLEET_TRAINER_SERVICE": f"{name}-trainer"} | _nats_env(nats),
     )
     container["ports"] = [{"name": "rendezvous", "containerPort": TRAINER_PORT}]
+    # Checkpoints and the step log outlive a restarted container (emptyDir); a pod moved
+    # to another node starts again from the base model.
+    container["volumeMounts"].append({"name": "state", "mountPath": launch.STATE_DIR})
     statefulset = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -112,7 +135,7 @@ def trainer_objects(run: dict, default_image: str) -> list[dict]:
                 "metadata": {"labels": labels},
                 "spec": {
                     "containers": [container],
-                    "volumes": [_spec_volume(name)],
+                    "volumes": [_spec_volume(name), {"name": "state", "emptyDir": {}}],
                     # A step in flight is finished, checkpointed and published on SIGTERM.
                     "terminationGracePeriodSeconds": 300,
                 },
@@ -136,13 +159,27 @@ def trainer_objects(run: dict, default_image: str) -> list[dict]:
         # Losing one rank stops the step for all: voluntary evictions wait for the run.
         "spec": {"maxUnavailable": 0, "selector": {"matchLabels": labels}},
     }
-    return [spec_config_map(run), statefulset, service, budget]
+    return [spec_config_map(run), statefulset, service, budget, _feed(run, spec, images, nats)]
 
 
-def mirror(run: dict, origin: str) -> dict:
+def _feed(run: dict, spec: RLRunSpec, images: Images, nats: NatsAccess | None) -> dict:
+    """The task feed (`rlfleet.rollout.feed`): one per run, never two at once, since it
+    counts what it has queued against the trainer's staleness bound."""
+    name = run["metadata"]["name"]
+    labels = {RUN_LABEL: name, COMPONENT_LABEL: "feed"}
+    container = _container("feed", spec.rollout.image or images.rollout, name, 0, _nats_env(nats))
+    container["command"] = ["python", "-m", "rlfleet.rollout.feed"]
+    pod = {"containers": [container], "volumes": [_spec_volume(name)]}
+    feed = _deployment(run, f"{name}-feed", labels, 0 if spec.suspend else 1, pod)
+    feed["spec"]["strategy"] = {"type": "Recreate"}
+    return feed
+
+
+def mirror(run: dict, origin: str, nats: NatsAccess | None) -> dict:
     """The copy of a hub RLRun a region's operator acts on (no ownerReference: the owner
     lives in another cluster; the hub deletes its mirrors itself)."""
     meta = run["metadata"]
+    domain = {JETSTREAM_DOMAIN: nats.domain} if nats else {}
     return {
         "apiVersion": API_VERSION,
         "kind": "RLRun",
@@ -150,7 +187,7 @@ def mirror(run: dict, origin: str) -> dict:
             "name": meta["name"],
             "namespace": meta["namespace"],
             "labels": MANAGED_BY | {ORIGIN_LABEL: origin},
-            "annotations": {ORIGIN_UID: meta["uid"]},
+            "annotations": {ORIGIN_UID: meta["uid"]} | domain,
         },
         "spec": run["spec"],
     }
@@ -175,9 +212,12 @@ def rollout_deployment(
     spec = RLRunSpec.model_validate(run["spec"])
     labels = {RUN_LABEL: name, POOL_LABEL: pool, COMPONENT_LABEL: "rollout"}
     endpoints = {e.region: e.url for e in spec.weight_sync.endpoints}
-    env = {"RLFLEET_REGION": region, "RLFLEET_POOL": pool}
+    env = {launch.REGION_ENV: region, "RLFLEET_POOL": pool}
     if region in endpoints:
-        env["RLFLEET_NATS_URL"] = endpoints[region]
+        env[launch.NATS_URL_ENV] = endpoints[region]
+    domain = run["metadata"].get("annotations", {}).get(JETSTREAM_DOMAIN)
+    if domain:
+        env[launch.JETSTREAM_DOMAIN_ENV] = domain
     container = _container(
         "rollout",
         spec.rollout.image or default_image,

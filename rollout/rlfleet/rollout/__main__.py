@@ -1,14 +1,15 @@
-"""`python -m rlfleet.rollout CONFIG.json`: run a rollout worker until SIGTERM."""
+"""`python -m rlfleet.rollout CONFIG.json`, or `--rlrun [SPEC]` in a pod: run a rollout
+worker until SIGTERM."""
 
 import asyncio
 import logging
 import signal
 import sys
-from pathlib import Path
 
 import prometheus_client
 
-from rlfleet.rollout.config import load
+from rlfleet.api import launch
+from rlfleet.rollout.config import from_spec, load
 from rlfleet.rollout.worker import Worker
 
 
@@ -16,9 +17,7 @@ def main() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m rlfleet.rollout CONFIG.json")
-    config = load(Path(sys.argv[1]).read_bytes())
+    config = launch.component_config(sys.argv[1:], "python -m rlfleet.rollout", load, from_spec)
     if config.metrics_port is not None:
         prometheus_client.start_http_server(config.metrics_port)
     worker = Worker(config)

@@ -1,11 +1,14 @@
-"""The rollout worker's settings: one JSON file, written by `rlfleet run` or the operator."""
+"""The rollout worker's settings: a JSON file `rlfleet run` writes, or a pod's mounted run spec."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import msgspec
 
+from rlfleet.api import launch
+from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.rollout.sandbox import Limits
 from rlfleet.rollout.session import SessionConfig
 from rlfleet.weightsync import SyncConfig
@@ -58,5 +61,11 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return SyncConfig(**self.weightsync)
 
 
-def load(data: bytes) -> WorkerConfig:
-    return msgspec.json.decode(data, type=WorkerConfig)
+def load(path: Path) -> WorkerConfig:
+    return msgspec.json.decode(path.read_bytes(), type=WorkerConfig)
+
+
+def from_spec(name: str, spec: RLRunSpec, at: launch.Placement) -> WorkerConfig:
+    """A rollout pod's settings: its run's mounted spec, placed by the operator."""
+    settings = launch.rollout_settings(name, spec, launch.model_dir(spec), at)
+    return msgspec.convert(settings, WorkerConfig)

@@ -1,4 +1,4 @@
-"""`python -m rlfleet.rollout.feed CONFIG.json`: keeps a run's task queue stocked.
+"""`python -m rlfleet.rollout.feed CONFIG.json | --rlrun [SPEC]`: keeps a run's task queue stocked.
 
 Tasks come from a suite (a shipped name such as `toy`, or a path), shuffled afresh each
 pass. What is published follows the trainer (its step reports) through `Admission`: no
@@ -17,13 +17,13 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Annotated
 
 import msgspec
 import nats
 from nats.js.api import DeliverPolicy, StreamState
 
+from rlfleet.api import launch
 from rlfleet.api.streams import ensure_stream, step_stream, step_stream_config, task_stream_config
 from rlfleet.api.wire import (
     Task,
@@ -141,9 +141,12 @@ def main() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m rlfleet.rollout.feed CONFIG.json")
-    config = msgspec.json.decode(Path(sys.argv[1]).read_bytes(), type=FeedConfig)
+    config = launch.component_config(
+        sys.argv[1:],
+        "python -m rlfleet.rollout.feed",
+        lambda path: msgspec.json.decode(path.read_bytes(), type=FeedConfig),
+        lambda name, spec, at: msgspec.convert(launch.feed_settings(name, spec, at), FeedConfig),
+    )
 
     async def run() -> None:
         stop = asyncio.Event()

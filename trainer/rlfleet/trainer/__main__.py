@@ -1,12 +1,13 @@
-"""`python -m rlfleet.trainer CONFIG.json`: run the trainer until stopped or max_steps."""
+"""`python -m rlfleet.trainer CONFIG.json`, or `--rlrun [SPEC]` in a pod: run the trainer
+until stopped or max_steps."""
 
 import asyncio
 import logging
 import signal
 import sys
-from pathlib import Path
 
-from rlfleet.trainer.config import load
+from rlfleet.api import launch
+from rlfleet.trainer.config import from_spec, load
 from rlfleet.trainer.loop import Trainer
 
 
@@ -14,9 +15,8 @@ def main() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m rlfleet.trainer CONFIG.json")
-    trainer = Trainer(load(Path(sys.argv[1])))
+    config = launch.component_config(sys.argv[1:], "python -m rlfleet.trainer", load, from_spec)
+    trainer = Trainer(config)
 
     async def run() -> None:
         # SIGTERM finishes the step under way (checkpoint, publish, ack) and exits.

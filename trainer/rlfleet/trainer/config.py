@@ -1,4 +1,4 @@
-"""The trainer's settings: one JSON file, written by `rlfleet run` or the operator."""
+"""The trainer's settings: a JSON file `rlfleet run` writes, or a pod's mounted run spec."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from typing import Annotated
 
 import msgspec
 
+from rlfleet.api import launch
+from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.weightsync import SyncConfig
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -51,6 +53,13 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def load(path: Path) -> TrainerConfig:
     return msgspec.json.decode(path.read_bytes(), type=TrainerConfig, dec_hook=_paths)
+
+
+def from_spec(name: str, spec: RLRunSpec, at: launch.Placement) -> TrainerConfig:
+    """A trainer pod's settings: its run's mounted spec, placed by the operator."""
+    checkpoints = f"{at.state_dir}/checkpoints"
+    settings = launch.trainer_settings(name, spec, launch.model_dir(spec), checkpoints, at)
+    return msgspec.convert(settings, TrainerConfig, dec_hook=_paths)
 
 
 def _paths(kind: type, value: object) -> object:

@@ -1,0 +1,172 @@
+"""What each component runs with: its run's RLRun spec plus where it was placed.
+
+The operator mounts the run's spec into every pod it makes (`SPEC_FILE`, the ConfigMap
+`<run>-spec`) and says where the pod sits in environment variables (`Placement`);
+`rlfleet run` places the same components as local processes. Both turn the spec into
+settings here, so a spec field means the same thing wherever the run trains. Settings
+are plain dicts; each component validates them with its own config type, and what the
+spec does not say stays at that type's defaults (a local run adds its own tuning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+
+from rlfleet.api.rlrun import RLRunSpec
+
+T = TypeVar("T")
+
+SPEC_DIR = "/etc/rlfleet"
+SPEC_FILE = f"{SPEC_DIR}/rlrun.json"  # {"name": run, "spec": RLRun spec}, as JSON
+STATE_DIR = "/var/lib/rlfleet"  # the trainer's checkpoints and step log live under here
+
+# The environment a pod gets from the operator (`Placement.from_env` reads it back).
+RUN_ENV = "RLFLEET_RUN"
+NATS_URL_ENV = "RLFLEET_NATS_URL"
+JETSTREAM_DOMAIN_ENV = "RLFLEET_JETSTREAM_DOMAIN"
+REGION_ENV = "RLFLEET_REGION"
+POD_NAME_ENV = "RLFLEET_POD_NAME"
+STATE_DIR_ENV = "RLFLEET_STATE_DIR"
+
+FILE_SCHEME = "file://"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one component runs: the NATS server it reaches, the JetStream domain of the
+    run's streams, and for a rollout worker its region and pod."""
+
+    nats_url: str
+    jetstream_domain: str | None = None
+    region: str | None = None
+    pod: str | None = None
+    state_dir: str = STATE_DIR
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Placement:
+        if not env.get(NATS_URL_ENV):
+            raise ValueError(f"{NATS_URL_ENV} is not set: which NATS server holds the run?")
+        return cls(
+            nats_url=env[NATS_URL_ENV],
+            jetstream_domain=env.get(JETSTREAM_DOMAIN_ENV) or None,
+            region=env.get(REGION_ENV) or None,
+            pod=env.get(POD_NAME_ENV) or None,
+            state_dir=env.get(STATE_DIR_ENV) or STATE_DIR,
+        )
+
+
+def spec_document(name: str, spec: dict) -> str:
+    """The mounted file's text: the run's name and spec."""
+    return json.dumps({"name": name, "spec": spec}, sort_keys=True)
+
+
+def read_spec(path: Path) -> tuple[str, RLRunSpec]:
+    document = json.loads(path.read_text())
+    return document["name"], RLRunSpec.model_validate(document["spec"])
+
+
+def model_dir(spec: RLRunSpec) -> str:
+    """The base checkpoint's folder; pods read `file://` models from a mounted volume."""
+    uri = spec.model.uri
+    if not uri.startswith(FILE_SCHEME):
+        raise ValueError(
+            f"spec.model.uri {uri!r}: components read file:// checkpoints; mount the model "
+            "and name its folder"
+        )
+    return uri.removeprefix(FILE_SCHEME)
+
+
+def _sync(spec: RLRunSpec) -> dict:
+    return {"snapshot_every": spec.weight_sync.snapshot_interval}
+
+
+def trainer_settings(
+    name: str, spec: RLRunSpec, model: str, checkpoint_dir: str, at: Placement
+) -> dict:
+    return {
+        "run": name,
+        "nats_url": at.nats_url,
+        "jetstream_domain": at.jetstream_domain,
+        "model": model,
+        "checkpoint_dir": checkpoint_dir,
+        "zero_stage": spec.trainer.zero_stage,
+        "batch_invariant": spec.trainer.batch_invariant,
+        "router_replay": spec.trainer.router_replay,
+        "max_staleness": spec.max_staleness,
+        "weightsync": _sync(spec),
+    }
+
+
+def _rewards(spec: RLRunSpec) -> dict:
+    """The worker's reward weights; an empty list keeps the suite's verifiable checks."""
+    if not spec.rewards:
+        return {}
+    weights = {r.kind: r.weight for r in spec.rewards}
+    rewards: dict = {
+        "exact": weights.get("exactAnswer", 0.0),
+        "tests": weights.get("hiddenTests", 0.0),
+        "judge": weights.get("judge", 0.0),
+    }
+    judge = next((r for r in spec.rewards if r.kind == "judge"), None)
+    if judge is not None:
+        rewards["judge_endpoint"] = {"base_url": judge.endpoint, "model": judge.judge_model}
+    return rewards
+
+
+def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> dict:
+    region = at.region or "default"
+    return {
+        "run": name,
+        "nats_url": at.nats_url,
+        "jetstream_domain": at.jetstream_domain,
+        "model": model,
+        "name": f"{region}/{at.pod or 'rollout-0'}",
+        "group_size": spec.rollout.group_size,
+        "weightsync": _sync(spec),
+    } | ({"rewards": _rewards(spec)} if spec.rewards else {})
+
+
+def feed_settings(name: str, spec: RLRunSpec, at: Placement) -> dict:
+    return {
+        "run": name,
+        "nats_url": at.nats_url,
+        "jetstream_domain": at.jetstream_domain,
+        "suite": spec.rollout.task_suite,
+        "max_staleness": spec.max_staleness,
+        "group_size": spec.rollout.group_size,
+    }
+
+
+def component_config(
+    argv: list[str],
+    program: str,
+    from_file: Callable[[Path], T],
+    from_spec: Callable[[str, RLRunSpec, Placement], T],
+) -> T:
+    """A component's settings from its command line: `CONFIG.json` (its own settings, as
+    `rlfleet run` writes them) or `--rlrun [SPEC]` (a pod: the mounted spec, `SPEC_FILE`
+    by default, placed by the environment). A pod that cannot run as told exits with the
+    reason, not a traceback, so `kubectl logs` says what to fix."""
+    parser = argparse.ArgumentParser(prog=program)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("config", nargs="?", type=Path, help="the component's settings")
+    source.add_argument(
+        "--rlrun", nargs="?", const=SPEC_FILE, type=Path, help="the run's mounted spec"
+    )
+    args = parser.parse_args(argv)
+    if args.config:
+        return from_file(args.config)
+    try:
+        name, spec = read_spec(args.rlrun)
+        return from_spec(name, spec, Placement.from_env(os.environ))
+    except (OSError, ValueError, msgspec.ValidationError) as error:
+        sys.exit(f"{program}: cannot run {args.rlrun}: {error}")

@@ -1,0 +1,162 @@
+"""The pods the operators make, run the way their images run them: each container's
+command (or its image's ENTRYPOINT, read from `images/`) and args, over the spec the
+operator mounts and the environment it sets, and nothing else. Real NATS (the hub and
+region-a's leaf node), real DeepSpeed and real vLLM: the trainer, the task feed and a
+rollout worker placed in region-a train together."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import nats.js.errors
+import pytest
+import yaml
+from conftest import ROOT, wait_for
+
+from rlfleet.api.inferencepool import InferencePoolSpec
+from rlfleet.api.launch import SPEC_FILE, STATE_DIR_ENV
+from rlfleet.api.streams import step_stream
+from rlfleet.api.wire import (
+    StepReport,
+    Trajectory,
+    decode_step_report,
+    decode_trajectory,
+    step_subject,
+    trajectory_stream,
+)
+from rlfleet.models.tiny import init_model
+from rlfleet.operator.config import Images, NatsAccess
+from rlfleet.operator.workloads import hub_objects, mirror, rollout_deployment
+from rlfleet.testbed.nats import HUB_DOMAIN, NatsBed, start_nats
+from rlfleet.testbed.processes import Supervisor
+
+REGION = "region-a"
+POOL = "chat-prod"
+# What this machine needs and a GPU image would not: a small KV cache and one thread each.
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def entrypoint(image: str) -> list[str]:
+    """The ENTRYPOINT of the image's Dockerfile (`ghcr.io/rlfleet/NAME:TAG`)."""
+    name = image.rsplit("/", 1)[-1].split(":")[0]
+    for line in (ROOT / "images" / f"{name}.Dockerfile").read_text().splitlines():
+        if line.startswith("ENTRYPOINT "):
+            return json.loads(line.removeprefix("ENTRYPOINT "))
+    raise AssertionError(f"images/{name}.Dockerfile has no ENTRYPOINT")
+
+
+def as_process(pod_spec: dict, pod: str, mounted: Path, state: Path) -> tuple[list, dict]:
+    """The argv and environment of a pod's one container: the spec file at `mounted`
+    stands for the ConfigMap volume and `state` for the trainer's state volume."""
+    (container,) = pod_spec["containers"]
+    argv = [sys.executable if a == "python" else a for a in container.get("command") or []]
+    argv = argv or [sys.executable, *entrypoint(container["image"])[1:]]
+    argv += [str(mounted) if a == SPEC_FILE else a for a in container["args"]]
+    env = {e["name"]: e.get("value") for e in container["env"] if "value" in e}
+    for e in container["env"]:
+        if e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
+            env[e["name"]] = pod
+    return argv, env | {STATE_DIR_ENV: str(state)} | CPU_ENV
+
+
+def the_run(model: Path, bed: NatsBed) -> dict:
+    run = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())
+    run["metadata"] |= {"namespace": "team-a", "uid": "hub-uid"}
+    spec = run["spec"]
+    spec["model"]["uri"] = f"file://{model}"
+    spec["rollout"]["taskSuite"] = "rules"  # bare questions: no sandbox per attempt
+    leaf = bed.leaves[REGION].authenticated_url
+    spec["weightSync"]["endpoints"] = [{"region": REGION, "url": leaf}]
+    return run
+
+
+@pytest.fixture(scope="module")
+def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, NatsBed, Path]]:
+    """The operators' objects for the example run, started as processes."""
+    work = tmp_path_factory.mktemp("pods")
+    supervisor = Supervisor(work / "logs", attached=True)
+    try:
+        bed = start_nats([REGION], supervisor, work / "nats")
+        run = the_run(init_model("tiny-moe", work / "model"), bed)
+        access = NatsAccess(url=bed.hub.authenticated_url, domain=HUB_DOMAIN)
+        objects = {o["kind"]: o for o in hub_objects(run, Images(), access)}
+        mounted = work / "spec" / "rlrun.json"
+        mounted.parent.mkdir()
+        mounted.write_text(objects["ConfigMap"]["data"]["rlrun.json"])
+        # The region acts on its mirror of the run, which the hub annotates.
+        copy = mirror(run, "hub", access)
+        copy["metadata"]["uid"] = "mirror-uid"
+        pool = yaml.safe_load((ROOT / "examples" / "inferencepool.yaml").read_text())
+        rollout = rollout_deployment(
+            copy, POOL, InferencePoolSpec.model_validate(pool["spec"]), 1, Images().rollout, REGION
+        )
+        started = {
+            "trainer": (objects["StatefulSet"], "tiny-moe-arith-trainer-0"),
+            "feed": (objects["Deployment"], "tiny-moe-arith-feed-7d9f-x2x4q"),
+            "rollout": (rollout, "tiny-moe-arith-rollout-chat-prod-5b8c-qz7lm"),
+        }
+        for name, (workload, pod) in started.items():
+            pod_spec = workload["spec"]["template"]["spec"]
+            argv, env = as_process(pod_spec, pod, mounted, work / "state")
+            supervisor.start(name, argv, env)
+        yield run, bed, work
+    finally:
+        supervisor.stop_all()
+
+
+async def first_step_and_trajectory(url: str, run: str) -> tuple[StepReport, Trajectory]:
+    """The trainer's newest step report once there is one, and the first trajectory."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        for _ in range(450):
+            try:
+                report = await js.get_last_msg(step_stream(run), step_subject(run))
+                break
+            except nats.js.errors.NotFoundError:
+                await asyncio.sleep(2)
+        else:
+            raise AssertionError("no step report within 900 s")
+        first = await js.get_msg(trajectory_stream(run), 1)
+        return decode_step_report(report.data), decode_trajectory(first.data)
+    finally:
+        await nc.close()
+
+
+def test_the_operators_pods_train_from_the_mounted_spec_alone(pods) -> None:
+    run, bed, work = pods
+    name = run["metadata"]["name"]
+    step, trajectory = asyncio.run(first_step_and_trajectory(bed.hub.authenticated_url, name))
+    assert step.run == name and step.policy_version >= 1
+    # The worker names itself by its region and pod; the spec's group size holds.
+    assert trajectory.worker == f"{REGION}/tiny-moe-arith-rollout-chat-prod-5b8c-qz7lm"
+    assert trajectory.group_size == 8
+    # The trainer keeps its checkpoints and step log in the state volume.
+    wait_for("the step log", lambda: (work / "state" / "checkpoints" / "steps.jsonl").exists())
+    logs = {p.stem: p.read_text() for p in (work / "logs").glob("*.log")}
+    assert "Traceback" not in logs["trainer"] + logs["feed"], logs
+
+
+def test_a_pod_told_no_nats_or_given_a_model_it_cannot_read_says_so(tmp_path: Path) -> None:
+    spec = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())["spec"]
+    mounted = tmp_path / "rlrun.json"
+    mounted.write_text(json.dumps({"name": "r", "spec": spec}))
+    feed = [sys.executable, "-m", "rlfleet.rollout.feed", "--rlrun", str(mounted)]
+    done = subprocess.run(feed, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "RLFLEET_NATS_URL is not set" in done.stderr
+    assert "Traceback" not in done.stderr
+
+    spec["model"]["uri"] = "s3://bucket/tiny-moe"
+    mounted.write_text(json.dumps({"name": "r", "spec": spec}))
+    trainer = [sys.executable, "-m", "rlfleet.trainer", "--rlrun", str(mounted)]
+    env = os.environ | {"RLFLEET_NATS_URL": "nats://127.0.0.1:4222"}
+    done = subprocess.run(trainer, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode != 0 and "spec.model.uri 's3://bucket/tiny-moe'" in done.stderr
+    assert "Traceback" not in done.stderr
