@@ -32,6 +32,7 @@ from rlfleet.testbed.fleet import (
     TrafficServer,
     serving_deployment,
 )
+from rlfleet.testbed.traces import TraceReceiver
 
 pytestmark = pytest.mark.bed
 
@@ -43,10 +44,13 @@ LENT = {"region-a": 16, "region-b": 16, "region-c": 8}
 
 
 class World:
-    def __init__(self, fleet: Fleet, namespace: str, traffic: TrafficServer) -> None:
+    def __init__(
+        self, fleet: Fleet, namespace: str, traffic: TrafficServer, traces: TraceReceiver
+    ) -> None:
         self.fleet = fleet
         self.ns = namespace
         self.traffic = traffic
+        self.traces = traces
 
     def get(self, cluster: str, *what: str) -> dict:
         return json.loads(self.fleet.kubectl(cluster, "-n", self.ns, "get", *what, "-o", "json"))
@@ -107,10 +111,12 @@ def world(
     fleet = Fleet(bed, tmp_path_factory.mktemp("fleet"), [namespace], REGIONS)
     fleet.values = {"resyncSeconds": 1, "regionTimeoutSeconds": 5, "callTimeoutSeconds": 2}
     traffic = TrafficServer()
+    traces = TraceReceiver()
+    fleet.operator_env = traces.env
     for cluster in [HUB, *REGIONS]:
         fleet.kubectl(cluster, "create", "namespace", namespace)
     fleet.setup()
-    world = World(fleet, namespace, traffic)
+    world = World(fleet, namespace, traffic, traces)
     for region in REGIONS:
         traffic.load[region] = 0.0
         # The example's sandboxes run under gVisor, which a region's admins install.
@@ -128,6 +134,7 @@ def world(
         fleet.release()
         fleet.stop()
         traffic.close()
+        traces.close()
         for link in fleet.links.values():
             link.listener.close()
 
@@ -168,6 +175,42 @@ def test_applying_the_example_trains_in_the_hub_and_borrows_gpus_in_three_region
     assert table[1].split()[1] == "Running" and "40" in table[1].split()
     budget = world.get(HUB, "poddisruptionbudget", f"{RUN}-trainer")
     assert budget["spec"]["maxUnavailable"] == 0
+
+
+def test_reconciles_and_their_cross_cluster_calls_are_traced(world: World) -> None:
+    """Spans reach an OTLP endpoint: each reconcile names its object, and the hub's calls
+    into a region are children of the reconcile that made them, naming the cluster."""
+
+    def spans(service: str, name: str) -> list:
+        return [s for s in list(world.traces.spans) if s.service == service and s.name == name]
+
+    reconciles = wait_for(
+        "the hub's RLRun reconciles",
+        lambda: [
+            s
+            for s in spans("rlfleet-operator-hub", "reconcile RLRun")
+            if s.attributes.get("rlfleet.name") == RUN
+        ],
+    )
+    assert reconciles[0].attributes["k8s.namespace.name"] == world.ns
+
+    def calls_into_region_a() -> list:
+        seen = list(world.traces.spans)
+        by_id = {s.span_id: s for s in seen}
+        return [
+            (s, by_id[s.parent_id])
+            for s in seen
+            if s.service == "rlfleet-operator-hub"
+            and s.name.startswith("kube ")
+            and s.attributes.get("k8s.cluster") == "region-a"
+            and s.parent_id in by_id
+        ]
+
+    call, parent = wait_for("a call into region-a under a reconcile", calls_into_region_a)[0]
+    assert parent.name == "reconcile RLRun" and parent.trace_id == call.trace_id
+    pools = spans("rlfleet-operator-region", "reconcile InferencePool")
+    assert {s.attributes["rlfleet.name"] for s in pools} == {POOL}
+    assert world.traces.rejected == 0
 
 
 def container_env(pod: dict) -> dict[str, str | None]:

@@ -222,8 +222,14 @@ def test_a_reclaim_stops_a_regions_rollouts_and_training_goes_on(world: World) -
     # It drained: stopped taking tasks, finished its groups and exited cleanly.
     assert [code for name, code in world.binding.runner.exits.items() if "region-a" in name] == [0]
     steps_then = len(world.seen.steps)
-    world.wait("ten more steps", lambda: len(world.seen.steps) >= steps_then + 10)
-    # A grace of a few seconds covers trajectories already in flight on the way to the hub.
+    # A grace of a few seconds covers trajectories already in flight on the way to the hub;
+    # ten steps can take less than that, so wait for trajectories made after it too.
+    world.wait(
+        "ten more steps, and trajectories after the grace",
+        lambda: (
+            len(world.seen.steps) >= steps_then + 10 and world.seen.regions_since(stopped_at + 5)
+        ),
+    )
     assert world.seen.regions_since(stopped_at + 5) == {"region-b"}
     serving = world.kubectl_json("region-a", "deployment", "chat-vllm")["spec"]["replicas"]
     assert serving == 2

@@ -163,6 +163,7 @@ class Fleet:
     links: dict[str, Link] = field(default_factory=dict)
     configs: dict[str, Path] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    operator_env: dict[str, str] = field(default_factory=dict)  # e.g. where traces go
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(self.work / "logs", attached=True)
@@ -308,7 +309,7 @@ class Fleet:
         self.supervisor.start(
             f"operator-{cluster}",
             [sys.executable, "-m", "rlfleet.operator", str(config_path)],
-            env={"KUBECONFIG": str(kubeconfig)},
+            env={"KUBECONFIG": str(kubeconfig)} | self.operator_env,
         )
 
     def start_all(self) -> None:
