@@ -126,6 +126,10 @@ BAD_SPECS = {
         _rlrun(rewards=[{"kind": "judge", "endpoint": "http://judge:8000/v1"}]),
         "spec.rewards[0].judgeModel",
     ),
+    "a model volume for a uri that is no path": (
+        _rlrun(model={"uri": "s3://bucket/tiny-moe", "volumeClaimName": "models"}),
+        "spec.model.volumeClaimName",
+    ),
     "a group of one attempt": (
         _rlrun(rollout={"groupSize": 1, "regions": [{"name": "region-a", "maxGpus": 8}]}),
         "spec.rollout.groupSize",

@@ -70,7 +70,7 @@ def the_run(model: Path, bed: NatsBed) -> dict:
     run = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())
     run["metadata"] |= {"namespace": "team-a", "uid": "hub-uid"}
     spec = run["spec"]
-    spec["model"]["uri"] = f"file://{model}"
+    spec["model"] |= {"uri": f"file://{model}", "volumeClaimName": "models"}
     spec["rollout"]["taskSuite"] = "rules"  # bare questions: no sandbox per attempt
     leaf = bed.leaves[REGION].authenticated_url
     spec["weightSync"]["endpoints"] = [{"region": REGION, "url": leaf}]
@@ -78,7 +78,9 @@ def the_run(model: Path, bed: NatsBed) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, NatsBed, Path]]:
+def pods(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[dict, NatsBed, Path, dict[str, dict]]]:
     """The operators' objects for the example run, started as processes."""
     work = tmp_path_factory.mktemp("pods")
     supervisor = Supervisor(work / "logs", attached=True)
@@ -106,7 +108,7 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, NatsB
             pod_spec = workload["spec"]["template"]["spec"]
             argv, env = as_process(pod_spec, pod, mounted, work / "state")
             supervisor.start(name, argv, env)
-        yield run, bed, work
+        yield run, bed, work, {name: workload for name, (workload, _) in started.items()}
     finally:
         supervisor.stop_all()
 
@@ -131,8 +133,20 @@ async def first_step_and_trajectory(url: str, run: str) -> tuple[StepReport, Tra
 
 
 def test_the_operators_pods_train_from_the_mounted_spec_alone(pods) -> None:
-    run, bed, work = pods
+    run, bed, work, workloads = pods
     name = run["metadata"]["name"]
+    # The model's claim is mounted read-only where its file:// uri points (here the
+    # model already is at that path, as the volume would put it).
+    for component in ("trainer", "rollout"):
+        pod_spec = workloads[component]["spec"]["template"]["spec"]
+        mounts = {m["name"]: m for m in pod_spec["containers"][0]["volumeMounts"]}
+        assert mounts["model"] == {
+            "name": "model",
+            "mountPath": run["spec"]["model"]["uri"].removeprefix("file://"),
+            "readOnly": True,
+        }
+        claims = [v for v in pod_spec["volumes"] if "persistentVolumeClaim" in v]
+        assert claims == [{"name": "model", "persistentVolumeClaim": {"claimName": "models"}}]
     step, trajectory = asyncio.run(first_step_and_trajectory(bed.hub.authenticated_url, name))
     assert step.run == name and step.policy_version >= 1
     # The worker names itself by its region and pod; the spec's group size holds.

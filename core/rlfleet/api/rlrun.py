@@ -23,15 +23,40 @@ Name = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
 class ModelSource(ApiModel):
     """The base policy the run starts from."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.volumeClaimName) || self.uri.startsWith('file:///')",
+                    "volumeClaimName needs a file:/// uri: the folder it is mounted at",
+                    ".volumeClaimName",
+                )
+            ]
+        }
+    )
+
     uri: Annotated[
         str,
         Field(
             min_length=1,
             max_length=2048,
-            description="Where the checkpoint lives (file://, s3://, hf://).",
+            description=(
+                "Where the checkpoint is: file:///FOLDER as the pods see it (components "
+                "read file:// only); tiny://KIND makes a tiny model (rlfleet run only)."
+            ),
         ),
     ]
     format: Literal["hf-safetensors"] = "hf-safetensors"
+    volume_claim_name: Annotated[
+        Name | None,
+        Field(
+            description=(
+                "A PersistentVolumeClaim holding the checkpoint, mounted read-only at the "
+                "uri's folder in trainer and rollout pods; a claim of this name in every "
+                "cluster the run uses."
+            )
+        ),
+    ] = None
 
 
 Image = Annotated[str, Field(min_length=1, max_length=1024)]

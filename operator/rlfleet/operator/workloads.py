@@ -92,6 +92,17 @@ def _container(name: str, image: str, run: str, gpus: int, env: dict[str, str]) 
     }
 
 
+def _with_model(pod: dict, spec: RLRunSpec) -> dict:
+    """Mounts the model's claim, if the spec names one, where its file:// uri points."""
+    claim = spec.model.volume_claim_name
+    if claim is not None:
+        pod["volumes"].append({"name": "model", "persistentVolumeClaim": {"claimName": claim}})
+        pod["containers"][0]["volumeMounts"].append(
+            {"name": "model", "mountPath": launch.model_dir(spec), "readOnly": True}
+        )
+    return pod
+
+
 def _nats_env(nats: NatsAccess | None) -> dict[str, str]:
     """The hub's NATS, for the trainer and the feed. Without the chart's `nats` they are
     told none, and stop saying so (`Placement.from_env`)."""
@@ -133,12 +144,15 @@ def hub_objects(run: dict, images: Images, nats: NatsAccess | None) -> list[dict
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": labels},
-                "spec": {
-                    "containers": [container],
-                    "volumes": [_spec_volume(name), {"name": "state", "emptyDir": {}}],
-                    # A step in flight is finished, checkpointed and published on SIGTERM.
-                    "terminationGracePeriodSeconds": 300,
-                },
+                "spec": _with_model(
+                    {
+                        "containers": [container],
+                        "volumes": [_spec_volume(name), {"name": "state", "emptyDir": {}}],
+                        # A step in flight is finished, checkpointed and published on SIGTERM.
+                        "terminationGracePeriodSeconds": 300,
+                    },
+                    spec,
+                ),
             },
         },
     }
@@ -225,11 +239,14 @@ def rollout_deployment(
         pool_spec.serving.gpus_per_replica,
         env,
     )
-    pod = {
-        "containers": [container],
-        "volumes": [_spec_volume(name)],
-        "terminationGracePeriodSeconds": pool_spec.reclaim_deadline_seconds,
-    }
+    pod = _with_model(
+        {
+            "containers": [container],
+            "volumes": [_spec_volume(name)],
+            "terminationGracePeriodSeconds": pool_spec.reclaim_deadline_seconds,
+        },
+        spec,
+    )
     return _deployment(run, rollout_name(name, pool), labels, replicas, pod)
 
 
