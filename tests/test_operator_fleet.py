@@ -242,6 +242,7 @@ def test_every_pod_reads_the_runs_mounted_spec_and_is_told_where_nats_is(world: 
     assert feed["spec"]["replicas"] == 1 and feed["spec"]["strategy"]["type"] == "Recreate"
     env = container_env(rollout)
     assert env["RLFLEET_REGION"] == "region-a" and env["RLFLEET_JETSTREAM_DOMAIN"] == "hub"
+    assert env["RLFLEET_NATS_URL"] == "nats://nats.rlfleet-system.svc:4222"  # its endpoint
 
 
 class Sampler:
