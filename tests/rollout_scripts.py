@@ -184,7 +184,9 @@ def build(tokenizer) -> Scripted:
     return Scripted(examples, session)
 
 
-def teach(model_dir: Path, tokenizer, steps: int = 200) -> SessionConfig:
+# 200 steps left one machine's greedy decoding off the abuse script at "sleep 1000"
+# (bf16 rounding differs between CPUs); 300 learn every script with margin to spare.
+def teach(model_dir: Path, tokenizer, steps: int = 300) -> SessionConfig:
     scripted = build(tokenizer)
     fine_tune(model_dir, scripted.examples, steps=steps)
     return scripted.session
