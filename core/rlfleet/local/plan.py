@@ -60,8 +60,9 @@ class Tuning:
     step_groups: int = 8
     lr: float = 5e-4  # 1e-3 collapses the tiny policy onto one answer per question
     lr_warmup_steps: int = 50
-    # Optimiser passes over each batch. Two learn more per step but make the one trainer
-    # core the bottleneck: measured before admission control, no more reward per minute.
+    # Optimiser passes over each batch. Two balance the trainer core with the rollout core
+    # (`bench/pipeline.py --updates-per-step 2`: async idles 6%, sync 51%), but reached
+    # 0.25 in 4 minutes where one pass reaches about 0.29: no more reward per minute.
     updates_per_step: int = 1
     turn_tokens: int = 24
     max_turns: int = 2
