@@ -23,6 +23,18 @@ Name = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
 class ModelSource(ApiModel):
     """The base policy the run starts from."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.volumeClaimName) || self.uri.startsWith('file:///')",
+                    "volumeClaimName needs a file:/// uri: the folder it is mounted at",
+                    ".volumeClaimName",
+                )
+            ]
+        }
+    )
+
     uri: Annotated[
         str,
         Field(
@@ -205,15 +217,7 @@ class RLRunSpec(ApiModel):
         ModelSource,
         Field(
             json_schema_extra={
-                # One list for the field: a list on ModelSource itself would be replaced.
-                "x-kubernetes-validations": [
-                    cel("self == oldSelf", "model is immutable"),
-                    cel(
-                        "!has(self.volumeClaimName) || self.uri.startsWith('file:///')",
-                        "volumeClaimName needs a file:/// uri: the folder it is mounted at",
-                        ".volumeClaimName",
-                    ),
-                ]
+                "x-kubernetes-validations": [cel("self == oldSelf", "model is immutable")]
             }
         ),
     ]

@@ -22,10 +22,20 @@ KINDS: tuple[ResourceKind, ...] = (RLRUN, INFERENCEPOOL, ENVPOOL)
 _DROPPED = {"title", "$defs"}
 
 
+VALIDATIONS = "x-kubernetes-validations"
+
+
 def _without_nulls(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _without_nulls(v) for k, v in value.items() if v is not None}
     return value
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """A referenced schema under a field's own keys; CEL rules of both apply, so their
+    lists join (a plain merge would drop the model's rules for the field's)."""
+    rules = base.get(VALIDATIONS, []) + over.get(VALIDATIONS, [])
+    return {**base, **over} | ({VALIDATIONS: rules} if rules else {})
 
 
 def _structural(node: Any, defs: dict[str, Any]) -> Any:
@@ -36,14 +46,14 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     node = dict(node)
     ref = node.pop("$ref", None)
     if ref is not None:
-        node = {**defs[ref.rsplit("/", 1)[-1]], **node}
+        node = _merged(defs[ref.rsplit("/", 1)[-1]], node)
     any_of = node.get("anyOf")
     if any_of is not None:
         # Optional[X] is anyOf [X, null]: the field is simply not required.
         non_null = [branch for branch in any_of if branch.get("type") != "null"]
         if len(non_null) == 1:
             del node["anyOf"]
-            node = {**non_null[0], **node}
+            node = _merged(non_null[0], node)
             if node.get("default", ...) is None:
                 del node["default"]
             if "$ref" in node:  # Optional[Model]: resolve the model now
