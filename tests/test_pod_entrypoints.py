@@ -19,6 +19,7 @@ import nats.js.errors
 import pytest
 import yaml
 from conftest import ROOT, wait_for
+from nats.js.api import StreamInfo
 
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.launch import SPEC_FILE, STATE_DIR_ENV
@@ -36,6 +37,7 @@ from rlfleet.operator.config import Images, NatsAccess
 from rlfleet.operator.workloads import hub_objects, mirror, rollout_deployment
 from rlfleet.testbed.nats import HUB_DOMAIN, NatsBed, start_nats
 from rlfleet.testbed.processes import Supervisor
+from rlfleet.weightsync import SyncConfig, WeightStream
 
 REGION = "region-a"
 POOL = "chat-prod"
@@ -132,6 +134,15 @@ async def first_step_and_trajectory(url: str, run: str) -> tuple[StepReport, Tra
         await nc.close()
 
 
+async def weight_mirror(url: str, run: str, domain: str) -> StreamInfo:
+    nc = await nats.connect(url)
+    try:
+        weights = WeightStream(nc, run, SyncConfig(), domain)
+        return await weights.js.stream_info(weights.subjects.stream)
+    finally:
+        await nc.close()
+
+
 def test_the_operators_pods_train_from_the_mounted_spec_alone(pods) -> None:
     run, bed, work, workloads = pods
     name = run["metadata"]["name"]
@@ -152,6 +163,11 @@ def test_the_operators_pods_train_from_the_mounted_spec_alone(pods) -> None:
     # The worker names itself by its region and pod; the spec's group size holds.
     assert trajectory.worker == f"{REGION}/tiny-moe-arith-rollout-chat-prod-5b8c-qz7lm"
     assert trajectory.group_size == 8
+    # The worker reads weights from its region's own mirror of the hub's stream (made by
+    # the worker here, with no operator about), so a version crosses the WAN once.
+    leaf = bed.leaves[REGION].authenticated_url
+    info = asyncio.run(weight_mirror(leaf, name, REGION))
+    assert info.mirror is not None and info.state.messages > 0
     # The trainer keeps its checkpoints and step log in the state volume.
     wait_for("the step log", lambda: (work / "state" / "checkpoints" / "steps.jsonl").exists())
     logs = {p.stem: p.read_text() for p in (work / "logs").glob("*.log")}

@@ -151,6 +151,30 @@ def test_a_late_receiver_starts_from_the_snapshot_retention_kept(
     asyncio.run(scenario())
 
 
+def test_a_region_cut_off_keeps_its_old_versions_and_publishing_goes_on(
+    nats_servers: StandaloneNats,
+) -> None:
+    run, versions = _run_name(), _versions(7)
+
+    async def scenario() -> None:
+        async with _connected(nats_servers.bed.hub.authenticated_url) as (hub,):
+            stream = WeightStream(hub, run, CONFIG)
+            await stream.create()
+            reached = WeightStream(hub, run, CONFIG, domain=REGION)
+            await reached.mirror(HUB_DOMAIN)
+            # No server answers for this region's domain, as when its link is down.
+            cut_off = WeightStream(hub, run, CONFIG, domain="region-cut-off")
+            publisher = Publisher(stream, CONFIG, mirrors=[cut_off, reached])
+            for version, tensors in enumerate(versions):
+                await publisher.publish(tensors, version)
+            for where in (stream, reached):
+                receiver = Receiver(where)
+                await _until_async(lambda r=receiver: r.sync(), 6, 30)
+                assert min(version for version, _ in receiver.known) == 6
+
+    asyncio.run(scenario())
+
+
 def test_a_corrupted_shard_is_refetched_then_refused_and_the_snapshot_used(
     nats_servers: StandaloneNats,
 ) -> None:

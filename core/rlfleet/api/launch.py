@@ -102,8 +102,16 @@ def trainer_settings(
         "batch_invariant": spec.trainer.batch_invariant,
         "router_replay": spec.trainer.router_replay,
         "max_staleness": spec.max_staleness,
+        "weight_mirrors": _weight_mirrors(spec, at),
         "weightsync": _sync(spec),
     }
+
+
+def _weight_mirrors(spec: RLRunSpec, at: Placement) -> list[str]:
+    """Where streams are named by JetStream domain, each region has its own, named after
+    it, holding a mirror of the run's weights (the operator makes it, and so does each
+    worker): the trainer retires old versions there as on the hub."""
+    return [region.name for region in spec.rollout.regions] if at.jetstream_domain else []
 
 
 def _rewards(spec: RLRunSpec) -> dict:
@@ -128,6 +136,7 @@ def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> d
         "run": name,
         "nats_url": at.nats_url,
         "jetstream_domain": at.jetstream_domain,
+        "weights_domain": at.region if at.jetstream_domain else None,
         "model": model,
         "name": f"{region}/{at.pod or 'rollout-0'}",
         "group_size": spec.rollout.group_size,

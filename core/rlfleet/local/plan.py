@@ -106,7 +106,7 @@ def processes(
     trainer_cores, rollout_cores = split_cores(sorted(os.sched_getaffinity(0)))
     model = str(model_path(spec, layout))
     threads = {"OMP_NUM_THREADS": str(len(trainer_cores))}
-    hub = launch.Placement(nats.hub.authenticated_url)
+    hub = launch.Placement(nats.hub.authenticated_url, HUB_DOMAIN)
     found: list[Process] = []
 
     def add(process_name: str, module: str, cores: list[int], config: dict, env: dict) -> None:

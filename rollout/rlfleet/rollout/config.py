@@ -42,6 +42,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: str  # the base Hugging Face checkpoint: policy version 0
     name: str = "rollout-0"  # names the worker in trajectories and logs
     jetstream_domain: str | None = None  # the hub's domain, when connected through a leaf
+    # The region's own domain, whose mirror of the hub's weights the worker reads: a
+    # version then crosses the WAN once per region, not once per worker.
+    weights_domain: str | None = None
     max_sessions: Positive = 64  # sessions running at once, across groups
     group_size: Positive = 4  # attempts per task, unless the task message says
     max_model_len: Positive = 4096

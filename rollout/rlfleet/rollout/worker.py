@@ -38,7 +38,7 @@ from rlfleet.rollout.engine import Engine
 from rlfleet.rollout.sandbox import Limits, Sandbox, SandboxClosed
 from rlfleet.rollout.session import Episode, Session
 from rlfleet.rollout.tasks import write_start_state
-from rlfleet.weightsync import vllm_options, vllm_start
+from rlfleet.weightsync import WeightStream, vllm_options, vllm_start
 
 log = logging.getLogger(__name__)
 
@@ -111,17 +111,21 @@ class Worker:
         config = self.config
         llm = await asyncio.to_thread(make_llm, config)
         self.engine = engine = Engine(llm, follow_weights=config.follow_weights)
-        await engine.start()
-        if config.follow_weights:
-            domain = config.jetstream_domain
-            await engine.call(
-                vllm_start, llm, config.nats_url, config.run, domain, config.sync_config()
-            )
-            if config.start_version is not None:
-                log.info("waiting for policy version %d", config.start_version)
-                await engine.wait_for_version(config.start_version, timeout_s=3600)
         nc = await nats.connect(config.nats_url, max_reconnect_attempts=-1)
         try:
+            if config.follow_weights:  # before the engine starts polling what this starts
+                await engine.call(
+                    vllm_start,
+                    llm,
+                    config.nats_url,
+                    config.run,
+                    await self._weights_domain(nc),
+                    config.sync_config(),
+                )
+            await engine.start()
+            if config.follow_weights and config.start_version is not None:
+                log.info("waiting for policy version %d", config.start_version)
+                await engine.wait_for_version(config.start_version, timeout_s=3600)
             js = nc.jetstream(domain=config.jetstream_domain)
             await ensure_stream(js, task_stream_config(config.run))
             queue = await js.pull_subscribe(
@@ -144,6 +148,16 @@ class Worker:
         finally:
             await engine.close()
             await nc.close()
+
+    async def _weights_domain(self, nc) -> str | None:
+        """Where this worker reads weights: its region's mirror of the hub's stream, made
+        here if the operator has not yet (or no operator runs, as under `rlfleet run`)."""
+        config = self.config
+        hub, region = config.jetstream_domain, config.weights_domain
+        if hub is None or region is None or region == hub:
+            return hub
+        await WeightStream(nc, config.run, config.sync_config(), region).mirror(hub)
+        return region
 
     async def _take(self, queue, js) -> None:
         free = self.config.max_sessions - self.sessions

@@ -20,6 +20,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: Path  # the base Hugging Face checkpoint: policy version 0
     checkpoint_dir: Path  # DeepSpeed checkpoints and the step log; resume from here
     jetstream_domain: str | None = None  # the hub's domain, when connected through a leaf
+    # Regions' domains whose mirrors of the weights the trainer retires old versions from
+    # (a purge does not travel down a mirror).
+    weight_mirrors: list[str] = msgspec.field(default_factory=list)
     zero_stage: Annotated[int, msgspec.Meta(ge=0, le=3)] = 1
     batch_invariant: bool = True
     router_replay: bool = True

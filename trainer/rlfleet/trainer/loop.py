@@ -86,7 +86,11 @@ class Trainer:
             )
             weights = WeightStream(nc, config.run, config.sync_config(), config.jetstream_domain)
             await weights.create()
-            self.publisher = Publisher(weights, config.sync_config())
+            mirrors = [
+                WeightStream(nc, config.run, config.sync_config(), domain)
+                for domain in config.weight_mirrors
+            ]
+            self.publisher = Publisher(weights, config.sync_config(), mirrors)
             await self._publish_weights()
             self.ready_at = time.perf_counter()
             while not self.stopping.is_set() and not self._done():

@@ -14,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 
+import nats.errors
 import torch
 
 from rlfleet.api.wire import WeightManifest
@@ -23,6 +24,8 @@ from rlfleet.weightsync.state import WeightState
 from rlfleet.weightsync.transport import WeightStream
 
 log = logging.getLogger(__name__)
+
+MIRROR_RETIRE_TIMEOUT_S = 5.0
 
 
 class Publisher:
@@ -78,5 +81,17 @@ class Publisher:
         self._snapshots.append(snapshot)
         if len(self._snapshots) > self.config.keep_snapshots:
             self._snapshots = self._snapshots[-self.config.keep_snapshots :]
-            for stream in (self.stream, *self.mirrors):
-                await stream.retire_before(self._snapshots[0])
+            await self.stream.retire_before(self._snapshots[0])
+            await asyncio.gather(
+                *(self._retire_mirror(m, self._snapshots[0]) for m in self.mirrors)
+            )
+
+    async def _retire_mirror(self, mirror: WeightStream, snapshot: int) -> None:
+        """A region that is cut off, or has no mirror yet, keeps its old versions until
+        the next snapshot's retirement reaches it: training does not wait on it."""
+        try:
+            await asyncio.wait_for(mirror.retire_before(snapshot), MIRROR_RETIRE_TIMEOUT_S)
+        except (TimeoutError, nats.errors.Error) as error:
+            log.warning(
+                "versions before %d stay on %s's mirror: %r", snapshot, mirror.domain, error
+            )
