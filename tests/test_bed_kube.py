@@ -130,6 +130,10 @@ BAD_SPECS = {
         _rlrun(model={"uri": "s3://bucket/tiny-moe", "volumeClaimName": "models"}),
         "spec.model.volumeClaimName",
     ),
+    "a checkpoint size that is no quantity": (
+        _rlrun(trainer={"checkpointStorage": {"size": "lots"}}),
+        "spec.trainer.checkpointStorage.size",
+    ),
     "a group of one attempt": (
         _rlrun(rollout={"groupSize": 1, "regions": [{"name": "region-a", "maxGpus": 8}]}),
         "spec.rollout.groupSize",
@@ -164,6 +168,23 @@ def test_model_is_immutable(kubectl: Kubectl, namespace: str) -> None:
     )
     assert result.returncode != 0
     assert "spec.model" in result.stderr and "immutable" in result.stderr
+
+
+@pytest.mark.usefixtures("crds_installed")
+def test_checkpoint_storage_is_fixed_once_the_run_exists(kubectl: Kubectl, namespace: str) -> None:
+    without, stored = _rlrun(), _rlrun(trainer={"checkpointStorage": {"size": "500Gi"}})
+    for document in (without, stored):
+        kubectl.run("hub", "-n", namespace, "apply", "-f", "-", stdin=yaml.safe_dump(document))
+    without["spec"]["trainer"] = {"checkpointStorage": {"size": "500Gi"}}
+    stored["spec"]["trainer"]["checkpointStorage"]["size"] = "1Ti"
+    # Neither adding claims to a run nor resizing them is taken.
+    for document in (without, stored):
+        result = kubectl.run(
+            "hub", "-n", namespace, "apply", "-f", "-", stdin=yaml.safe_dump(document), check=False
+        )
+        assert result.returncode != 0, "a StatefulSet's claims cannot change"
+        assert "spec.trainer.checkpointStorage" in result.stderr, result.stderr
+        assert "claims cannot change" in result.stderr
 
 
 def gpu_pod(name: str, gpus: int) -> dict:

@@ -99,6 +99,24 @@ class World:
         )
 
 
+CHECKPOINTS = {"size": "1Gi", "storageClassName": "rlfleet-checkpoints"}
+
+
+def checkpoint_volume(namespace: str) -> dict:
+    """A volume for the trainer rank's checkpoint claim, as a hub's storage would offer."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"{namespace}-checkpoints"},
+        "spec": {
+            "capacity": {"storage": CHECKPOINTS["size"]},
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": CHECKPOINTS["storageClassName"],
+            "hostPath": {"path": f"/var/lib/rlfleet/{namespace}"},
+        },
+    }
+
+
 def example(name: str) -> dict:
     return yaml.safe_load((ROOT / "examples" / name).read_text())
 
@@ -116,6 +134,7 @@ def world(
     for cluster in [HUB, *REGIONS]:
         fleet.kubectl(cluster, "create", "namespace", namespace)
     fleet.setup()
+    fleet.kubectl(HUB, "apply", "-f", "-", stdin=json.dumps(checkpoint_volume(namespace)))
     world = World(fleet, namespace, traffic, traces)
     for region in REGIONS:
         traffic.load[region] = 0.0
@@ -137,13 +156,20 @@ def world(
         traces.close()
         for link in fleet.links.values():
             link.listener.close()
+        fleet.kubectl(HUB, "delete", "persistentvolume", f"{namespace}-checkpoints")
 
 
 def test_applying_the_example_trains_in_the_hub_and_borrows_gpus_in_three_regions(
     world: World,
 ) -> None:
-    world.fleet.kubectl(HUB, "-n", world.ns, "apply", "-f", str(ROOT / "examples" / "rlrun.yaml"))
+    run = example("rlrun.yaml")
+    run["spec"]["trainer"]["checkpointStorage"] = CHECKPOINTS
+    world.apply(HUB, run)
     wait_for("trainer pods running", lambda: world.trainer_pods() == 1)
+    # Its rank keeps checkpoints on a claim of its own, bound to the hub's volume.
+    claim = world.get(HUB, "persistentvolumeclaim", f"state-{RUN}-trainer-0")
+    assert claim["status"]["phase"] == "Bound"
+    assert claim["spec"]["storageClassName"] == CHECKPOINTS["storageClassName"]
     wait_for("the task feed running", lambda: world.running(HUB, "rlfleet.io/component=feed") == 1)
     wait_for("rollout pods on lent GPUs in every region", world.lent_everywhere)
     for region in REGIONS:
@@ -514,6 +540,7 @@ def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:
         )
         wait_for(f"{region} serving whole", lambda r=region: world.serving_pods(r) == 4)
     wait_for("trainer gone", lambda: not world.items(HUB, "statefulsets"))
+    wait_for("checkpoint claims gone", lambda: not world.items(HUB, "persistentvolumeclaims"))
     wait_for("feed gone", lambda: not world.items(HUB, "deployments"))
     assert not world.items(HUB, "poddisruptionbudgets")
 

@@ -6,9 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 
-from rlfleet.api.meta import AGE, QUANTITY, ApiModel, Conditions, PrinterColumn, ResourceKind, cel
-
-Quantity = Annotated[str, Field(pattern=QUANTITY, max_length=64)]
+from rlfleet.api.meta import AGE, ApiModel, Conditions, PrinterColumn, Quantity, ResourceKind, cel
 
 
 class SandboxTemplate(ApiModel):

@@ -23,6 +23,7 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 CONDITION_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 # A Kubernetes resource quantity such as 500m, 2Gi or 1.5.
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+Quantity = Annotated[str, Field(pattern=QUANTITY, max_length=64)]  # a resource quantity
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:

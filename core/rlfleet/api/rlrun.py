@@ -12,6 +12,7 @@ from rlfleet.api.meta import (
     ApiModel,
     Conditions,
     PrinterColumn,
+    Quantity,
     ResourceKind,
     cel,
     map_list,
@@ -62,7 +63,30 @@ class ModelSource(ApiModel):
 Image = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
+class CheckpointStorage(ApiModel):
+    """A PersistentVolumeClaim per trainer rank for its checkpoints and step log."""
+
+    size: Annotated[Quantity, Field(description="Requested storage per rank, e.g. 200Gi.")]
+    storage_class_name: Annotated[
+        Name | None,
+        Field(description="The claims' StorageClass; the cluster's default when unset."),
+    ] = None
+
+
 class TrainerSpec(ApiModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "has(self.checkpointStorage) == has(oldSelf.checkpointStorage)",
+                    "checkpointStorage cannot be added or removed: a StatefulSet's claims "
+                    "cannot change",
+                    ".checkpointStorage",
+                )
+            ]
+        }
+    )
+
     replicas: Annotated[int, Field(ge=1, le=4096)] = 1
     gpus_per_replica: Annotated[int, Field(ge=0, le=16)] = 8
     image: Annotated[
@@ -80,6 +104,24 @@ class TrainerSpec(ApiModel):
     router_replay: Annotated[
         bool, Field(description="Score MoE layers with the experts the rollout used.")
     ] = True
+    checkpoint_storage: Annotated[
+        CheckpointStorage | None,
+        Field(
+            description=(
+                "Keep checkpoints on a claim per rank, so a rank moved to another node "
+                "resumes; unset, they survive a container restart only (emptyDir). Claims "
+                "are kept while the run is suspended and deleted with it."
+            ),
+            json_schema_extra={
+                "x-kubernetes-validations": [
+                    cel(
+                        "self == oldSelf",
+                        "checkpointStorage is immutable: a StatefulSet's claims cannot change",
+                    )
+                ]
+            },
+        ),
+    ] = None
 
 
 class RegionDemand(ApiModel):

@@ -15,7 +15,7 @@ from rlfleet.api import launch
 from rlfleet.api.envpool import EnvPoolSpec
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import API_VERSION, COMPONENT_LABEL, GPU_RESOURCE, GROUP, RUN_LABEL
-from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.api.rlrun import CheckpointStorage, RLRunSpec
 from rlfleet.operator.config import Images, NatsAccess
 
 POOL_LABEL = f"{GROUP}/pool"
@@ -130,9 +130,8 @@ def hub_objects(run: dict, images: Images, nats: NatsAccess | None) -> list[dict
         {"RLFLEET_TRAINER_SERVICE": f"{name}-trainer"} | _nats_env(nats),
     )
     container["ports"] = [{"name": "rendezvous", "containerPort": TRAINER_PORT}]
-    # Checkpoints and the step log outlive a restarted container (emptyDir); a pod moved
-    # to another node starts again from the base model.
     container["volumeMounts"].append({"name": "state", "mountPath": launch.STATE_DIR})
+    storage = spec.trainer.checkpoint_storage
     statefulset = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -147,7 +146,8 @@ def hub_objects(run: dict, images: Images, nats: NatsAccess | None) -> list[dict
                 "spec": _with_model(
                     {
                         "containers": [container],
-                        "volumes": [_spec_volume(name), {"name": "state", "emptyDir": {}}],
+                        "volumes": [_spec_volume(name)]
+                        + ([] if storage else [{"name": "state", "emptyDir": {}}]),
                         # A step in flight is finished, checkpointed and published on SIGTERM.
                         "terminationGracePeriodSeconds": 300,
                     },
@@ -156,6 +156,8 @@ def hub_objects(run: dict, images: Images, nats: NatsAccess | None) -> list[dict
             },
         },
     }
+    if storage is not None:
+        statefulset["spec"] |= _checkpoint_claims(storage, labels)
     service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -174,6 +176,22 @@ def hub_objects(run: dict, images: Images, nats: NatsAccess | None) -> list[dict
         "spec": {"maxUnavailable": 0, "selector": {"matchLabels": labels}},
     }
     return [spec_config_map(run), statefulset, service, budget, _feed(run, spec, images, nats)]
+
+
+def _checkpoint_claims(storage: CheckpointStorage, labels: dict[str, str]) -> dict:
+    """A claim per rank for its checkpoints, so a rank moved to another node resumes
+    (without one, an emptyDir outlives only a restarted container). Scaling to zero (a
+    suspended run) keeps the claims; deleting the run deletes them."""
+    claim: dict = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": storage.size}},
+    }
+    if storage.storage_class_name:
+        claim["storageClassName"] = storage.storage_class_name
+    return {
+        "volumeClaimTemplates": [{"metadata": {"name": "state", "labels": labels}, "spec": claim}],
+        "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Retain"},
+    }
 
 
 def _feed(run: dict, spec: RLRunSpec, images: Images, nats: NatsAccess | None) -> dict:
