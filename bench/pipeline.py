@@ -49,7 +49,7 @@ def measure(name: str, reports: list[StepReport]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=4.0, help="training budget per run")
-    parser.add_argument("--warmup-steps", type=int, default=160)
+    parser.add_argument("--warmup-steps", type=int, default=plan.Tuning.warmup_steps)
     parser.add_argument(
         "--updates-per-step",
         type=int,

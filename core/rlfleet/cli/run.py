@@ -21,5 +21,7 @@ def register(groups: argparse._SubParsersAction) -> None:
     command.add_argument(
         "--minutes", type=float, default=7.0, help="training budget, from the first step"
     )
-    command.add_argument("--warmup-steps", type=int, default=160, help="supervised warm-up")
+    command.add_argument(
+        "--warmup-steps", type=int, default=None, help="supervised warm-up (default: Tuning's)"
+    )
     command.set_defaults(handler=_run)

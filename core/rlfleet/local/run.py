@@ -180,11 +180,12 @@ def train(
         supervisor.stop_all(grace_seconds=30)
 
 
-def run(path: Path, root: Path | None, minutes: float, warmup_steps: int) -> int:
+def run(path: Path, root: Path | None, minutes: float, warmup_steps: int | None) -> int:
     name, spec = load(path)
     layout = plan.Layout(root or Path(".rlfleet") / "runs" / name)
-    make_model(spec, layout, warmup_steps)
-    reports = train(name, spec, layout, minutes * 60, plan.Tuning())
+    tuning = plan.Tuning()
+    make_model(spec, layout, warmup_steps or tuning.warmup_steps)
+    reports = train(name, spec, layout, minutes * 60, tuning)
     summary = report.write(reports, layout.report)
     console.print_json(data=summary)
     console.print(f"report in {layout.report}")

@@ -34,7 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path, help="checkpoint directory, changed in place")
     parser.add_argument("suite", help="a shipped suite's name (toy) or a JSON Lines path")
-    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--batch", type=int, default=32, help="examples per step")
     parser.add_argument("--fraction", type=float, default=1.0, help="of the tasks shown")
     parser.add_argument("--lr", type=float, default=3e-3)
