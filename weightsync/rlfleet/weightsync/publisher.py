@@ -88,7 +88,7 @@ class Publisher:
 
     async def _retire_mirror(self, mirror: WeightStream, snapshot: int) -> None:
         """A region that is cut off, or has no mirror yet, keeps its old versions until
-        the next snapshot's retirement reaches it: training does not wait on it."""
+        a later snapshot's retirement reaches it; a step waits on it at most the timeout."""
         try:
             await asyncio.wait_for(mirror.retire_before(snapshot), MIRROR_RETIRE_TIMEOUT_S)
         except (TimeoutError, nats.errors.Error) as error:
