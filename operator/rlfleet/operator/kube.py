@@ -190,6 +190,16 @@ class Kube:
         self.merge_patch(Ref.of(obj), {"status": status}, "status")
         return True
 
+    def scale(self, ref: Ref, replicas: int) -> bool:
+        """Sets a workload's replicas; False if it was gone (deleted since it was read)."""
+        try:
+            self.merge_patch(ref, {"spec": {"replicas": replicas}})
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+
     def delete(self, ref: Ref, grace_seconds: int | None = None) -> bool:
         """Deletes the object (its dependents in the background); False if it was gone."""
         body: dict[str, Any] = {"propagationPolicy": "Background"}

@@ -316,12 +316,13 @@ class Region:
         for run, deployment in deployments.items():
             want = decision.lent.get(run, 0)
             if deployment["spec"]["replicas"] > want:
-                self.local.merge_patch(Ref.of(deployment), {"spec": {"replicas": want}})
+                # Gone already when its run's mirror was deleted: nothing left to shrink.
+                self.local.scale(Ref.of(deployment), want)
         # Serving takes back only GPUs no rollout pod holds any more.
         in_use = max(len(rollout_pods), decision.total)
         serving_target = spec.serving.replicas - in_use
         if serving["spec"].get("replicas") != serving_target:
-            self.local.merge_patch(Ref.of(serving), {"spec": {"replicas": serving_target}})
+            self.local.scale(Ref.of(serving), serving_target)
         # Grow into GPUs that serving pods have actually left.
         free = spec.serving.replicas - len(serving_pods) - len(rollout_pods)
         for run in sorted(decision.lent):
