@@ -172,13 +172,17 @@ def test_model_is_immutable(kubectl: Kubectl, namespace: str) -> None:
 
 @pytest.mark.usefixtures("crds_installed")
 def test_checkpoint_storage_is_fixed_once_the_run_exists(kubectl: Kubectl, namespace: str) -> None:
-    without, stored = _rlrun(), _rlrun(trainer={"checkpointStorage": {"size": "500Gi"}})
-    for document in (without, stored):
+    bare, without = _rlrun(), _rlrun()
+    del bare["spec"]["trainer"]
+    stored = _rlrun(trainer={"checkpointStorage": {"size": "500Gi"}})
+    for document in (bare, without, stored):
         kubectl.run("hub", "-n", namespace, "apply", "-f", "-", stdin=yaml.safe_dump(document))
-    without["spec"]["trainer"] = {"checkpointStorage": {"size": "500Gi"}}
+    for document in (bare, without):
+        document["spec"]["trainer"] = {"checkpointStorage": {"size": "500Gi"}}
     stored["spec"]["trainer"]["checkpointStorage"]["size"] = "1Ti"
-    # Neither adding claims to a run nor resizing them is taken.
-    for document in (without, stored):
+    # Neither adding claims to a run (with a trainer section or without one) nor resizing
+    # them is taken.
+    for document in (bare, without, stored):
         result = kubectl.run(
             "hub", "-n", namespace, "apply", "-f", "-", stdin=yaml.safe_dump(document), check=False
         )

@@ -74,19 +74,6 @@ class CheckpointStorage(ApiModel):
 
 
 class TrainerSpec(ApiModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    "has(self.checkpointStorage) == has(oldSelf.checkpointStorage)",
-                    "checkpointStorage cannot be added or removed: a StatefulSet's claims "
-                    "cannot change",
-                    ".checkpointStorage",
-                )
-            ]
-        }
-    )
-
     replicas: Annotated[int, Field(ge=1, le=4096)] = 1
     gpus_per_replica: Annotated[int, Field(ge=0, le=16)] = 8
     image: Annotated[
@@ -250,7 +237,15 @@ class RLRunSpec(ApiModel):
                     "self.rollout.regions.exists(r, r.name == e.region))",
                     "every weightSync endpoint must name a region of rollout.regions",
                     ".weightSync.endpoints",
-                )
+                ),
+                # Here, not on trainer: a run created without `trainer` has no old one.
+                cel(
+                    "(has(self.trainer) && has(self.trainer.checkpointStorage)) == "
+                    "(has(oldSelf.trainer) && has(oldSelf.trainer.checkpointStorage))",
+                    "trainer.checkpointStorage cannot be added or removed: a StatefulSet's "
+                    "claims cannot change",
+                    ".trainer.checkpointStorage",
+                ),
             ]
         }
     )
