@@ -66,11 +66,11 @@ def main() -> None:
         shared = plan.Layout(Path(tmp) / "shared")
         make_model(spec, shared, args.warmup_steps)
         model = spec.model.model_copy(update={"uri": f"file://{shared.model}"})
-        runs = {}
+        runs, evaluations = {}, {}
         for mode, staleness in (("sync", 0), ("async", spec.max_staleness)):
             moded = spec.model_copy(update={"model": model, "max_staleness": staleness})
             layout = plan.Layout(Path(tmp) / mode)
-            runs[mode] = train(name, moded, layout, args.minutes * 60, tuning)
+            runs[mode], evaluations[mode] = train(name, moded, layout, args.minutes * 60, tuning)
     result = {
         "budget_seconds": args.minutes * 60,
         "async_max_staleness": spec.max_staleness,
@@ -78,6 +78,9 @@ def main() -> None:
     }
     for mode, reports in runs.items():
         result |= measure(mode, reports)
+        # The last version on the whole suite: the batch reward is over the tasks the
+        # feed's curriculum chose.
+        result[f"{mode}_evaluated_reward"] = (evaluations[mode] or {}).get("reward")
     target = result["sync_final_reward"]
     # Only once the smoothing window is full: the first few steps alone are too noisy to
     # count as reaching anything.

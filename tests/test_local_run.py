@@ -1,6 +1,7 @@
 """`rlfleet run` end to end on this machine: embedded NATS with two region leaf nodes, the
 tiny MoE made and warmed up, the real trainer (DeepSpeed), two real vLLM rollout workers
-and the task feeder; stopped on its budget, reported, and resumed by a second run."""
+and the task feeder; stopped on its budget, evaluated, reported, and resumed by a second
+run."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def test_a_local_run_trains_reports_and_resumes(tmp_path: Path) -> None:
     first = run(tmp_path, minutes=0.5)
     assert first["steps"] > 0 and first["policy_version"] == first["steps"]
     assert (tmp_path / "report" / "report.png").stat().st_size > 0
+    # The reward is the evaluation's on the whole suite: the starting model's, and the last
+    # version's as read back off the run's weight stream.
+    assert first["reward_from"] == "evaluation"
+    assert first["evaluated_version"] == first["policy_version"]
     for region in ("region-a", "region-b"):
         log = (tmp_path / "logs" / f"rollout-{region}.log").read_text()
         assert f"worker {region}/0 taking tasks" in log and "policy version" in log
@@ -51,3 +56,5 @@ def test_a_local_run_trains_reports_and_resumes(tmp_path: Path) -> None:
     # The trainer resumed from its checkpoint: versions go on, and the report covers both.
     assert second["policy_version"] > first["policy_version"]
     assert second["steps"] > first["steps"]
+    assert second["evaluated_version"] == second["policy_version"]
+    assert second["reward_start"] == first["reward_start"]  # the same starting model

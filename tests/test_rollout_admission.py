@@ -1,5 +1,6 @@
 """Staleness-aware admission: the feed publishes what the trainer can use within its
-staleness bound, each task naming the oldest policy that may attempt it. The decision
+staleness bound, each task naming the oldest policy that may attempt it; and its
+curriculum, which mostly skips tasks whose last group taught nothing. The decisions
 alone, then the feed process's loop against real NATS JetStream, driven by step reports."""
 
 from __future__ import annotations
@@ -7,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections import Counter
+from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 from conftest import step_report
@@ -15,6 +19,8 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from rlfleet.api.streams import ensure_stream, step_stream_config
 from rlfleet.api.wire import (
+    GroupOutcome,
+    Task,
     decode_task_message,
     encode,
     step_subject,
@@ -22,7 +28,9 @@ from rlfleet.api.wire import (
     task_subject,
 )
 from rlfleet.rollout.admission import Admission
-from rlfleet.rollout.feed import FeedConfig, feed
+from rlfleet.rollout.curriculum import Curriculum
+from rlfleet.rollout.feed import FeedConfig, feed, passes
+from rlfleet.rollout.tasks import write_suite
 from rlfleet.testbed.nats import StandaloneNats
 
 
@@ -114,6 +122,90 @@ def test_the_feed_follows_the_trainer_through_its_step_reports(
             await nc.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+def test_the_curriculum_mostly_skips_tasks_whose_last_group_taught_nothing() -> None:
+    tasks = [Task(id=name, suite="s", prompt=name, answer="x", tools=False) for name in "abc"]
+    curriculum = Curriculum(revisit=0.25, seed=0)
+    curriculum.observe(
+        [
+            GroupOutcome("a", [1.0, 1.0, 1.0]),  # all right
+            GroupOutcome("b", [0.0, 0.0, 0.0]),  # all wrong
+            GroupOutcome("c", [0.0, 1.0, 0.0]),  # something to learn
+        ]
+    )
+    order = passes(tasks, seed=0)
+    asked = Counter(curriculum.select(order).id for _ in range(3000))
+    # c every time it comes round; a and b about a quarter of the times they do.
+    assert 0.15 < asked["a"] / asked["c"] < 0.35 and 0.15 < asked["b"] / asked["c"] < 0.35
+    # A task that teaches again is asked again every time.
+    curriculum.observe([GroupOutcome("a", [0.0, 1.0, 1.0])])
+    asked = Counter(curriculum.select(order).id for _ in range(3000))
+    assert 0.9 < asked["a"] / asked["c"] < 1.1
+    with pytest.raises(ValueError, match="never ask again"):
+        Curriculum(revisit=0.0, seed=0)
+
+
+@pytest.mark.nats
+def test_the_feed_stops_asking_what_the_trainer_reports_as_settled(
+    nats_servers: StandaloneNats, tmp_path: Path
+) -> None:
+    run = f"r{uuid.uuid4().hex[:8]}"
+    suite = tmp_path / "three.jsonl"
+    write_suite(
+        [Task(id=name, suite="three", prompt=name, answer="x", tools=False) for name in "abc"],
+        suite,
+    )
+    config = FeedConfig(
+        run=run,
+        nats_url=nats_servers.bed.hub.authenticated_url,
+        suite=str(suite),
+        max_staleness=0,
+        groups_per_step=1,
+        revisit_uniform=1e-9,
+    )
+    settled = [GroupOutcome("a", [1.0] * 4), GroupOutcome("b", [0.0] * 4)]
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        feeding = asyncio.create_task(feed(config, stop))
+        nc = await nats.connect(config.nats_url)
+        try:
+            js = nc.jetstream()
+            await ensure_stream(js, step_stream_config(run))
+            await _wait_for_stream(js, task_stream(run))
+            worker = await js.pull_subscribe(
+                task_subject(run),
+                durable="rollout",
+                stream=task_stream(run),
+                config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT),
+            )
+            await _take(worker, 2)  # before any report: whatever comes first
+            asked = []
+            for version in range(1, 7):
+                report = msgspec.structs.replace(
+                    step_report(run, version, 0.0, 0), outcomes=settled
+                )
+                await js.publish(step_subject(run), encode(report))
+                asked += await _take(worker, 1)
+            assert asked == ["c"] * 6
+        finally:
+            stop.set()
+            await feeding
+            await nc.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+async def _take(worker, count: int) -> list[str]:
+    """The ids of the next `count` tasks a worker gets, acknowledged."""
+    found: list[str] = []
+    while len(found) < count:
+        with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
+            for msg in await worker.fetch(count - len(found), timeout=5):
+                found.append(decode_task_message(msg.data).task.id)
+                await msg.ack()
+    return found
 
 
 async def _wait_for_stream(js, name: str) -> None:

@@ -205,6 +205,10 @@ def test_stale_and_malformed_trajectories_never_reach_the_optimiser(
     assert steps[-1]["rejected_total"] == len(malformed)
     assert [s["policy_version"] for s in steps] == [1, 2, 3]
     assert all(s["weight_bytes"] > 0 for s in steps)  # the log tells what each step shipped
+    # Each group's rewards go out with its step, for the feed's curriculum.
+    outcomes = [o for s in steps for o in s["outcomes"]]
+    assert sorted(o["task_id"] for o in outcomes) == list("abcdgh")
+    assert all(len(o["rewards"]) == GROUP for o in outcomes)
     log = process.log.read_text()
     for reason in ("malformed", "token_out_of_range", "expert_out_of_range", "is not finite"):
         assert reason in log

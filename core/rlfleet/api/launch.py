@@ -152,6 +152,7 @@ def feed_settings(name: str, spec: RLRunSpec, at: Placement) -> dict:
         "suite": spec.rollout.task_suite,
         "max_staleness": spec.max_staleness,
         "group_size": spec.rollout.group_size,
+        "revisit_uniform": spec.rollout.uniform_group_revisit,
     }
 
 

@@ -153,6 +153,17 @@ class RolloutSpec(ApiModel):
     regions: Annotated[
         list[RegionDemand], Field(min_length=1, max_length=64, json_schema_extra=map_list("name"))
     ]
+    uniform_group_revisit: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=1,
+            description=(
+                "The chance a task is asked again when its last trained group was all right"
+                " or all wrong (it taught nothing); 1 asks every task in turn."
+            ),
+        ),
+    ] = 1.0
 
 
 class NatsEndpoint(ApiModel):

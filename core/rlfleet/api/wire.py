@@ -184,6 +184,18 @@ def decode_trajectory(data: bytes) -> Trajectory:
     return msgspec.msgpack.decode(data, type=Trajectory)
 
 
+class GroupOutcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The rewards one group of attempts at a task earned, as the trainer trained on them."""
+
+    task_id: str
+    rewards: list[float]
+
+    @property
+    def uniform(self) -> bool:
+        """Every attempt earned the same: GRPO's advantages are all 0, it taught nothing."""
+        return max(self.rewards) - min(self.rewards) < 1e-6
+
+
 class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
     """What one optimiser step did, as the trainer announces it after the step is durable."""
 
@@ -212,6 +224,8 @@ class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
     # Seconds the trainer sat waiting for trajectories before this step, since the previous
     # version was published (or since it started): the pipeline's idle time.
     wait_seconds: float = 0.0
+    # Each group trained on, so the feed can tell which tasks still teach the policy.
+    outcomes: list[GroupOutcome] = []
 
 
 def decode_task_message(data: bytes) -> TaskMessage:

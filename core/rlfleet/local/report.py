@@ -1,4 +1,5 @@
-"""A run's report folder: `summary.json` and plots, from the trainer's step reports.
+"""A run's report folder: `summary.json` and plots, from the trainer's step reports and
+the evaluations of the starting model and the last version.
 
 The step reports come from the run's step stream, which keeps them across re-runs, so a
 resumed run reports on all of its steps.
@@ -39,16 +40,35 @@ def reward_curve(reports: list[StepReport]) -> list[tuple[float, float]]:
     return [(r.finished_at - start, reward) for r, reward in zip(reports, rewards, strict=True)]
 
 
-def summary(reports: list[StepReport]) -> dict:
+def summary(reports: list[StepReport], start: dict | None = None, end: dict | None = None) -> dict:
+    """With the evaluations of the starting model and the last version (`start`, `end`),
+    the reward is theirs: every task of the suite attempted alike. The batch reward is
+    what the tasks the feed chose earned, and with the curriculum those are mostly the
+    ones still being learnt."""
     if not reports:
         return {"steps": 0}
     first, last = reports[:EDGE_STEPS], reports[-EDGE_STEPS:]
+    batch_start, batch_end = round(mean_reward(first), 4), round(mean_reward(last), 4)
+    evaluated = start is not None and end is not None
+    rewards = (start["reward"], end["reward"]) if evaluated else (batch_start, batch_end)
     return {
         "steps": len(reports),
         "policy_version": reports[-1].policy_version,
         "seconds": round(reports[-1].finished_at - reports[0].finished_at, 1),
-        "reward_start": round(mean_reward(first), 4),
-        "reward_end": round(mean_reward(last), 4),
+        "reward_start": rewards[0],
+        "reward_end": rewards[1],
+        "reward_from": "evaluation" if evaluated else "batch",
+        **(
+            {
+                "evaluated_version": end["version"],
+                "pass_at_k_start": start["pass_at_k"],
+                "pass_at_k_end": end["pass_at_k"],
+            }
+            if evaluated
+            else {}
+        ),
+        "batch_reward_start": batch_start,
+        "batch_reward_end": batch_end,
         "staleness_mean": round(statistics.fmean(r.staleness_mean for r in reports), 3),
         "dropped_stale": reports[-1].dropped_stale_total,
         "delta_bytes_mean": round(statistics.fmean(r.weight_bytes for r in reports)),
@@ -57,9 +77,11 @@ def summary(reports: list[StepReport]) -> dict:
     }
 
 
-def write(reports: list[StepReport], folder: Path) -> dict:
+def write(
+    reports: list[StepReport], folder: Path, start: dict | None = None, end: dict | None = None
+) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
-    found = summary(reports)
+    found = summary(reports, start, end)
     (folder / "summary.json").write_text(json.dumps(found, indent=2) + "\n")
     if reports:
         _plots(reports, folder)

@@ -59,19 +59,15 @@ def make_model(spec: RLRunSpec, layout: plan.Layout, warmup_steps: int) -> None:
     suite = spec.rollout.task_suite
     subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "rlfleet.rollout.warmup",
-            str(staging),
-            suite,
-            "--steps",
-            str(warmup_steps),
+            *(sys.executable, "-m", "rlfleet.rollout.warmup", str(staging), suite),
+            *("--steps", str(warmup_steps)),
         ],
         check=True,
     )
     staging.rename(layout.model)  # only a finished warm-up counts
 
 
+EVALUATION_START, EVALUATION_END = "evaluation-start.json", "evaluation-end.json"
 STARTUP_LIMIT_S = 900  # the first step must come within this; DeepSpeed and vLLM start slowly
 
 
@@ -141,6 +137,25 @@ async def recorded_steps(name: str, url: str) -> list[StepReport]:
         await nc.close()
 
 
+def evaluate(model: Path, suite: str, out: Path, *published: str) -> dict | None:
+    """The policy's evaluation on the whole suite (`rlfleet.rollout.evaluation`): the
+    starting model's, or with `published` (`--run NAME --nats-url URL`) the newest version
+    the run published. None, with the reason shown, for a suite it cannot grade."""
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "rlfleet.rollout.evaluation"),
+            *(str(model), suite, str(out), *published),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        console.print(f"[yellow]no evaluation: {reason}[/yellow]")
+        return None
+    return json.loads(out.read_text())
+
+
 def launch(process: plan.Process, supervisor: Supervisor) -> None:
     """Writes the process's config where its argv names it, then starts it."""
     config_path = Path(process.argv[-1])
@@ -150,9 +165,9 @@ def launch(process: plan.Process, supervisor: Supervisor) -> None:
 
 def train(
     name: str, spec: RLRunSpec, layout: plan.Layout, budget_s: float, tuning: plan.Tuning
-) -> list[StepReport]:
+) -> tuple[list[StepReport], dict | None]:
     """Runs the RLRun's processes until `budget_s` of training or Ctrl-C, then stops them;
-    returns every step the run has recorded."""
+    returns every step the run has recorded and the evaluation of its last version."""
     for folder in (layout.root, layout.logs, layout.configs):
         folder.mkdir(parents=True, exist_ok=True)
     supervisor = Supervisor(layout.logs, attached=True)
@@ -165,15 +180,26 @@ def train(
             components.append(process.name)
         console.print(f"started {name}: logs in {layout.logs}; Ctrl-C stops and reports")
 
-        async def watched() -> list[StepReport]:
+        url = bed.hub.authenticated_url
+
+        async def watched() -> None:
             loop = asyncio.get_running_loop()
             loop.add_signal_handler(signal.SIGINT, stop.set)
             loop.add_signal_handler(signal.SIGTERM, stop.set)
-            url = bed.hub.authenticated_url
             await follow(name, url, budget_s, stop, supervisor)
-            return await recorded_steps(name, url)
 
-        return asyncio.run(watched())
+        asyncio.run(watched())
+        # The run's own processes stop first, so the trainer's last step gets out, and the
+        # evaluation reads the version it made while NATS is still there.
+        stop_pids([pid for n, pid in supervisor.pids().items() if n in components], 30)
+        console.print("evaluating the last version on the whole suite")
+        end = evaluate(
+            plan.model_path(spec, layout),
+            spec.rollout.task_suite,
+            layout.report / EVALUATION_END,
+            *("--run", name, "--nats-url", url),
+        )
+        return asyncio.run(recorded_steps(name, url)), end
     finally:
         # The run's own processes before NATS, so the trainer's last step still gets out.
         stop_pids([pid for n, pid in supervisor.pids().items() if n in components], 30)
@@ -185,8 +211,13 @@ def run(path: Path, root: Path | None, minutes: float, warmup_steps: int | None)
     layout = plan.Layout(root or Path(".rlfleet") / "runs" / name)
     tuning = plan.Tuning()
     make_model(spec, layout, warmup_steps or tuning.warmup_steps)
-    reports = train(name, spec, layout, minutes * 60, tuning)
-    summary = report.write(reports, layout.report)
+    start = layout.report / EVALUATION_START
+    if not start.exists():  # the model a run starts from never changes: once is enough
+        console.print("evaluating the starting model on the whole suite")
+        evaluate(plan.model_path(spec, layout), spec.rollout.task_suite, start)
+    reports, end = train(name, spec, layout, minutes * 60, tuning)
+    evaluated = json.loads(start.read_text()) if start.exists() and end else None
+    summary = report.write(reports, layout.report, evaluated, end)
     console.print_json(data=summary)
     console.print(f"report in {layout.report}")
     return 0

@@ -35,6 +35,7 @@ from rlfleet.api.wire import (
     task_subject,
 )
 from rlfleet.rollout.admission import Admission
+from rlfleet.rollout.curriculum import Curriculum
 from rlfleet.rollout.tasks import load_suite, suite_path
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ class FeedConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     depth: Annotated[int, msgspec.Meta(ge=1)] = 8
     group_size: Annotated[int, msgspec.Meta(ge=2)] | None = None  # the workers' default
     seed: int = 0
+    # The chance a task whose last trained group was all right or all wrong is asked again
+    # (`Curriculum`); 1 asks every task in turn.
+    revisit_uniform: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
     poll_s: float = 0.25
 
 
@@ -65,8 +69,9 @@ def passes(tasks: list[Task], seed: int) -> Iterator[Task]:
 class _Trainer:
     """What the feed knows of the trainer: its step reports, as they arrive."""
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, curriculum: Curriculum) -> None:
         self.admission = admission
+        self.curriculum = curriculum
         self.changed = time.monotonic()  # when the version last moved
         # The last step's training and publishing time; the first step, a trainer still
         # warming up, takes seconds.
@@ -74,6 +79,7 @@ class _Trainer:
 
     async def report(self, msg) -> None:
         report = decode_step_report(msg.data)
+        self.curriculum.observe(report.outcomes)
         if self.admission.observe(report.policy_version, report.groups):
             self.changed = time.monotonic()
             self.step_s = report.step_seconds + report.weight_seconds
@@ -86,7 +92,8 @@ class _Trainer:
 async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
     tasks = passes(load_suite(suite_path(config.suite)), config.seed)
     admission = Admission(config.max_staleness, config.groups_per_step)
-    trainer = _Trainer(admission)
+    curriculum = Curriculum(config.revisit_uniform, config.seed)
+    trainer = _Trainer(admission, curriculum)
     nc = await nats.connect(config.nats_url, max_reconnect_attempts=-1)
     try:
         js = nc.jetstream(domain=config.jetstream_domain)
@@ -118,7 +125,7 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
             for target in admission.admit(config.depth - state.messages):
                 message = TaskMessage(
                     run=config.run,
-                    task=next(tasks),
+                    task=curriculum.select(tasks),
                     group_size=config.group_size,
                     min_policy_version=admission.min_version(target),
                 )
@@ -127,7 +134,10 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
                 published += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), config.poll_s)
-        log.info("published %d tasks of %s", published, config.suite)
+        log.info(
+            "published %d tasks of %s; skipped %d that last taught nothing",
+            *(published, config.suite, curriculum.skipped),
+        )
     finally:
         await nc.close()
 

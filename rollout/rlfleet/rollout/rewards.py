@@ -60,8 +60,9 @@ async def archive(sandbox: Sandbox) -> dict[str, bytes]:
     return files
 
 
-def _normalised(text: str) -> str:
-    return " ".join(text.split())
+def matches(answer: str, expected: str) -> bool:
+    """The exact-answer rule: equal, whitespace aside."""
+    return answer.split() == expected.split()
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class ExactAnswer:
             raise ValueError(f"task {task.id} has no answer to compare with")
         if outcome.answer is None:
             return Reward(0.0, {self.name: 0.0}, "no answer submitted")
-        if _normalised(outcome.answer) == _normalised(task.answer):
+        if matches(outcome.answer, task.answer):
             return Reward(1.0, {self.name: 1.0})
         return Reward(0.0, {self.name: 0.0}, f"answer {outcome.answer[:80]!r} is wrong")
 

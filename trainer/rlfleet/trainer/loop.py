@@ -23,6 +23,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from rlfleet.api.streams import ensure_stream, step_stream_config, trajectory_stream_config
 from rlfleet.api.wire import (
+    GroupOutcome,
     StepReport,
     Trajectory,
     decode_trajectory,
@@ -251,6 +252,13 @@ class Trainer:
             step_seconds=time.perf_counter() - started,
             finished_at=time.time(),
             wait_seconds=round(waited, 3),
+            outcomes=[
+                GroupOutcome(
+                    task_id=group[0].trajectory.task_id,
+                    rewards=[i.trajectory.reward for i in group],
+                )
+                for group in groups
+            ],
         )
         self.step += 1
         seqs = [item.seq for item in items]

@@ -1,0 +1,162 @@
+"""How good a policy is on a whole suite: every task attempted alike, graded as rollouts are.
+
+A run's batch reward is what its rollouts earned on the tasks the feed chose. With the
+curriculum those are mostly the tasks still being learnt, so the batch reward says little
+about the suite. An evaluation samples every task of an exact-answer suite `attempts`
+times at temperature 1, as a rollout group would, and reports the mean reward, the share
+of tasks some attempt gets right (pass@k: what RL can still turn into reward) and the
+share of groups that disagree (what GRPO learns from). The weights are a version read
+off the run's weight stream, as a rollout worker reads them. Generation is Hugging Face
+`generate` on the host: fine for the tiny models of a local run, not for production sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import nats
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlfleet.api.wire import Task
+from rlfleet.rollout.rewards import matches
+from rlfleet.rollout.session import END_TURN, window_text
+from rlfleet.rollout.tasks import load_suite, suite_path
+from rlfleet.weightsync import Receiver, SyncConfig, WeightState, WeightStream
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    version: int  # the policy version evaluated; 0 is the model the run started from
+    reward: float
+    pass_at_k: float
+    mixed_groups: float
+    attempts: int  # per task: the k of pass@k
+    tasks: int
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, path: Path) -> Evaluation | None:
+        return cls(**json.loads(path.read_text())) if path.exists() else None
+
+
+def evaluable(tasks: list[Task]) -> bool:
+    """Bare questions with exact answers: what the host can grade without sandboxes."""
+    return all(task.answer is not None and not task.tools for task in tasks)
+
+
+def evaluate(
+    model: Path,
+    tasks: list[Task],
+    weights: Mapping[str, torch.Tensor] | None = None,
+    *,
+    version: int = 0,
+    attempts: int = 8,
+    max_tokens: int = 24,
+    seed: int = 0,
+) -> Evaluation:
+    """`model`'s folder with `weights` (a published version) in place of its own."""
+    if not evaluable(tasks):
+        raise ValueError("only bare exact-answer tasks can be evaluated here")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    with tempfile.TemporaryDirectory(prefix="rlfleet-evaluation-") as tmp:
+        if weights is not None:
+            model = _with_weights(model, weights, Path(tmp))
+        policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    end = tokenizer.convert_tokens_to_ids(END_TURN)
+    torch.manual_seed(seed)
+    right_per_task = []
+    for task in tasks:
+        prompt = window_text(task.prompt, tools=False)
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        with torch.no_grad():
+            out = policy.generate(
+                ids.repeat(attempts, 1),
+                attention_mask=torch.ones_like(ids).repeat(attempts, 1),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                max_new_tokens=max_tokens,
+                eos_token_id=end,
+                pad_token_id=end,
+            )
+        texts = tokenizer.batch_decode(out[:, ids.shape[1] :])
+        assert task.answer is not None
+        right_per_task.append(sum(matches(t.split(END_TURN)[0], task.answer) for t in texts))
+    count = len(tasks)
+    return Evaluation(
+        version=version,
+        reward=round(sum(right_per_task) / (attempts * count), 4),
+        pass_at_k=round(sum(r > 0 for r in right_per_task) / count, 4),
+        mixed_groups=round(sum(0 < r < attempts for r in right_per_task) / count, 4),
+        attempts=attempts,
+        tasks=count,
+    )
+
+
+def _with_weights(model: Path, weights: Mapping[str, torch.Tensor], folder: Path) -> Path:
+    """`model`'s folder with `weights` as its checkpoint. Published tensors carry the
+    checkpoint's names (experts one by one), which loading converts as it does any."""
+    for path in model.iterdir():
+        if path.is_file() and not path.name.startswith("model.safetensors"):
+            shutil.copy(path, folder / path.name)
+    tensors = {name: t.contiguous() for name, t in weights.items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+async def published_weights(
+    url: str, run: str, config: SyncConfig, domain: str | None = None
+) -> WeightState:
+    """The newest version of `run`'s weights on the stream, verified."""
+    nc = await nats.connect(url)
+    try:
+        receiver = Receiver(WeightStream(nc, run, config, domain))
+        await receiver.sync()
+        return receiver.state
+    finally:
+        await nc.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlfleet.rollout.evaluation", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("model", type=Path, help="the run's model folder (its starting weights)")
+    parser.add_argument("suite", help="a shipped suite's name, or a path to a JSON Lines file")
+    parser.add_argument("out", type=Path, help="where the evaluation's JSON goes")
+    parser.add_argument("--run", help="evaluate the newest version this run published")
+    parser.add_argument("--nats-url", help="where the run's weight stream is (with --run)")
+    parser.add_argument("--domain", help="the stream's JetStream domain (with --run)")
+    parser.add_argument("--attempts", type=int, default=8)
+    args = parser.parse_args()
+    tasks = load_suite(suite_path(args.suite))
+    if not evaluable(tasks):
+        sys.exit(f"suite {args.suite}: only bare exact-answer tasks can be evaluated here")
+    weights, version = None, 0
+    if args.run:
+        if not args.nats_url:
+            parser.error("--run needs --nats-url")
+        state = asyncio.run(published_weights(args.nats_url, args.run, SyncConfig(), args.domain))
+        if state.version is None:
+            sys.exit(f"run {args.run} has published no weights")
+        weights, version = state.tensors, state.version
+    found = evaluate(args.model, tasks, weights, version=version, attempts=args.attempts)
+    found.write(args.out)
+    print(json.dumps(asdict(found)))
+
+
+if __name__ == "__main__":
+    main()
