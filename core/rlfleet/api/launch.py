@@ -30,7 +30,6 @@ SPEC_FILE = f"{SPEC_DIR}/rlrun.json"  # {"name": run, "spec": RLRun spec}, as JS
 STATE_DIR = "/var/lib/rlfleet"  # the trainer's checkpoints and step log live under here
 
 # The environment a pod gets from the operator (`Placement.from_env` reads it back).
-RUN_ENV = "RLFLEET_RUN"
 NATS_URL_ENV = "RLFLEET_NATS_URL"
 JETSTREAM_DOMAIN_ENV = "RLFLEET_JETSTREAM_DOMAIN"
 REGION_ENV = "RLFLEET_REGION"

@@ -11,7 +11,9 @@ updates it in place rather than making another.
 
 from __future__ import annotations
 
+import contextvars
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -32,6 +34,8 @@ log = logging.getLogger(__name__)
 # While a region answers, its lastSeen is rewritten at most this often: a resync that
 # learns nothing new then writes nothing. Silence is timed from the last answer in memory.
 LAST_SEEN_REFRESH_S = 60
+# Regions are asked at once: a reconcile then waits for the slowest region, not the sum.
+REGION_CALLS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="region")
 
 
 @dataclass
@@ -173,9 +177,16 @@ class Hub:
         events: list[Event] = []
         previous = {e["name"]: e for e in old.get("regions", [])}
         wanted = [r.name for r in spec.rollout.regions]
-        reports = [
-            self._report(run, name, previous.get(name, {"name": name}), resync) for name in wanted
+        # Each call runs in a copy of this thread's context, so its spans stay children of
+        # this reconcile's.
+        calls = [
+            REGION_CALLS.submit(
+                contextvars.copy_context().run,
+                *(self._report, run, name, previous.get(name, {"name": name}), resync),
+            )
+            for name in wanted
         ]
+        reports = [call.result() for call in calls]
         # Regions dropped from the spec lose their mirror; one not answering is retried.
         leftover = [n for n in previous if n not in wanted and not self._forget(run, n)]
         entries, lost, refused = [], [], []

@@ -73,7 +73,7 @@ def _deployment(owner_body: dict, name: str, labels: dict, replicas: int, pod: d
     }
 
 
-def _container(name: str, image: str, run: str, gpus: int, env: dict[str, str]) -> dict:
+def _container(name: str, image: str, gpus: int, env: dict[str, str]) -> dict:
     """A component reading its run's mounted spec (`python -m ... --rlrun`), placed by
     the environment (`rlfleet.api.launch.Placement`)."""
     return {
@@ -81,7 +81,7 @@ def _container(name: str, image: str, run: str, gpus: int, env: dict[str, str]) 
         "image": image,
         "args": ["--rlrun", launch.SPEC_FILE],
         "env": [
-            *({"name": k, "value": v} for k, v in ({launch.RUN_ENV: run} | env).items()),
+            *({"name": k, "value": v} for k, v in env.items()),
             {
                 "name": launch.POD_NAME_ENV,
                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
@@ -125,9 +125,8 @@ def hub_objects(run: dict, images: Images, nats: NatsAccess | None) -> list[dict
     container = _container(
         "trainer",
         spec.trainer.image or images.trainer,
-        name,
         spec.trainer.gpus_per_replica,
-        {"RLFLEET_TRAINER_SERVICE": f"{name}-trainer"} | _nats_env(nats),
+        _nats_env(nats),
     )
     container["ports"] = [{"name": "rendezvous", "containerPort": TRAINER_PORT}]
     container["volumeMounts"].append({"name": "state", "mountPath": launch.STATE_DIR})
@@ -199,7 +198,7 @@ def _feed(run: dict, spec: RLRunSpec, images: Images, nats: NatsAccess | None) -
     counts what it has queued against the trainer's staleness bound."""
     name = run["metadata"]["name"]
     labels = {RUN_LABEL: name, COMPONENT_LABEL: "feed"}
-    container = _container("feed", spec.rollout.image or images.rollout, name, 0, _nats_env(nats))
+    container = _container("feed", spec.rollout.image or images.rollout, 0, _nats_env(nats))
     container["command"] = ["python", "-m", "rlfleet.rollout.feed"]
     pod = {"containers": [container], "volumes": [_spec_volume(name)]}
     feed = _deployment(run, f"{name}-feed", labels, 0 if spec.suspend else 1, pod)
@@ -251,11 +250,7 @@ def rollout_deployment(
     if domain:
         env[launch.JETSTREAM_DOMAIN_ENV] = domain
     container = _container(
-        "rollout",
-        spec.rollout.image or default_image,
-        name,
-        pool_spec.serving.gpus_per_replica,
-        env,
+        "rollout", spec.rollout.image or default_image, pool_spec.serving.gpus_per_replica, env
     )
     pod = _with_model(
         {

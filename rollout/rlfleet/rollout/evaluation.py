@@ -47,10 +47,6 @@ class Evaluation:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
 
-    @classmethod
-    def read(cls, path: Path) -> Evaluation | None:
-        return cls(**json.loads(path.read_text())) if path.exists() else None
-
 
 def evaluable(tasks: list[Task]) -> bool:
     """Bare questions with exact answers: what the host can grade without sandboxes."""
@@ -64,7 +60,7 @@ def evaluate(
     *,
     version: int = 0,
     attempts: int = 8,
-    max_tokens: int = 24,
+    max_tokens: int = 24,  # a rollout turn's budget in `rlfleet run`
     seed: int = 0,
 ) -> Evaluation:
     """`model`'s folder with `weights` (a published version) in place of its own."""
