@@ -100,6 +100,7 @@ def trainer_settings(
         "zero_stage": spec.trainer.zero_stage,
         "batch_invariant": spec.trainer.batch_invariant,
         "router_replay": spec.trainer.router_replay,
+        "kl_coef": spec.trainer.kl_coef,
         "max_staleness": spec.max_staleness,
         "weight_mirrors": _weight_mirrors(spec, at),
         "weightsync": _sync(spec),

@@ -91,6 +91,17 @@ class TrainerSpec(ApiModel):
     router_replay: Annotated[
         bool, Field(description="Score MoE layers with the experts the rollout used.")
     ] = True
+    kl_coef: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=10,
+            description=(
+                "Weight of a KL penalty to the starting model (k3 estimator), which keeps the"
+                " policy from collapsing onto one answer per task; 0 turns it off."
+            ),
+        ),
+    ] = 0.0
     checkpoint_storage: Annotated[
         CheckpointStorage | None,
         Field(

@@ -55,8 +55,8 @@ class Layout:
 class Tuning:
     """Sizes for a tiny model on a few CPU cores; production sizes come from the images."""
 
-    # Eight groups of eight bare questions (about 2,000 tokens) per step, a count the feed
-    # issues exactly: a synchronous run then wastes no rollout.
+    # Eight groups (of 16 attempts at a bare question in the example: about 4,000 tokens)
+    # per step, a count the feed issues exactly: a synchronous run then wastes no rollout.
     step_groups: int = 8
     # Supervised steps on the suite before RL (`bench/warmup.py`): 160 leave the model
     # right on 17% of attempts and some attempt right on 44% of tasks; 240 on about a
