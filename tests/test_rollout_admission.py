@@ -9,18 +9,21 @@ import asyncio
 import contextlib
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import nats
 import pytest
 from conftest import step_report
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from rlfleet.api.streams import ensure_stream, step_stream_config
 from rlfleet.api.wire import (
     GroupOutcome,
     Task,
+    TaskMessage,
     decode_task_message,
     encode,
     step_subject,
@@ -86,28 +89,10 @@ def test_the_feed_follows_the_trainer_through_its_step_reports(
     )
 
     async def scenario() -> None:
-        stop = asyncio.Event()
-        feeding = asyncio.create_task(feed(config, stop))
-        nc = await nats.connect(config.nats_url)
-        try:
-            js = nc.jetstream()
-            await ensure_stream(js, step_stream_config(run))
-            await _wait_for_stream(js, task_stream(run))
-            worker = await js.pull_subscribe(
-                task_subject(run),
-                durable="rollout",
-                stream=task_stream(run),
-                config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT),
-            )
+        async with _feeding(config) as (js, worker):
 
             async def take(count: int) -> list[int]:
-                found = []
-                while len(found) < count:
-                    with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
-                        for msg in await worker.fetch(count - len(found), timeout=5):
-                            found.append(decode_task_message(msg.data).min_policy_version)
-                            await msg.ack()
-                return found
+                return [m.min_policy_version for m in await _take(worker, count)]
 
             # This version's batch, then the next one's, to be held until version 1.
             assert await take(4) == [0, 0, 1, 1]
@@ -116,10 +101,6 @@ def test_the_feed_follows_the_trainer_through_its_step_reports(
             await js.publish(step_subject(run), encode(step_report(run, 1, 0.0, 0)))
             # The report says one group made version 1: one task for the step after.
             assert await take(1) == [2]
-        finally:
-            stop.set()
-            await feeding
-            await nc.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 120))
 
@@ -167,19 +148,7 @@ def test_the_feed_stops_asking_what_the_trainer_reports_as_settled(
     settled = [GroupOutcome("a", [1.0] * 4), GroupOutcome("b", [0.0] * 4)]
 
     async def scenario() -> None:
-        stop = asyncio.Event()
-        feeding = asyncio.create_task(feed(config, stop))
-        nc = await nats.connect(config.nats_url)
-        try:
-            js = nc.jetstream()
-            await ensure_stream(js, step_stream_config(run))
-            await _wait_for_stream(js, task_stream(run))
-            worker = await js.pull_subscribe(
-                task_subject(run),
-                durable="rollout",
-                stream=task_stream(run),
-                config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT),
-            )
+        async with _feeding(config) as (js, worker):
             await _take(worker, 2)  # before any report: whatever comes first
             asked = []
             for version in range(1, 7):
@@ -187,23 +156,44 @@ def test_the_feed_stops_asking_what_the_trainer_reports_as_settled(
                     step_report(run, version, 0.0, 0), outcomes=settled
                 )
                 await js.publish(step_subject(run), encode(report))
-                asked += await _take(worker, 1)
+                asked += [m.task.id for m in await _take(worker, 1)]
             assert asked == ["c"] * 6
-        finally:
-            stop.set()
-            await feeding
-            await nc.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 120))
 
 
-async def _take(worker, count: int) -> list[str]:
-    """The ids of the next `count` tasks a worker gets, acknowledged."""
-    found: list[str] = []
+@contextlib.asynccontextmanager
+async def _feeding(
+    config: FeedConfig,
+) -> AsyncIterator[tuple[JetStreamContext, JetStreamContext.PullSubscription]]:
+    """The feed running, and a rollout worker's pull consumer on the run's task queue."""
+    stop = asyncio.Event()
+    feeding = asyncio.create_task(feed(config, stop))
+    nc = await nats.connect(config.nats_url)
+    try:
+        js = nc.jetstream()
+        await ensure_stream(js, step_stream_config(config.run))
+        await _wait_for_stream(js, task_stream(config.run))
+        worker = await js.pull_subscribe(
+            task_subject(config.run),
+            durable="rollout",
+            stream=task_stream(config.run),
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT),
+        )
+        yield js, worker
+    finally:
+        stop.set()
+        await feeding
+        await nc.close()
+
+
+async def _take(worker: JetStreamContext.PullSubscription, count: int) -> list[TaskMessage]:
+    """The next `count` tasks a worker gets, acknowledged."""
+    found: list[TaskMessage] = []
     while len(found) < count:
         with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
             for msg in await worker.fetch(count - len(found), timeout=5):
-                found.append(decode_task_message(msg.data).task.id)
+                found.append(decode_task_message(msg.data))
                 await msg.ack()
     return found
 
