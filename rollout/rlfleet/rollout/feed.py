@@ -1,10 +1,12 @@
 """`python -m rlfleet.rollout.feed CONFIG.json | --rlrun [SPEC]`: keeps a run's task queue stocked.
 
 Tasks come from a suite (a shipped name such as `toy`, or a path), shuffled afresh each
-pass. What is published follows the trainer (its step reports) through `Admission`: no
-more tasks than it can train within the staleness bound, each naming the oldest policy
-version allowed to attempt it. The queue also never holds more than `depth` tasks
-waiting or under way, so workers share the work as it comes.
+pass, less those the curriculum skips because their last group taught nothing
+(`Curriculum`, from the groups each step report lists). What is published follows the
+trainer (its step reports) through `Admission`: no more tasks than it can train within
+the staleness bound, each naming the oldest policy version allowed to attempt it. The
+queue also never holds more than `depth` tasks waiting or under way, so workers share
+the work as it comes.
 """
 
 from __future__ import annotations
