@@ -8,6 +8,8 @@
 - reconcile_p50/p99_seconds: the operators' own reconcile-duration histograms (every kind,
   all four clusters) with 50 RLRuns and 12 InferencePools, after a spec change to every run;
   spec_to_status_p50/p99_seconds: from that change to the run's status showing it.
+- kube_call_p50/p99_seconds and kube_calls_per_reconcile: from the operators' traces over
+  the same window, what a reconcile's time is made of (calls times their latency).
 
 Prints one JSON object.
 """
@@ -26,6 +28,7 @@ import yaml
 
 from rlfleet.testbed.bed import Bed
 from rlfleet.testbed.fleet import GVISOR, HUB, Fleet, TrafficServer, serving_deployment
+from rlfleet.testbed.traces import Span, TraceReceiver
 
 ROOT = Path(__file__).resolve().parent.parent
 REGIONS = ["region-a", "region-b", "region-c"]
@@ -84,9 +87,43 @@ def minus(after: dict, before: dict) -> dict:
     return windows
 
 
+def call_breakdown(spans: list[Span]) -> dict:
+    """Kubernetes call latency, and calls per reconcile by "<role> <kind>", from spans."""
+    by_id = {s.span_id: s for s in spans}
+
+    def reconcile_of(span: Span) -> Span | None:
+        while span.parent_id in by_id:
+            span = by_id[span.parent_id]
+        return span if span.name.startswith("reconcile ") else None
+
+    def key(reconcile: Span) -> str:
+        return f"{reconcile.service.rsplit('-', 1)[-1]} {reconcile.name.split(' ', 1)[1]}"
+
+    calls = [s for s in spans if s.name.startswith("kube ")]
+    reconciles: dict[str, int] = {}
+    for span in spans:
+        if span.name.startswith("reconcile "):
+            reconciles[key(span)] = reconciles.get(key(span), 0) + 1
+    counted: dict[str, int] = {}
+    for call in calls:
+        if (reconcile := reconcile_of(call)) is not None:
+            counted[key(reconcile)] = counted.get(key(reconcile), 0) + 1
+    seconds = sorted(c.seconds for c in calls) or [0.0]
+    return {
+        "kube_calls": len(calls),
+        "kube_call_p50_seconds": round(seconds[len(seconds) // 2], 4),
+        "kube_call_p99_seconds": round(seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))], 4),
+        "kube_calls_per_reconcile": {
+            k: round(counted.get(k, 0) / n, 2) for k, n in sorted(reconciles.items())
+        },
+    }
+
+
 class Bench:
-    def __init__(self, fleet: Fleet, namespace: str, traffic: TrafficServer) -> None:
-        self.fleet, self.ns, self.traffic = fleet, namespace, traffic
+    def __init__(
+        self, fleet: Fleet, namespace: str, traffic: TrafficServer, traces: TraceReceiver
+    ) -> None:
+        self.fleet, self.ns, self.traffic, self.traces = fleet, namespace, traffic, traces
 
     def items(self, cluster: str, *what: str) -> list[dict]:
         out = self.fleet.kubectl(cluster, "-n", self.ns, "get", *what, "-o", "json")
@@ -122,12 +159,14 @@ def main() -> None:
         fleet = Fleet(info, Path(state), [namespace], REGIONS)
         fleet.values = {"regionTimeoutSeconds": 10}  # the chart's default resync: 2 s
         traffic = TrafficServer()
+        traces = TraceReceiver()
+        fleet.operator_env = traces.env
         try:
             for cluster in [HUB, *REGIONS]:
                 fleet.kubectl(cluster, "apply", "--server-side", "-f", str(ROOT / "crds"))
                 fleet.kubectl(cluster, "create", "namespace", namespace)
             fleet.setup()
-            bench = Bench(fleet, namespace, traffic)
+            bench = Bench(fleet, namespace, traffic, traces)
             for region in REGIONS:
                 fleet.kubectl(region, "apply", "-f", "-", stdin=json.dumps(GVISOR))
                 bench.pool(region, "chat-prod", replicas=4, gpus=8)
@@ -136,6 +175,7 @@ def main() -> None:
         finally:
             fleet.stop()
             traffic.close()
+            traces.close()
             bed.stop()
     print(json.dumps({"bench": "operator", **result}))
 
@@ -185,6 +225,7 @@ def measure(bench: Bench, fleet: Fleet) -> dict:
     time.sleep(10)  # settle: every object reconciled a few times at this scale
     ports = dict(fleet.metrics_ports)
     before = reconcile_buckets(ports)
+    first_span = len(bench.traces.spans)
     changed_at = {}
     for name in names:
         patch = {"spec": {"maxStaleness": 3}}
@@ -206,6 +247,7 @@ def measure(bench: Bench, fleet: Fleet) -> dict:
         time.sleep(0.2)
     time.sleep(10)
     windows = minus(reconcile_buckets(ports), before)
+    spans = bench.traces.spans[first_span:]
     window = windows.pop("all")
     lags = sorted(seen.values())
     return {
@@ -226,6 +268,7 @@ def measure(bench: Bench, fleet: Fleet) -> dict:
         "spec_to_status_p50_seconds": round(statistics.median(lags), 3),
         "spec_to_status_p99_seconds": round(lags[min(len(lags) - 1, int(0.99 * len(lags)))], 3),
         "status_missing": len(names) - len(seen),
+        **call_breakdown(spans),
     }
 
 

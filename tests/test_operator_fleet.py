@@ -3,7 +3,8 @@ one operator process per cluster running under the chart's ServiceAccount.
 
 The tests run in file order and share one RLRun: applied, lending in three regions, a
 traffic spike reclaimed, an operator crashed mid-lend, a region cut off and back, a broken
-kubeconfig Secret, and finally the run deleted from all four clusters.
+kubeconfig Secret, and finally the run deleted from all four clusters. A second run comes
+and goes on its own pools in between.
 """
 
 from __future__ import annotations
@@ -127,7 +128,12 @@ def world(
 ) -> Iterator[World]:
     namespace = f"op-{uuid.uuid4().hex[:6]}"
     fleet = Fleet(bed, tmp_path_factory.mktemp("fleet"), [namespace], REGIONS)
-    fleet.values = {"resyncSeconds": 1, "regionTimeoutSeconds": 5, "callTimeoutSeconds": 2}
+    fleet.values = {
+        "resyncSeconds": 1,
+        "runResyncSeconds": 1,
+        "regionTimeoutSeconds": 5,
+        "callTimeoutSeconds": 2,
+    }
     traffic = TrafficServer()
     traces = TraceReceiver()
     fleet.operator_env = traces.env
@@ -420,6 +426,57 @@ def test_an_envpool_keeps_its_warm_sandboxes_and_bursts_while_they_are_taken(
     assert world.get(region, "deployment", f"{pool}-sandbox")["spec"]["replicas"] == 7
     mark(taken, busy=False)
     wait_for("back to four warm", lambda: counts() == (4, 0, 0) and len(sandboxes()) == 4)
+
+
+def test_a_run_borrowing_from_two_pools_gets_its_demand_once(world: World) -> None:
+    """Two pools that could each lend the run all it asks for decide one at a time and see
+    each other's decision, however fresh their view of the other pool is."""
+    region, pools, run = "region-c", ["spare-1", "spare-2"], "two-pools"
+    document = example("rlrun.yaml")
+    document["metadata"]["name"] = run
+    spec = document["spec"]
+    spec["rollout"]["regions"] = [
+        {"name": region, "minGpus": 0, "maxGpus": 4, "inferencePools": pools}
+    ]
+    spec["weightSync"]["endpoints"] = [
+        e for e in spec["weightSync"]["endpoints"] if e["region"] == region
+    ]
+
+    def lent() -> list[int]:
+        """Replicas each pool lends the run, as decided."""
+        found = []
+        for name in pools:
+            status = world.get(region, "inferencepool", name).get("status") or {}
+            found.append(sum(e["replicas"] for e in status.get("lent", []) if e["run"] == run))
+        return found
+
+    for name in pools:
+        # Each may lend one of its two replicas of 4 GPUs: all the run asks for here.
+        world.apply(region, serving_deployment(name, replicas=2, gpus=4))
+        pool = example("inferencepool.yaml")
+        pool["metadata"]["name"] = name
+        pool["spec"]["serving"] |= {"deploymentName": name, "replicas": 2, "gpusPerReplica": 4}
+        world.traffic.load[name] = 0.0
+        pool["spec"]["traffic"]["metricsUrl"] = world.traffic.url(name)
+        world.apply(region, pool)
+    try:
+        world.apply(HUB, document)
+        seen = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and (not seen or sum(seen[-1]) < 1):
+            seen.append(lent())
+            time.sleep(0.2)
+        settled = time.monotonic() + 6  # several resyncs of both pools
+        while time.monotonic() < settled:
+            seen.append(lent())
+            time.sleep(0.2)
+        assert seen[-1] in ([1, 0], [0, 1]), seen
+        assert max(sum(s) for s in seen) == 1, seen
+    finally:
+        world.fleet.kubectl(HUB, "-n", world.ns, "delete", "rlrun", run, "--wait=false")
+        for name in pools:
+            world.fleet.kubectl(region, "-n", world.ns, "delete", "inferencepool", name)
+            world.fleet.kubectl(region, "-n", world.ns, "delete", "deployment", name)
 
 
 def test_the_operator_account_reads_secrets_only_in_its_namespace(world: World) -> None:

@@ -150,7 +150,12 @@ def world(
     work = tmp_path_factory.mktemp("local-fleet")
     namespace = f"local-{uuid.uuid4().hex[:6]}"
     fleet = Fleet(bed, work / "fleet", [namespace], REGIONS)
-    fleet.values = {"resyncSeconds": 1, "regionTimeoutSeconds": 5, "callTimeoutSeconds": 2}
+    fleet.values = {
+        "resyncSeconds": 1,
+        "runResyncSeconds": 1,
+        "regionTimeoutSeconds": 5,
+        "callTimeoutSeconds": 2,
+    }
     traffic = TrafficServer()
     for cluster in [HUB, *REGIONS]:
         fleet.kubectl(cluster, "create", "namespace", namespace)

@@ -27,6 +27,7 @@ class Span:
     span_id: str
     parent_id: str  # empty for a trace's root
     attributes: dict[str, str | int | float | bool]
+    seconds: float  # from its start to its end
 
 
 def _value(value: AnyValue) -> str | int | float | bool:
@@ -48,6 +49,7 @@ def decode(body: bytes) -> list[Span]:
                         span_id=span.span_id.hex(),
                         parent_id=span.parent_span_id.hex(),
                         attributes={a.key: _value(a.value) for a in span.attributes},
+                        seconds=(span.end_time_unix_nano - span.start_time_unix_nano) / 1e9,
                     )
                 )
     return spans

@@ -51,7 +51,12 @@ class OperatorConfig(BaseModel):
     regions: list[RegionAccess] = Field(default_factory=list)
     images: Images = Images()
     nats: NatsAccess | None = None  # hub only; without it, no streams and no progress
+    # Pools and sandboxes are re-read this often: traffic and pods change without an event
+    # the operator sees, and a reclaim must start within its deadline.
     resync_seconds: Annotated[float, Field(gt=0, le=3600)] = 2.0
+    # Runs (the hub's, and the regions' mirrors) this often: a spec change acts at once,
+    # and what a resync adds (regions' reports, the trainer's progress) can wait seconds.
+    run_resync_seconds: Annotated[float, Field(gt=0, le=3600)] = 15.0
     region_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] = 30.0
     call_timeout_seconds: Annotated[float, Field(gt=0, le=300)] = 3.0
     traffic_timeout_seconds: Annotated[float, Field(gt=0, le=300)] = 2.0

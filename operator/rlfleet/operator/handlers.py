@@ -1,15 +1,14 @@
 """kopf wiring: which events of which kinds run which reconcile, per role.
 
 kopf watches one cluster per process. Each reconcile is level-driven and runs on a change
-and on a timer (`resync_seconds`), so traffic, pods and regions are re-read even when no
-spec changes; a lock per object keeps a timer and a change from running it twice at once.
+and on a timer (`resync_seconds` for pools and sandboxes, `run_resync_seconds` for runs),
+so traffic, pods and regions are re-read even when no spec changes; a lock per object
+keeps a timer and a change from running it twice at once.
 """
 
 from __future__ import annotations
 
 import base64
-import threading
-from collections import defaultdict
 from collections.abc import Callable
 
 import kopf
@@ -20,6 +19,7 @@ from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable
 from rlfleet.operator.hub import Hub
 from rlfleet.operator.kube import Kube, Ref
+from rlfleet.operator.locks import KeyedLocks
 from rlfleet.operator.region import Region
 from rlfleet.operator.regions import RegionClients
 from rlfleet.operator.status import Event
@@ -46,16 +46,6 @@ def settings(config: OperatorConfig) -> kopf.OperatorSettings:
 def _post(body: kopf.Body, events: list[Event]) -> None:
     for event in events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
-
-
-class _Locks:
-    def __init__(self) -> None:
-        self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
-        self._guard = threading.Lock()
-
-    def of(self, uid: str) -> threading.Lock:
-        with self._guard:
-            return self._locks[uid]
 
 
 def registry(config: OperatorConfig, local: Kube) -> kopf.OperatorRegistry:
@@ -122,11 +112,11 @@ def _dataplane(config: OperatorConfig, local: Kube) -> DataPlane | None:
 
 def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -> None:
     hub = Hub(local, RegionClients(local, config), config, _dataplane(config, local))
-    locks = _Locks()
+    locks = KeyedLocks()
     # The hub's own runs; mirrors (labelled with an origin) belong to a region's operator.
     runs, own = _kind(registry, "rlruns"), {"labels": {ORIGIN_LABEL: kopf.ABSENT}}
 
-    @_level_driven(runs, config.resync_seconds, **own)
+    @_level_driven(runs, config.run_resync_seconds, **own)
     def reconcile_run(
         body: kopf.Body, namespace: str, name: str, uid: str, resync: bool = False, **_
     ) -> None:
@@ -154,7 +144,7 @@ def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -
 
 def _region(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -> None:
     region = Region(local, config)
-    locks = _Locks()
+    locks = KeyedLocks()
     every = config.resync_seconds
 
     @_level_driven(_kind(registry, "inferencepools"), every)
@@ -165,7 +155,9 @@ def _region(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube
         telemetry.GPUS_LENT.labels(namespace, name).set(lent_gpus)
         _post(body, events)
 
-    @_level_driven(_kind(registry, "rlruns"), every, labels={ORIGIN_LABEL: kopf.PRESENT})
+    @_level_driven(
+        _kind(registry, "rlruns"), config.run_resync_seconds, labels={ORIGIN_LABEL: kopf.PRESENT}
+    )
     def report_run(
         body: kopf.Body, namespace: str, name: str, uid: str, resync: bool = False, **_
     ) -> None:

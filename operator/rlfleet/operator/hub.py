@@ -102,7 +102,7 @@ class Hub:
         return RegionReport(region, True, entry | {"name": region, "lastSeen": last_seen})
 
     def _fresh_s(self) -> float:
-        return self.config.resync_seconds / 2
+        return self.config.run_resync_seconds / 2
 
     def _listed_mirror(self, kube: Kube, run: dict) -> dict | None:
         """The run's mirror from a recent list of all this hub's mirrors in the namespace."""

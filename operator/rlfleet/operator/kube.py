@@ -155,16 +155,20 @@ class Kube:
     def list_recent(self, ref: Ref, selector: str | None, max_age_s: float) -> list[dict]:
         """A list at most `max_age_s` old, shared by every caller: the resyncs of 50 runs
         read one list of their namespace's mirrors or pods instead of 50 objects each."""
+        return self.recent(ref, selector, max_age_s)[1]
+
+    def recent(self, ref: Ref, selector: str | None, max_age_s: float) -> tuple[float, list[dict]]:
+        """`list_recent`, with the `time.monotonic()` at which the list was asked for."""
         key = (ref.path(), selector)
         with self._guard:
             fetching = self._fetching[key]
         with fetching:  # one fetch at a time per list; the others wait and share it
             fetched = self._recent.get(key)
             if fetched and time.monotonic() - fetched[0] < max_age_s:
-                return fetched[1]
-            items = self.list(ref, selector)
-            self._recent[key] = (time.monotonic(), items)
-            return items
+                return fetched
+            asked = time.monotonic()
+            self._recent[key] = (asked, self.list(ref, selector))
+            return self._recent[key]
 
     def apply(self, manifest: dict) -> dict:
         """Server-side apply: the fields in manifest become ours; others are left alone."""

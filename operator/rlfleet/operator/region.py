@@ -15,16 +15,18 @@ Serving never drops below its floor because the decision never lends past it.
 
 from __future__ import annotations
 
-import threading
+import time
 from collections.abc import Iterable
 
 from rlfleet.api.envpool import EnvPoolSpec
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import API_VERSION
 from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.operator import telemetry
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.kube import Kube, Ref
 from rlfleet.operator.lending import Decision, PoolState, RunDemand, decide
+from rlfleet.operator.locks import KeyedLocks
 from rlfleet.operator.status import Event, condition, now, parse_time, timestamp
 from rlfleet.operator.traffic import TrafficUnknown, read_load
 from rlfleet.operator.workloads import (
@@ -63,8 +65,11 @@ class Region:
         self.local = local
         self.config = config
         self.name = config.cluster
-        # Pools of a region share runs' demand: one decision at a time.
-        self.lock = threading.Lock()
+        # A namespace's pools share its runs' demand: one decision at a time there.
+        self.decisions = KeyedLocks()
+        # (namespace, pool) -> (when, run -> GPUs): decisions this process recorded, newer
+        # than a recent list of the pools may be.
+        self._decided: dict[tuple[str, str], tuple[float, dict[str, int]]] = {}
 
     # --- runs -------------------------------------------------------------------------
 
@@ -143,14 +148,10 @@ class Region:
 
     def reconcile_pool(self, pool: dict) -> tuple[list[Event], int]:
         """Decides, records, acts; returns the events to post and the GPUs now lent."""
-        with self.lock:
-            return self._reconcile_pool(pool)
-
-    def _reconcile_pool(self, pool: dict) -> tuple[list[Event], int]:
         meta, old = pool["metadata"], pool.get("status") or {}
         namespace, name = meta["namespace"], meta["name"]
         spec = InferencePoolSpec.model_validate(pool["spec"])
-        ref, generation = Ref.of(pool), meta.get("generation", 0)
+        generation = meta.get("generation", 0)
         conditions = old.get("conditions", [])
         events: list[Event] = []
 
@@ -172,27 +173,20 @@ class Region:
         except TrafficUnknown as error:
             load, traffic_problem = None, str(error)
 
-        runs = self._runs(namespace)
-        by_name = {r["metadata"]["name"]: r for r in runs}
-        demands = [d for d in (self._demand(r) for r in runs) if d is not None]
-        elsewhere: dict[str, int] = {}
-        for other in self.local.list(Ref(API_VERSION, "InferencePool", namespace=namespace)):
-            if other["metadata"]["name"] == name:
-                continue
-            gpus = other["spec"]["serving"]["gpusPerReplica"]
-            for entry in (other.get("status") or {}).get("lent", []):
-                elsewhere[entry["run"]] = elsewhere.get(entry["run"], 0) + entry["replicas"] * gpus
         current = {e["run"]: e["replicas"] for e in old.get("lent", [])}
         state = PoolState.of(name, spec, load, current, now())
-        decision = decide(state, demands, elsewhere)
-
+        decision, runs = self._decide(pool, state)
         if decision.lent != current:
-            # The decision is durable before anything acts on it.
-            lent = [{"run": r, "replicas": n} for r, n in decision.lent.items()]
-            self.local.merge_patch(ref, {"status": {"lent": lent}}, "status")
             events += self._decision_events(spec, state, decision, current)
 
-        reclaiming, forced = self._act(namespace, name, spec, serving, decision, by_name), 0
+        rollout_pods = self._pods(namespace, {POOL_LABEL: name, COMPONENT_LABEL: "rollout"})
+        # Read once, before acting: the status counts what this reconcile acted on, and the
+        # next one counts what its scaling made of it.
+        serving_pods = self._pods(namespace, serving["spec"]["selector"]["matchLabels"])
+        reclaiming = self._act(
+            namespace, name, spec, serving, decision, runs, rollout_pods, serving_pods
+        )
+        forced = 0
         started = parse_time(old.get("reclaimStartedAt"))
         if reclaiming and started is None:
             started = now()
@@ -220,7 +214,6 @@ class Region:
                 )
             )
 
-        serving_pods = self._pods(namespace, serving["spec"]["selector"]["matchLabels"])
         status = {
             "observedGeneration": generation,
             "servingReplicas": len(_running(serving_pods)),
@@ -258,6 +251,52 @@ class Region:
         }
         self.local.write_status(pool, status)
         return events, decision.total * spec.serving.gpus_per_replica
+
+    def _decide(self, pool: dict, state: PoolState) -> tuple[Decision, dict[str, dict]]:
+        """The pool's lending decision, durable in its status before anything acts on it,
+        and the namespace's runs by name. One pool of a namespace at a time, since its pools
+        share its runs' demand; acting on a decision needs no such lock."""
+        namespace, name = pool["metadata"]["namespace"], pool["metadata"]["name"]
+        with telemetry.tracer.start_as_current_span("decide"), self.decisions.of(namespace):
+            runs = self._runs(namespace)
+            demands = [d for d in (self._demand(r) for r in runs) if d is not None]
+            elsewhere: dict[str, int] = {}
+            for lent in self._lent_by_pool(namespace, besides=name):
+                for run, gpus in lent.items():
+                    elsewhere[run] = elsewhere.get(run, 0) + gpus
+            decision = decide(state, demands, elsewhere)
+            if decision.lent != state.lent:
+                lent = [{"run": r, "replicas": n} for r, n in decision.lent.items()]
+                self.local.merge_patch(Ref.of(pool), {"status": {"lent": lent}}, "status")
+                gpus = state.gpus_per_replica
+                self._decided[(namespace, name)] = (
+                    time.monotonic(),
+                    {r: n * gpus for r, n in decision.lent.items()},
+                )
+        return decision, {r["metadata"]["name"]: r for r in runs}
+
+    def _lent_by_pool(self, namespace: str, besides: str) -> list[dict[str, int]]:
+        """What the namespace's other pools lend, run -> GPUs: a recent list of the pools
+        (shared with the runs' reports), where this process decided since, its decision.
+        Called under the namespace's decision lock, so no decision of ours is missed."""
+        asked, pools = self.local.recent(
+            Ref(API_VERSION, "InferencePool", namespace=namespace),
+            None,
+            self.config.resync_seconds / 2,
+        )
+        lent: dict[str, dict[str, int]] = {}
+        for pool in pools:
+            gpus = pool["spec"]["serving"]["gpusPerReplica"]
+            entries = (pool.get("status") or {}).get("lent", [])
+            lent[pool["metadata"]["name"]] = {e["run"]: e["replicas"] * gpus for e in entries}
+        for (where, pool_name), (when, decided) in list(self._decided.items()):
+            if where != namespace:
+                continue
+            if when < asked:  # the list has it
+                del self._decided[(where, pool_name)]
+            else:
+                lent[pool_name] = decided
+        return [gpus for pool_name, gpus in lent.items() if pool_name != besides]
 
     def _decision_events(
         self, spec: InferencePoolSpec, state: PoolState, decision: Decision, current: dict
@@ -301,17 +340,17 @@ class Region:
         serving: dict,
         decision: Decision,
         runs: dict[str, dict],
+        rollout_pods: list[dict],
+        serving_pods: list[dict],
     ) -> int:
         """Moves pods toward the decision; returns how many rollout pods are draining."""
-        rollout_selector = {POOL_LABEL: pool, COMPONENT_LABEL: "rollout"}
         deployments = {
             d["metadata"]["labels"][RUN_LABEL]: d
             for d in self.local.list(
-                Ref("apps/v1", "Deployment", namespace=namespace), _selector(rollout_selector)
+                Ref("apps/v1", "Deployment", namespace=namespace),
+                _selector({POOL_LABEL: pool, COMPONENT_LABEL: "rollout"}),
             )
         }
-        rollout_pods = self._pods(namespace, rollout_selector)
-        serving_pods = self._pods(namespace, serving["spec"]["selector"]["matchLabels"])
         # Shrink first: scaling a rollout Deployment down sends its pods SIGTERM.
         for run, deployment in deployments.items():
             want = decision.lent.get(run, 0)
