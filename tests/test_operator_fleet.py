@@ -21,8 +21,16 @@ import pytest
 import yaml
 from conftest import ROOT, step_report, wait_for
 
-from rlfleet.api.streams import step_stream
-from rlfleet.api.wire import StepReport, encode, step_subject, task_stream, trajectory_stream
+from rlfleet.api.streams import evaluation_stream, step_stream
+from rlfleet.api.wire import (
+    EvaluationReport,
+    StepReport,
+    encode,
+    evaluation_subject,
+    step_subject,
+    task_stream,
+    trajectory_stream,
+)
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import (
     GVISOR,
@@ -535,7 +543,13 @@ def on_hub_nats(world: World, work) -> object:
 def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: World) -> None:
     async def streams(nc) -> tuple[list[str], dict[str, str]]:
         hub = nc.jetstream()
-        names = [trajectory_stream(RUN), task_stream(RUN), step_stream(RUN), f"WEIGHTS-{RUN}"]
+        names = [
+            trajectory_stream(RUN),
+            task_stream(RUN),
+            step_stream(RUN),
+            evaluation_stream(RUN),
+            f"WEIGHTS-{RUN}",
+        ]
         made = [(await hub.stream_info(name)).config.name for name in names]
         mirrors = {}
         for region in REGIONS:
@@ -544,7 +558,7 @@ def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: 
         return made, mirrors
 
     made, mirrors = on_hub_nats(world, streams)
-    assert len(made) == 4
+    assert len(made) == 5
     assert mirrors == {r: f"WEIGHTS-{RUN}" for r in REGIONS}
 
     def publish(report: StepReport):
@@ -582,6 +596,64 @@ def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: 
     wait_for("Ready again", lambda: world.condition("Ready").get("status") == "True")
     # No new drops, no new warning.
     assert len([e for e in world.events(HUB, RUN) if e["reason"] == "StalenessBoundExceeded"]) == 1
+
+
+def test_an_evaluation_under_the_floor_holds_the_run_until_the_floor_is_lowered(
+    world: World,
+) -> None:
+    def gate(evaluation: dict | None) -> None:
+        patch = {"spec": {"evaluation": evaluation}}
+        world.fleet.kubectl(
+            HUB, "-n", world.ns, "patch", "rlrun", RUN, "--type=merge", "-p", json.dumps(patch)
+        )
+
+    def replicas(component: str) -> list[int]:
+        found = world.items(
+            HUB, "statefulsets,deployments", "-l", f"rlfleet.io/component={component}"
+        )
+        return [o["spec"]["replicas"] for o in found]
+
+    wait_for("lending", world.lent_everywhere)
+    gate({"suite": "rules", "everyVersions": 10, "minReward": 0.5})
+    wait_for("an evaluator", lambda: replicas("evaluator") == [1])
+    report = EvaluationReport(
+        run=RUN,
+        suite="rules",
+        policy_version=8,
+        reward=0.31,
+        pass_at_k=0.7,
+        attempts=8,
+        tasks=80,
+        finished_at=time.time(),
+    )
+    # What the evaluator publishes once it has scored a version.
+    on_hub_nats(world, lambda nc: nc.jetstream().publish(evaluation_subject(RUN), encode(report)))
+    wait_for("failed", lambda: world.run_status().get("phase") == "Failed")
+    failed = world.condition("Failed")
+    assert (failed["status"], failed["reason"]) == ("True", "EvaluationBelowFloor")
+    assert "version 8 scored 0.3100" in failed["message"] and "minReward 0.5" in failed["message"]
+    assert world.condition("Ready")["status"] == "False"
+    assert world.run_status()["lastEvaluation"]["reward"] == 0.31
+    # Held: nothing trains, nothing evaluates, and every region gives its GPUs back.
+    for component in ("trainer", "feed", "evaluator"):
+        wait_for(f"{component} at zero", lambda c=component: replicas(c) == [0])
+    for region in REGIONS:
+        wait_for(f"{region} gives back", lambda r=region: world.rollout_pods(r) == 0)
+        mirror = world.get(region, "rlrun", RUN)
+        assert mirror["spec"]["suspend"] is True
+    reasons = world.reasons(HUB, RUN)
+    assert {"Evaluated", "EvaluationBelowFloor"} <= reasons
+    row = world.fleet.kubectl(HUB, "-n", world.ns, "get", "rlrun", RUN).splitlines()[1].split()
+    assert row[1] == "Failed" and "0.31" in row
+
+    gate({"suite": "rules", "everyVersions": 10, "minReward": 0.3})  # the on-call's call
+    wait_for("running again", lambda: world.run_status().get("phase") == "Running")
+    assert world.condition("Failed")["reason"] == "EvaluationAboveFloor"
+    assert "EvaluationAboveFloor" in world.reasons(HUB, RUN)
+    wait_for("lending again", world.lent_everywhere)
+    gate(None)
+    wait_for("the evaluator gone", lambda: replicas("evaluator") == [])
+    wait_for("no verdict", lambda: not world.condition("Failed"))
 
 
 def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:

@@ -1,5 +1,6 @@
 """How a trainer's step report becomes a run's status (a pure function): the progress
-fields, WeightSyncStalled and StalenessBoundExceeded."""
+fields, WeightSyncStalled and StalenessBoundExceeded; and how an evaluator's report
+meets the evaluation gate."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from datetime import UTC, datetime, timedelta
 import yaml
 from conftest import ROOT, step_report
 
-from rlfleet.api.rlrun import RLRunSpec
-from rlfleet.api.wire import StepReport
+from rlfleet.api.rlrun import EvaluationGate, RLRunSpec
+from rlfleet.api.wire import EvaluationReport, StepReport
+from rlfleet.operator.gate import judge
 from rlfleet.operator.progress import fold
 
 NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
@@ -94,3 +96,67 @@ def test_a_resync_that_learns_nothing_yields_the_same_condition() -> None:
         1,
     )
     assert later.condition == first.condition
+
+
+# The evaluation gate (`spec.evaluation`): the evaluator's newest report against the floor.
+GATED = SPEC.model_copy(
+    update={"evaluation": EvaluationGate(suite="rules", every_versions=10, min_reward=0.4)}
+)
+
+
+def evaluation(version: int, reward: float) -> EvaluationReport:
+    return EvaluationReport(
+        run="r",
+        suite="rules",
+        policy_version=version,
+        reward=reward,
+        pass_at_k=0.7,
+        attempts=8,
+        tasks=80,
+        finished_at=NOW.timestamp(),
+    )
+
+
+def test_a_score_under_the_floor_fails_the_run_once_and_names_the_numbers() -> None:
+    verdict = judge(evaluation(40, 0.31), GATED, {}, 3)
+    assert verdict.failed
+    assert verdict.fields["lastEvaluation"] == {
+        "version": 40,
+        "reward": 0.31,
+        "passAtK": 0.7,
+        "suite": "rules",
+        "time": "2026-11-21T12:00:00Z",
+    }
+    assert verdict.condition is not None
+    assert (verdict.condition["status"], verdict.condition["reason"]) == (
+        "True",
+        "EvaluationBelowFloor",
+    )
+    assert {e.reason for e in verdict.events} == {"Evaluated", "EvaluationBelowFloor"}
+    below = next(e for e in verdict.events if e.reason == "EvaluationBelowFloor")
+    assert "version 40" in below.message and "0.3100" in below.message and "0.4" in below.message
+    # The next resync learns nothing new: still failed, nothing more to tell.
+    status = verdict.fields | {"conditions": [verdict.condition]}
+    again = judge(evaluation(40, 0.31), GATED, status, 3)
+    assert again.failed and again.events == [] and again.condition == verdict.condition
+
+
+def test_the_verdict_stands_while_nats_does_not_answer() -> None:
+    failed = judge(evaluation(40, 0.31), GATED, {}, 3)
+    status = failed.fields | {"conditions": [failed.condition]}
+    assert judge(None, GATED, status, 3).failed
+
+
+def test_a_lower_floor_lets_a_failed_run_go_on() -> None:
+    failed = judge(evaluation(40, 0.31), GATED, {}, 3)
+    status = failed.fields | {"conditions": [failed.condition]}
+    lowered = SPEC.model_copy(update={"evaluation": EvaluationGate(suite="rules", min_reward=0.3)})
+    verdict = judge(None, lowered, status, 4)
+    assert not verdict.failed and verdict.condition is not None
+    assert verdict.condition["reason"] == "EvaluationAboveFloor"
+    assert [e.reason for e in verdict.events] == ["EvaluationAboveFloor"]
+
+
+def test_without_a_gate_there_is_no_verdict() -> None:
+    verdict = judge(evaluation(40, 0.0), SPEC, {}, 3)
+    assert not verdict.failed and verdict.condition is None and verdict.fields == {}

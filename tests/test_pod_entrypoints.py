@@ -2,7 +2,7 @@
 command (or its image's ENTRYPOINT, read from `images/`) and args, over the spec the
 operator mounts and the environment it sets, and nothing else. Real NATS (the hub and
 region-a's leaf node), real DeepSpeed and real vLLM: the trainer, the task feed and a
-rollout worker placed in region-a train together."""
+rollout worker placed in region-a train together, and the run's evaluator scores them."""
 
 from __future__ import annotations
 
@@ -23,18 +23,22 @@ from nats.js.api import StreamInfo
 
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.launch import SPEC_FILE, STATE_DIR_ENV
-from rlfleet.api.streams import step_stream
+from rlfleet.api.streams import evaluation_stream, step_stream
 from rlfleet.api.wire import (
+    EvaluationReport,
     StepReport,
     Trajectory,
+    decode_evaluation_report,
     decode_step_report,
     decode_trajectory,
+    evaluation_subject,
     step_subject,
     trajectory_stream,
 )
 from rlfleet.models.tiny import init_model
 from rlfleet.operator.config import Images, NatsAccess
-from rlfleet.operator.workloads import hub_objects, mirror, rollout_deployment
+from rlfleet.operator.workloads import COMPONENT_LABEL, hub_objects, mirror, rollout_deployment
+from rlfleet.rollout.tasks import rules_suite, write_suite
 from rlfleet.testbed.nats import HUB_DOMAIN, NatsBed, start_nats
 from rlfleet.testbed.processes import Supervisor
 from rlfleet.weightsync import SyncConfig, WeightStream
@@ -43,6 +47,7 @@ REGION = "region-a"
 POOL = "chat-prod"
 # What this machine needs and a GPU image would not: a small KV cache and one thread each.
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+EVALUATION_TASKS = 4
 
 
 def entrypoint(image: str) -> list[str]:
@@ -68,12 +73,14 @@ def as_process(pod_spec: dict, pod: str, mounted: Path, state: Path) -> tuple[li
     return argv, env | {STATE_DIR_ENV: str(state)} | CPU_ENV
 
 
-def the_run(model: Path, bed: NatsBed) -> dict:
+def the_run(model: Path, bed: NatsBed, evaluation_suite: Path) -> dict:
     run = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())
     run["metadata"] |= {"namespace": "team-a", "uid": "hub-uid"}
     spec = run["spec"]
     spec["model"] |= {"uri": f"file://{model}", "volumeClaimName": "models"}
     spec["rollout"]["taskSuite"] = "rules"  # bare questions: no sandbox per attempt
+    # A few tasks, scored once: the first version the evaluator sees.
+    spec["evaluation"] = {"suite": str(evaluation_suite), "everyVersions": 1000}
     leaf = bed.leaves[REGION].authenticated_url
     spec["weightSync"]["endpoints"] = [{"region": REGION, "url": leaf}]
     return run
@@ -88,9 +95,15 @@ def pods(
     supervisor = Supervisor(work / "logs", attached=True)
     try:
         bed = start_nats([REGION], supervisor, work / "nats")
-        run = the_run(init_model("tiny-moe", work / "model"), bed)
+        suite = work / "evaluation.jsonl"
+        write_suite(rules_suite(EVALUATION_TASKS, seed=7), suite)
+        run = the_run(init_model("tiny-moe", work / "model"), bed, suite)
         access = NatsAccess(url=bed.hub.authenticated_url, domain=HUB_DOMAIN)
-        objects = {o["kind"]: o for o in hub_objects(run, Images(), access)}
+        made = hub_objects(run, Images(), access)
+        objects = {o["kind"]: o for o in made if o["kind"] != "Deployment"}
+        deployments = {
+            o["metadata"]["labels"][COMPONENT_LABEL]: o for o in made if o["kind"] == "Deployment"
+        }
         mounted = work / "spec" / "rlrun.json"
         mounted.parent.mkdir()
         mounted.write_text(objects["ConfigMap"]["data"]["rlrun.json"])
@@ -103,7 +116,8 @@ def pods(
         )
         started = {
             "trainer": (objects["StatefulSet"], "tiny-moe-arith-trainer-0"),
-            "feed": (objects["Deployment"], "tiny-moe-arith-feed-7d9f-x2x4q"),
+            "feed": (deployments["feed"], "tiny-moe-arith-feed-7d9f-x2x4q"),
+            "evaluator": (deployments["evaluator"], "tiny-moe-arith-evaluator-5f6d-k8w2p"),
             "rollout": (rollout, "tiny-moe-arith-rollout-chat-prod-5b8c-qz7lm"),
         }
         for name, (workload, pod) in started.items():
@@ -130,6 +144,21 @@ async def first_step_and_trajectory(url: str, run: str) -> tuple[StepReport, Tra
             raise AssertionError("no step report within 900 s")
         first = await js.get_msg(trajectory_stream(run), 1)
         return decode_step_report(report.data), decode_trajectory(first.data)
+    finally:
+        await nc.close()
+
+
+async def last_evaluation(url: str, run: str) -> EvaluationReport:
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        for _ in range(150):
+            try:
+                found = await js.get_last_msg(evaluation_stream(run), evaluation_subject(run))
+                return decode_evaluation_report(found.data)
+            except nats.js.errors.NotFoundError:
+                await asyncio.sleep(2)
+        raise AssertionError("no evaluation within 300 s")
     finally:
         await nc.close()
 
@@ -170,8 +199,12 @@ def test_the_operators_pods_train_from_the_mounted_spec_alone(pods) -> None:
     assert info.mirror is not None and info.state.messages > 0
     # The trainer keeps its checkpoints and step log in the state volume.
     wait_for("the step log", lambda: (work / "state" / "checkpoints" / "steps.jsonl").exists())
+    # The evaluator scored a version the trainer published on the suite the spec names.
+    evaluation = asyncio.run(last_evaluation(bed.hub.authenticated_url, name))
+    assert evaluation.suite == run["spec"]["evaluation"]["suite"]
+    assert (evaluation.tasks, evaluation.attempts) == (EVALUATION_TASKS, 8)
     logs = {p.stem: p.read_text() for p in (work / "logs").glob("*.log")}
-    assert "Traceback" not in logs["trainer"] + logs["feed"], logs
+    assert "Traceback" not in logs["trainer"] + logs["feed"] + logs["evaluator"], logs
 
 
 def test_a_pod_told_no_nats_or_given_a_model_it_cannot_read_says_so(tmp_path: Path) -> None:

@@ -156,6 +156,21 @@ def feed_settings(name: str, spec: RLRunSpec, at: Placement) -> dict:
     }
 
 
+def evaluator_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> dict:
+    """The evaluator follows the hub's copy of the weights, as the trainer publishes them."""
+    if spec.evaluation is None:
+        raise ValueError("spec.evaluation is not set: there is nothing to evaluate")
+    return {
+        "run": name,
+        "nats_url": at.nats_url,
+        "jetstream_domain": at.jetstream_domain,
+        "model": model,
+        "suite": spec.evaluation.suite,
+        "every_versions": spec.evaluation.every_versions,
+        "weightsync": _sync(spec),
+    }
+
+
 def component_config(
     argv: list[str],
     program: str,

@@ -337,6 +337,16 @@ class WeightSyncStatus(ApiModel):
     time: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = None
 
 
+class EvaluationStatus(ApiModel):
+    """The evaluator's newest score, which the evaluation gate holds the run to."""
+
+    version: Count
+    reward: Annotated[float, Field(ge=0, le=1)]
+    pass_at_k: Annotated[float, Field(ge=0, le=1)]
+    suite: str
+    time: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = None
+
+
 class RLRunStatus(ApiModel):
     phase: Literal["Pending", "Running", "Suspended", "Succeeded", "Failed"] | None = None
     observed_generation: Annotated[int, Field(ge=0)] | None = None
@@ -352,6 +362,7 @@ class RLRunStatus(ApiModel):
         list[RegionStatus], Field(default_factory=list, json_schema_extra=map_list("name"))
     ]
     last_weight_sync: WeightSyncStatus | None = None
+    last_evaluation: EvaluationStatus | None = None
 
 
 RLRUN = ResourceKind(
@@ -368,6 +379,9 @@ RLRUN = ResourceKind(
         PrinterColumn("Staleness", ".status.staleness", "integer", "Versions behind, worst region"),
         PrinterColumn("GPUs-Lent", ".status.gpusLent", "integer", "Rollout GPUs borrowed"),
         PrinterColumn("Running", ".status.gpusRunning", "integer", "Rollout GPUs in running pods"),
+        PrinterColumn(
+            "Eval", ".status.lastEvaluation.reward", "number", "Newest evaluation reward"
+        ),
         PrinterColumn(
             "Ready", '.status.conditions[?(@.type=="Ready")].status', "string", "All well"
         ),

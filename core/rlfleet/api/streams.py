@@ -12,6 +12,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import BadRequestError
 
 from rlfleet.api.wire import (
+    evaluation_subject,
     step_subject,
     task_stream,
     task_subject,
@@ -22,6 +23,7 @@ from rlfleet.api.wire import (
 # Step reports kept per run: enough history to read a run's recent progress after a
 # restart, bounded so a run of a million steps does not grow the stream without end.
 STEP_REPORTS_KEPT = 10_000
+EVALUATIONS_KEPT = 1_000  # one every `everyVersions` versions: a long run's whole history
 
 
 def step_stream(run: str) -> str:
@@ -61,8 +63,29 @@ def step_stream_config(run: str) -> StreamConfig:
     )
 
 
+def evaluation_stream(run: str) -> str:
+    return f"EVALS-{run}"
+
+
+def evaluation_stream_config(run: str) -> StreamConfig:
+    """The evaluator's reports, which the hub operator holds to the evaluation gate."""
+    return StreamConfig(
+        name=evaluation_stream(run),
+        subjects=[evaluation_subject(run)],
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_msgs=EVALUATIONS_KEPT,
+        allow_direct=True,
+    )
+
+
 def run_stream_configs(run: str) -> list[StreamConfig]:
-    return [task_stream_config(run), trajectory_stream_config(run), step_stream_config(run)]
+    return [
+        task_stream_config(run),
+        trajectory_stream_config(run),
+        step_stream_config(run),
+        evaluation_stream_config(run),
+    ]
 
 
 async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:

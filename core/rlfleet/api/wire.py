@@ -228,6 +228,24 @@ class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
     outcomes: list[GroupOutcome] = []
 
 
+class EvaluationReport(WireMessage, tag="rlfleet.io/evaluation/v1"):
+    """A policy version's score on the run's evaluation suite (`spec.evaluation`), as the
+    run's evaluator announces it; the hub operator holds the run to the gate's floor."""
+
+    run: str
+    suite: str
+    policy_version: int
+    reward: float  # mean over every attempt at every task
+    pass_at_k: float  # share of tasks some attempt got right
+    attempts: int  # per task: the k of pass@k
+    tasks: int
+    finished_at: float
+
+
+def decode_evaluation_report(data: bytes) -> EvaluationReport:
+    return msgspec.json.decode(data, type=EvaluationReport)
+
+
 def decode_task_message(data: bytes) -> TaskMessage:
     return msgspec.json.decode(data, type=TaskMessage)
 
@@ -247,6 +265,10 @@ def trajectory_subject(run: str) -> str:
 
 def step_subject(run: str) -> str:
     return f"rlfleet.trainer.{run}.steps"
+
+
+def evaluation_subject(run: str) -> str:
+    return f"rlfleet.evaluator.{run}.evaluations"
 
 
 def task_stream(run: str) -> str:

@@ -11,18 +11,31 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import nats
 import nats.errors
 import nats.js.errors
 
-from rlfleet.api.streams import ensure_stream, run_stream_configs, step_stream
-from rlfleet.api.wire import StepReport, decode_step_report, step_subject
+from rlfleet.api.streams import (
+    ensure_stream,
+    evaluation_stream,
+    run_stream_configs,
+    step_stream,
+)
+from rlfleet.api.wire import (
+    EvaluationReport,
+    StepReport,
+    decode_evaluation_report,
+    decode_step_report,
+    evaluation_subject,
+    step_subject,
+)
 from rlfleet.weightsync import SyncConfig, WeightStream
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class DataPlaneUnavailable(Exception):
@@ -95,16 +108,22 @@ class DataPlane:
 
     def last_step(self, run: str) -> StepReport | None:
         """The trainer's newest step report, None before its first step."""
-        return self._run(self._last_step(run))
+        return self._run(self._last(step_stream(run), step_subject(run), decode_step_report))
 
-    async def _last_step(self, run: str) -> StepReport | None:
+    def last_evaluation(self, run: str) -> EvaluationReport | None:
+        """The evaluator's newest report, None before its first."""
+        return self._run(
+            self._last(evaluation_stream(run), evaluation_subject(run), decode_evaluation_report)
+        )
+
+    async def _last(self, stream: str, subject: str, decode: Callable[[bytes], T]) -> T | None:
         js = (await self._client()).jetstream()
         try:
-            message = await js.get_last_msg(step_stream(run), step_subject(run), direct=True)
+            message = await js.get_last_msg(stream, subject, direct=True)
         except (nats.js.errors.NotFoundError, nats.errors.NoRespondersError):
-            return None  # no step yet, or no stream yet
+            return None  # nothing yet, or no stream yet
         try:
-            return decode_step_report(message.data)
-        except msgspec.ValidationError as error:
-            log.warning("run %s: the newest step report is not one: %s", run, error)
+            return decode(message.data)
+        except msgspec.DecodeError as error:  # malformed, or not of this schema
+            log.warning("%s: the newest message is not one we read: %s", subject, error)
             return None

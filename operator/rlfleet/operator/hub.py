@@ -21,13 +21,19 @@ from kubernetes.client.exceptions import ApiException
 
 from rlfleet.api.meta import API_VERSION
 from rlfleet.api.rlrun import RLRunSpec
-from rlfleet.operator import progress
+from rlfleet.operator import gate, progress
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable
 from rlfleet.operator.kube import Kube, Ref, Unreachable
 from rlfleet.operator.regions import RegionClients, RegionCredentials
-from rlfleet.operator.status import Event, condition, now, parse_time, timestamp
-from rlfleet.operator.workloads import COMPONENT_LABEL, ORIGIN_LABEL, hub_objects, mirror
+from rlfleet.operator.status import Event, condition, is_present, now, parse_time, timestamp
+from rlfleet.operator.workloads import (
+    COMPONENT_LABEL,
+    ORIGIN_LABEL,
+    evaluator_name,
+    hub_objects,
+    mirror,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +80,17 @@ class Hub:
         self._streams: set[tuple[str, tuple[str, ...]]] = set()
         self._answered: dict[tuple[str, str], datetime] = {}  # (run uid, region) -> last answer
 
-    def _report(self, run: dict, region: str, previous: dict, resync: bool) -> RegionReport:
+    def _report(
+        self, run: dict, region: str, previous: dict, resync: bool, held: bool
+    ) -> RegionReport:
         try:
             kube = self.regions.client(region)
-            # A resync reads the mirror; it writes only what is missing or was out of reach.
+            # A resync reads the mirror; it writes only what is missing, was out of reach,
+            # or is held (or let go) since.
+            wanted = mirror(run, self.config.cluster, self.config.nats, held)
             found = self._listed_mirror(kube, run) if resync and previous.get("reachable") else None
-            if found is None:
-                found = kube.apply(mirror(run, self.config.cluster, self.config.nats))
+            if found is None or found["spec"].get("suspend") != wanted["spec"].get("suspend"):
+                found = kube.apply(wanted)
         except RegionCredentials as error:
             return RegionReport(region, False, previous, str(error), credentials=True)
         except ApiException as error:
@@ -156,25 +166,57 @@ class Hub:
         found = self.local.list_recent(kind, f"{COMPONENT_LABEL}={component}", self._fresh_s())
         return next((o for o in found if Ref.of(o) == ref), None)
 
+    def _verdict(self, run: dict, spec: RLRunSpec) -> gate.Verdict:
+        """The evaluation gate's verdict on the evaluator's newest report; without NATS,
+        on the last one the status holds."""
+        meta, old = run["metadata"], run.get("status") or {}
+        report = None
+        if spec.evaluation is not None and self.dataplane is not None:
+            try:
+                report = self.dataplane.last_evaluation(meta["name"])
+            except DataPlaneUnavailable as error:
+                log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
+        return gate.judge(report, spec, old, meta.get("generation", 0))
+
+    def _drifted(self, objects: list[dict]) -> bool:
+        """A workload of the run missing, or at other replicas than wanted (the run was
+        just held or let go): what a resync puts right."""
+        for manifest in objects:
+            if manifest["kind"] in ("StatefulSet", "Deployment"):
+                component = manifest["metadata"]["labels"][COMPONENT_LABEL]
+                found = self._listed(Ref.of(manifest), component)
+                if found is None or found["spec"].get("replicas") != manifest["spec"]["replicas"]:
+                    return True
+        return False
+
+    def _apply_hub_objects(self, run: dict, spec: RLRunSpec, held: bool, resync: bool) -> dict:
+        """The run's objects in the hub, as wanted; returns its trainer StatefulSet."""
+        meta, old = run["metadata"], run.get("status") or {}
+        trainer_ref = Ref("apps/v1", "StatefulSet", f"{meta['name']}-trainer", meta["namespace"])
+        objects = hub_objects(run, self.config.images, self.config.nats, held)
+        if resync and not self._drifted(objects):
+            return self._listed(trainer_ref, "trainer") or {}
+        for manifest in objects:
+            self.local.apply(manifest)
+        if spec.evaluation is None and is_present(old.get("conditions", []), "Failed"):
+            # The gate was removed: its evaluator goes with it.
+            evaluator = evaluator_name(meta["name"])
+            self.local.delete(Ref("apps/v1", "Deployment", evaluator, meta["namespace"]))
+        return self.local.get(trainer_ref) or {}
+
     def reconcile(self, run: dict, resync: bool = False) -> Outcome:
         """The run's new status and events. `resync` (the timer) re-reads the world but
-        writes only what is missing; a change or a start applies everything."""
+        writes only what is missing or must change; a change or a start applies
+        everything."""
         spec = RLRunSpec.model_validate(run["spec"])
         meta, old = run["metadata"], run.get("status") or {}
         generation = meta.get("generation", 0)
-        trainer_ref = Ref("apps/v1", "StatefulSet", f"{meta['name']}-trainer", meta["namespace"])
-        feed_ref = Ref("apps/v1", "Deployment", f"{meta['name']}-feed", meta["namespace"])
-        trainer = feed = None
-        if resync:
-            trainer = self._listed(trainer_ref, "trainer")
-            feed = self._listed(feed_ref, "feed")
-        if trainer is None or feed is None:
-            for manifest in hub_objects(run, self.config.images, self.config.nats):
-                self.local.apply(manifest)
-            trainer = self.local.get(trainer_ref)
-        ready = (trainer or {}).get("status", {}).get("readyReplicas", 0)
+        verdict = self._verdict(run, spec)
+        held = verdict.failed
+        trainer = self._apply_hub_objects(run, spec, held, resync)
+        ready = trainer.get("status", {}).get("readyReplicas", 0)
 
-        events: list[Event] = []
+        events: list[Event] = list(verdict.events)
         previous = {e["name"]: e for e in old.get("regions", [])}
         wanted = [r.name for r in spec.rollout.regions]
         # Each call runs in a copy of this thread's context, so its spans stay children of
@@ -182,7 +224,7 @@ class Hub:
         calls = [
             REGION_CALLS.submit(
                 contextvars.copy_context().run,
-                *(self._report, run, name, previous.get(name, {"name": name}), resync),
+                *(self._report, run, name, previous.get(name, {"name": name}), resync, held),
             )
             for name in wanted
         ]
@@ -240,11 +282,12 @@ class Hub:
             events.append(Event("Normal", "GPUsLent", f"{lent} rollout GPUs lent ({detail})"))
 
         conditions = old.get("conditions", [])
-        training = not spec.suspend and ready >= spec.trainer.replicas
+        stopped = spec.suspend or held
+        training = not stopped and ready >= spec.trainer.replicas
         found = self._progress(run, spec, training, events)
         # NATS not answering this time leaves the last word on weight sync standing.
-        held = next((c for c in conditions if c["type"] == "WeightSyncStalled"), None)
-        synced = found.condition if found is not None else held
+        said = next((c for c in conditions if c["type"] == "WeightSyncStalled"), None)
+        synced = found.condition if found is not None else said
         stalled = synced is not None and synced["status"] == "True"
         degraded_why = [f"{r.name} unreachable for {s:.0f}s" for r, s in lost] + [
             f"{r.name}: {r.problem}" for r in refused
@@ -253,7 +296,9 @@ class Hub:
             f"{e['name']} runs {e.get('running', 0)} of at least {d.min_gpus} GPUs"
             for d in spec.rollout.regions
             for e in reachable
-            if e["name"] == d.name and e.get("running", 0) < d.min_gpus
+            if e["name"] == d.name
+            and e.get("running", 0) < d.min_gpus
+            and not stopped  # a stopped run wants no GPUs
         ]
         degraded = degraded_why + below_floor
         new_conditions = [
@@ -262,7 +307,7 @@ class Hub:
                 "Training",
                 training,
                 "TrainerReady" if training else "TrainerNotReady",
-                f"{ready}/{0 if spec.suspend else spec.trainer.replicas} trainer replicas ready",
+                f"{ready}/{0 if stopped else spec.trainer.replicas} trainer replicas ready",
                 generation,
             ),
             condition(
@@ -293,6 +338,8 @@ class Hub:
         ]
         if synced is not None:
             new_conditions.append(synced)
+        if verdict.condition is not None:
+            new_conditions.append(verdict.condition)
         healthy = training and not degraded and running > 0 and not stalled
         new_conditions.insert(
             0,
@@ -304,14 +351,23 @@ class Hub:
                 "training with rollouts in every region"
                 if healthy
                 else "; ".join(
-                    degraded
+                    ([verdict.condition["message"]] if held and verdict.condition else [])
+                    or degraded
                     or (["no new policy version for stallSeconds"] if stalled else [])
                     or ["waiting for the trainer or rollout GPUs"]
                 ),
                 generation,
             ),
         )
-        phase = "Suspended" if spec.suspend else "Running" if training else "Pending"
+        phase = (
+            "Failed"
+            if held
+            else "Suspended"
+            if spec.suspend
+            else "Running"
+            if training
+            else "Pending"
+        )
         status = {
             "phase": phase,
             "observedGeneration": generation,
@@ -321,6 +377,7 @@ class Hub:
             "gpusRunning": running,
             "regions": entries,
             **(found.fields if found is not None else {}),
+            **verdict.fields,
         }
         return Outcome(status, events)
 

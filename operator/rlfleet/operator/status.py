@@ -44,6 +44,10 @@ def condition(
     }
 
 
+def is_present(conditions: list[dict], kind: str) -> bool:
+    return any(c.get("type") == kind for c in conditions)
+
+
 def is_true(conditions: list[dict], kind: str) -> bool:
     return any(c.get("type") == kind and c.get("status") == "True" for c in conditions)
 

@@ -104,8 +104,8 @@ def _with_model(pod: dict, spec: RLRunSpec) -> dict:
 
 
 def _nats_env(nats: NatsAccess | None) -> dict[str, str]:
-    """The hub's NATS, for the trainer and the feed. Without the chart's `nats` they are
-    told none, and stop saying so (`Placement.from_env`)."""
+    """The hub's NATS, for the trainer, the feed and the evaluator. Without the chart's
+    `nats` they are told none, and stop saying so (`Placement.from_env`)."""
     if nats is None:
         return {}
     return {launch.NATS_URL_ENV: nats.url, launch.JETSTREAM_DOMAIN_ENV: nats.domain}
@@ -115,13 +115,17 @@ def _spec_volume(run: str) -> dict:
     return {"name": "spec", "configMap": {"name": f"{run}-spec"}}
 
 
-def hub_objects(run: dict, images: Images, nats: NatsAccess | None) -> list[dict]:
+def hub_objects(
+    run: dict, images: Images, nats: NatsAccess | None, held: bool = False
+) -> list[dict]:
     """The run's spec, its trainer (StatefulSet with stable ranks, headless Service for
-    rendezvous, PodDisruptionBudget) and its task feed."""
+    rendezvous, PodDisruptionBudget), its task feed and, with an evaluation gate, its
+    evaluator. A suspended run, or one `held` (it failed its gate), keeps them at zero."""
     name = run["metadata"]["name"]
     spec = RLRunSpec.model_validate(run["spec"])
+    stopped = spec.suspend or held
     labels = {RUN_LABEL: name, COMPONENT_LABEL: "trainer"}
-    replicas = 0 if spec.suspend else spec.trainer.replicas
+    replicas = 0 if stopped else spec.trainer.replicas
     container = _container(
         "trainer",
         spec.trainer.image or images.trainer,
@@ -174,7 +178,11 @@ def hub_objects(run: dict, images: Images, nats: NatsAccess | None) -> list[dict
         # Losing one rank stops the step for all: voluntary evictions wait for the run.
         "spec": {"maxUnavailable": 0, "selector": {"matchLabels": labels}},
     }
-    return [spec_config_map(run), statefulset, service, budget, _feed(run, spec, images, nats)]
+    objects = [spec_config_map(run), statefulset, service, budget]
+    objects.append(_hub_component(run, spec, images, nats, "feed", stopped))
+    if spec.evaluation is not None:
+        objects.append(_hub_component(run, spec, images, nats, "evaluator", stopped))
+    return objects
 
 
 def _checkpoint_claims(storage: CheckpointStorage, labels: dict[str, str]) -> dict:
@@ -193,23 +201,40 @@ def _checkpoint_claims(storage: CheckpointStorage, labels: dict[str, str]) -> di
     }
 
 
-def _feed(run: dict, spec: RLRunSpec, images: Images, nats: NatsAccess | None) -> dict:
-    """The task feed (`rlfleet.rollout.feed`): one per run, never two at once, since it
-    counts what it has queued against the trainer's staleness bound."""
+def evaluator_name(run: str) -> str:
+    return f"{run}-evaluator"
+
+
+def _hub_component(
+    run: dict,
+    spec: RLRunSpec,
+    images: Images,
+    nats: NatsAccess | None,
+    component: str,
+    stopped: bool,
+) -> dict:
+    """One pod of a rollout-image component in the hub, never two at once (`Recreate`):
+    the task feed (`rlfleet.rollout.feed`), which counts what it has queued against the
+    trainer's staleness bound, or the evaluator (`rlfleet.rollout.evaluator`), which
+    reads the run's model."""
     name = run["metadata"]["name"]
-    labels = {RUN_LABEL: name, COMPONENT_LABEL: "feed"}
-    container = _container("feed", spec.rollout.image or images.rollout, 0, _nats_env(nats))
-    container["command"] = ["python", "-m", "rlfleet.rollout.feed"]
+    labels = {RUN_LABEL: name, COMPONENT_LABEL: component}
+    container = _container(component, spec.rollout.image or images.rollout, 0, _nats_env(nats))
+    container["command"] = ["python", "-m", f"rlfleet.rollout.{component}"]
     pod = {"containers": [container], "volumes": [_spec_volume(name)]}
-    feed = _deployment(run, f"{name}-feed", labels, 0 if spec.suspend else 1, pod)
-    feed["spec"]["strategy"] = {"type": "Recreate"}
-    return feed
+    if component == "evaluator":
+        pod = _with_model(pod, spec)
+    deployment = _deployment(run, f"{name}-{component}", labels, 0 if stopped else 1, pod)
+    deployment["spec"]["strategy"] = {"type": "Recreate"}
+    return deployment
 
 
-def mirror(run: dict, origin: str, nats: NatsAccess | None) -> dict:
+def mirror(run: dict, origin: str, nats: NatsAccess | None, held: bool = False) -> dict:
     """The copy of a hub RLRun a region's operator acts on (no ownerReference: the owner
-    lives in another cluster; the hub deletes its mirrors itself)."""
+    lives in another cluster; the hub deletes its mirrors itself). A `held` run's mirror
+    is suspended, so the region gives its GPUs back."""
     meta = run["metadata"]
+    spec = run["spec"] | {"suspend": True} if held else run["spec"]
     domain = {JETSTREAM_DOMAIN: nats.domain} if nats else {}
     return {
         "apiVersion": API_VERSION,
@@ -220,7 +245,7 @@ def mirror(run: dict, origin: str, nats: NatsAccess | None) -> dict:
             "labels": MANAGED_BY | {ORIGIN_LABEL: origin},
             "annotations": {ORIGIN_UID: meta["uid"]} | domain,
         },
-        "spec": run["spec"],
+        "spec": spec,
     }
 
 

@@ -1,0 +1,145 @@
+"""A run's evaluator: the evaluation suite (`spec.evaluation`) every few policy versions.
+
+It reads the run's weights off the hub's stream as a rollout worker does, jumping straight
+to the newest version, and when that version is `every_versions` past the last one it
+scored (or it has scored none), it evaluates it (`rlfleet.rollout.evaluation`) and
+publishes an `EvaluationReport`. The hub operator holds the run to the gate's floor. The
+reports are its memory: a restarted evaluator reads the last one and carries on after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+
+from rlfleet.api import launch
+from rlfleet.api.streams import ensure_stream, evaluation_stream, evaluation_stream_config
+from rlfleet.api.wire import (
+    EvaluationReport,
+    decode_evaluation_report,
+    encode,
+    evaluation_subject,
+)
+from rlfleet.rollout.evaluation import evaluable, evaluate
+from rlfleet.rollout.tasks import load_suite, suite_path
+from rlfleet.weightsync import Receiver, SyncConfig, WeightStream
+
+log = logging.getLogger(__name__)
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    run: str
+    nats_url: str
+    model: str  # the run's model folder: its config and tokenizer, and version 0
+    suite: str  # a shipped suite's name, or a path to a JSON Lines file
+    every_versions: Positive = 10
+    jetstream_domain: str | None = None  # the hub's, where the weights and reports live
+    attempts: Positive = 8  # per task: the k of pass@k
+    poll_seconds: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    weightsync: dict = msgspec.field(default_factory=dict)  # SyncConfig fields
+
+
+def due(version: int | None, last: int | None, every: int) -> bool:
+    """Whether the newest version should be scored: none has been, or it is `every`
+    versions past the last one that was."""
+    return version is not None and (last is None or version >= last + every)
+
+
+async def _last_report(js, run: str) -> EvaluationReport | None:
+    try:
+        message = await js.get_last_msg(
+            evaluation_stream(run), evaluation_subject(run), direct=True
+        )
+    except (nats.js.errors.NotFoundError, nats.errors.NoRespondersError):
+        return None
+    return decode_evaluation_report(message.data)
+
+
+async def run_evaluator(config: EvaluatorConfig, stop: asyncio.Event) -> None:
+    tasks = load_suite(suite_path(config.suite))
+    if not evaluable(tasks):
+        raise ValueError(f"suite {config.suite}: only bare exact-answer tasks can be evaluated")
+    nc = await nats.connect(config.nats_url, max_reconnect_attempts=-1)
+    try:
+        js = nc.jetstream(domain=config.jetstream_domain)
+        await ensure_stream(js, evaluation_stream_config(config.run))
+        last_report = await _last_report(js, config.run)
+        last = last_report.policy_version if last_report else None
+        stream = WeightStream(
+            nc, config.run, SyncConfig(**config.weightsync), config.jetstream_domain
+        )
+        receiver = Receiver(stream)
+        while not stop.is_set():
+            version = await receiver.sync()
+            if due(version, last, config.every_versions):
+                found = await asyncio.to_thread(
+                    evaluate,
+                    Path(config.model),
+                    tasks,
+                    receiver.state.tensors,
+                    version=version,
+                    attempts=config.attempts,
+                )
+                report = EvaluationReport(
+                    run=config.run,
+                    suite=config.suite,
+                    policy_version=found.version,
+                    reward=found.reward,
+                    pass_at_k=found.pass_at_k,
+                    attempts=found.attempts,
+                    tasks=found.tasks,
+                    finished_at=time.time(),
+                )
+                await js.publish(evaluation_subject(config.run), encode(report))
+                log.info(
+                    "version %d: reward %.4f, pass@%d %.4f on %d tasks of %s",
+                    *(found.version, found.reward, found.attempts, found.pass_at_k),
+                    *(found.tasks, config.suite),
+                )
+                last = version
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), config.poll_seconds)
+    finally:
+        await nc.close()
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = launch.component_config(
+        sys.argv[1:],
+        "python -m rlfleet.rollout.evaluator",
+        lambda path: msgspec.json.decode(path.read_bytes(), type=EvaluatorConfig),
+        lambda name, spec, at: msgspec.convert(
+            launch.evaluator_settings(name, spec, launch.model_dir(spec), at), EvaluatorConfig
+        ),
+    )
+
+    async def evaluating() -> None:
+        stop = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+        await run_evaluator(config, stop)
+
+    try:
+        asyncio.run(evaluating())
+    except ValueError as error:
+        sys.exit(f"python -m rlfleet.rollout.evaluator: {error}")
+
+
+if __name__ == "__main__":
+    main()

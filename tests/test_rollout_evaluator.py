@@ -1,0 +1,121 @@
+"""The run's evaluator process over real NATS: it scores the versions the trainer publishes
+on the weight stream, every `every_versions`, and a restarted evaluator carries on from its
+last report instead of scoring a version twice."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import uuid
+from pathlib import Path
+
+import msgspec
+import nats
+import nats.js.errors
+import pytest
+from conftest import wait_for
+from safetensors.torch import load_file
+
+from rlfleet.api.streams import evaluation_stream
+from rlfleet.api.wire import EvaluationReport, decode_evaluation_report
+from rlfleet.models.tiny import init_model
+from rlfleet.rollout.evaluator import due
+from rlfleet.rollout.tasks import rules_suite, write_suite
+from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
+from rlfleet.testbed.processes import Supervisor
+from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
+
+pytestmark = pytest.mark.nats
+
+
+def test_an_evaluator_scores_the_first_version_then_every_nth() -> None:
+    assert not due(None, None, 10)  # nothing published yet
+    assert due(0, None, 10)
+    assert not due(9, 0, 10)
+    assert due(10, 0, 10) and due(13, 0, 10)
+
+
+class Trainer:
+    """Publishes versions of the tiny model's own weights, as a trainer would."""
+
+    def __init__(self, url: str, run: str, model: Path) -> None:
+        self.url, self.run = url, run
+        self.tensors = load_file(model / "model.safetensors")
+
+    async def _publish(self, versions: list[int]) -> None:
+        nc = await nats.connect(self.url)
+        try:
+            stream = WeightStream(nc, self.run, SyncConfig(), HUB_DOMAIN)
+            await stream.create()
+            publisher = Publisher(stream, SyncConfig())
+            for version in versions:
+                await publisher.publish(self.tensors, version)
+        finally:
+            await nc.close()
+
+    def publish(self, *versions: int) -> None:
+        asyncio.run(self._publish(list(versions)))
+
+
+async def _reports(url: str, run: str) -> list[EvaluationReport]:
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream(domain=HUB_DOMAIN)
+        try:
+            state = (await js.stream_info(evaluation_stream(run))).state
+        except nats.js.errors.NotFoundError:
+            return []
+        found = []
+        for seq in range(state.first_seq, state.last_seq + 1) if state.messages else []:
+            message = await js.get_msg(evaluation_stream(run), seq)
+            found.append(decode_evaluation_report(message.data))
+        return found
+    finally:
+        await nc.close()
+
+
+def test_a_restarted_evaluator_goes_on_from_its_last_report(
+    nats_servers: StandaloneNats, tmp_path: Path
+) -> None:
+    run = f"eval-{uuid.uuid4().hex[:6]}"
+    url = nats_servers.bed.hub.authenticated_url
+    model = init_model("tiny-moe", tmp_path / "model")
+    suite = tmp_path / "suite.jsonl"
+    write_suite(rules_suite(3, seed=1), suite)
+    config = {
+        "run": run,
+        "nats_url": url,
+        "jetstream_domain": HUB_DOMAIN,
+        "model": str(model),
+        "suite": str(suite),
+        "every_versions": 2,
+        "attempts": 2,
+        "poll_seconds": 0.5,
+    }
+    (tmp_path / "evaluator.json").write_text(json.dumps(config))
+    argv = [sys.executable, "-m", "rlfleet.rollout.evaluator", str(tmp_path / "evaluator.json")]
+    supervisor = Supervisor(tmp_path / "logs", attached=True)
+    trainer = Trainer(url, run, model)
+
+    def scored() -> list[int]:
+        return [r.policy_version for r in asyncio.run(_reports(url, run))]
+
+    try:
+        trainer.publish(0)
+        supervisor.start("evaluator", argv)
+        wait_for("version 0 scored", lambda: scored() == [0], timeout=120)
+        trainer.publish(1)  # not due: one version past the last scored
+        assert supervisor.stop("evaluator") == 0  # SIGTERM: it stops cleanly
+        trainer.publish(2)
+        supervisor.start("evaluator", argv)
+        wait_for("version 2 scored", lambda: scored() == [0, 2], timeout=120)
+        (report,) = [r for r in asyncio.run(_reports(url, run)) if r.policy_version == 2]
+        assert (report.run, report.suite, report.tasks, report.attempts) == (run, str(suite), 3, 2)
+        assert 0.0 <= report.reward <= report.pass_at_k <= 1.0
+        assert msgspec.json.decode(msgspec.json.encode(report), type=EvaluationReport) == report
+    finally:
+        supervisor.stop_all()
+    log = (tmp_path / "logs" / "evaluator.log").read_text()
+    assert "Traceback" not in log, log
+    assert scored() == [0, 2], "a version was scored twice"
