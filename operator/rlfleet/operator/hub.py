@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import contextvars
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
+from typing import TypeVar
 
 from kubernetes.client.exceptions import ApiException
 
@@ -36,12 +39,20 @@ from rlfleet.operator.workloads import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # While a region answers, its lastSeen is rewritten at most this often: a resync that
 # learns nothing new then writes nothing. Silence is timed from the last answer in memory.
 LAST_SEEN_REFRESH_S = 60
-# Regions are asked at once: a reconcile then waits for the slowest region, not the sum.
-REGION_CALLS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="region")
+# A run's regions are asked at once: a reconcile then waits for the slowest, not the sum.
+CALLS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="calls")
+
+
+def at_once(calls: list[Callable[[], T]]) -> list[T]:
+    """Runs `calls` in parallel and returns their results in order. Each runs in a copy of
+    this thread's context, so its spans stay children of the reconcile's."""
+    futures = [CALLS.submit(contextvars.copy_context().run, call) for call in calls]
+    return [future.result() for future in futures]
 
 
 @dataclass
@@ -219,16 +230,12 @@ class Hub:
         events: list[Event] = list(verdict.events)
         previous = {e["name"]: e for e in old.get("regions", [])}
         wanted = [r.name for r in spec.rollout.regions]
-        # Each call runs in a copy of this thread's context, so its spans stay children of
-        # this reconcile's.
-        calls = [
-            REGION_CALLS.submit(
-                contextvars.copy_context().run,
-                *(self._report, run, name, previous.get(name, {"name": name}), resync, held),
-            )
-            for name in wanted
-        ]
-        reports = [call.result() for call in calls]
+        reports = at_once(
+            [
+                partial(self._report, run, name, previous.get(name, {"name": name}), resync, held)
+                for name in wanted
+            ]
+        )
         # Regions dropped from the spec lose their mirror; one not answering is retried.
         leftover = [n for n in previous if n not in wanted and not self._forget(run, n)]
         entries, lost, refused = [], [], []
