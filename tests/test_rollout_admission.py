@@ -22,6 +22,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from rlfleet.api.streams import ensure_stream, step_stream_config
 from rlfleet.api.wire import (
     GroupOutcome,
+    StepReport,
     Task,
     TaskMessage,
     decode_task_message,
@@ -131,35 +132,70 @@ def test_the_curriculum_mostly_skips_tasks_whose_last_group_taught_nothing() -> 
 def test_the_feed_stops_asking_what_the_trainer_reports_as_settled(
     nats_servers: StandaloneNats, tmp_path: Path
 ) -> None:
-    run = f"r{uuid.uuid4().hex[:8]}"
-    suite = tmp_path / "three.jsonl"
-    write_suite(
-        [Task(id=name, suite="three", prompt=name, answer="x", tools=False) for name in "abc"],
-        suite,
-    )
-    config = FeedConfig(
-        run=run,
-        nats_url=nats_servers.bed.hub.authenticated_url,
-        suite=str(suite),
-        max_staleness=0,
-        groups_per_step=1,
-        revisit_uniform=1e-9,
-    )
-    settled = [GroupOutcome("a", [1.0] * 4), GroupOutcome("b", [0.0] * 4)]
+    config = three_task_feed(nats_servers, tmp_path)
+    run = config.run
 
     async def scenario() -> None:
         async with _feeding(config) as (js, worker):
             await _take(worker, 2)  # before any report: whatever comes first
             asked = []
             for version in range(1, 7):
-                report = msgspec.structs.replace(
-                    step_report(run, version, 0.0, 0), outcomes=settled
-                )
-                await js.publish(step_subject(run), encode(report))
+                await js.publish(step_subject(run), encode(settling(run, version)))
                 asked += [m.task.id for m in await _take(worker, 1)]
             assert asked == ["c"] * 6
 
     asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+@pytest.mark.nats
+def test_a_restarted_feed_remembers_what_the_step_stream_shows_settled(
+    nats_servers: StandaloneNats, tmp_path: Path
+) -> None:
+    config = three_task_feed(nats_servers, tmp_path)
+
+    async def scenario() -> None:
+        nc = await nats.connect(config.nats_url)
+        try:
+            js = nc.jetstream()
+            await ensure_stream(js, step_stream_config(config.run))
+            # What the trainer reported before this feed (re)started.
+            for version in range(1, 4):
+                await js.publish(step_subject(config.run), encode(settling(config.run, version)))
+            await js.publish(step_subject(config.run), b"not a step report")
+        finally:
+            await nc.close()
+        async with _feeding(config) as (js, worker):
+            asked = [m.task.id for m in await _take(worker, 1)]
+            for version in range(4, 9):  # steps that say nothing of a or b
+                report = step_report(config.run, version, 0.0, 0)
+                await js.publish(step_subject(config.run), encode(report))
+                asked += [m.task.id for m in await _take(worker, 1)]
+            assert asked == ["c"] * 6
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+def three_task_feed(nats_servers: StandaloneNats, tmp_path: Path) -> FeedConfig:
+    """A feed of tasks a, b and c, one a step, that all but never asks a settled task."""
+    suite = tmp_path / "three.jsonl"
+    write_suite(
+        [Task(id=name, suite="three", prompt=name, answer="x", tools=False) for name in "abc"],
+        suite,
+    )
+    return FeedConfig(
+        run=f"r{uuid.uuid4().hex[:8]}",
+        nats_url=nats_servers.bed.hub.authenticated_url,
+        suite=str(suite),
+        max_staleness=0,
+        groups_per_step=1,
+        revisit_uniform=1e-9,
+    )
+
+
+def settling(run: str, version: int) -> StepReport:
+    """A step whose groups at a (all right) and b (all wrong) taught nothing."""
+    settled = [GroupOutcome("a", [1.0] * 4), GroupOutcome("b", [0.0] * 4)]
+    return msgspec.structs.replace(step_report(run, version, 0.0, 0), outcomes=settled)
 
 
 @contextlib.asynccontextmanager

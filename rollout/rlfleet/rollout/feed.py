@@ -2,11 +2,11 @@
 
 Tasks come from a suite (a shipped name such as `toy`, or a path), shuffled afresh each
 pass, less those the curriculum skips because their last group taught nothing
-(`Curriculum`, from the groups each step report lists). What is published follows the
-trainer (its step reports) through `Admission`: no more tasks than it can train within
-the staleness bound, each naming the oldest policy version allowed to attempt it. The
-queue also never holds more than `depth` tasks waiting or under way, so workers share
-the work as it comes.
+(`Curriculum`, from the groups each step report lists; a restarted feed first reads every
+report the step stream keeps). What is published follows the trainer (its step reports)
+through `Admission`: no more tasks than it can train within the staleness bound, each
+naming the oldest policy version allowed to attempt it. The queue also never holds more
+than `depth` tasks waiting or under way, so workers share the work as it comes.
 """
 
 from __future__ import annotations
@@ -80,7 +80,11 @@ class _Trainer:
         self.step_s = 5.0
 
     async def report(self, msg) -> None:
-        report = decode_step_report(msg.data)
+        try:
+            report = decode_step_report(msg.data)
+        except msgspec.DecodeError as error:
+            log.warning("a message on the step subject is not a step report: %s", error)
+            return
         self.curriculum.observe(report.outcomes)
         if self.admission.observe(report.policy_version, report.groups):
             self.changed = time.monotonic()
@@ -101,6 +105,9 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
         js = nc.jetstream(domain=config.jetstream_domain)
         await ensure_stream(js, task_stream_config(config.run))
         await ensure_stream(js, step_stream_config(config.run))
+        replayed = await _replay_outcomes(js, config.run, curriculum)
+        if replayed:
+            log.info("the curriculum learnt from %d earlier step reports", replayed)
         await js.subscribe(
             step_subject(config.run),
             stream=step_stream(config.run),
@@ -142,6 +149,34 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
         )
     finally:
         await nc.close()
+
+
+async def _replay_outcomes(js, run: str, curriculum: Curriculum) -> int:
+    """Teaches the curriculum what every step report the stream keeps says of its tasks,
+    so a restarted feed does not ask again what a group already showed settled. Returns
+    how many reports it read."""
+    state = (await js.stream_info(step_stream(run))).state
+    if not state.messages:
+        return 0
+    subscription = await js.subscribe(
+        step_subject(run),
+        stream=step_stream(run),
+        ordered_consumer=True,
+        deliver_policy=DeliverPolicy.ALL,
+    )
+    read = 0
+    try:
+        while True:
+            message = await subscription.next_msg(timeout=30)
+            try:
+                curriculum.observe(decode_step_report(message.data).outcomes)
+                read += 1
+            except msgspec.DecodeError as error:
+                log.warning("step report %d skipped: %s", message.metadata.sequence.stream, error)
+            if message.metadata.sequence.stream >= state.last_seq:
+                return read
+    finally:
+        await subscription.unsubscribe()
 
 
 async def _queue_state(js, run: str) -> StreamState:
