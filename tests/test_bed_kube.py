@@ -84,6 +84,7 @@ def test_examples_apply_and_show_printer_columns(kubectl: Kubectl, namespace: st
         "STALENESS",
         "GPUS-LENT",
         "RUNNING",
+        "EVAL",
         "READY",
         "AGE",
     ]
@@ -133,6 +134,10 @@ BAD_SPECS = {
     "a checkpoint size that is no quantity": (
         _rlrun(trainer={"checkpointStorage": {"size": "lots"}}),
         "spec.trainer.checkpointStorage.size",
+    ),
+    "an evaluation target at or under its floor": (
+        _rlrun(evaluation={"suite": "rules", "minReward": 0.5, "targetReward": 0.5}),
+        "spec.evaluation.targetReward",
     ),
     "a group of one attempt": (
         _rlrun(rollout={"groupSize": 1, "regions": [{"name": "region-a", "maxGpus": 8}]}),

@@ -598,7 +598,7 @@ def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: 
     assert len([e for e in world.events(HUB, RUN) if e["reason"] == "StalenessBoundExceeded"]) == 1
 
 
-def test_an_evaluation_under_the_floor_holds_the_run_until_the_floor_is_lowered(
+def test_the_evaluation_gate_holds_a_run_that_fails_or_reaches_its_target(
     world: World,
 ) -> None:
     def gate(evaluation: dict | None) -> None:
@@ -651,9 +651,16 @@ def test_an_evaluation_under_the_floor_holds_the_run_until_the_floor_is_lowered(
     assert world.condition("Failed")["reason"] == "EvaluationAboveFloor"
     assert "EvaluationAboveFloor" in world.reasons(HUB, RUN)
     wait_for("lending again", world.lent_everywhere)
+    # A target the last score meets: the run is done, and held the same way.
+    gate({"suite": "rules", "everyVersions": 10, "minReward": 0.2, "targetReward": 0.3})
+    wait_for("succeeded", lambda: world.run_status().get("phase") == "Succeeded")
+    assert world.condition("Succeeded")["reason"] == "EvaluationReachedTarget"
+    wait_for("trainer at zero", lambda: replicas("trainer") == [0])
+    assert "EvaluationReachedTarget" in world.reasons(HUB, RUN)
     gate(None)
     wait_for("the evaluator gone", lambda: replicas("evaluator") == [])
-    wait_for("no verdict", lambda: not world.condition("Failed"))
+    wait_for("running without a gate", lambda: world.run_status().get("phase") == "Running")
+    assert not world.condition("Failed") and not world.condition("Succeeded")
 
 
 def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:

@@ -11,7 +11,7 @@ from conftest import ROOT, step_report
 
 from rlfleet.api.rlrun import EvaluationGate, RLRunSpec
 from rlfleet.api.wire import EvaluationReport, StepReport
-from rlfleet.operator.gate import judge
+from rlfleet.operator.gate import Verdict, judge
 from rlfleet.operator.progress import fold
 
 NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
@@ -98,9 +98,14 @@ def test_a_resync_that_learns_nothing_yields_the_same_condition() -> None:
     assert later.condition == first.condition
 
 
-# The evaluation gate (`spec.evaluation`): the evaluator's newest report against the floor.
+# The evaluation gate (`spec.evaluation`): the evaluator's newest report against the floor
+# and the target.
 GATED = SPEC.model_copy(
-    update={"evaluation": EvaluationGate(suite="rules", every_versions=10, min_reward=0.4)}
+    update={
+        "evaluation": EvaluationGate(
+            suite="rules", every_versions=10, min_reward=0.4, target_reward=0.8
+        )
+    }
 )
 
 
@@ -117,9 +122,17 @@ def evaluation(version: int, reward: float) -> EvaluationReport:
     )
 
 
+def said(verdict: Verdict) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in verdict.conditions}
+
+
+def status_after(verdict: Verdict) -> dict:
+    return verdict.fields | {"conditions": verdict.conditions}
+
+
 def test_a_score_under_the_floor_fails_the_run_once_and_names_the_numbers() -> None:
     verdict = judge(evaluation(40, 0.31), GATED, {}, 3)
-    assert verdict.failed
+    assert verdict.failed and verdict.held and not verdict.succeeded
     assert verdict.fields["lastEvaluation"] == {
         "version": 40,
         "reward": 0.31,
@@ -127,36 +140,47 @@ def test_a_score_under_the_floor_fails_the_run_once_and_names_the_numbers() -> N
         "suite": "rules",
         "time": "2026-11-21T12:00:00Z",
     }
-    assert verdict.condition is not None
-    assert (verdict.condition["status"], verdict.condition["reason"]) == (
-        "True",
-        "EvaluationBelowFloor",
-    )
-    assert {e.reason for e in verdict.events} == {"Evaluated", "EvaluationBelowFloor"}
-    below = next(e for e in verdict.events if e.reason == "EvaluationBelowFloor")
+    assert said(verdict) == {
+        "Failed": ("True", "EvaluationBelowFloor"),
+        "Succeeded": ("False", "EvaluationBelowTarget"),
+    }
+    assert [e.reason for e in verdict.events] == ["Evaluated", "EvaluationBelowFloor"]
+    below = verdict.events[1]
+    assert below.type == "Warning"
     assert "version 40" in below.message and "0.3100" in below.message and "0.4" in below.message
     # The next resync learns nothing new: still failed, nothing more to tell.
-    status = verdict.fields | {"conditions": [verdict.condition]}
-    again = judge(evaluation(40, 0.31), GATED, status, 3)
-    assert again.failed and again.events == [] and again.condition == verdict.condition
+    again = judge(evaluation(40, 0.31), GATED, status_after(verdict), 3)
+    assert again.failed and again.events == [] and again.conditions == verdict.conditions
+
+
+def test_a_score_at_the_target_completes_the_run() -> None:
+    verdict = judge(evaluation(90, 0.82), GATED, {}, 3)
+    assert verdict.succeeded and verdict.held and not verdict.failed
+    assert said(verdict)["Succeeded"] == ("True", "EvaluationReachedTarget")
+    assert [e.reason for e in verdict.events] == ["Evaluated", "EvaluationReachedTarget"]
+    assert "targetReward 0.8" in verdict.why
+
+
+def test_between_the_floor_and_the_target_the_run_goes_on() -> None:
+    verdict = judge(evaluation(50, 0.6), GATED, {}, 3)
+    assert not verdict.held and verdict.why == ""
+    assert [e.reason for e in verdict.events] == ["Evaluated"]
 
 
 def test_the_verdict_stands_while_nats_does_not_answer() -> None:
     failed = judge(evaluation(40, 0.31), GATED, {}, 3)
-    status = failed.fields | {"conditions": [failed.condition]}
-    assert judge(None, GATED, status, 3).failed
+    assert judge(None, GATED, status_after(failed), 3).failed
 
 
 def test_a_lower_floor_lets_a_failed_run_go_on() -> None:
     failed = judge(evaluation(40, 0.31), GATED, {}, 3)
-    status = failed.fields | {"conditions": [failed.condition]}
     lowered = SPEC.model_copy(update={"evaluation": EvaluationGate(suite="rules", min_reward=0.3)})
-    verdict = judge(None, lowered, status, 4)
-    assert not verdict.failed and verdict.condition is not None
-    assert verdict.condition["reason"] == "EvaluationAboveFloor"
+    verdict = judge(None, lowered, status_after(failed), 4)
+    assert not verdict.held
+    assert said(verdict) == {"Failed": ("False", "EvaluationAboveFloor")}
     assert [e.reason for e in verdict.events] == ["EvaluationAboveFloor"]
 
 
 def test_without_a_gate_there_is_no_verdict() -> None:
     verdict = judge(evaluation(40, 0.0), SPEC, {}, 3)
-    assert not verdict.failed and verdict.condition is None and verdict.fields == {}
+    assert not verdict.held and verdict.conditions == [] and verdict.fields == {}

@@ -242,11 +242,31 @@ class RewardSpec(ApiModel):
 
 
 class EvaluationGate(ApiModel):
-    """Held-out evaluation every few versions; the run fails when it falls below the floor."""
+    """Held-out evaluation every few versions: the run fails when a score falls under
+    `minReward`, and succeeds when one reaches `targetReward`; either way it stops."""
 
-    suite: Annotated[str, Field(min_length=1, max_length=253)]
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.targetReward) || self.targetReward > self.minReward",
+                    "targetReward must be above minReward",
+                    ".targetReward",
+                )
+            ]
+        }
+    )
+
+    suite: Annotated[
+        str,
+        Field(min_length=1, max_length=253, description="A shipped suite's name, or a path."),
+    ]
     every_versions: Annotated[int, Field(ge=1, le=10000)] = 10
     min_reward: Annotated[float, Field(ge=0, le=1)] = 0.0
+    target_reward: Annotated[
+        float | None,
+        Field(gt=0, le=1, description="Stop, succeeded, once a version scores this much."),
+    ] = None
 
 
 class RLRunSpec(ApiModel):

@@ -223,7 +223,7 @@ class Hub:
         meta, old = run["metadata"], run.get("status") or {}
         generation = meta.get("generation", 0)
         verdict = self._verdict(run, spec)
-        held = verdict.failed
+        held = verdict.held
         trainer = self._apply_hub_objects(run, spec, held, resync)
         ready = trainer.get("status", {}).get("readyReplicas", 0)
 
@@ -345,8 +345,7 @@ class Hub:
         ]
         if synced is not None:
             new_conditions.append(synced)
-        if verdict.condition is not None:
-            new_conditions.append(verdict.condition)
+        new_conditions += verdict.conditions
         healthy = training and not degraded and running > 0 and not stalled
         new_conditions.insert(
             0,
@@ -358,7 +357,7 @@ class Hub:
                 "training with rollouts in every region"
                 if healthy
                 else "; ".join(
-                    ([verdict.condition["message"]] if held and verdict.condition else [])
+                    ([verdict.why] if held else [])
                     or degraded
                     or (["no new policy version for stallSeconds"] if stalled else [])
                     or ["waiting for the trainer or rollout GPUs"]
@@ -368,7 +367,9 @@ class Hub:
         )
         phase = (
             "Failed"
-            if held
+            if verdict.failed
+            else "Succeeded"
+            if verdict.succeeded
             else "Suspended"
             if spec.suspend
             else "Running"
