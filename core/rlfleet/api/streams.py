@@ -51,16 +51,21 @@ def trajectory_stream_config(run: str) -> StreamConfig:
     )
 
 
-def step_stream_config(run: str) -> StreamConfig:
-    """The trainer's step reports, which the hub operator folds into the run's status."""
+def _reports(name: str, subject: str, kept: int) -> StreamConfig:
+    """Reports read by their newest (direct get), the last `kept` of them retained."""
     return StreamConfig(
-        name=step_stream(run),
-        subjects=[step_subject(run)],
+        name=name,
+        subjects=[subject],
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
-        max_msgs=STEP_REPORTS_KEPT,
+        max_msgs=kept,
         allow_direct=True,
     )
+
+
+def step_stream_config(run: str) -> StreamConfig:
+    """The trainer's step reports, which the hub operator folds into the run's status."""
+    return _reports(step_stream(run), step_subject(run), STEP_REPORTS_KEPT)
 
 
 def evaluation_stream(run: str) -> str:
@@ -69,14 +74,7 @@ def evaluation_stream(run: str) -> str:
 
 def evaluation_stream_config(run: str) -> StreamConfig:
     """The evaluator's reports, which the hub operator holds to the evaluation gate."""
-    return StreamConfig(
-        name=evaluation_stream(run),
-        subjects=[evaluation_subject(run)],
-        storage=StorageType.FILE,
-        discard=DiscardPolicy.OLD,
-        max_msgs=EVALUATIONS_KEPT,
-        allow_direct=True,
-    )
+    return _reports(evaluation_stream(run), evaluation_subject(run), EVALUATIONS_KEPT)
 
 
 def run_stream_configs(run: str) -> list[StreamConfig]:
