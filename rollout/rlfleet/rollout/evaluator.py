@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from rlfleet.api.wire import (
     evaluation_subject,
 )
 from rlfleet.rollout.evaluation import evaluable, evaluate
+from rlfleet.rollout.stopping import run_until_signalled
 from rlfleet.rollout.tasks import load_suite, suite_path
 from rlfleet.weightsync import Receiver, SyncConfig, WeightStream
 
@@ -129,14 +129,8 @@ def main() -> None:
         ),
     )
 
-    async def evaluating() -> None:
-        stop = asyncio.Event()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(signum, stop.set)
-        await run_evaluator(config, stop)
-
     try:
-        asyncio.run(evaluating())
+        run_until_signalled(lambda stop: run_evaluator(config, stop))
     except ValueError as error:
         sys.exit(f"python -m rlfleet.rollout.evaluator: {error}")
 

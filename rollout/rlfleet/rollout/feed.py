@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ from rlfleet.api.wire import (
 )
 from rlfleet.rollout.admission import Admission
 from rlfleet.rollout.curriculum import Curriculum
+from rlfleet.rollout.stopping import run_until_signalled
 from rlfleet.rollout.tasks import load_suite, suite_path
 
 log = logging.getLogger(__name__)
@@ -195,13 +195,7 @@ def main() -> None:
         lambda name, spec, at: msgspec.convert(launch.feed_settings(name, spec, at), FeedConfig),
     )
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(signum, stop.set)
-        await feed(config, stop)
-
-    asyncio.run(run())
+    run_until_signalled(lambda stop: feed(config, stop))
 
 
 if __name__ == "__main__":
