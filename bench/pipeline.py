@@ -70,7 +70,8 @@ def main() -> None:
         for mode, staleness in (("sync", 0), ("async", spec.max_staleness)):
             moded = spec.model_copy(update={"model": model, "max_staleness": staleness})
             layout = plan.Layout(Path(tmp) / mode)
-            runs[mode], evaluations[mode] = train(name, moded, layout, args.minutes * 60, tuning)
+            trained = train(name, moded, layout, args.minutes * 60, tuning)
+            runs[mode], evaluations[mode] = trained.steps, trained.end
     result = {
         "budget_seconds": args.minutes * 60,
         "async_max_staleness": spec.max_staleness,

@@ -11,23 +11,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
 from conftest import ROOT
 
+EXAMPLE = ROOT / "examples" / "local.yaml"
 
-def run(state: Path, minutes: float) -> dict:
+
+def run(state: Path, minutes: float, spec: Path = EXAMPLE, exit_code: int = 0) -> dict:
     done = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "rlfleet.cli",
-            "run",
-            str(ROOT / "examples" / "local.yaml"),
-            "--state",
-            str(state),
-            "--minutes",
-            str(minutes),
-            "--warmup-steps",
-            "5",
+            *(sys.executable, "-m", "rlfleet.cli", "run", str(spec)),
+            *("--state", str(state), "--minutes", str(minutes), "--warmup-steps", "5"),
         ],
         capture_output=True,
         text=True,
@@ -37,8 +31,8 @@ def run(state: Path, minutes: float) -> dict:
     logs = "\n".join(
         f"== {p.name}\n{p.read_text()[-3000:]}" for p in (state / "logs").glob("*.log")
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + logs
-    return json.loads((state / "report" / "summary.json").read_text())
+    assert done.returncode == exit_code, done.stdout[-3000:] + done.stderr[-3000:] + logs
+    return json.loads((state / "report" / "summary.json").read_text()) | {"stdout": done.stdout}
 
 
 def test_a_local_run_trains_reports_and_resumes(tmp_path: Path) -> None:
@@ -58,3 +52,25 @@ def test_a_local_run_trains_reports_and_resumes(tmp_path: Path) -> None:
     assert second["steps"] > first["steps"]
     assert second["evaluated_version"] == second["policy_version"]
     assert second["reward_start"] == first["reward_start"]  # the same starting model
+
+
+def test_a_local_run_stops_failed_when_a_version_scores_under_the_gates_floor(
+    tmp_path: Path,
+) -> None:
+    # Sixteen of the rules suite's tasks, so that each evaluation of the whole suite is quick.
+    suite = tmp_path / "rules-16.jsonl"
+    rules = (ROOT / "rollout" / "rlfleet" / "rollout" / "suites" / "rules.jsonl").read_text()
+    suite.write_text("".join(rules.splitlines(keepends=True)[:16]))
+    gated = yaml.safe_load(EXAMPLE.read_text())
+    gated["spec"]["rollout"]["taskSuite"] = str(suite)
+    gated["spec"]["evaluation"] = {"suite": str(suite), "everyVersions": 1, "minReward": 0.99}
+    spec = tmp_path / "gated.yaml"
+    spec.write_text(yaml.safe_dump(gated))
+    # A budget far beyond the test's timeout: only the gate's verdict can end this run.
+    summary = run(tmp_path / "run", minutes=60, spec=spec, exit_code=1)
+    gate = summary["evaluation_gate"]
+    assert gate["verdict"] == "Failed"
+    last = gate["evaluations"][-1]
+    assert last["reward"] < 0.99 and last["suite"] == str(suite) and last["tasks"] == 16
+    assert f"Failed: version {last['policy_version']} scored" in summary["stdout"]
+    assert "under minReward 0.99" in summary["stdout"]

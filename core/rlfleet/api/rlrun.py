@@ -268,6 +268,15 @@ class EvaluationGate(ApiModel):
         Field(gt=0, le=1, description="Stop, succeeded, once a version scores this much."),
     ] = None
 
+    def verdict(self, reward: float) -> Literal["Failed", "Succeeded"] | None:
+        """What a version's score means for the run, wherever it runs (the hub operator,
+        `rlfleet run`): under the floor fails it, at the target completes it."""
+        if reward < self.min_reward:
+            return "Failed"
+        if self.target_reward is not None and reward >= self.target_reward:
+            return "Succeeded"
+        return None
+
 
 class RLRunSpec(ApiModel):
     model_config = ConfigDict(

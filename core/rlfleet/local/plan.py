@@ -1,7 +1,8 @@
 """What `rlfleet run` starts for an RLRun on one machine, decided without starting it.
 
 The same spec the operator reads becomes one trainer, one rollout worker per region
-(each behind its region's NATS leaf node, as in production) and a task feeder. The
+(each behind its region's NATS leaf node, as in production), a task feeder, and the
+evaluator when the spec has an evaluation gate. The
 trainer and the rollout workers get disjoint CPU cores, as they would sit on separate
 GPUs, so an asynchronous run measures overlap rather than contention.
 """
@@ -164,4 +165,9 @@ def processes(
         feed | {"depth": tuning.queue_depth, "groups_per_step": tuning.step_groups},
         {},
     )
+    if spec.evaluation is not None:
+        # Scoring shares the rollout cores: it generates, as they do.
+        evaluator = launch.evaluator_settings(name, spec, model, hub)
+        scoring_threads = {"OMP_NUM_THREADS": rollout_env["OMP_NUM_THREADS"]}
+        add("evaluator", "rlfleet.rollout.evaluator", rollout_cores, evaluator, scoring_threads)
     return found

@@ -40,13 +40,19 @@ def reward_curve(reports: list[StepReport]) -> list[tuple[float, float]]:
     return [(r.finished_at - start, reward) for r, reward in zip(reports, rewards, strict=True)]
 
 
-def summary(reports: list[StepReport], start: dict | None = None, end: dict | None = None) -> dict:
+def summary(
+    reports: list[StepReport],
+    start: dict | None = None,
+    end: dict | None = None,
+    gate: dict | None = None,
+) -> dict:
     """With the evaluations of the starting model and the last version (`start`, `end`),
     the reward is theirs: every task of the suite attempted alike. The batch reward is
     what the tasks the feed chose earned, and with the curriculum those are mostly the
-    ones still being learnt."""
+    ones still being learnt. `gate` is what the evaluation gate saw and said, if any."""
+    gated = {"evaluation_gate": gate} if gate is not None else {}
     if not reports:
-        return {"steps": 0}
+        return {"steps": 0} | gated
     first, last = reports[:EDGE_STEPS], reports[-EDGE_STEPS:]
     batch_start, batch_end = round(mean_reward(first), 4), round(mean_reward(last), 4)
     evaluated = start is not None and end is not None
@@ -74,14 +80,19 @@ def summary(reports: list[StepReport], start: dict | None = None, end: dict | No
         "delta_bytes_mean": round(statistics.fmean(r.weight_bytes for r in reports)),
         "weight_seconds_mean": round(statistics.fmean(r.weight_seconds for r in reports), 3),
         "tokens": sum(r.tokens for r in reports),
+        **gated,
     }
 
 
 def write(
-    reports: list[StepReport], folder: Path, start: dict | None = None, end: dict | None = None
+    reports: list[StepReport],
+    folder: Path,
+    start: dict | None = None,
+    end: dict | None = None,
+    gate: dict | None = None,
 ) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
-    found = summary(reports, start, end)
+    found = summary(reports, start, end, gate)
     (folder / "summary.json").write_text(json.dumps(found, indent=2) + "\n")
     if reports:
         _plots(reports, folder)

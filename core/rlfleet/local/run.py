@@ -10,12 +10,14 @@ and leaves a report. Everything lives under one folder, so running again resumes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -23,13 +25,21 @@ import nats
 import nats.errors
 import nats.js.errors
 import yaml
+from nats.aio.msg import Msg
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.api.rlrun import EvaluationGate, RLRunSpec
 from rlfleet.api.streams import step_stream
-from rlfleet.api.wire import StepReport, decode_step_report, step_subject
+from rlfleet.api.wire import (
+    EvaluationReport,
+    StepReport,
+    decode_evaluation_report,
+    decode_step_report,
+    evaluation_subject,
+    step_subject,
+)
 from rlfleet.local import plan, report
 from rlfleet.testbed.nats import start_nats
 from rlfleet.testbed.processes import Supervisor, stop_pids
@@ -71,7 +81,13 @@ EVALUATION_START, EVALUATION_END = "evaluation-start.json", "evaluation-end.json
 STARTUP_LIMIT_S = 900  # the first step must come within this; DeepSpeed and vLLM start slowly
 
 
-def table(name: str, reports: list[StepReport], trained_s: float, budget_s: float) -> Table:
+def table(
+    name: str,
+    reports: list[StepReport],
+    scores: list[EvaluationReport],
+    trained_s: float,
+    budget_s: float,
+) -> Table:
     progress = f"{trained_s:.0f}s of {budget_s:.0f}s training" if reports else "starting"
     shown = Table(title=f"rlfleet run {name}: {progress}")
     for column in ("version", "reward", "staleness", "delta bytes", "sync s", "tokens/s"):
@@ -85,38 +101,65 @@ def table(name: str, reports: list[StepReport], trained_s: float, budget_s: floa
             f"{r.weight_seconds:.2f}",
             f"{r.tokens / max(r.step_seconds, 1e-9):.0f}",
         )
+    if scores:
+        shown.caption = f"evaluation: {scored(scores[-1])}"
     return shown
 
 
+def scored(score: EvaluationReport) -> str:
+    return (
+        f"version {score.policy_version} scored {score.reward:.4f} "
+        f"(pass@{score.attempts} {score.pass_at_k:.4f}) on {score.tasks} tasks of {score.suite}"
+    )
+
+
 async def follow(
-    name: str, url: str, budget_s: float, stop: asyncio.Event, supervisor: Supervisor
-) -> None:
+    name: str,
+    url: str,
+    budget_s: float,
+    stop: asyncio.Event,
+    supervisor: Supervisor,
+    gate: EvaluationGate | None,
+) -> list[EvaluationReport]:
     """Shows step reports as they come until the training budget (counted from the first
-    step, so start-up is not charged to it) is spent or `stop` is set."""
-    reports: list[StepReport] = []
+    step, so start-up is not charged to it) is spent, `stop` is set, or an evaluation the
+    gate rules on (under its floor, at its target) ends the run. Returns the evaluations."""
+    steps: list[StepReport] = []
+    scores: list[EvaluationReport] = []
     launched = time.monotonic()
     first_step: float | None = None
 
     def trained_s() -> float:
         return 0.0 if first_step is None else time.monotonic() - first_step
 
+    async def on_step(message: Msg) -> None:
+        nonlocal first_step
+        with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+            steps.append(decode_step_report(message.data))
+            first_step = first_step or time.monotonic()
+
+    async def on_score(message: Msg) -> None:
+        with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+            scores.append(decode_evaluation_report(message.data))
+
+    def ruled() -> bool:
+        return gate is not None and any(gate.verdict(s.reward) for s in scores)
+
     nc = await nats.connect(url)
-    subscription = await nc.subscribe(step_subject(name))
+    await nc.subscribe(step_subject(name), cb=on_step)
+    await nc.subscribe(evaluation_subject(name), cb=on_score)
     try:
-        with Live(table(name, reports, 0.0, budget_s), console=console) as live:
-            while not stop.is_set() and trained_s() < budget_s:
+        with Live(table(name, steps, scores, 0.0, budget_s), console=console) as live:
+            while not stop.is_set() and trained_s() < budget_s and not ruled():
                 supervisor.check_alive()
                 if first_step is None and time.monotonic() - launched > STARTUP_LIMIT_S:
                     raise TimeoutError(f"no training step in {STARTUP_LIMIT_S}s; see the logs")
-                try:
-                    message = await subscription.next_msg(timeout=1.0)
-                    reports.append(decode_step_report(message.data))
-                    first_step = first_step or time.monotonic()
-                except (TimeoutError, nats.errors.TimeoutError, msgspec.ValidationError):
-                    pass
-                live.update(table(name, reports, trained_s(), budget_s))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                live.update(table(name, steps, scores, trained_s(), budget_s))
     finally:
         await nc.close()
+    return scores
 
 
 async def recorded_steps(name: str, url: str) -> list[StepReport]:
@@ -163,11 +206,24 @@ def launch(process: plan.Process, supervisor: Supervisor) -> None:
     supervisor.start(process.name, process.argv, process.env)
 
 
+@dataclass
+class Trained:
+    steps: list[StepReport]  # every step the run has recorded, re-runs included
+    end: dict | None  # the last version's evaluation on the whole suite
+    scores: list[EvaluationReport]  # the gate's evaluator's, this time round
+
+    def verdict(self, spec: RLRunSpec) -> str | None:
+        """`Failed` or `Succeeded` when the evaluation gate ended the run."""
+        if spec.evaluation is None or not self.scores:
+            return None
+        return spec.evaluation.verdict(self.scores[-1].reward)
+
+
 def train(
     name: str, spec: RLRunSpec, layout: plan.Layout, budget_s: float, tuning: plan.Tuning
-) -> tuple[list[StepReport], dict | None]:
-    """Runs the RLRun's processes until `budget_s` of training or Ctrl-C, then stops them;
-    returns every step the run has recorded and the evaluation of its last version."""
+) -> Trained:
+    """Runs the RLRun's processes until `budget_s` of training, Ctrl-C or the evaluation
+    gate's verdict, then stops them, and evaluates the last version."""
     for folder in (layout.root, layout.logs, layout.configs):
         folder.mkdir(parents=True, exist_ok=True)
     supervisor = Supervisor(layout.logs, attached=True)
@@ -182,13 +238,13 @@ def train(
 
         url = bed.hub.authenticated_url
 
-        async def watched() -> None:
+        async def watched() -> list[EvaluationReport]:
             loop = asyncio.get_running_loop()
             loop.add_signal_handler(signal.SIGINT, stop.set)
             loop.add_signal_handler(signal.SIGTERM, stop.set)
-            await follow(name, url, budget_s, stop, supervisor)
+            return await follow(name, url, budget_s, stop, supervisor, spec.evaluation)
 
-        asyncio.run(watched())
+        scores = asyncio.run(watched())
         # The run's own processes stop first, so the trainer's last step gets out, and the
         # evaluation reads the version it made while NATS is still there.
         stop_pids([pid for n, pid in supervisor.pids().items() if n in components], 30)
@@ -199,7 +255,7 @@ def train(
             layout.report / EVALUATION_END,
             *("--run", name, "--nats-url", url),
         )
-        return asyncio.run(recorded_steps(name, url)), end
+        return Trained(asyncio.run(recorded_steps(name, url)), end, scores)
     finally:
         # The run's own processes before NATS, so the trainer's last step still gets out.
         stop_pids([pid for n, pid in supervisor.pids().items() if n in components], 30)
@@ -207,6 +263,7 @@ def train(
 
 
 def run(path: Path, root: Path | None, minutes: float, warmup_steps: int | None) -> int:
+    """Trains the run; exits 1 when its evaluation gate failed it."""
     name, spec = load(path)
     layout = plan.Layout(root or Path(".rlfleet") / "runs" / name)
     tuning = plan.Tuning()
@@ -215,9 +272,26 @@ def run(path: Path, root: Path | None, minutes: float, warmup_steps: int | None)
     if not start.exists():  # the model a run starts from never changes: once is enough
         console.print("evaluating the starting model on the whole suite")
         evaluate(plan.model_path(spec, layout), spec.rollout.task_suite, start)
-    reports, end = train(name, spec, layout, minutes * 60, tuning)
-    evaluated = json.loads(start.read_text()) if start.exists() and end else None
-    summary = report.write(reports, layout.report, evaluated, end)
+    trained = train(name, spec, layout, minutes * 60, tuning)
+    evaluated = json.loads(start.read_text()) if start.exists() and trained.end else None
+    verdict = trained.verdict(spec)
+    gate = {
+        "verdict": verdict,
+        "evaluations": [msgspec.to_builtins(score) for score in trained.scores],
+    }
+    summary = report.write(
+        trained.steps, layout.report, evaluated, trained.end, gate if spec.evaluation else None
+    )
     console.print_json(data=summary)
     console.print(f"report in {layout.report}")
-    return 0
+    if spec.evaluation is not None and verdict is not None:
+        tell(verdict, spec.evaluation, trained.scores[-1])
+    return 1 if verdict == "Failed" else 0
+
+
+def tell(verdict: str, gate: EvaluationGate, score: EvaluationReport) -> None:
+    if verdict == "Failed":
+        console.print(f"[red]Failed: {scored(score)}, under minReward {gate.min_reward:g}[/red]")
+    else:
+        target = f"targetReward {gate.target_reward:g}"
+        console.print(f"[green]Succeeded: {scored(score)}, at or above {target}[/green]")

@@ -74,8 +74,8 @@ def judge(report: EvaluationReport | None, spec: RLRunSpec, old: dict, generatio
         failed = succeeded = False
     else:
         scored_text = f"version {last['version']} scored {last['reward']:.4f} on {last['suite']}"
-        failed = last["reward"] < gate.min_reward
-        succeeded = gate.target_reward is not None and last["reward"] >= gate.target_reward
+        verdict = gate.verdict(last["reward"])
+        failed, succeeded = verdict == "Failed", verdict == "Succeeded"
     floor = f"minReward {gate.min_reward:g}"
     fail = condition(
         conditions,
