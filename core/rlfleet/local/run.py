@@ -1,10 +1,11 @@
 """`rlfleet run FILE`: an RLRun trained on this machine, end to end.
 
 An embedded NATS hub with a leaf node per region, a tiny MoE made on the spot and warmed
-up on the task suite, then the trainer, one rollout worker per region and a task feeder
-as local processes (`plan.processes`). The trainer's step reports drive a live display;
-the run stops after its time budget or on Ctrl-C (each process finishes what it is doing)
-and leaves a report. Everything lives under one folder, so running again resumes.
+up on the task suite, then the trainer, one rollout worker per region, a task feeder and,
+with an evaluation gate, the evaluator, as local processes (`plan.processes`). The
+trainer's step reports drive a live display; the run stops after its time budget, on
+Ctrl-C (each process finishes what it is doing) or at the gate's verdict, and leaves a
+report. Everything lives under one folder, so running again resumes.
 """
 
 from __future__ import annotations
