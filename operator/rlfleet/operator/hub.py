@@ -11,14 +11,10 @@ updates it in place rather than making another.
 
 from __future__ import annotations
 
-import contextvars
 import logging
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
-from typing import TypeVar
 
 from kubernetes.client.exceptions import ApiException
 
@@ -28,6 +24,7 @@ from rlfleet.operator import gate, progress
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable
 from rlfleet.operator.kube import Kube, Ref, Unreachable
+from rlfleet.operator.parallel import at_once
 from rlfleet.operator.regions import RegionClients, RegionCredentials
 from rlfleet.operator.status import Event, condition, is_present, now, parse_time, timestamp
 from rlfleet.operator.workloads import (
@@ -39,20 +36,10 @@ from rlfleet.operator.workloads import (
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # While a region answers, its lastSeen is rewritten at most this often: a resync that
 # learns nothing new then writes nothing. Silence is timed from the last answer in memory.
 LAST_SEEN_REFRESH_S = 60
-# A run's regions are asked at once: a reconcile then waits for the slowest, not the sum.
-CALLS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="calls")
-
-
-def at_once(calls: list[Callable[[], T]]) -> list[T]:
-    """Runs `calls` in parallel and returns their results in order. Each runs in a copy of
-    this thread's context, so its spans stay children of the reconcile's."""
-    futures = [CALLS.submit(contextvars.copy_context().run, call) for call in calls]
-    return [future.result() for future in futures]
 
 
 @dataclass
@@ -207,13 +194,14 @@ class Hub:
         objects = hub_objects(run, self.config.images, self.config.nats, held)
         if resync and not self._drifted(objects):
             return self._listed(trainer_ref, "trainer") or {}
-        for manifest in objects:
-            self.local.apply(manifest)
+        # The objects do not refer to each other's existence (a pod waits for a missing
+        # ConfigMap), so they go at once; an apply answers with the object, status too.
+        applied = at_once([partial(self.local.apply, manifest) for manifest in objects])
         if spec.evaluation is None and is_present(old.get("conditions", []), "Failed"):
             # The gate was removed: its evaluator goes with it.
             evaluator = evaluator_name(meta["name"])
             self.local.delete(Ref("apps/v1", "Deployment", evaluator, meta["namespace"]))
-        return self.local.get(trainer_ref) or {}
+        return next((a for a in applied if Ref.of(a) == trainer_ref), {})
 
     def reconcile(self, run: dict, resync: bool = False) -> Outcome:
         """The run's new status and events. `resync` (the timer) re-reads the world but

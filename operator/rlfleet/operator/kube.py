@@ -47,6 +47,18 @@ class Unreachable(Exception):
     """The cluster did not answer: connection refused, timed out, or no credentials."""
 
 
+# Connections kept open to one cluster: as many as calls may be in flight to it at once
+# (the handlers' workers and `parallel.CALLS`). With fewer, urllib3 opens a fresh TLS
+# connection for each call over the limit and throws it away afterwards.
+CONNECTIONS_PER_CLUSTER = 48
+
+
+def _configuration() -> kubernetes.client.Configuration:
+    configuration = kubernetes.client.Configuration()
+    configuration.connection_pool_maxsize = CONNECTIONS_PER_CLUSTER
+    return configuration
+
+
 @dataclass(frozen=True)
 class Ref:
     api_version: str
@@ -85,7 +97,9 @@ class Kube:
     def from_kubeconfig(cls, config: dict, cluster: str, timeout_s: float = 5.0) -> Kube:
         """A client for a cluster described by a kubeconfig document (a region's Secret)."""
         try:
-            client = kubernetes.config.new_client_from_config_dict(config, persist_config=False)
+            client = kubernetes.config.new_client_from_config_dict(
+                config, persist_config=False, client_configuration=_configuration()
+            )
         except (kubernetes.config.ConfigException, KeyError, TypeError, ValueError) as error:
             raise ValueError(f"not a usable kubeconfig: {error}") from error
         return cls(client, cluster, timeout_s)
@@ -93,11 +107,12 @@ class Kube:
     @classmethod
     def local(cls, cluster: str, timeout_s: float = 5.0) -> Kube:
         """The cluster the operator runs in: in-cluster credentials, else $KUBECONFIG."""
+        configuration = _configuration()
         try:
-            kubernetes.config.load_incluster_config()
+            kubernetes.config.load_incluster_config(client_configuration=configuration)
         except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config()
-        return cls(ApiClient(), cluster, timeout_s)
+            kubernetes.config.load_kube_config(client_configuration=configuration)
+        return cls(ApiClient(configuration), cluster, timeout_s)
 
     def request(
         self,

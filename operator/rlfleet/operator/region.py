@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from functools import partial
 
 from rlfleet.api.envpool import EnvPoolSpec
 from rlfleet.api.inferencepool import InferencePoolSpec
@@ -27,6 +28,7 @@ from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.kube import Kube, Ref
 from rlfleet.operator.lending import Decision, PoolState, RunDemand, decide
 from rlfleet.operator.locks import KeyedLocks
+from rlfleet.operator.parallel import at_once
 from rlfleet.operator.status import Event, condition, now, parse_time, timestamp
 from rlfleet.operator.traffic import TrafficUnknown, read_load
 from rlfleet.operator.workloads import (
@@ -106,9 +108,7 @@ class Region:
         demand = self._demand(run)
         # Every mirror's report reads the same two lists: share one fetch per half resync.
         fresh_s = self.config.resync_seconds / 2
-        pools = self.local.list_recent(
-            Ref(API_VERSION, "InferencePool", namespace=namespace), None, fresh_s
-        )
+        _, pools = self._pools_recent(namespace)
         pods = [
             p
             for p in _running(
@@ -167,11 +167,16 @@ class Region:
             self.local.write_status(pool, {"conditions": [ready]})
             return events, 0
 
-        try:
-            load: float | None = read_load(spec.traffic, self.config.traffic_timeout_seconds)
-            traffic_problem = ""
-        except TrafficUnknown as error:
-            load, traffic_problem = None, str(error)
+        # The world, read once and at once before deciding: the status counts what this
+        # reconcile acted on, and the next one counts what its scaling made of it.
+        (load, traffic_problem), rollout_pods, serving_pods, deployments = at_once(
+            [
+                partial(self._load, spec),
+                partial(self._pods, namespace, {POOL_LABEL: name, COMPONENT_LABEL: "rollout"}),
+                partial(self._pods, namespace, serving["spec"]["selector"]["matchLabels"]),
+                partial(self._rollout_deployments, namespace, name),
+            ]
+        )
 
         current = {e["run"]: e["replicas"] for e in old.get("lent", [])}
         state = PoolState.of(name, spec, load, current, now())
@@ -179,12 +184,8 @@ class Region:
         if decision.lent != current:
             events += self._decision_events(spec, state, decision, current)
 
-        rollout_pods = self._pods(namespace, {POOL_LABEL: name, COMPONENT_LABEL: "rollout"})
-        # Read once, before acting: the status counts what this reconcile acted on, and the
-        # next one counts what its scaling made of it.
-        serving_pods = self._pods(namespace, serving["spec"]["selector"]["matchLabels"])
         reclaiming = self._act(
-            namespace, name, spec, serving, decision, runs, rollout_pods, serving_pods
+            name, spec, serving, decision, runs, deployments, rollout_pods, serving_pods
         )
         forced = 0
         started = parse_time(old.get("reclaimStartedAt"))
@@ -257,6 +258,9 @@ class Region:
         and the namespace's runs by name. One pool of a namespace at a time, since its pools
         share its runs' demand; acting on a decision needs no such lock."""
         namespace, name = pool["metadata"]["namespace"], pool["metadata"]["name"]
+        # Refresh the shared lists before taking the lock, so that a slow apiserver holds
+        # up only this pool, not every pool of the namespace queued behind it.
+        at_once([partial(self._runs, namespace), partial(self._pools_recent, namespace)])
         with telemetry.tracer.start_as_current_span("decide"), self.decisions.of(namespace):
             runs = self._runs(namespace)
             demands = [d for d in (self._demand(r) for r in runs) if d is not None]
@@ -279,11 +283,7 @@ class Region:
         """What the namespace's other pools lend, run -> GPUs: a recent list of the pools
         (shared with the runs' reports), where this process decided since, its decision.
         Called under the namespace's decision lock, so no decision of ours is missed."""
-        asked, pools = self.local.recent(
-            Ref(API_VERSION, "InferencePool", namespace=namespace),
-            None,
-            self.config.resync_seconds / 2,
-        )
+        asked, pools = self._pools_recent(namespace)
         lent: dict[str, dict[str, int]] = {}
         for pool in pools:
             gpus = pool["spec"]["serving"]["gpusPerReplica"]
@@ -297,6 +297,14 @@ class Region:
             else:
                 lent[pool_name] = decided
         return [gpus for pool_name, gpus in lent.items() if pool_name != besides]
+
+    def _pools_recent(self, namespace: str) -> tuple[float, list[dict]]:
+        """The namespace's pools at most half a resync old, and when they were asked for."""
+        return self.local.recent(
+            Ref(API_VERSION, "InferencePool", namespace=namespace),
+            None,
+            self.config.resync_seconds / 2,
+        )
 
     def _decision_events(
         self, spec: InferencePoolSpec, state: PoolState, decision: Decision, current: dict
@@ -332,25 +340,33 @@ class Region:
     def _pods(self, namespace: str, labels: dict[str, str]) -> list[dict]:
         return _alive(self.local.list(Ref("v1", "Pod", namespace=namespace), _selector(labels)))
 
+    def _load(self, spec: InferencePoolSpec) -> tuple[float | None, str]:
+        """The serving load, or None and why it could not be read."""
+        try:
+            return read_load(spec.traffic, self.config.traffic_timeout_seconds), ""
+        except TrafficUnknown as error:
+            return None, str(error)
+
+    def _rollout_deployments(self, namespace: str, pool: str) -> dict[str, dict]:
+        """The rollout Deployments on the pool's GPUs, by run."""
+        found = self.local.list(
+            Ref("apps/v1", "Deployment", namespace=namespace),
+            _selector({POOL_LABEL: pool, COMPONENT_LABEL: "rollout"}),
+        )
+        return {d["metadata"]["labels"][RUN_LABEL]: d for d in found}
+
     def _act(
         self,
-        namespace: str,
         pool: str,
         spec: InferencePoolSpec,
         serving: dict,
         decision: Decision,
         runs: dict[str, dict],
+        deployments: dict[str, dict],
         rollout_pods: list[dict],
         serving_pods: list[dict],
     ) -> int:
         """Moves pods toward the decision; returns how many rollout pods are draining."""
-        deployments = {
-            d["metadata"]["labels"][RUN_LABEL]: d
-            for d in self.local.list(
-                Ref("apps/v1", "Deployment", namespace=namespace),
-                _selector({POOL_LABEL: pool, COMPONENT_LABEL: "rollout"}),
-            )
-        }
         # Shrink first: scaling a rollout Deployment down sends its pods SIGTERM.
         for run, deployment in deployments.items():
             want = decision.lent.get(run, 0)
