@@ -143,8 +143,8 @@ async def follow(
         with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
             scores.append(decode_evaluation_report(message.data))
 
-    def ruled() -> bool:
-        return gate is not None and any(gate.verdict(s.reward) for s in scores)
+    def ruled() -> bool:  # on the newest score, as the hub operator judges
+        return gate is not None and bool(scores) and gate.verdict(scores[-1].reward) is not None
 
     nc = await nats.connect(url)
     await nc.subscribe(step_subject(name), cb=on_step)
