@@ -220,9 +220,7 @@ def loopback_gbps(nbytes: int = 1 << 30) -> float:
 
 def transfer(nbytes: int) -> dict:
     """A full version of incompressible bits published at the hub, fetched at a leaf."""
-    import nats
-
-    from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
+    from rlfleet.testbed.nats import HUB_DOMAIN, NatsServer, StandaloneNats
     from rlfleet.weightsync.receiver import Receiver
     from rlfleet.weightsync.transport import WeightStream
 
@@ -234,9 +232,9 @@ def transfer(nbytes: int) -> dict:
         for i in range(16)
     }
 
-    async def scenario(urls) -> dict:
-        hub = await nats.connect(urls[0])
-        leaf = await nats.connect(urls[1])
+    async def scenario(hub_server: NatsServer, leaf_server: NatsServer) -> dict:
+        hub = await hub_server.connect()
+        leaf = await leaf_server.connect()
         try:
             stream = WeightStream(hub, "bench", CONFIG)
             await stream.create()
@@ -265,9 +263,7 @@ def transfer(nbytes: int) -> dict:
         servers = StandaloneNats(Path(root))
         try:
             leaf = servers.bed.leaves[servers.region]
-            return asyncio.run(
-                scenario((servers.bed.hub.authenticated_url, leaf.authenticated_url))
-            )
+            return asyncio.run(scenario(servers.bed.hub, leaf))
         finally:
             servers.stop()
 
@@ -291,8 +287,8 @@ def vllm_apply_pause() -> dict:
             args = {
                 "checkpoint": str(v0),
                 "rounds": [{"version": v, "publish": str(d)} for v, d in enumerate(versions)],
-                "hub_url": servers.bed.hub.authenticated_url,
-                "leaf_url": leaf.authenticated_url,
+                "hub_url": servers.bed.hub.url,
+                "leaf_url": leaf.url,
                 "run": "bench",
                 "domain": HUB_DOMAIN,
                 "config": dataclasses.asdict(CONFIG),
@@ -307,6 +303,7 @@ def vllm_apply_pause() -> dict:
                 ],
                 env={
                     **os.environ,
+                    **leaf.client_env(),
                     "VLLM_CPU_KVCACHE_SPACE": "1",
                     "TOKENIZERS_PARALLELISM": "false",
                 },

@@ -1,36 +1,47 @@
-"""NATS: the hub's JetStream reached through each region's own leaf node; nobody anonymous."""
+"""NATS: the hub's JetStream reached through each region's own leaf node; nobody anonymous,
+and a run's own user touches nothing of another run's."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from pathlib import Path
 
 import nats
 import pytest
 from nats.errors import NoServersError
 from nats.js.api import StreamConfig
 
+from rlfleet.api import natsauth
+from rlfleet.api.natsauth import NKey
+from rlfleet.api.streams import run_stream_configs
+from rlfleet.api.wire import step_subject
 from rlfleet.testbed.bed import BedInfo
-from rlfleet.testbed.nats import HUB_DOMAIN
+from rlfleet.testbed.nats import HUB_DOMAIN, NatsServer
 
 pytestmark = pytest.mark.nats
 
 
-async def _connect(url: str, **options):
-    return await nats.connect(
-        url, allow_reconnect=False, connect_timeout=5, max_reconnect_attempts=0, **options
+async def _connect(server: NatsServer, credentials: str | None = None, **options):
+    return await natsauth.connect(
+        server.url,
+        credentials if credentials is not None else Path(server.credentials),
+        allow_reconnect=False,
+        connect_timeout=5,
+        max_reconnect_attempts=0,
+        **options,
     )
 
 
 def test_publish_on_each_region_leaf_is_consumed_at_the_hub(bed: BedInfo) -> None:
     async def scenario() -> None:
         stream = f"T{uuid.uuid4().hex[:8]}"
-        hub = await _connect(bed.nats.hub.authenticated_url)
+        hub = await _connect(bed.nats.hub)
         try:
             hub_js = hub.jetstream()
             await hub_js.add_stream(StreamConfig(name=stream, subjects=[f"{stream}.>"]))
             for region, leaf in bed.nats.leaves.items():
-                client = await _connect(leaf.authenticated_url)
+                client = await _connect(leaf)
                 try:
                     # The leaf's own domain is the region; the hub's streams are one domain away.
                     ack = await client.jetstream(domain=HUB_DOMAIN).publish(
@@ -50,21 +61,79 @@ def test_publish_on_each_region_leaf_is_consumed_at_the_hub(bed: BedInfo) -> Non
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("who", ["anonymous", "wrong password"])
+def _stranger() -> str:
+    """A user signed by an account key the servers were never told of."""
+    account, user = NKey.generate(natsauth.ACCOUNT), NKey.generate(natsauth.USER)
+    jwt = natsauth.user_jwt(account, account.public, user, "stranger", natsauth.Permissions())
+    return natsauth.creds(jwt, user.seed)
+
+
+@pytest.mark.parametrize("who", ["anonymous", "a user of an account no server trusts"])
 def test_unauthenticated_clients_are_refused(bed: BedInfo, who: str) -> None:
     servers = [bed.nats.hub, *bed.nats.leaves.values()]
 
-    async def attempt(url: str) -> None:
+    async def attempt(server: NatsServer) -> None:
         errors: list[Exception] = []
 
         async def record(error: Exception) -> None:
             errors.append(error)
 
         with pytest.raises((NoServersError, nats.errors.Error, OSError)):
-            await _connect(url, error_cb=record)
+            if who == "anonymous":
+                await nats.connect(
+                    server.url, allow_reconnect=False, connect_timeout=5, error_cb=record
+                )
+            else:
+                await _connect(server, _stranger(), error_cb=record)
         assert any("authorization" in str(e).lower() for e in errors), errors
 
     for server in servers:
-        host = server.url.removeprefix("nats://")
-        url = server.url if who == "anonymous" else f"nats://{server.user}:wrong@{host}"
-        asyncio.run(attempt(url))
+        asyncio.run(attempt(server))
+
+
+def test_a_runs_own_user_reaches_its_streams_from_a_region_and_nothing_of_another_run(
+    bed: BedInfo,
+) -> None:
+    mine, theirs = (f"perm-{uuid.uuid4().hex[:6]}" for _ in range(2))
+    region = next(iter(bed.nats.leaves.values()))
+
+    async def scenario() -> None:
+        admin = await _connect(bed.nats.hub)
+        denied: list[str] = []
+
+        async def record(error: Exception) -> None:
+            denied.append(str(error).lower())
+
+        user = await _connect(region, bed.nats.run_user(mine), error_cb=record)
+        try:
+            for run in (mine, theirs):
+                for config in run_stream_configs(run):
+                    await admin.jetstream().add_stream(config)
+            js = user.jetstream(domain=HUB_DOMAIN)
+            ack = await js.publish(step_subject(mine), b"step")
+            assert ack.stream == f"STEPS-{mine}"
+            reader = await js.pull_subscribe(step_subject(mine), durable="reader")
+            [message] = await reader.fetch(1, timeout=10)
+            await message.ack()
+            assert message.data == b"step"
+            # Another run's subjects and streams: the server refuses, and says so.
+            with pytest.raises(nats.errors.TimeoutError):
+                await js.publish(step_subject(theirs), b"forged", timeout=2)
+            with pytest.raises(nats.errors.TimeoutError):
+                await js.stream_info(f"STEPS-{theirs}", timeout=2)
+            await user.subscribe(step_subject(theirs))
+            await user.flush()
+            await asyncio.sleep(0.5)
+            theirs_stream = (await admin.jetstream().stream_info(f"STEPS-{theirs}")).state
+            assert theirs_stream.messages == 0
+        finally:
+            await user.close()
+            for run in (mine, theirs):
+                for config in run_stream_configs(run):
+                    await admin.jetstream().delete_stream(config.name)
+            await admin.close()
+        assert any(f'publish to "{step_subject(theirs)}"' in d for d in denied), denied
+        assert any(f'subscription to "{step_subject(theirs)}"' in d for d in denied), denied
+        assert any(f"steps-{theirs}" in d for d in denied), denied
+
+    asyncio.run(scenario())

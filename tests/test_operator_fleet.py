@@ -10,6 +10,7 @@ and goes on its own pools in between.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import threading
 import time
@@ -21,6 +22,7 @@ import pytest
 import yaml
 from conftest import ROOT, step_report, wait_for
 
+from rlfleet.api import natsauth
 from rlfleet.api.streams import evaluation_stream, step_stream
 from rlfleet.api.wire import (
     EvaluationReport,
@@ -272,6 +274,11 @@ def test_every_pod_reads_the_runs_mounted_spec_and_is_told_where_nats_is(world: 
         assert mounts["spec"] == "/etc/rlfleet"
         pod_name = next(e for e in container["env"] if e["name"] == "RLFLEET_POD_NAME")
         assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        # The run's own NATS user, from the Secret the hub minted into this cluster.
+        assert mounts["nats"] == "/var/run/secrets/rlfleet/nats"
+        assert container_env(pod)["RLFLEET_NATS_CREDS"] == "/var/run/secrets/rlfleet/nats/creds"
+        secrets = [v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v]
+        assert secrets == [f"{RUN}-nats"]
     hub_nats = world.fleet.bed.nats.hub.url
     components = {p["metadata"]["labels"]["rlfleet.io/component"]: p for p in hub_pods}
     assert set(components) == {"trainer", "feed"}
@@ -498,6 +505,8 @@ def test_the_operator_account_reads_secrets_only_in_its_namespace(world: World) 
 
     assert can(HUB, "get", "secrets", "-n", RELEASE_NAMESPACE) == "yes"
     assert can(HUB, "get", "secrets", "-n", world.ns).startswith("no")
+    # The hub writes each run's NATS user beside the run, and cannot read one back.
+    assert can(HUB, "create", "secrets", "-n", world.ns) == "yes"
     assert can("region-a", "get", "secrets", "-n", RELEASE_NAMESPACE).startswith("no")
     hub_account = f"system:serviceaccount:{RELEASE_NAMESPACE}:{RELEASE}-hub"
     allowed = world.fleet.kubectl(
@@ -511,6 +520,7 @@ def test_the_operator_account_reads_secrets_only_in_its_namespace(world: World) 
         f"--as={hub_account}",
     )
     assert allowed.strip() == "yes"
+    assert can("region-a", "create", "secrets", "-n", world.ns) == "no"
 
 
 def test_the_chart_upgrades_cleanly_and_rejects_bad_values(world: World) -> None:
@@ -530,8 +540,7 @@ def test_the_chart_upgrades_cleanly_and_rejects_bad_values(world: World) -> None
 
 def on_hub_nats(world: World, work) -> object:
     async def connected():
-        hub = world.fleet.bed.nats.hub
-        nc = await nats.connect(hub.url, user=hub.user, password=hub.password)
+        nc = await world.fleet.bed.nats.hub.connect()
         try:
             return await work(nc)
         finally:
@@ -596,6 +605,37 @@ def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: 
     wait_for("Ready again", lambda: world.condition("Ready").get("status") == "True")
     # No new drops, no new warning.
     assert len([e for e in world.events(HUB, RUN) if e["reason"] == "StalenessBoundExceeded"]) == 1
+
+
+def test_the_hub_mints_the_runs_own_nats_user_into_every_cluster_it_runs_in(
+    world: World,
+) -> None:
+    """The run's pods connect as a user the hub minted for this run alone, from a Secret
+    beside them in each cluster: it reaches the run's streams and no other run's."""
+
+    def minted(cluster: str) -> tuple[dict, str]:
+        secret = world.get(cluster, "secret", f"{RUN}-nats")
+        return secret["metadata"], base64.b64decode(secret["data"]["creds"]).decode()
+
+    meta, creds = minted(HUB)
+    assert [o["kind"] for o in meta["ownerReferences"]] == ["RLRun"]  # it goes with the run
+    for region in REGIONS:
+        region_meta, region_creds = minted(region)
+        assert "ownerReferences" not in region_meta  # the hub deletes it with the mirror
+        user = natsauth.claims_of(natsauth.parse_creds(region_creds)[0])
+        assert user["name"] == f"run:{RUN}" and user["nats"]["pub"]["allow"]
+
+    async def reach() -> str:
+        nc = await natsauth.connect(world.fleet.bed.nats.leaves["region-a"].url, creds)
+        try:
+            js = nc.jetstream(domain="hub")
+            with pytest.raises(nats.errors.TimeoutError):
+                await js.stream_info(step_stream("another-run"), timeout=2)
+            return (await js.stream_info(step_stream(RUN))).config.name
+        finally:
+            await nc.close()
+
+    assert asyncio.run(reach()) == step_stream(RUN)
 
 
 def test_the_evaluation_gate_holds_a_run_that_fails_or_reaches_its_target(
@@ -675,10 +715,17 @@ def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:
             ),
         )
         wait_for(f"{region} serving whole", lambda r=region: world.serving_pods(r) == 4)
+        wait_for(
+            f"{region} NATS user gone",
+            lambda r=region: not world.items(r, "secrets", "-l", f"rlfleet.io/run={RUN}"),
+        )
     wait_for("trainer gone", lambda: not world.items(HUB, "statefulsets"))
     wait_for("checkpoint claims gone", lambda: not world.items(HUB, "persistentvolumeclaims"))
     wait_for("feed gone", lambda: not world.items(HUB, "deployments"))
     assert not world.items(HUB, "poddisruptionbudgets")
+    wait_for(
+        "NATS user gone", lambda: not world.items(HUB, "secrets", "-l", f"rlfleet.io/run={RUN}")
+    )
 
 
 def test_operator_logs_have_no_tracebacks(world: World) -> None:

@@ -9,6 +9,7 @@ region; when traffic falls, the GPUs come back and a new worker resumes.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import threading
 import time
@@ -16,11 +17,11 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import nats
 import pytest
 import yaml
 from conftest import ROOT, wait_for
 
+from rlfleet.api import launch
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import decode_step_report, decode_trajectory, step_subject, trajectory_subject
 from rlfleet.local import plan
@@ -28,6 +29,8 @@ from rlfleet.local.pods import PodRunner, kube_pods
 from rlfleet.local.run import make_model
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import HUB, Fleet, TrafficServer, serving_deployment
+from rlfleet.testbed.nats import NatsServer
+from rlfleet.testbed.pki import write_secret
 from rlfleet.testbed.processes import Supervisor
 
 pytestmark = pytest.mark.bed
@@ -63,15 +66,15 @@ class Listener:
     """Subscribes to the run's trajectories and step reports on the hub (core NATS sees
     every message published to the subjects, before the trainer consumes it)."""
 
-    def __init__(self, url: str, run: str) -> None:
+    def __init__(self, server: NatsServer, run: str) -> None:
         self.seen = Seen()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        asyncio.run_coroutine_threadsafe(self._subscribe(url, run), self.loop).result(30)
+        asyncio.run_coroutine_threadsafe(self._subscribe(server, run), self.loop).result(30)
 
-    async def _subscribe(self, url: str, run: str) -> None:
-        self.nc = await nats.connect(url)
+    async def _subscribe(self, server: NatsServer, run: str) -> None:
+        self.nc = await server.connect()
 
         async def trajectory(msg) -> None:
             self.seen.workers.append((time.monotonic(), decode_trajectory(msg.data).worker))
@@ -185,9 +188,21 @@ def world(
         [HUB, *REGIONS],
         supervisor,
     )
-    listener = Listener(bed.nats.hub.authenticated_url, name)
-    binding = Binding(runner, supervisor)
+    listener = Listener(bed.nats.hub, name)
     apply(fleet, HUB, namespace, document)
+    # The processes connect as the run's own NATS user, the one the hub minted for its pods.
+    secret = launch.nats_credentials_secret(name)
+    key = launch.NATS_CREDENTIALS_KEY
+    jsonpath = "-o=jsonpath={.data." + key + "}"
+    minted = wait_for(
+        "the run's NATS user",
+        lambda: fleet.kubectl(
+            HUB, "-n", namespace, "get", "secret", secret, "--ignore-not-found", jsonpath
+        ),
+    )
+    creds = base64.b64decode(minted).decode()
+    write_secret(layout.credentials, creds)
+    binding = Binding(runner, supervisor)
     try:
         yield World(fleet, namespace, traffic, name, binding, listener.seen)
     finally:

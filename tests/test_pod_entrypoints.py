@@ -23,6 +23,7 @@ from nats.js.api import StreamInfo
 
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.launch import SPEC_FILE, STATE_DIR_ENV
+from rlfleet.api.natsauth import CREDENTIALS_ENV
 from rlfleet.api.streams import evaluation_stream, step_stream
 from rlfleet.api.wire import (
     EvaluationReport,
@@ -39,7 +40,8 @@ from rlfleet.models.tiny import init_model
 from rlfleet.operator.config import Images, NatsAccess
 from rlfleet.operator.workloads import COMPONENT_LABEL, hub_objects, mirror, rollout_deployment
 from rlfleet.rollout.tasks import rules_suite, write_suite
-from rlfleet.testbed.nats import HUB_DOMAIN, NatsBed, start_nats
+from rlfleet.testbed.nats import HUB_DOMAIN, NatsBed, NatsServer, start_nats
+from rlfleet.testbed.pki import write_secret
 from rlfleet.testbed.processes import Supervisor
 from rlfleet.weightsync import SyncConfig, WeightStream
 
@@ -59,14 +61,18 @@ def entrypoint(image: str) -> list[str]:
     raise AssertionError(f"images/{name}.Dockerfile has no ENTRYPOINT")
 
 
-def as_process(pod_spec: dict, pod: str, mounted: Path, state: Path) -> tuple[list, dict]:
+def as_process(
+    pod_spec: dict, pod: str, mounted: Path, state: Path, user: Path
+) -> tuple[list, dict]:
     """The argv and environment of a pod's one container: the spec file at `mounted`
-    stands for the ConfigMap volume and `state` for the trainer's state volume."""
+    stands for the ConfigMap volume, `state` for the trainer's state volume and `user`
+    for the run's NATS user Secret."""
     (container,) = pod_spec["containers"]
     argv = [sys.executable if a == "python" else a for a in container.get("command") or []]
     argv = argv or [sys.executable, *entrypoint(container["image"])[1:]]
     argv += [str(mounted) if a == SPEC_FILE else a for a in container["args"]]
     env = {e["name"]: e.get("value") for e in container["env"] if "value" in e}
+    env[CREDENTIALS_ENV] = str(user)  # where the pod reads its mounted Secret
     for e in container["env"]:
         if e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
             env[e["name"]] = pod
@@ -81,8 +87,7 @@ def the_run(model: Path, bed: NatsBed, evaluation_suite: Path) -> dict:
     spec["rollout"]["taskSuite"] = "rules"  # bare questions: no sandbox per attempt
     # A few tasks, scored once: the first version the evaluator sees.
     spec["evaluation"] = {"suite": str(evaluation_suite), "everyVersions": 1000}
-    leaf = bed.leaves[REGION].authenticated_url
-    spec["weightSync"]["endpoints"] = [{"region": REGION, "url": leaf}]
+    spec["weightSync"]["endpoints"] = [{"region": REGION, "url": bed.leaves[REGION].url}]
     return run
 
 
@@ -98,7 +103,10 @@ def pods(
         suite = work / "evaluation.jsonl"
         write_suite(rules_suite(EVALUATION_TASKS, seed=7), suite)
         run = the_run(init_model("tiny-moe", work / "model"), bed, suite)
-        access = NatsAccess(url=bed.hub.authenticated_url, domain=HUB_DOMAIN)
+        access = NatsAccess(url=bed.hub.url, domain=HUB_DOMAIN, credentials_secret="nats")
+        # What the hub mints into the run's Secret: its pods connect as the run's own user.
+        user = work / "run.creds"
+        write_secret(user, bed.run_user(run["metadata"]["name"]))
         made = hub_objects(run, Images(), access)
         objects = {o["kind"]: o for o in made if o["kind"] != "Deployment"}
         deployments = {
@@ -122,16 +130,16 @@ def pods(
         }
         for name, (workload, pod) in started.items():
             pod_spec = workload["spec"]["template"]["spec"]
-            argv, env = as_process(pod_spec, pod, mounted, work / "state")
+            argv, env = as_process(pod_spec, pod, mounted, work / "state", user)
             supervisor.start(name, argv, env)
         yield run, bed, work, {name: workload for name, (workload, _) in started.items()}
     finally:
         supervisor.stop_all()
 
 
-async def first_step_and_trajectory(url: str, run: str) -> tuple[StepReport, Trajectory]:
+async def first_step_and_trajectory(server: NatsServer, run: str) -> tuple[StepReport, Trajectory]:
     """The trainer's newest step report once there is one, and the first trajectory."""
-    nc = await nats.connect(url)
+    nc = await server.connect()
     try:
         js = nc.jetstream()
         for _ in range(450):
@@ -148,8 +156,8 @@ async def first_step_and_trajectory(url: str, run: str) -> tuple[StepReport, Tra
         await nc.close()
 
 
-async def last_evaluation(url: str, run: str) -> EvaluationReport:
-    nc = await nats.connect(url)
+async def last_evaluation(server: NatsServer, run: str) -> EvaluationReport:
+    nc = await server.connect()
     try:
         js = nc.jetstream()
         for _ in range(150):
@@ -163,8 +171,8 @@ async def last_evaluation(url: str, run: str) -> EvaluationReport:
         await nc.close()
 
 
-async def weight_mirror(url: str, run: str, domain: str) -> StreamInfo:
-    nc = await nats.connect(url)
+async def weight_mirror(server: NatsServer, run: str, domain: str) -> StreamInfo:
+    nc = await server.connect()
     try:
         weights = WeightStream(nc, run, SyncConfig(), domain)
         return await weights.js.stream_info(weights.subjects.stream)
@@ -187,20 +195,26 @@ def test_the_operators_pods_train_from_the_mounted_spec_alone(pods) -> None:
         }
         claims = [v for v in pod_spec["volumes"] if "persistentVolumeClaim" in v]
         assert claims == [{"name": "model", "persistentVolumeClaim": {"claimName": "models"}}]
-    step, trajectory = asyncio.run(first_step_and_trajectory(bed.hub.authenticated_url, name))
+    # Every pod mounts the run's own NATS user from its Secret and is told where it is.
+    for workload in workloads.values():
+        pod_spec = workload["spec"]["template"]["spec"]
+        secrets = [v["secret"]["secretName"] for v in pod_spec["volumes"] if "secret" in v]
+        assert secrets == [f"{name}-nats"]
+        env = {e["name"]: e.get("value") for e in pod_spec["containers"][0]["env"]}
+        assert env[CREDENTIALS_ENV] == "/var/run/secrets/rlfleet/nats/creds"
+    step, trajectory = asyncio.run(first_step_and_trajectory(bed.hub, name))
     assert step.run == name and step.policy_version >= 1
     # The worker names itself by its region and pod; the spec's group size holds.
     assert trajectory.worker == f"{REGION}/tiny-moe-arith-rollout-chat-prod-5b8c-qz7lm"
     assert trajectory.group_size == 8
     # The worker reads weights from its region's own mirror of the hub's stream (made by
     # the worker here, with no operator about), so a version crosses the WAN once.
-    leaf = bed.leaves[REGION].authenticated_url
-    info = asyncio.run(weight_mirror(leaf, name, REGION))
+    info = asyncio.run(weight_mirror(bed.leaves[REGION], name, REGION))
     assert info.mirror is not None and info.state.messages > 0
     # The trainer keeps its checkpoints and step log in the state volume.
     wait_for("the step log", lambda: (work / "state" / "checkpoints" / "steps.jsonl").exists())
     # The evaluator scored a version the trainer published on the suite the spec names.
-    evaluation = asyncio.run(last_evaluation(bed.hub.authenticated_url, name))
+    evaluation = asyncio.run(last_evaluation(bed.hub, name))
     assert evaluation.suite == run["spec"]["evaluation"]["suite"]
     assert (evaluation.tasks, evaluation.attempts) == (EVALUATION_TASKS, 8)
     logs = {p.stem: p.read_text() for p in (work / "logs").glob("*.log")}

@@ -19,6 +19,8 @@ from conftest import step_report
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from rlfleet.api import natsauth
+from rlfleet.api.natsauth import CREDENTIALS_ENV
 from rlfleet.api.streams import ensure_stream, step_stream_config
 from rlfleet.api.wire import (
     GroupOutcome,
@@ -78,12 +80,14 @@ def test_a_batch_short_of_a_group_gets_one_more_and_the_next_follows_the_reports
 
 @pytest.mark.nats
 def test_the_feed_follows_the_trainer_through_its_step_reports(
-    nats_servers: StandaloneNats,
+    nats_servers: StandaloneNats, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = f"r{uuid.uuid4().hex[:8]}"
+    # The feed connects as a pod's would: with the user its environment names.
+    monkeypatch.setenv(CREDENTIALS_ENV, nats_servers.bed.hub.credentials)
     config = FeedConfig(
         run=run,
-        nats_url=nats_servers.bed.hub.authenticated_url,
+        nats_url=nats_servers.bed.hub.url,
         suite="toy",
         max_staleness=0,
         groups_per_step=2,
@@ -130,9 +134,9 @@ def test_the_curriculum_mostly_skips_tasks_whose_last_group_taught_nothing() -> 
 
 @pytest.mark.nats
 def test_the_feed_stops_asking_what_the_trainer_reports_as_settled(
-    nats_servers: StandaloneNats, tmp_path: Path
+    nats_servers: StandaloneNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = three_task_feed(nats_servers, tmp_path)
+    config = three_task_feed(nats_servers, tmp_path, monkeypatch)
     run = config.run
 
     async def scenario() -> None:
@@ -149,12 +153,12 @@ def test_the_feed_stops_asking_what_the_trainer_reports_as_settled(
 
 @pytest.mark.nats
 def test_a_restarted_feed_remembers_what_the_step_stream_shows_settled(
-    nats_servers: StandaloneNats, tmp_path: Path
+    nats_servers: StandaloneNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = three_task_feed(nats_servers, tmp_path)
+    config = three_task_feed(nats_servers, tmp_path, monkeypatch)
 
     async def scenario() -> None:
-        nc = await nats.connect(config.nats_url)
+        nc = await natsauth.connect(config.nats_url)
         try:
             js = nc.jetstream()
             await ensure_stream(js, step_stream_config(config.run))
@@ -175,8 +179,12 @@ def test_a_restarted_feed_remembers_what_the_step_stream_shows_settled(
     asyncio.run(asyncio.wait_for(scenario(), 120))
 
 
-def three_task_feed(nats_servers: StandaloneNats, tmp_path: Path) -> FeedConfig:
-    """A feed of tasks a, b and c, one a step, that all but never asks a settled task."""
+def three_task_feed(
+    nats_servers: StandaloneNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> FeedConfig:
+    """A feed of tasks a, b and c, one a step, that all but never asks a settled task; it
+    connects as a pod's would, with the user its environment names."""
+    monkeypatch.setenv(CREDENTIALS_ENV, nats_servers.bed.hub.credentials)
     suite = tmp_path / "three.jsonl"
     write_suite(
         [Task(id=name, suite="three", prompt=name, answer="x", tools=False) for name in "abc"],
@@ -184,7 +192,7 @@ def three_task_feed(nats_servers: StandaloneNats, tmp_path: Path) -> FeedConfig:
     )
     return FeedConfig(
         run=f"r{uuid.uuid4().hex[:8]}",
-        nats_url=nats_servers.bed.hub.authenticated_url,
+        nats_url=nats_servers.bed.hub.url,
         suite=str(suite),
         max_staleness=0,
         groups_per_step=1,
@@ -205,7 +213,7 @@ async def _feeding(
     """The feed running, and a rollout worker's pull consumer on the run's task queue."""
     stop = asyncio.Event()
     feeding = asyncio.create_task(feed(config, stop))
-    nc = await nats.connect(config.nats_url)
+    nc = await natsauth.connect(config.nats_url)
     try:
         js = nc.jetstream()
         await ensure_stream(js, step_stream_config(config.run))

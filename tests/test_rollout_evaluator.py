@@ -22,7 +22,7 @@ from rlfleet.api.wire import EvaluationReport, decode_evaluation_report
 from rlfleet.models.tiny import init_model
 from rlfleet.rollout.evaluator import due
 from rlfleet.rollout.tasks import rules_suite, write_suite
-from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
+from rlfleet.testbed.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.testbed.processes import Supervisor
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 
@@ -39,12 +39,12 @@ def test_an_evaluator_scores_the_first_version_then_every_nth() -> None:
 class Trainer:
     """Publishes versions of the tiny model's own weights, as a trainer would."""
 
-    def __init__(self, url: str, run: str, model: Path) -> None:
-        self.url, self.run = url, run
+    def __init__(self, hub: NatsServer, run: str, model: Path) -> None:
+        self.hub, self.run = hub, run
         self.tensors = load_file(model / "model.safetensors")
 
     async def _publish(self, versions: list[int]) -> None:
-        nc = await nats.connect(self.url)
+        nc = await self.hub.connect()
         try:
             stream = WeightStream(nc, self.run, SyncConfig(), HUB_DOMAIN)
             await stream.create()
@@ -58,8 +58,8 @@ class Trainer:
         asyncio.run(self._publish(list(versions)))
 
 
-async def _reports(url: str, run: str) -> list[EvaluationReport]:
-    nc = await nats.connect(url)
+async def _reports(hub: NatsServer, run: str) -> list[EvaluationReport]:
+    nc = await hub.connect()
     try:
         js = nc.jetstream(domain=HUB_DOMAIN)
         try:
@@ -79,13 +79,13 @@ def test_a_restarted_evaluator_goes_on_from_its_last_report(
     nats_servers: StandaloneNats, tmp_path: Path
 ) -> None:
     run = f"eval-{uuid.uuid4().hex[:6]}"
-    url = nats_servers.bed.hub.authenticated_url
+    hub = nats_servers.bed.hub
     model = init_model("tiny-moe", tmp_path / "model")
     suite = tmp_path / "suite.jsonl"
     write_suite(rules_suite(3, seed=1), suite)
     config = {
         "run": run,
-        "nats_url": url,
+        "nats_url": hub.url,
         "jetstream_domain": HUB_DOMAIN,
         "model": str(model),
         "suite": str(suite),
@@ -96,21 +96,21 @@ def test_a_restarted_evaluator_goes_on_from_its_last_report(
     (tmp_path / "evaluator.json").write_text(json.dumps(config))
     argv = [sys.executable, "-m", "rlfleet.rollout.evaluator", str(tmp_path / "evaluator.json")]
     supervisor = Supervisor(tmp_path / "logs", attached=True)
-    trainer = Trainer(url, run, model)
+    trainer = Trainer(hub, run, model)
 
     def scored() -> list[int]:
-        return [r.policy_version for r in asyncio.run(_reports(url, run))]
+        return [r.policy_version for r in asyncio.run(_reports(hub, run))]
 
     try:
         trainer.publish(0)
-        supervisor.start("evaluator", argv)
+        supervisor.start("evaluator", argv, hub.client_env())
         wait_for("version 0 scored", lambda: scored() == [0], timeout=120)
         trainer.publish(1)  # not due: one version past the last scored
         assert supervisor.stop("evaluator") == 0  # SIGTERM: it stops cleanly
         trainer.publish(2)
-        supervisor.start("evaluator", argv)
+        supervisor.start("evaluator", argv, hub.client_env())
         wait_for("version 2 scored", lambda: scored() == [0, 2], timeout=120)
-        (report,) = [r for r in asyncio.run(_reports(url, run)) if r.policy_version == 2]
+        (report,) = [r for r in asyncio.run(_reports(hub, run)) if r.policy_version == 2]
         assert (report.run, report.suite, report.tasks, report.attempts) == (run, str(suite), 3, 2)
         assert 0.0 <= report.reward <= report.pass_at_k <= 1.0
         assert msgspec.json.decode(msgspec.json.encode(report), type=EvaluationReport) == report

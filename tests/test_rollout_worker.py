@@ -50,7 +50,7 @@ SHAPE = ModelShape(vocab_size=320, moe_layers=2, num_experts=8, top_k=2)
 class WorkerUnderTest:
     def __init__(self, root: Path, servers: StandaloneNats) -> None:
         self.run = f"r{uuid.uuid4().hex[:8]}"
-        self.hub_url = servers.bed.hub.authenticated_url
+        self.hub = servers.bed.hub
         self.model = init_model("tiny-moe", root / "model")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model)
         self.session = rollout_scripts.teach(self.model, self.tokenizer)
@@ -60,7 +60,7 @@ class WorkerUnderTest:
             json.dumps(
                 {
                     "run": self.run,
-                    "nats_url": servers.bed.leaves[servers.region].authenticated_url,
+                    "nats_url": servers.bed.leaves[servers.region].url,
                     "jetstream_domain": HUB_DOMAIN,
                     "model": str(self.model),
                     "max_sessions": 16,
@@ -81,7 +81,7 @@ class WorkerUnderTest:
         )
         self.log = root / "worker.log"
         self.loop = asyncio.new_event_loop()
-        self.nc = self.loop.run_until_complete(nats.connect(self.hub_url))
+        self.nc = self.loop.run_until_complete(self.hub.connect())
         self.js = self.nc.jetstream(domain=HUB_DOMAIN)
         self.loop.run_until_complete(ensure_stream(self.js, trajectory_stream_config(self.run)))
         self.loop.run_until_complete(ensure_stream(self.js, task_stream_config(self.run)))
@@ -92,7 +92,8 @@ class WorkerUnderTest:
         self.loop.run_until_complete(weights.create())
         self.publisher = Publisher(weights, SYNC)
         self.publish_weights(read_weights(self.model), 0)
-        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = os.environ | servers.bed.leaves[servers.region].client_env()
+        env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rlfleet.rollout", str(self.config)],

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
-import nats
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
@@ -24,7 +23,7 @@ from transformers import AutoTokenizer
 from rlfleet.api.streams import ensure_stream, trajectory_stream_config
 from rlfleet.api.wire import Segment, Trajectory, encode_trajectory, trajectory_subject
 from rlfleet.models.tiny import init_model
-from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
+from rlfleet.testbed.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.testbed.processes import run_in_session
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
@@ -72,8 +71,8 @@ def group(run: str, name: str, version: int) -> list[bytes]:
     return [encode_trajectory(trajectory(run, name, a, version)) for a in range(GROUP)]
 
 
-async def publish(url: str, run: str, payloads: list[bytes]) -> None:
-    nc = await nats.connect(url)
+async def publish(hub: NatsServer, run: str, payloads: list[bytes]) -> None:
+    nc = await hub.connect()
     try:
         js = nc.jetstream(domain=HUB_DOMAIN)
         await ensure_stream(js, trajectory_stream_config(run))
@@ -84,7 +83,7 @@ async def publish(url: str, run: str, payloads: list[bytes]) -> None:
 
 
 class TrainerProcess:
-    def __init__(self, directory: Path, model: Path, url: str, **settings) -> None:
+    def __init__(self, directory: Path, model: Path, hub: NatsServer, **settings) -> None:
         self.run = f"t{uuid.uuid4().hex[:8]}"
         self.directory = directory
         self.config = directory / "trainer.json"
@@ -92,7 +91,7 @@ class TrainerProcess:
             json.dumps(
                 {
                     "run": self.run,
-                    "nats_url": url,
+                    "nats_url": hub.url,
                     "jetstream_domain": HUB_DOMAIN,
                     "model": str(model),
                     "checkpoint_dir": str(directory / "checkpoints"),
@@ -104,10 +103,11 @@ class TrainerProcess:
             )
         )
         self.log = directory / "trainer.log"
+        self.env = hub.client_env()
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        env = os.environ | {"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+        env = os.environ | self.env | {"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
         with self.log.open("a") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rlfleet.trainer", str(self.config)],
@@ -146,7 +146,7 @@ class TrainerProcess:
 def trainer(
     tmp_path: Path, tiny_moe: Path, servers: StandaloneNats, **settings
 ) -> Iterator[TrainerProcess]:
-    process = TrainerProcess(tmp_path, tiny_moe, servers.bed.hub.authenticated_url, **settings)
+    process = TrainerProcess(tmp_path, tiny_moe, servers.bed.hub, **settings)
     try:
         yield process
     finally:
@@ -160,7 +160,7 @@ def trained(process: TrainerProcess) -> list[str]:
 def test_stale_and_malformed_trajectories_never_reach_the_optimiser(
     tmp_path: Path, tiny_moe: Path, nats_servers: StandaloneNats
 ) -> None:
-    url = nats_servers.bed.hub.authenticated_url
+    hub = nats_servers.bed.hub
     with trainer(tmp_path, tiny_moe, nats_servers, max_staleness=1, max_steps=3) as process:
         run = process.run
         good = trajectory(run, "x", 0, 0)
@@ -183,16 +183,16 @@ def test_stale_and_malformed_trajectories_never_reach_the_optimiser(
                 )
             ),
         ]
-        asyncio.run(publish(url, run, malformed + group(run, "a", 0) + group(run, "b", 0)))
+        asyncio.run(publish(hub, run, malformed + group(run, "a", 0) + group(run, "b", 0)))
         process.start()
         process.wait(lambda: len(process.steps()) == 1)
         # One version behind is within the bound.
-        asyncio.run(publish(url, run, group(run, "c", 0) + group(run, "d", 0)))
+        asyncio.run(publish(hub, run, group(run, "c", 0) + group(run, "d", 0)))
         process.wait(lambda: len(process.steps()) == 2)
         # Now version 0 is two behind: e and f are dropped; g and h (version 2) train.
         asyncio.run(
             publish(
-                url,
+                hub,
                 run,
                 group(run, "e", 0) + group(run, "f", 0) + group(run, "g", 2) + group(run, "h", 2),
             )
@@ -218,14 +218,14 @@ def test_stale_and_malformed_trajectories_never_reach_the_optimiser(
 def test_a_killed_trainer_resumes_without_losing_or_repeating_trajectories(
     tmp_path: Path, tiny_moe: Path, nats_servers: StandaloneNats
 ) -> None:
-    url = nats_servers.bed.hub.authenticated_url
+    hub = nats_servers.bed.hub
     names = "abcdef"
     # Two optimiser passes per batch: the optimiser state they leave is what resumes.
     with trainer(
         tmp_path, tiny_moe, nats_servers, max_steps=3, ack_wait_s=3, updates_per_step=2
     ) as process:
         run = process.run
-        asyncio.run(publish(url, run, [p for name in names for p in group(run, name, 0)]))
+        asyncio.run(publish(hub, run, [p for name in names for p in group(run, name, 0)]))
         process.start()
         # Killed the moment step 1 is checkpointed: before its weights or acknowledgements
         # go out, and before its log line, which the resume writes.
@@ -245,7 +245,7 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_trajectories(
 def test_trainer_raises_the_reward_of_a_fixed_policy_on_a_verifiable_task(
     tmp_path: Path, tiny_moe: Path, nats_servers: StandaloneNats
 ) -> None:
-    url = nats_servers.bed.hub.authenticated_url
+    hub = nats_servers.bed.hub
     rounds, groups, group_size, max_tokens = 12, 8, 4, 12
     prompt = "<|im_start|>user\nWrite the number {n:04d}.<|im_end|>\n<|im_start|>assistant\n"
     prompt_tokens = len(AutoTokenizer.from_pretrained(tiny_moe)(prompt.format(n=0)).input_ids)
@@ -262,14 +262,14 @@ def test_trainer_raises_the_reward_of_a_fixed_policy_on_a_verifiable_task(
         max_step_tokens=round_tokens,
         max_steps=rounds - 1,
     ) as process:
-        asyncio.run(publish(url, process.run, []))
+        asyncio.run(publish(hub, process.run, []))
         process.start()
         args = tmp_path / "rollout.json"
         args.write_text(
             json.dumps(
                 {
                     "checkpoint": str(tiny_moe),
-                    "nats_url": url,
+                    "nats_url": hub.url,
                     "run": process.run,
                     "prompt": prompt,
                     "rounds": rounds,
@@ -282,7 +282,7 @@ def test_trainer_raises_the_reward_of_a_fixed_policy_on_a_verifiable_task(
         out = tmp_path / "rollout-report.json"
         result = run_in_session(
             [sys.executable, str(PROBES / "rollout_digits.py"), str(args), str(out)],
-            env={**os.environ, **ENGINE_ENV},
+            env={**os.environ, **ENGINE_ENV, **hub.client_env()},
             timeout=900,
         )
         assert result.returncode == 0, result.stderr[-3000:] + process.tail()

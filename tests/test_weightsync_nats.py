@@ -20,7 +20,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
+from rlfleet.testbed.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.publisher import Publisher
 from rlfleet.weightsync.receiver import Receiver
@@ -63,8 +63,8 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 @contextlib.asynccontextmanager
-async def _connected(*urls: str) -> AsyncIterator[tuple[nats.NATS, ...]]:
-    clients = [await nats.connect(u, connect_timeout=5, reconnect_time_wait=0.2) for u in urls]
+async def _connected(*servers: NatsServer) -> AsyncIterator[tuple[nats.NATS, ...]]:
+    clients = [await s.connect(connect_timeout=5, reconnect_time_wait=0.2) for s in servers]
     try:
         yield tuple(clients)
     finally:
@@ -94,8 +94,8 @@ def test_a_region_follows_versions_through_its_own_mirror(nats_servers: Standalo
 
     async def scenario() -> None:
         async with _connected(
-            nats_servers.bed.hub.authenticated_url,
-            nats_servers.bed.leaves[REGION].authenticated_url,
+            nats_servers.bed.hub,
+            nats_servers.bed.leaves[REGION],
         ) as (hub, leaf):
             await WeightStream(hub, run, CONFIG).create()
             regional = WeightStream(leaf, run, CONFIG, domain=REGION)
@@ -130,8 +130,8 @@ def test_a_late_receiver_starts_from_the_snapshot_retention_kept(
 
     async def scenario() -> None:
         async with _connected(
-            nats_servers.bed.hub.authenticated_url,
-            nats_servers.bed.leaves[REGION].authenticated_url,
+            nats_servers.bed.hub,
+            nats_servers.bed.leaves[REGION],
         ) as (hub, leaf):
             stream = WeightStream(hub, run, CONFIG)
             await stream.create()
@@ -157,7 +157,7 @@ def test_a_region_cut_off_keeps_its_old_versions_and_publishing_goes_on(
     run, versions = _run_name(), _versions(7)
 
     async def scenario() -> None:
-        async with _connected(nats_servers.bed.hub.authenticated_url) as (hub,):
+        async with _connected(nats_servers.bed.hub) as (hub,):
             stream = WeightStream(hub, run, CONFIG)
             await stream.create()
             reached = WeightStream(hub, run, CONFIG, domain=REGION)
@@ -181,7 +181,7 @@ def test_a_corrupted_shard_is_refetched_then_refused_and_the_snapshot_used(
     run, versions = _run_name(), _versions(4)
 
     async def scenario() -> None:
-        async with _connected(nats_servers.bed.hub.authenticated_url) as (hub,):
+        async with _connected(nats_servers.bed.hub) as (hub,):
             stream = WeightStream(hub, run, CONFIG)
             await stream.create()
             receiver = Receiver(stream, fetch_timeout=5)
@@ -213,7 +213,7 @@ def test_a_delta_on_an_unknown_base_is_never_applied(nats_servers: StandaloneNat
     run, versions = _run_name(), _versions(3)
 
     async def scenario() -> None:
-        async with _connected(nats_servers.bed.hub.authenticated_url) as (hub,):
+        async with _connected(nats_servers.bed.hub) as (hub,):
             stream = WeightStream(hub, run, CONFIG)
             await stream.create()
             await stream.put_version(encode_version(run, 0, versions[0], None, CONFIG))
@@ -235,7 +235,7 @@ def test_a_receiver_survives_its_nats_server_restarting_mid_transfer(
     run, versions = _run_name(), [_model(0, size=512), _step(_model(0, size=512), 1)]
 
     async def scenario() -> None:
-        async with _connected(nats_servers.bed.hub.authenticated_url) as (hub,):
+        async with _connected(nats_servers.bed.hub) as (hub,):
             await _publish_all(hub, run, versions)
             receiver = Receiver(WeightStream(hub, run, CONFIG), fetch_timeout=3)
             syncing = asyncio.create_task(receiver.sync())
@@ -256,27 +256,28 @@ def test_a_receiver_killed_mid_transfer_restarts_onto_the_right_version(
     run, versions = _run_name(), [_model(0, size=512), _step(_model(0, size=512), 1)]
 
     async def publish() -> None:
-        async with _connected(nats_servers.bed.hub.authenticated_url) as (hub,):
+        async with _connected(nats_servers.bed.hub) as (hub,):
             await _publish_all(hub, run, versions)
 
     asyncio.run(publish())
-    url = nats_servers.bed.leaves[REGION].authenticated_url
+    leaf = nats_servers.bed.leaves[REGION]
+    env = os.environ | leaf.client_env()
     argv = [
         sys.executable,
         str(PROBE),
-        url,
+        leaf.url,
         HUB_DOMAIN,
         run,
         json.dumps(dataclasses.asdict(CONFIG)),
     ]
     first = subprocess.Popen(
-        [*argv, str(tmp_path / "first.json")], stdout=subprocess.PIPE, text=True
+        [*argv, str(tmp_path / "first.json")], stdout=subprocess.PIPE, text=True, env=env
     )
     assert first.stdout is not None
     assert first.stdout.readline().startswith("fetching")
     os.kill(first.pid, signal.SIGKILL)
     first.wait(timeout=10)
-    subprocess.run([*argv, str(tmp_path / "second.json")], check=True, timeout=300)
+    subprocess.run([*argv, str(tmp_path / "second.json")], check=True, timeout=300, env=env)
     result = json.loads((tmp_path / "second.json").read_text())
     assert result == {"version": 1, "digest": _digest(versions[1])}
 

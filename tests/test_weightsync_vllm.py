@@ -10,7 +10,6 @@ import sys
 import uuid
 from pathlib import Path
 
-import nats
 import pytest
 
 from rlfleet.models.tiny import init_model, train_step
@@ -26,7 +25,7 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 CONFIG = SyncConfig(shard_bytes=256 << 10, chunk_bytes=64 << 10)
 
 
-def _probe(args: dict, tmp_path: Path, name: str) -> dict:
+def _probe(args: dict, tmp_path: Path, name: str, env: dict[str, str] | None = None) -> dict:
     (tmp_path / f"{name}.args.json").write_text(json.dumps(args))
     argv = [
         sys.executable,
@@ -34,7 +33,7 @@ def _probe(args: dict, tmp_path: Path, name: str) -> dict:
         str(tmp_path / f"{name}.args.json"),
         str(tmp_path / f"{name}.json"),
     ]
-    result = run_in_session(argv, env={**os.environ, **ENGINE_ENV}, timeout=900)
+    result = run_in_session(argv, env={**os.environ, **ENGINE_ENV, **(env or {})}, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     return json.loads((tmp_path / f"{name}.json").read_text())
 
@@ -48,8 +47,8 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
     leaf = nats_servers.bed.leaves[region]
 
     async def streams() -> None:
-        hub = await nats.connect(nats_servers.bed.hub.authenticated_url)
-        client = await nats.connect(leaf.authenticated_url)
+        hub = await nats_servers.bed.hub.connect()
+        client = await leaf.connect()
         try:
             await WeightStream(hub, run, CONFIG).create()
             await WeightStream(client, run, CONFIG, domain=region).mirror(HUB_DOMAIN)
@@ -62,14 +61,15 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
         {
             "checkpoint": str(v0),
             "rounds": [{"version": 0, "publish": str(v0)}, {"version": 1, "publish": str(v1)}],
-            "hub_url": nats_servers.bed.hub.authenticated_url,
-            "leaf_url": leaf.authenticated_url,
+            "hub_url": nats_servers.bed.hub.url,
+            "leaf_url": leaf.url,
             "run": run,
             "domain": region,
             "config": dataclasses.asdict(CONFIG),
         },
         tmp_path,
         "updated",
+        leaf.client_env(),
     )
     fresh = _probe({"checkpoint": str(v1)}, tmp_path, "fresh")
 

@@ -8,15 +8,14 @@ import json
 import sys
 from pathlib import Path
 
-import nats
-
+from rlfleet.api import natsauth
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.receiver import Receiver
 from rlfleet.weightsync.transport import WeightStream
 
 
 async def main(url: str, domain: str, run: str, config: str) -> dict:
-    nc = await nats.connect(url)
+    nc = await natsauth.connect(url)
     stream = WeightStream(nc, run, SyncConfig(**json.loads(config)), domain=domain)
     fetch = stream.fetch_shard
 

@@ -28,6 +28,9 @@ T = TypeVar("T")
 SPEC_DIR = "/etc/rlfleet"
 SPEC_FILE = f"{SPEC_DIR}/rlrun.json"  # {"name": run, "spec": RLRun spec}, as JSON
 STATE_DIR = "/var/lib/rlfleet"  # the trainer's checkpoints and step log live under here
+# The run's own NATS user (a .creds file, from the Secret `nats_credentials_secret(run)`).
+NATS_CREDENTIALS_DIR = "/var/run/secrets/rlfleet/nats"
+NATS_CREDENTIALS_KEY = "creds"
 
 # The environment a pod gets from the operator (`Placement.from_env` reads it back).
 NATS_URL_ENV = "RLFLEET_NATS_URL"
@@ -61,6 +64,11 @@ class Placement:
             pod=env.get(POD_NAME_ENV) or None,
             state_dir=env.get(STATE_DIR_ENV) or STATE_DIR,
         )
+
+
+def nats_credentials_secret(run: str) -> str:
+    """The Secret, in each cluster the run has pods in, with the run's NATS user."""
+    return f"{run}-nats"
 
 
 def spec_document(name: str, spec: dict) -> str:

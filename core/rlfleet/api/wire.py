@@ -277,3 +277,12 @@ def task_stream(run: str) -> str:
 
 def task_subject(run: str) -> str:
     return f"rlfleet.tasks.{run}"
+
+
+def weights_stream(run: str) -> str:
+    return f"WEIGHTS-{run}"
+
+
+def weights_prefix(run: str) -> str:
+    """Every subject of a run's weights begins with this (see weightsync's `Subjects`)."""
+    return f"rlfleet.weights.{run}"

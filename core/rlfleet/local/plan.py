@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlfleet.api import launch
+from rlfleet.api.natsauth import CREDENTIALS_ENV
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.testbed.nats import HUB_DOMAIN, NatsBed
 
@@ -38,6 +39,11 @@ class Layout:
     @property
     def nats(self) -> Path:
         return self.root / "nats"
+
+    @property
+    def credentials(self) -> Path:
+        """The run's own NATS user, which its processes connect as."""
+        return self.nats / "run.creds"
 
     @property
     def logs(self) -> Path:
@@ -108,15 +114,17 @@ def processes(
     name: str, spec: RLRunSpec, layout: Layout, nats: NatsBed, tuning: Tuning
 ) -> list[Process]:
     """The components as local processes, with the settings pods get from the same spec
-    (`rlfleet.api.launch`) and this machine's tuning on top."""
+    (`rlfleet.api.launch`) and this machine's tuning on top. Each connects to NATS as the
+    run's own user (`layout.credentials`), as its pods would."""
     trainer_cores, rollout_cores = split_cores(sorted(os.sched_getaffinity(0)))
     model = str(model_path(spec, layout))
     threads = {"OMP_NUM_THREADS": str(len(trainer_cores))}
-    hub = launch.Placement(nats.hub.authenticated_url, HUB_DOMAIN)
+    hub = launch.Placement(nats.hub.url, HUB_DOMAIN)
     found: list[Process] = []
 
     def add(process_name: str, module: str, cores: list[int], config: dict, env: dict) -> None:
         path = layout.configs / f"{process_name}.json"
+        env = env | {CREDENTIALS_ENV: str(layout.credentials)}
         found.append(Process(process_name, _pinned(module, cores, path), config, env))
 
     trainer = launch.trainer_settings(name, spec, model, str(layout.checkpoints), hub)
@@ -141,9 +149,7 @@ def processes(
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
     for demand in spec.rollout.regions:
-        at = launch.Placement(
-            nats.leaves[demand.name].authenticated_url, HUB_DOMAIN, demand.name, "0"
-        )
+        at = launch.Placement(nats.leaves[demand.name].url, HUB_DOMAIN, demand.name, "0")
         worker = launch.rollout_settings(name, spec, model, at)
         add(
             f"rollout-{demand.name}",

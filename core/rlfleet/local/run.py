@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -31,6 +32,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from rlfleet.api import natsauth
 from rlfleet.api.rlrun import EvaluationGate, RLRunSpec
 from rlfleet.api.streams import step_stream
 from rlfleet.api.wire import (
@@ -43,6 +45,7 @@ from rlfleet.api.wire import (
 )
 from rlfleet.local import plan, report
 from rlfleet.testbed.nats import start_nats
+from rlfleet.testbed.pki import write_secret
 from rlfleet.testbed.processes import Supervisor, stop_pids
 
 console = Console()
@@ -117,6 +120,7 @@ def scored(score: EvaluationReport) -> str:
 async def follow(
     name: str,
     url: str,
+    credentials: Path,
     budget_s: float,
     stop: asyncio.Event,
     supervisor: Supervisor,
@@ -146,7 +150,7 @@ async def follow(
     def ruled() -> bool:  # on the newest score, as the hub operator judges
         return gate is not None and bool(scores) and gate.verdict(scores[-1].reward) is not None
 
-    nc = await nats.connect(url)
+    nc = await natsauth.connect(url, credentials)
     await nc.subscribe(step_subject(name), cb=on_step)
     await nc.subscribe(evaluation_subject(name), cb=on_score)
     try:
@@ -163,9 +167,9 @@ async def follow(
     return scores
 
 
-async def recorded_steps(name: str, url: str) -> list[StepReport]:
+async def recorded_steps(name: str, url: str, credentials: Path) -> list[StepReport]:
     """Every step report the run's stream holds, re-runs included, oldest first."""
-    nc = await nats.connect(url)
+    nc = await natsauth.connect(url, credentials)
     try:
         js = nc.jetstream()
         state = (await js.stream_info(step_stream(name))).state
@@ -181,10 +185,13 @@ async def recorded_steps(name: str, url: str) -> list[StepReport]:
         await nc.close()
 
 
-def evaluate(model: Path, suite: str, out: Path, *published: str) -> dict | None:
+def evaluate(
+    model: Path, suite: str, out: Path, *published: str, credentials: Path | None = None
+) -> dict | None:
     """The policy's evaluation on the whole suite (`rlfleet.rollout.evaluation`): the
     starting model's, or with `published` (`--run NAME --nats-url URL`) the newest version
-    the run published. None, with the reason shown, for a suite it cannot grade."""
+    the run published, read as the user of `credentials`. None, with the reason shown,
+    for a suite it cannot grade."""
     done = subprocess.run(
         [
             *(sys.executable, "-m", "rlfleet.rollout.evaluation"),
@@ -192,6 +199,7 @@ def evaluate(model: Path, suite: str, out: Path, *published: str) -> dict | None
         ],
         capture_output=True,
         text=True,
+        env=os.environ | ({natsauth.CREDENTIALS_ENV: str(credentials)} if credentials else {}),
     )
     if done.returncode != 0:
         reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -232,18 +240,19 @@ def train(
     components: list[str] = []
     try:
         bed = start_nats([r.name for r in spec.rollout.regions], supervisor, layout.nats)
+        write_secret(layout.credentials, bed.run_user(name))
         for process in plan.processes(name, spec, layout, bed, tuning):
             launch(process, supervisor)
             components.append(process.name)
         console.print(f"started {name}: logs in {layout.logs}; Ctrl-C stops and reports")
 
-        url = bed.hub.authenticated_url
+        url, credentials = bed.hub.url, layout.credentials
 
         async def watched() -> list[EvaluationReport]:
             loop = asyncio.get_running_loop()
             loop.add_signal_handler(signal.SIGINT, stop.set)
             loop.add_signal_handler(signal.SIGTERM, stop.set)
-            return await follow(name, url, budget_s, stop, supervisor, spec.evaluation)
+            return await follow(name, url, credentials, budget_s, stop, supervisor, spec.evaluation)
 
         scores = asyncio.run(watched())
         # The run's own processes stop first, so the trainer's last step gets out, and the
@@ -255,8 +264,9 @@ def train(
             spec.rollout.task_suite,
             layout.report / EVALUATION_END,
             *("--run", name, "--nats-url", url),
+            credentials=credentials,
         )
-        return Trained(asyncio.run(recorded_steps(name, url)), end, scores)
+        return Trained(asyncio.run(recorded_steps(name, url, credentials)), end, scores)
     finally:
         # The run's own processes before NATS, so the trainer's last step still gets out.
         stop_pids([pid for n, pid in supervisor.pids().items() if n in components], 30)

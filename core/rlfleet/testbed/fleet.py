@@ -280,7 +280,13 @@ class Fleet:
             if result.returncode != 0:
                 raise RuntimeError(f"helm install in {cluster}: {result.stderr}")
         hub_nats = self.bed.nats.hub
-        self.hub_secret(NATS_SECRET, {"user": hub_nats.user, "password": hub_nats.password})
+        self.hub_secret(
+            NATS_SECRET,
+            {
+                "creds": Path(hub_nats.credentials).read_text(),
+                "signing-seed": Path(self.bed.nats.signing_seed).read_text(),
+            },
+        )
         for region in self.regions:
             self.links[region] = Link(self._server(region)[0])
             self.region_secret(

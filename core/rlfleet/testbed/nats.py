@@ -3,56 +3,79 @@
 Each region's clients connect to their own leaf node, which reaches the hub over one
 leaf connection, so a message crosses the WAN once per region. Every server has its own
 JetStream domain (`hub`, or the region's name): clients reach the hub's streams through
-the leaf with the `hub` domain. Authentication is on everywhere; nobody is anonymous.
+the leaf with the `hub` domain. Authentication is on everywhere, with the JWTs of one
+operator (`rlfleet.api.natsauth`): nobody is anonymous. The bed's own clients (tests,
+the operator) connect as an unrestricted user of the account (`NatsServer.credentials`).
 """
 
 from __future__ import annotations
 
 import json
-import secrets
 import socket
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rlfleet.api.natsauth import (
+    ACCOUNT,
+    CREDENTIALS_ENV,
+    OPERATOR,
+    USER,
+    NKey,
+    Permissions,
+    account_jwt,
+    account_of,
+    connect,
+    creds,
+    mint_run_user,
+    operator_jwt,
+    user_jwt,
+)
 from rlfleet.testbed.binaries import binary
 from rlfleet.testbed.pki import write_secret
 from rlfleet.testbed.processes import Supervisor, free_port
 
-ACCOUNT = "RLFLEET"
 HUB_DOMAIN = "hub"
+MAX_CONTROL_LINE = 64 << 10
 
 
 @dataclass(frozen=True)
 class NatsServer:
     name: str
     url: str
-    user: str
-    password: str
     domain: str
+    credentials: str  # a .creds file: a user of the account allowed everything
 
-    @property
-    def authenticated_url(self) -> str:
-        host = self.url.removeprefix("nats://")
-        return f"nats://{self.user}:{self.password}@{host}"
+    async def connect(self, **options):
+        return await connect(self.url, Path(self.credentials), **options)
+
+    def client_env(self) -> dict[str, str]:
+        """The environment a child process connects with (`natsauth.connect` reads it)."""
+        return {CREDENTIALS_ENV: self.credentials}
 
 
 @dataclass(frozen=True)
 class NatsBed:
     hub: NatsServer
     leaves: dict[str, NatsServer]
+    signing_seed: str  # a file: the account's signing key, which mints users (runs')
 
     def to_json(self) -> str:
+        leaves = {k: asdict(v) for k, v in self.leaves.items()}
         return json.dumps(
-            {"hub": asdict(self.hub), "leaves": {k: asdict(v) for k, v in self.leaves.items()}}
+            {"hub": asdict(self.hub), "leaves": leaves, "signing_seed": self.signing_seed}
         )
+
+    def run_user(self, run: str) -> str:
+        """A run's own user (.creds text), as the hub operator mints it."""
+        admin = Path(self.hub.credentials).read_text()
+        return mint_run_user(Path(self.signing_seed).read_text(), account_of(admin), run)
 
     @classmethod
     def from_json(cls, text: str) -> NatsBed:
         data = json.loads(text)
-        return cls(
-            NatsServer(**data["hub"]), {k: NatsServer(**v) for k, v in data["leaves"].items()}
-        )
+        leaves = {k: NatsServer(**v) for k, v in data["leaves"].items()}
+        return cls(NatsServer(**data["hub"]), leaves, data["signing_seed"])
 
 
 def _conf(values: dict) -> str:
@@ -79,25 +102,69 @@ def _leaf_count(monitor_port: int) -> int:
         return json.load(response).get("leafnodes", 0)
 
 
+@dataclass(frozen=True)
+class _Trust:
+    """What every server is configured with: the operator, and the accounts it signed."""
+
+    operator_jwt: Path
+    system_account: str
+    accounts: dict[str, str]  # public key -> account JWT
+
+    def conf(self) -> dict:
+        return {
+            "operator": str(self.operator_jwt),
+            "system_account": self.system_account,
+            "resolver": "MEMORY",
+            "resolver_preload": self.accounts,
+            # A run's user JWT lists its subjects and streams: longer than the default 4 KiB.
+            "max_control_line": MAX_CONTROL_LINE,
+        }
+
+
+def _keys(path: Path) -> dict[str, NKey]:
+    """The operator's, the accounts' and the signing key, kept with the servers' stores:
+    JetStream files its streams under the account's key, so a restarted bed (a resumed
+    `rlfleet run`) must keep the same account to find them."""
+    roles = {"operator": OPERATOR, "system": ACCOUNT, "account": ACCOUNT, "signer": ACCOUNT}
+    if path.exists():
+        return {k: NKey.from_seed(seed) for k, seed in json.loads(path.read_text()).items()}
+    keys = {k: NKey.generate(role) for k, role in roles.items()}
+    write_secret(path, json.dumps({k: key.seed for k, key in keys.items()}))
+    return keys
+
+
+def _trust(state: Path) -> tuple[_Trust, str, NKey]:
+    """The operator, its system account, and the one account runs live in; returns the
+    trust, the account's public key and its signing key."""
+    keys = _keys(state / "keys.json")
+    operator, system, account, signer = (
+        keys[k] for k in ("operator", "system", "account", "signer")
+    )
+    write_secret(state / "operator.jwt", operator_jwt(operator, system.public))
+    accounts = {
+        system.public: account_jwt(operator, system, "SYS", None, jetstream=False),
+        account.public: account_jwt(operator, account, "RLFLEET", signer.public, jetstream=True),
+    }
+    return _Trust(state / "operator.jwt", system.public, accounts), account.public, signer
+
+
+def _user_creds(path: Path, signer: NKey, account: str, name: str) -> Path:
+    user = NKey.generate(USER)
+    write_secret(path, creds(user_jwt(signer, account, user, name, Permissions()), user.seed))
+    return path
+
+
 def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsBed:
     state.mkdir(parents=True, exist_ok=True)
+    trust, account, signer = _trust(state)
+    write_secret(state / "signing.seed", signer.seed)
+    admin = str(_user_creds(state / "admin.creds", signer, account, "admin"))
     hub_port, leaf_port, monitor_port = free_port(), free_port(), free_port()
-    hub_user = NatsServer(
-        "hub", f"nats://127.0.0.1:{hub_port}", "rlfleet", secrets.token_urlsafe(24), HUB_DOMAIN
-    )
-    # Each region's leaf node logs in to the hub with credentials of its own.
-    leaf_logins = {region: secrets.token_urlsafe(24) for region in regions}
-    hub_conf = {
+    hub = NatsServer("hub", f"nats://127.0.0.1:{hub_port}", HUB_DOMAIN, admin)
+    hub_conf = trust.conf() | {
         "server_name": "hub",
         "listen": f"127.0.0.1:{hub_port}",
         "jetstream": _jetstream(state / "hub", HUB_DOMAIN),
-        "accounts": {
-            ACCOUNT: {
-                "jetstream": "enabled",
-                "users": [{"user": hub_user.user, "password": hub_user.password}]
-                + [{"user": f"leaf-{r}", "password": p} for r, p in leaf_logins.items()],
-            }
-        },
         # Weight deltas are zstd already: S2 on the leaf link would only burn CPU.
         "leafnodes": {"listen": f"127.0.0.1:{leaf_port}", "compression": "off"},
         "http": f"127.0.0.1:{monitor_port}",
@@ -107,26 +174,20 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
     supervisor.wait_until("nats hub", lambda: _listening(hub_port), 30, interval=0.1)
 
     leaves: dict[str, NatsServer] = {}
-    for region, login in leaf_logins.items():
+    for region in regions:
         port = free_port()
-        server = NatsServer(
-            region, f"nats://127.0.0.1:{port}", "rlfleet", secrets.token_urlsafe(24), region
-        )
-        conf = {
+        # Each region's leaf node logs in to the hub as a user of its own.
+        login = _user_creds(state / f"leaf-{region}.creds", signer, account, f"leaf-{region}")
+        conf = trust.conf() | {
             "server_name": f"leaf-{region}",
             "listen": f"127.0.0.1:{port}",
             "jetstream": _jetstream(state / region, region),
-            "accounts": {
-                ACCOUNT: {
-                    "jetstream": "enabled",
-                    "users": [{"user": server.user, "password": server.password}],
-                }
-            },
             "leafnodes": {
                 "remotes": [
                     {
-                        "urls": [f"nats://leaf-{region}:{login}@127.0.0.1:{leaf_port}"],
-                        "account": ACCOUNT,
+                        "urls": [f"nats://127.0.0.1:{leaf_port}"],
+                        "credentials": str(login),
+                        "account": account,
                         "compression": "off",
                     }
                 ]
@@ -137,14 +198,14 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
             f"nats-{region}", [binary("nats-server"), "-c", str(state / f"{region}.conf")]
         )
         supervisor.wait_until(f"nats {region}", lambda p=port: _listening(p), 30, interval=0.1)
-        leaves[region] = server
+        leaves[region] = NatsServer(region, f"nats://127.0.0.1:{port}", region, admin)
     supervisor.wait_until(
         "every region's leaf connection at the hub",
         lambda: _leaf_count(monitor_port) >= len(leaves),
         30,
         interval=0.1,
     )
-    return NatsBed(hub_user, leaves)
+    return NatsBed(hub, leaves, str(state / "signing.seed"))
 
 
 class StandaloneNats:

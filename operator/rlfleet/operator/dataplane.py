@@ -11,6 +11,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -18,6 +19,7 @@ import nats
 import nats.errors
 import nats.js.errors
 
+from rlfleet.api import natsauth
 from rlfleet.api.streams import (
     ensure_stream,
     evaluation_stream,
@@ -42,16 +44,24 @@ class DataPlaneUnavailable(Exception):
     """NATS did not answer in time, or refused what was asked."""
 
 
+@dataclass(frozen=True)
+class NatsLogin:
+    """How the operator reaches NATS, from its Secret (read at each connect)."""
+
+    credentials: str | None  # the operator's own user (.creds text); None: anonymous
+    signing_seed: str | None = None  # the account's signing key, which mints runs' users
+
+
 class DataPlane:
     def __init__(
         self,
         url: str,
-        credentials: Callable[[], tuple[str | None, str | None]],
+        login: Callable[[], NatsLogin],
         domain: str,
         timeout_s: float,
     ) -> None:
         self.url = url
-        self.credentials = credentials  # (user, password), read when connecting
+        self.login = login
         self.domain = domain  # the hub's JetStream domain, which region mirrors name
         self.timeout_s = timeout_s
         self._loop = asyncio.new_event_loop()
@@ -74,16 +84,26 @@ class DataPlane:
     async def _client(self) -> nats.NATS:
         async with self._connecting:
             if self._nc is None or self._nc.is_closed:
-                user, password = self.credentials()
-                self._nc = await nats.connect(
+                self._nc = await natsauth.connect(
                     self.url,
-                    user=user,
-                    password=password,
+                    self.login().credentials,
                     connect_timeout=self.timeout_s,
                     max_reconnect_attempts=-1,
                     name="rlfleet-operator",
                 )
             return self._nc
+
+    def run_user(self, run: str) -> str:
+        """A new user (.creds text) for the run's pods, allowed its subjects and streams."""
+        login = self.login()
+        if login.credentials is None or login.signing_seed is None:
+            raise DataPlaneUnavailable(
+                "the operator's NATS Secret has no `creds` and `signing-seed`: "
+                f"no user can be made for run {run}"
+            )
+        return natsauth.mint_run_user(
+            login.signing_seed, natsauth.account_of(login.credentials), run
+        )
 
     def ensure_streams(self, run: str, regions: list[str]) -> list[str]:
         """Creates the run's streams in the hub and a mirror of its weights in each region's

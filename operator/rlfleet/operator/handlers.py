@@ -16,7 +16,7 @@ import kopf
 from rlfleet.api.meta import GROUP, VERSION
 from rlfleet.operator import telemetry
 from rlfleet.operator.config import OperatorConfig
-from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable
+from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable, NatsLogin
 from rlfleet.operator.hub import Hub
 from rlfleet.operator.kube import Kube, Ref
 from rlfleet.operator.locks import KeyedLocks
@@ -96,18 +96,19 @@ def _dataplane(config: OperatorConfig, local: Kube) -> DataPlane | None:
     if access is None:
         return None
 
-    def credentials() -> tuple[str | None, str | None]:
+    def login() -> NatsLogin:
         if access.credentials_secret is None:
-            return None, None
+            return NatsLogin(None)
         ref = Ref("v1", "Secret", access.credentials_secret, config.namespace)
         data = (local.get(ref) or {}).get("data") or {}
-        if "user" not in data or "password" not in data:
+        if "creds" not in data:
             raise DataPlaneUnavailable(
-                f"Secret {config.namespace}/{access.credentials_secret} needs keys user, password"
+                f"Secret {config.namespace}/{access.credentials_secret} needs key creds"
             )
-        return tuple(base64.b64decode(data[k]).decode() for k in ("user", "password"))
+        creds, seed = (data.get(k) for k in ("creds", "signing-seed"))
+        return NatsLogin(base64.b64decode(creds).decode(), seed and base64.b64decode(seed).decode())
 
-    return DataPlane(access.url, credentials, access.domain, config.call_timeout_seconds)
+    return DataPlane(access.url, login, access.domain, config.call_timeout_seconds)
 
 
 def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -> None:

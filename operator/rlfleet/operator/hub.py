@@ -18,6 +18,7 @@ from functools import partial
 
 from kubernetes.client.exceptions import ApiException
 
+from rlfleet.api import launch
 from rlfleet.api.meta import API_VERSION
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.operator import gate, progress
@@ -32,7 +33,9 @@ from rlfleet.operator.workloads import (
     ORIGIN_LABEL,
     evaluator_name,
     hub_objects,
+    mints_users,
     mirror,
+    nats_user_secret,
 )
 
 log = logging.getLogger(__name__)
@@ -77,12 +80,41 @@ class Hub:
         # (run uid, its regions) whose streams and weight mirrors all exist
         self._streams: set[tuple[str, tuple[str, ...]]] = set()
         self._answered: dict[tuple[str, str], datetime] = {}  # (run uid, region) -> last answer
+        self._users: dict[str, str] = {}  # run uid -> the NATS user (.creds) minted for it
+        self._placed: set[tuple[str, str]] = set()  # (run uid, cluster) holding its Secret
+
+    def _nats_user(self, run: dict) -> str | None:
+        """The run's own NATS user, minted once per operator process and written to the
+        hub's Secret unless one is there (its pods may hold that one: both stay valid).
+        None without NATS users, or when none can be made (the pods wait for the Secret)."""
+        meta = run["metadata"]
+        if self.dataplane is None or not mints_users(self.config.nats):
+            return None
+        if meta["uid"] not in self._users:
+            try:
+                self._users[meta["uid"]] = self.dataplane.run_user(meta["name"])
+            except DataPlaneUnavailable as error:
+                log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
+                return None
+        credentials = self._users[meta["uid"]]
+        self._place_user(self.local, run, self.config.cluster, credentials, owned=True)
+        return credentials
+
+    def _place_user(
+        self, kube: Kube, run: dict, cluster: str, credentials: str | None, owned: bool
+    ) -> None:
+        """Creates the run's NATS user Secret in a cluster, once per operator process."""
+        key = (run["metadata"]["uid"], cluster)
+        if credentials is not None and key not in self._placed:
+            kube.create(nats_user_secret(run, credentials, owned))
+            self._placed.add(key)
 
     def _report(
-        self, run: dict, region: str, previous: dict, resync: bool, held: bool
+        self, run: dict, region: str, previous: dict, resync: bool, held: bool, user: str | None
     ) -> RegionReport:
         try:
             kube = self.regions.client(region)
+            self._place_user(kube, run, region, user, owned=False)
             # A resync reads the mirror; it writes only what is missing, was out of reach,
             # or is held (or let go) since.
             wanted = mirror(run, self.config.cluster, self.config.nats, held)
@@ -153,9 +185,13 @@ class Hub:
         if region not in self.regions.access:
             return True  # never configured, so the hub never mirrored anything there
         try:
-            self.regions.client(region).delete(_mirror_ref(run))
+            kube = self.regions.client(region)
+            kube.delete(_mirror_ref(run))
+            secret = launch.nats_credentials_secret(run["metadata"]["name"])
+            kube.delete(Ref("v1", "Secret", secret, run["metadata"]["namespace"]))
         except (RegionCredentials, Unreachable):
             return False
+        self._placed.discard((run["metadata"]["uid"], region))
         return True
 
     def _listed(self, ref: Ref, component: str) -> dict | None:
@@ -212,6 +248,7 @@ class Hub:
         generation = meta.get("generation", 0)
         verdict = self._verdict(run, spec)
         held = verdict.held
+        user = self._nats_user(run)
         trainer = self._apply_hub_objects(run, spec, held, resync)
         ready = trainer.get("status", {}).get("readyReplicas", 0)
 
@@ -220,7 +257,9 @@ class Hub:
         wanted = [r.name for r in spec.rollout.regions]
         reports = at_once(
             [
-                partial(self._report, run, name, previous.get(name, {"name": name}), resync, held)
+                partial(
+                    self._report, run, name, previous.get(name, {"name": name}), resync, held, user
+                )
                 for name in wanted
             ]
         )
@@ -383,4 +422,6 @@ class Hub:
         named |= {e["name"] for e in (run.get("status") or {}).get("regions", [])}
         for region in named:
             self._answered.pop((run["metadata"]["uid"], region), None)
+        self._users.pop(run["metadata"]["uid"], None)
+        self._placed.discard((run["metadata"]["uid"], self.config.cluster))
         return sorted(region for region in named if not self._forget(run, region))

@@ -195,6 +195,21 @@ class Kube:
             content_type="application/apply-patch+yaml",
         )
 
+    def create(self, manifest: dict) -> bool:
+        """Creates the object unless one of its name exists (which is left as it is);
+        returns whether it created. Needs only the `create` verb, not `get`: the operator
+        writes Secrets it may not read."""
+        ref = Ref.of(manifest)
+        try:
+            self.request(
+                "POST", Ref(ref.api_version, ref.kind, None, ref.namespace).path(), manifest
+            )
+        except ApiException as error:
+            if error.status == 409:
+                return False
+            raise
+        return True
+
     def merge_patch(self, ref: Ref, patch: dict, subresource: str = "") -> dict:
         return self.request(
             "PATCH", ref.path(subresource), patch, content_type="application/merge-patch+json"

@@ -15,6 +15,7 @@ from rlfleet.api import launch
 from rlfleet.api.envpool import EnvPoolSpec
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import API_VERSION, COMPONENT_LABEL, GPU_RESOURCE, GROUP, RUN_LABEL
+from rlfleet.api.natsauth import CREDENTIALS_ENV
 from rlfleet.api.rlrun import CheckpointStorage, RLRunSpec
 from rlfleet.operator.config import Images, NatsAccess
 
@@ -24,6 +25,9 @@ ORIGIN_LABEL = f"{GROUP}/origin"  # on a region's mirror: the hub cluster it cam
 ORIGIN_UID = f"{GROUP}/origin-uid"
 # On a region's mirror: the hub's JetStream domain, where the run's streams live.
 JETSTREAM_DOMAIN = f"{GROUP}/jetstream-domain"
+# On a region's mirror: the Secret with the run's own NATS user, which the hub mints when
+# its NATS has users (`NatsAccess.credentials_secret`); without it pods connect anonymously.
+NATS_USER = f"{GROUP}/nats-user"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "rlfleet-operator"}
 TRAINER_PORT = 29500  # torch.distributed rendezvous
 
@@ -92,6 +96,45 @@ def _container(name: str, image: str, gpus: int, env: dict[str, str]) -> dict:
     }
 
 
+def mints_users(nats: NatsAccess | None) -> bool:
+    """Whether the hub mints each run a NATS user: its NATS has users at all."""
+    return nats is not None and nats.credentials_secret is not None
+
+
+def _with_nats(pod: dict, run: str, minted: bool) -> dict:
+    """Mounts the run's NATS user, if the hub `minted` one into each cluster's Secret, and
+    tells the component where it is: a pod can touch its own run's subjects and streams
+    only."""
+    if not minted:
+        return pod
+    pod["volumes"].append(
+        {"name": "nats", "secret": {"secretName": launch.nats_credentials_secret(run)}}
+    )
+    container = pod["containers"][0]
+    container["volumeMounts"].append(
+        {"name": "nats", "mountPath": launch.NATS_CREDENTIALS_DIR, "readOnly": True}
+    )
+    path = f"{launch.NATS_CREDENTIALS_DIR}/{launch.NATS_CREDENTIALS_KEY}"
+    container["env"].insert(0, {"name": CREDENTIALS_ENV, "value": path})
+    return pod
+
+
+def nats_user_secret(run: dict, credentials: str, owned: bool) -> dict:
+    """The run's NATS user (.creds text) in one cluster: owned by the run in the hub, so
+    it goes with it; in a region, the hub deletes it with the mirror."""
+    name = run["metadata"]["name"]
+    meta = _meta(run, launch.nats_credentials_secret(name), {RUN_LABEL: name})
+    if not owned:
+        del meta["ownerReferences"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta,
+        "type": "Opaque",
+        "stringData": {launch.NATS_CREDENTIALS_KEY: credentials},
+    }
+
+
 def _with_model(pod: dict, spec: RLRunSpec) -> dict:
     """Mounts the model's claim, if the spec names one, where its file:// uri points."""
     claim = spec.model.volume_claim_name
@@ -146,15 +189,20 @@ def hub_objects(
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": labels},
-                "spec": _with_model(
-                    {
-                        "containers": [container],
-                        "volumes": [_spec_volume(name)]
-                        + ([] if storage else [{"name": "state", "emptyDir": {}}]),
-                        # A step in flight is finished, checkpointed and published on SIGTERM.
-                        "terminationGracePeriodSeconds": 300,
-                    },
-                    spec,
+                "spec": _with_nats(
+                    _with_model(
+                        {
+                            "containers": [container],
+                            "volumes": [_spec_volume(name)]
+                            + ([] if storage else [{"name": "state", "emptyDir": {}}]),
+                            # A step in flight is finished, checkpointed and published on
+                            # SIGTERM.
+                            "terminationGracePeriodSeconds": 300,
+                        },
+                        spec,
+                    ),
+                    name,
+                    mints_users(nats),
                 ),
             },
         },
@@ -224,6 +272,7 @@ def _hub_component(
     pod = {"containers": [container], "volumes": [_spec_volume(name)]}
     if component == "evaluator":
         pod = _with_model(pod, spec)
+    pod = _with_nats(pod, name, mints_users(nats))
     deployment = _deployment(run, f"{name}-{component}", labels, 0 if stopped else 1, pod)
     deployment["spec"]["strategy"] = {"type": "Recreate"}
     return deployment
@@ -235,7 +284,9 @@ def mirror(run: dict, origin: str, nats: NatsAccess | None, held: bool = False) 
     is suspended, so the region gives its GPUs back."""
     meta = run["metadata"]
     spec = run["spec"] | {"suspend": True} if held else run["spec"]
-    domain = {JETSTREAM_DOMAIN: nats.domain} if nats else {}
+    annotations = {ORIGIN_UID: meta["uid"]} | ({JETSTREAM_DOMAIN: nats.domain} if nats else {})
+    if mints_users(nats):
+        annotations[NATS_USER] = launch.nats_credentials_secret(meta["name"])
     return {
         "apiVersion": API_VERSION,
         "kind": "RLRun",
@@ -243,7 +294,7 @@ def mirror(run: dict, origin: str, nats: NatsAccess | None, held: bool = False) 
             "name": meta["name"],
             "namespace": meta["namespace"],
             "labels": MANAGED_BY | {ORIGIN_LABEL: origin},
-            "annotations": {ORIGIN_UID: meta["uid"]} | domain,
+            "annotations": annotations,
         },
         "spec": spec,
     }
@@ -285,6 +336,7 @@ def rollout_deployment(
         },
         spec,
     )
+    pod = _with_nats(pod, name, NATS_USER in run["metadata"].get("annotations", {}))
     return _deployment(run, rollout_name(name, pool), labels, replicas, pod)
 
 

@@ -22,11 +22,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import nats
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlfleet.api import natsauth
 from rlfleet.api.wire import Task
 from rlfleet.rollout.rewards import matches
 from rlfleet.rollout.session import END_TURN, window_text
@@ -117,7 +117,7 @@ async def published_weights(
     url: str, run: str, config: SyncConfig, domain: str | None = None
 ) -> WeightState:
     """The newest version of `run`'s weights on the stream, verified."""
-    nc = await nats.connect(url)
+    nc = await natsauth.connect(url)
     try:
         receiver = Receiver(WeightStream(nc, run, config, domain))
         await receiver.sync()

@@ -22,7 +22,7 @@ import nats
 import nats.errors
 import nats.js.errors
 
-from rlfleet.api import launch
+from rlfleet.api import launch, natsauth
 from rlfleet.api.streams import ensure_stream, evaluation_stream, evaluation_stream_config
 from rlfleet.api.wire import (
     EvaluationReport,
@@ -72,7 +72,7 @@ async def run_evaluator(config: EvaluatorConfig, stop: asyncio.Event) -> None:
     tasks = load_suite(suite_path(config.suite))
     if not evaluable(tasks):
         raise ValueError(f"suite {config.suite}: only bare exact-answer tasks can be evaluated")
-    nc = await nats.connect(config.nats_url, max_reconnect_attempts=-1)
+    nc = await natsauth.connect(config.nats_url, max_reconnect_attempts=-1)
     try:
         js = nc.jetstream(domain=config.jetstream_domain)
         await ensure_stream(js, evaluation_stream_config(config.run))

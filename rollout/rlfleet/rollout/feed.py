@@ -21,10 +21,9 @@ from collections.abc import Iterator
 from typing import Annotated
 
 import msgspec
-import nats
 from nats.js.api import DeliverPolicy, StreamState
 
-from rlfleet.api import launch
+from rlfleet.api import launch, natsauth
 from rlfleet.api.streams import ensure_stream, step_stream, step_stream_config, task_stream_config
 from rlfleet.api.wire import (
     Task,
@@ -100,7 +99,7 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
     admission = Admission(config.max_staleness, config.groups_per_step)
     curriculum = Curriculum(config.revisit_uniform, config.seed)
     trainer = _Trainer(admission, curriculum)
-    nc = await nats.connect(config.nats_url, max_reconnect_attempts=-1)
+    nc = await natsauth.connect(config.nats_url, max_reconnect_attempts=-1)
     try:
         js = nc.jetstream(domain=config.jetstream_domain)
         await ensure_stream(js, task_stream_config(config.run))

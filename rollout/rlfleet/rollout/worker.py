@@ -22,7 +22,8 @@ import msgspec
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from rlfleet.api.streams import ensure_stream, task_stream_config
+from rlfleet.api import natsauth
+from rlfleet.api.streams import ensure_stream, task_stream_config, trajectory_stream_config
 from rlfleet.api.wire import (
     Task,
     Trajectory,
@@ -111,7 +112,7 @@ class Worker:
         config = self.config
         llm = await asyncio.to_thread(make_llm, config)
         self.engine = engine = Engine(llm, follow_weights=config.follow_weights)
-        nc = await nats.connect(config.nats_url, max_reconnect_attempts=-1)
+        nc = await natsauth.connect(config.nats_url, max_reconnect_attempts=-1)
         try:
             if config.follow_weights:  # before the engine starts polling what this starts
                 await engine.call(
@@ -127,7 +128,9 @@ class Worker:
                 log.info("waiting for policy version %d", config.start_version)
                 await engine.wait_for_version(config.start_version, timeout_s=3600)
             js = nc.jetstream(domain=config.jetstream_domain)
+            # Both streams it uses, so a worker up before the trainer loses no group.
             await ensure_stream(js, task_stream_config(config.run))
+            await ensure_stream(js, trajectory_stream_config(config.run))
             queue = await js.pull_subscribe(
                 task_subject(config.run),
                 durable=CONSUMER,

@@ -21,6 +21,7 @@ import torch
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from rlfleet.api import natsauth
 from rlfleet.api.streams import ensure_stream, step_stream_config, trajectory_stream_config
 from rlfleet.api.wire import (
     GroupOutcome,
@@ -70,7 +71,7 @@ class Trainer:
             prometheus_client.start_http_server(config.metrics_port)
         self.policy = await asyncio.to_thread(Policy, config)
         self._resume(await asyncio.to_thread(self.policy.load))
-        nc = await nats.connect(config.nats_url, max_reconnect_attempts=-1)
+        nc = await natsauth.connect(config.nats_url, max_reconnect_attempts=-1)
         try:
             js = nc.jetstream(domain=config.jetstream_domain)
             await ensure_stream(js, trajectory_stream_config(config.run))

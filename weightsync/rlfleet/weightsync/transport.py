@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, ExternalStream, StorageType, StreamConfig, StreamSource
 
-from rlfleet.api.wire import ShardRef, WeightManifest
+from rlfleet.api.wire import ShardRef, WeightManifest, weights_prefix, weights_stream
 from rlfleet.api.wire import encode as encode_message
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.errors import CorruptShard
@@ -43,11 +43,11 @@ class Subjects:
 
     @property
     def prefix(self) -> str:
-        return f"rlfleet.weights.{self.run}"
+        return weights_prefix(self.run)
 
     @property
     def stream(self) -> str:
-        return f"WEIGHTS-{self.run}"
+        return weights_stream(self.run)
 
     @property
     def manifests(self) -> str:

@@ -1,0 +1,282 @@
+"""Who may do what on NATS: decentralized (JWT) authentication, and each run's own user.
+
+The servers trust one operator key and know one account (`RLFLEET`), whose JWT is given
+to every server in its configuration. Users are JWTs signed by the account's signing key,
+so a user needs no change to any server: the hub operator mints one per run, allowed only
+that run's subjects and streams (`run_user`), and the run's pods connect with it. A
+`.creds` file holds a user's JWT and its seed; `connect` signs the server's nonce with the
+seed, read again at each (re)connect so a rotated file is picked up.
+
+Keys are nkeys: Ed25519, written in base32 with a role prefix and a CRC-16, as every NATS
+tool reads them; `cryptography` does the signing.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from rlfleet.api.streams import evaluation_stream, step_stream
+from rlfleet.api.wire import (
+    evaluation_subject,
+    step_subject,
+    task_stream,
+    task_subject,
+    trajectory_stream,
+    trajectory_subject,
+    weights_prefix,
+    weights_stream,
+)
+
+# A pod's user credentials: the path of a .creds file (a mounted Secret's key).
+CREDENTIALS_ENV = "RLFLEET_NATS_CREDS"
+
+RUN_USER_PREFIX = "run:"  # a run's user is named after it; its replies use `run_inbox`
+
+# nkey role prefixes (the first base32 letter of a key says what it is: O, A, U, S...).
+OPERATOR, ACCOUNT, USER = 14 << 3, 0, 20 << 3
+_SEED = 18 << 3
+
+
+def _crc16(data: bytes) -> bytes:
+    return binascii.crc_hqx(data, 0).to_bytes(2, "little")  # CRC-16/XMODEM, as nkeys
+
+
+def _b32(data: bytes) -> str:
+    return base64.b32encode(data).decode().rstrip("=")
+
+
+def _unb32(text: str) -> bytes:
+    return base64.b32decode(text + "=" * (-len(text) % 8))
+
+
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+@dataclass(frozen=True)
+class NKey:
+    """An Ed25519 key pair of one role, known by its seed."""
+
+    role: int
+    raw_seed: bytes
+
+    @classmethod
+    def generate(cls, role: int) -> NKey:
+        return cls(role, os.urandom(32))
+
+    @classmethod
+    def from_seed(cls, seed: str) -> NKey:
+        raw = _unb32(seed.strip())
+        body, crc = raw[:-2], raw[-2:]
+        if len(body) != 34 or _crc16(body) != crc or body[0] & 0xF8 != _SEED:
+            raise ValueError("not an nkey seed")
+        role = ((body[0] & 0x07) << 5) | (body[1] >> 3)
+        return cls(role, body[2:])
+
+    @property
+    def seed(self) -> str:
+        body = bytes([_SEED | self.role >> 5, (self.role & 31) << 3]) + self.raw_seed
+        return _b32(body + _crc16(body))
+
+    @property
+    def public(self) -> str:
+        key = self._private().public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        body = bytes([self.role]) + key
+        return _b32(body + _crc16(body))
+
+    def sign(self, data: bytes) -> bytes:
+        return self._private().sign(data)
+
+    def _private(self) -> Ed25519PrivateKey:
+        return Ed25519PrivateKey.from_private_bytes(self.raw_seed)
+
+
+def _jwt(issuer: NKey, subject: str, name: str, nats_claims: dict[str, Any]) -> str:
+    header = _b64url(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
+    claims = {"iat": int(time.time()), "iss": issuer.public, "name": name, "sub": subject}
+    claims["nats"] = nats_claims | {"version": 2}
+    body = json.dumps(claims, sort_keys=True).encode()
+    claims["jti"] = _b32(hashlib.sha256(body).digest())
+    payload = _b64url(json.dumps(claims, sort_keys=True).encode())
+    signature = _b64url(issuer.sign(f"{header}.{payload}".encode()))
+    return f"{header}.{payload}.{signature}"
+
+
+def claims_of(jwt: str) -> dict[str, Any]:
+    """A JWT's claims, unverified (the server verifies; this is for reading them)."""
+    payload = jwt.split(".")[1]
+    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+
+
+def operator_jwt(operator: NKey, system_account: str) -> str:
+    return _jwt(
+        operator,
+        operator.public,
+        "rlfleet",
+        {"type": "operator", "system_account": system_account},
+    )
+
+
+_UNLIMITED = {
+    "subs": -1,
+    "data": -1,
+    "payload": -1,
+    "imports": -1,
+    "exports": -1,
+    "wildcards": True,
+    "conn": -1,
+    "leaf": -1,
+}
+
+
+def account_jwt(
+    operator: NKey, account: NKey, name: str, signing_key: str | None, jetstream: bool
+) -> str:
+    limits = dict(_UNLIMITED)
+    if jetstream:
+        limits |= {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
+    claims: dict[str, Any] = {"type": "account", "limits": limits}
+    if signing_key is not None:
+        claims["signing_keys"] = [signing_key]
+    return _jwt(operator, account.public, name, claims)
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """Subjects a user may publish to and subscribe to; None: any."""
+
+    publish: list[str] | None = None
+    subscribe: list[str] | None = None
+
+
+def user_jwt(signer: NKey, account: str, user: NKey, name: str, allowed: Permissions) -> str:
+    claims: dict[str, Any] = {
+        "type": "user",
+        "issuer_account": account,
+        "subs": -1,
+        "data": -1,
+        "payload": -1,
+    }
+    if allowed.publish is not None:
+        claims["pub"] = {"allow": allowed.publish}
+    if allowed.subscribe is not None:
+        claims["sub"] = {"allow": allowed.subscribe}
+    return _jwt(signer, user.public, name, claims)
+
+
+def creds(jwt: str, seed: str) -> str:
+    """A .creds file's text, as `nats` and nats-server read it."""
+    return (
+        f"-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n"
+        f"-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+    )
+
+
+def parse_creds(text: str) -> tuple[str, NKey]:
+    """A .creds file's JWT and user key."""
+    blocks = [part.split("\n", 1)[1] for part in text.split("-----BEGIN ")[1:]]
+    if len(blocks) != 2:
+        raise ValueError("a .creds file holds a user JWT and its seed")
+    jwt, seed = (block.split("\n")[0].strip() for block in blocks)
+    return jwt, NKey.from_seed(seed)
+
+
+def mint_user(signer_seed: str, account: str, name: str, allowed: Permissions) -> str:
+    """New user credentials (.creds text) of `account`, signed by its signing key."""
+    user = NKey.generate(USER)
+    return creds(user_jwt(NKey.from_seed(signer_seed), account, user, name, allowed), user.seed)
+
+
+def account_of(credentials: str) -> str:
+    """The account a user (.creds text) belongs to."""
+    return claims_of(parse_creds(credentials)[0])["nats"]["issuer_account"]
+
+
+def mint_run_user(signer_seed: str, account: str, run: str) -> str:
+    """A run's own user (.creds text): its subjects and streams, nothing else."""
+    return mint_user(signer_seed, account, f"{RUN_USER_PREFIX}{run}", run_permissions(run))
+
+
+def run_inbox(run: str) -> str:
+    """The reply subjects of a run's clients: other runs cannot subscribe to them."""
+    return f"_INBOX_{run}"
+
+
+def run_permissions(run: str) -> Permissions:
+    """What a run's pods may touch: its own subjects and its own streams' JetStream API,
+    on any JetStream domain (the hub's, or a region's mirror)."""
+    streams = [
+        step_stream(run),
+        evaluation_stream(run),
+        task_stream(run),
+        trajectory_stream(run),
+        weights_stream(run),
+    ]
+    subjects = [
+        step_subject(run),
+        evaluation_subject(run),
+        task_subject(run),
+        trajectory_subject(run),
+        f"{weights_prefix(run)}.>",
+    ]
+    api = []
+    for prefix in ("$JS.API", "$JS.*.API"):
+        api.append(f"{prefix}.INFO")
+        api.append(f"{prefix}.STREAM.NAMES")
+        for stream in streams:
+            api += [
+                f"{prefix}.STREAM.*.{stream}",
+                f"{prefix}.STREAM.MSG.*.{stream}",
+                f"{prefix}.DIRECT.GET.{stream}",
+                f"{prefix}.DIRECT.GET.{stream}.>",
+                f"{prefix}.CONSUMER.*.{stream}",
+                f"{prefix}.CONSUMER.*.{stream}.>",
+                f"{prefix}.CONSUMER.*.*.{stream}.>",
+            ]
+    acks = [f"$JS.ACK.{s}.>" for s in streams] + [f"$JS.ACK.*.*.{s}.>" for s in streams]
+    flow = [f"$JS.FC.{s}.>" for s in streams]
+    inbox = f"{run_inbox(run)}.>"
+    return Permissions(publish=subjects + api + acks + flow + [inbox], subscribe=[*subjects, inbox])
+
+
+def connect_options(credentials: str | Path | None = None) -> dict[str, Any]:
+    """nats.connect's arguments for a user's credentials: .creds text, or the path of a
+    .creds file (read at every connect); None: the file `$RLFLEET_NATS_CREDS` names, if
+    set, else none (the URL may carry a user and password)."""
+    if credentials is None:
+        path = os.environ.get(CREDENTIALS_ENV)
+        if not path:
+            return {}
+        credentials = Path(path)
+
+    def read() -> tuple[str, NKey]:
+        text = credentials.read_text() if isinstance(credentials, Path) else credentials
+        return parse_creds(text)
+
+    options: dict[str, Any] = {
+        "user_jwt_cb": lambda: read()[0].encode(),
+        "signature_cb": lambda nonce: base64.b64encode(read()[1].sign(nonce.encode())),
+    }
+    name = claims_of(read()[0]).get("name", "")
+    if name.startswith(RUN_USER_PREFIX):
+        options["inbox_prefix"] = run_inbox(name.removeprefix(RUN_USER_PREFIX))
+    return options
+
+
+async def connect(
+    url: str, credentials: str | Path | None = None, **options: Any
+) -> nats.aio.client.Client:
+    """nats.connect with the user's credentials (see `connect_options`)."""
+    return await nats.connect(url, **connect_options(credentials), **options)
