@@ -109,7 +109,7 @@ def test_a_runs_own_user_reaches_its_streams_from_a_region_and_nothing_of_anothe
             for run in (mine, theirs):
                 for config in run_stream_configs(run):
                     await admin.jetstream().add_stream(config)
-            js = user.jetstream(domain=HUB_DOMAIN)
+            js = user.jetstream(domain=HUB_DOMAIN, timeout=2)
             ack = await js.publish(step_subject(mine), b"step")
             assert ack.stream == f"STEPS-{mine}"
             reader = await js.pull_subscribe(step_subject(mine), durable="reader")
@@ -120,7 +120,7 @@ def test_a_runs_own_user_reaches_its_streams_from_a_region_and_nothing_of_anothe
             with pytest.raises(nats.errors.TimeoutError):
                 await js.publish(step_subject(theirs), b"forged", timeout=2)
             with pytest.raises(nats.errors.TimeoutError):
-                await js.stream_info(f"STEPS-{theirs}", timeout=2)
+                await js.stream_info(f"STEPS-{theirs}")
             await user.subscribe(step_subject(theirs))
             await user.flush()
             await asyncio.sleep(0.5)

@@ -628,9 +628,9 @@ def test_the_hub_mints_the_runs_own_nats_user_into_every_cluster_it_runs_in(
     async def reach() -> str:
         nc = await natsauth.connect(world.fleet.bed.nats.leaves["region-a"].url, creds)
         try:
-            js = nc.jetstream(domain="hub")
+            js = nc.jetstream(domain="hub", timeout=2)
             with pytest.raises(nats.errors.TimeoutError):
-                await js.stream_info(step_stream("another-run"), timeout=2)
+                await js.stream_info(step_stream("another-run"))
             return (await js.stream_info(step_stream(RUN))).config.name
         finally:
             await nc.close()

@@ -26,6 +26,7 @@ def _up(args: argparse.Namespace) -> int:
         f"NATS hub {info.nats.hub.url}; leaf nodes: "
         + ", ".join(f"{r} {s.url}" for r, s in info.nats.leaves.items())
     )
+    print(f"NATS user: export RLFLEET_NATS_CREDS={info.nats.hub.credentials}")
     print(f"credentials and logs in {args.state}")
     return 0
 
