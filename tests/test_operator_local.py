@@ -176,7 +176,7 @@ def world(
     document = local_run()
     name, spec = document["metadata"]["name"], RLRunSpec.model_validate(document["spec"])
     layout = plan.Layout(work / "run")
-    for folder in (layout.root, layout.logs, layout.configs):
+    for folder in (layout.root, layout.logs, layout.configs, layout.nats):
         folder.mkdir(parents=True, exist_ok=True)
     make_model(spec, layout, warmup_steps=20)  # flow, not learning, is under test here
     processes = {p.name: p for p in plan.processes(name, spec, layout, bed.nats, plan.Tuning())}
