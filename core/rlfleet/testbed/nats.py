@@ -20,16 +20,14 @@ from rlfleet.api.natsauth import (
     ACCOUNT,
     CREDENTIALS_ENV,
     OPERATOR,
-    USER,
     NKey,
     Permissions,
     account_jwt,
     account_of,
     connect,
-    creds,
     mint_run_user,
+    mint_user,
     operator_jwt,
-    user_jwt,
 )
 from rlfleet.testbed.binaries import binary
 from rlfleet.testbed.pki import write_secret
@@ -149,8 +147,8 @@ def _trust(state: Path) -> tuple[_Trust, str, NKey]:
 
 
 def _user_creds(path: Path, signer: NKey, account: str, name: str) -> Path:
-    user = NKey.generate(USER)
-    write_secret(path, creds(user_jwt(signer, account, user, name, Permissions()), user.seed))
+    """An unrestricted user of the account, written where only its owner reads it."""
+    write_secret(path, mint_user(signer.seed, account, name, Permissions()))
     return path
 
 
