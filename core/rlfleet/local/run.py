@@ -19,8 +19,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import msgspec
 import nats
@@ -91,6 +93,7 @@ def table(
     scores: list[EvaluationReport],
     trained_s: float,
     budget_s: float,
+    status: str | None = None,
 ) -> Table:
     progress = f"{trained_s:.0f}s of {budget_s:.0f}s training" if reports else "starting"
     shown = Table(title=f"rlfleet run {name}: {progress}")
@@ -105,8 +108,8 @@ def table(
             f"{r.weight_seconds:.2f}",
             f"{r.tokens / max(r.step_seconds, 1e-9):.0f}",
         )
-    if scores:
-        shown.caption = f"evaluation: {scored(scores[-1])}"
+    captions = [f"evaluation: {scored(scores[-1])}"] if scores else []
+    shown.caption = "\n".join(captions + ([status] if status else [])) or None
     return shown
 
 
@@ -119,11 +122,9 @@ def scored(score: EvaluationReport) -> str:
 
 async def follow(
     name: str,
-    url: str,
-    credentials: Path,
+    plane: Plane,
     budget_s: float,
     stop: asyncio.Event,
-    supervisor: Supervisor,
     gate: EvaluationGate | None,
 ) -> list[EvaluationReport]:
     """Shows step reports as they come until the training budget (counted from the first
@@ -150,18 +151,21 @@ async def follow(
     def ruled() -> bool:  # on the newest score, as the hub operator judges
         return gate is not None and bool(scores) and gate.verdict(scores[-1].reward) is not None
 
-    nc = await natsauth.connect(url, credentials)
+    def shown() -> Table:
+        return table(name, steps, scores, trained_s(), budget_s, plane.status(trained_s()))
+
+    nc = await natsauth.connect(plane.url, plane.credentials)
     await nc.subscribe(step_subject(name), cb=on_step)
     await nc.subscribe(evaluation_subject(name), cb=on_score)
     try:
-        with Live(table(name, steps, scores, 0.0, budget_s), console=console) as live:
+        with Live(shown(), console=console) as live:
             while not stop.is_set() and trained_s() < budget_s and not ruled():
-                supervisor.check_alive()
+                plane.check_alive()
                 if first_step is None and time.monotonic() - launched > STARTUP_LIMIT_S:
                     raise TimeoutError(f"no training step in {STARTUP_LIMIT_S}s; see the logs")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)
-                live.update(table(name, steps, scores, trained_s(), budget_s))
+                live.update(shown())
     finally:
         await nc.close()
     return scores
@@ -228,52 +232,114 @@ class Trained:
         return spec.evaluation.verdict(self.scores[-1].reward)
 
 
+class Plane(Protocol):
+    """Where a run's processes run and how they are reached: started on entering."""
+
+    url: str  # the hub's NATS
+    credentials: Path  # the run's own NATS user
+
+    def __enter__(self) -> Plane: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def check_alive(self) -> None:
+        """Raises if a process the run needs has died."""
+
+    def status(self, trained_s: float) -> str | None:
+        """What to show under the live table, read every second of training."""
+
+    def stop_run(self) -> None:
+        """Stops the run's processes (each finishes what it is doing), leaving NATS up."""
+
+
+PlaneFactory = Callable[[str, RLRunSpec, plan.Layout, plan.Tuning], Plane]
+
+
+class LocalPlane:
+    """An embedded NATS hub with a leaf node per region, and the run's processes."""
+
+    def __init__(
+        self, name: str, spec: RLRunSpec, layout: plan.Layout, tuning: plan.Tuning
+    ) -> None:
+        self.name, self.spec, self.layout, self.tuning = name, spec, layout, tuning
+        self.credentials = layout.credentials
+        self.supervisor = Supervisor(layout.logs, attached=True)
+        self.components: list[str] = []
+
+    def __enter__(self) -> LocalPlane:
+        try:
+            regions = [r.name for r in self.spec.rollout.regions]
+            bed = start_nats(regions, self.supervisor, self.layout.nats)
+            self.url = bed.hub.url
+            write_secret(self.credentials, bed.run_user(self.name))
+            for process in plan.processes(self.name, self.spec, self.layout, bed, self.tuning):
+                launch(process, self.supervisor)
+                self.components.append(process.name)
+        except BaseException:
+            self.__exit__()
+            raise
+        console.print(f"started {self.name}: logs in {self.layout.logs}; Ctrl-C stops and reports")
+        return self
+
+    def check_alive(self) -> None:
+        self.supervisor.check_alive()
+
+    def status(self, trained_s: float) -> str | None:
+        return None
+
+    def stop_run(self) -> None:
+        pids = self.supervisor.pids()
+        stop_pids([pid for name, pid in pids.items() if name in self.components], 30)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_run()  # before NATS, so the trainer's last step still gets out
+        self.supervisor.stop_all(grace_seconds=30)
+
+
 def train(
-    name: str, spec: RLRunSpec, layout: plan.Layout, budget_s: float, tuning: plan.Tuning
+    name: str,
+    spec: RLRunSpec,
+    layout: plan.Layout,
+    budget_s: float,
+    tuning: plan.Tuning,
+    plane_for: PlaneFactory = LocalPlane,
 ) -> Trained:
     """Runs the RLRun's processes until `budget_s` of training, Ctrl-C or the evaluation
     gate's verdict, then stops them, and evaluates the last version."""
-    for folder in (layout.root, layout.logs, layout.configs):
+    for folder in (layout.root, layout.logs, layout.configs, layout.nats):
         folder.mkdir(parents=True, exist_ok=True)
-    supervisor = Supervisor(layout.logs, attached=True)
     stop = asyncio.Event()
-    components: list[str] = []
-    try:
-        bed = start_nats([r.name for r in spec.rollout.regions], supervisor, layout.nats)
-        write_secret(layout.credentials, bed.run_user(name))
-        for process in plan.processes(name, spec, layout, bed, tuning):
-            launch(process, supervisor)
-            components.append(process.name)
-        console.print(f"started {name}: logs in {layout.logs}; Ctrl-C stops and reports")
-
-        url, credentials = bed.hub.url, layout.credentials
+    with plane_for(name, spec, layout, tuning) as plane:
 
         async def watched() -> list[EvaluationReport]:
             loop = asyncio.get_running_loop()
             loop.add_signal_handler(signal.SIGINT, stop.set)
             loop.add_signal_handler(signal.SIGTERM, stop.set)
-            return await follow(name, url, credentials, budget_s, stop, supervisor, spec.evaluation)
+            return await follow(name, plane, budget_s, stop, spec.evaluation)
 
         scores = asyncio.run(watched())
         # The run's own processes stop first, so the trainer's last step gets out, and the
         # evaluation reads the version it made while NATS is still there.
-        stop_pids([pid for n, pid in supervisor.pids().items() if n in components], 30)
+        plane.stop_run()
         console.print("evaluating the last version on the whole suite")
         end = evaluate(
             plan.model_path(spec, layout),
             spec.rollout.task_suite,
             layout.report / EVALUATION_END,
-            *("--run", name, "--nats-url", url),
-            credentials=credentials,
+            *("--run", name, "--nats-url", plane.url),
+            credentials=plane.credentials,
         )
-        return Trained(asyncio.run(recorded_steps(name, url, credentials)), end, scores)
-    finally:
-        # The run's own processes before NATS, so the trainer's last step still gets out.
-        stop_pids([pid for n, pid in supervisor.pids().items() if n in components], 30)
-        supervisor.stop_all(grace_seconds=30)
+        steps = asyncio.run(recorded_steps(name, plane.url, plane.credentials))
+    return Trained(steps, end, scores)
 
 
-def run(path: Path, root: Path | None, minutes: float, warmup_steps: int | None) -> int:
+def run(
+    path: Path,
+    root: Path | None,
+    minutes: float,
+    warmup_steps: int | None,
+    plane_for: PlaneFactory = LocalPlane,
+) -> int:
     """Trains the run; exits 1 when its evaluation gate failed it."""
     name, spec = load(path)
     layout = plan.Layout(root or Path(".rlfleet") / "runs" / name)
@@ -283,7 +349,7 @@ def run(path: Path, root: Path | None, minutes: float, warmup_steps: int | None)
     if not start.exists():  # the model a run starts from never changes: once is enough
         console.print("evaluating the starting model on the whole suite")
         evaluate(plan.model_path(spec, layout), spec.rollout.task_suite, start)
-    trained = train(name, spec, layout, minutes * 60, tuning)
+    trained = train(name, spec, layout, minutes * 60, tuning, plane_for)
     evaluated = json.loads(start.read_text()) if start.exists() and trained.end else None
     verdict = trained.verdict(spec)
     gate = {
