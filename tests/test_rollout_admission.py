@@ -37,6 +37,7 @@ from rlfleet.rollout.admission import Admission
 from rlfleet.rollout.curriculum import Curriculum
 from rlfleet.rollout.feed import FeedConfig, feed, passes
 from rlfleet.rollout.tasks import write_suite
+from rlfleet.rollout.worker import groups_to_take
 from rlfleet.testbed.nats import StandaloneNats
 
 
@@ -249,3 +250,14 @@ async def _wait_for_stream(js, name: str) -> None:
             return
         except nats.js.errors.NotFoundError:
             await asyncio.sleep(0.1)
+
+
+def test_a_worker_takes_whole_groups_and_a_group_larger_than_its_sessions_alone() -> None:
+    assert groups_to_take(running=0, max_sessions=64, group_size=16) == 4
+    assert groups_to_take(running=40, max_sessions=64, group_size=16) == 1
+    assert groups_to_take(running=50, max_sessions=64, group_size=16) == 0
+    assert groups_to_take(running=80, max_sessions=64, group_size=16) == 0
+    # groupSize may be up to 1024 while a worker runs 64 sessions: such a group once took
+    # no task ever; now it runs when the worker is idle.
+    assert groups_to_take(running=0, max_sessions=16, group_size=32) == 1
+    assert groups_to_take(running=32, max_sessions=16, group_size=32) == 0

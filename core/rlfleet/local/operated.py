@@ -19,6 +19,7 @@ import base64
 import contextlib
 import copy
 import functools
+import logging
 import secrets
 import threading
 import time
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from rich.logging import RichHandler
 
 from rlfleet.api import launch as pods
 from rlfleet.api.meta import API_VERSION
@@ -309,6 +311,10 @@ def run(
         console.print(f"[red]--spike in {', '.join(strays)}: not a region of {name}[/red]")
         return 2
     document = yaml.safe_load(path.read_text())
+    # The pod runner's starts and stops, above the live table.
+    pods_log = logging.getLogger(PodRunner.__module__)
+    pods_log.setLevel(logging.INFO)
+    pods_log.addHandler(RichHandler(console=console, show_path=False))
     namespace = f"{name[:50]}-{secrets.token_hex(3)}"
     with bed_at(bed_state) as bed:
         plane_for = functools.partial(

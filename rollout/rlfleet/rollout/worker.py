@@ -66,6 +66,14 @@ def make_llm(config: WorkerConfig):
     )
 
 
+def groups_to_take(running: int, max_sessions: int, group_size: int) -> int:
+    """How many groups to fetch with `running` sessions under way. A group is never split,
+    so one larger than `max_sessions` runs alone rather than never."""
+    if group_size > max_sessions:
+        return 0 if running else 1
+    return max(0, max_sessions - running) // group_size
+
+
 @dataclass(frozen=True)
 class _Group:
     task: Task
@@ -163,18 +171,21 @@ class Worker:
         return region
 
     async def _take(self, queue, js) -> None:
-        free = self.config.max_sessions - self.sessions
-        if free < self.config.group_size:
+        wanted = groups_to_take(self.sessions, self.config.max_sessions, self.config.group_size)
+        if not wanted:
             await asyncio.sleep(0.05)
             return
         try:
-            messages = await queue.fetch(max(1, free // self.config.group_size), timeout=1)
+            messages = await queue.fetch(wanted, timeout=1)
         except (TimeoutError, nats.errors.TimeoutError):
             return
         for message in messages:
             group = asyncio.create_task(self._group(message, js))
             self._groups.add(group)
             group.add_done_callback(self._groups.discard)
+        # Each group counts its sessions before its first await: let them, so the next
+        # fetch sees them (it once took a second group into a full worker).
+        await asyncio.sleep(0)
 
     async def _group(self, message, js) -> None:
         try:
