@@ -1,0 +1,70 @@
+"""`rlfleet run FILE --operator` as a user types it, on the session's bed: the run goes
+through the operators, a scripted traffic spike takes region-a's GPUs back for a while,
+and the command leaves its report and takes its namespace away. The finer steps of the
+same plane (a drained worker, training going on, serving replicas back) are asserted in
+`test_operator_local.py`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from rlfleet.testbed.bed import BedInfo
+from rlfleet.testbed.binaries import binary
+from rlfleet.testbed.fleet import HUB
+
+pytestmark = pytest.mark.bed
+
+REGIONS = ["region-a", "region-b"]
+
+
+def test_a_run_through_the_operators_loses_and_regains_a_regions_worker_in_a_spike(
+    bed: BedInfo, tmp_path
+) -> None:
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "rlfleet.cli", "run", str(ROOT / "examples" / "local.yaml")),
+            *("--operator", "--bed", str(bed.state_dir), "--state", str(run)),
+            # Flow, not learning, is under test; the spike ends well before the budget, so
+            # the GPUs come back and a second worker starts in region-a.
+            *("--warmup-steps", "20", "--minutes", "2", "--spike", "region-a:0.25-0.75"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env=os.environ | {"COLUMNS": "250"},  # rich wraps its log lines at the width
+    )
+    output = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 0, output[-4000:]
+
+    summary = json.loads((run / "report" / "summary.json").read_text())
+    assert summary["steps"] > 0
+    assert summary["reward_from"] == "evaluation"
+    assert summary["evaluated_version"] == summary["policy_version"]
+
+    # One local worker per rollout pod, named after it: region-a's first was stopped when
+    # its pod went, and the pod lent after the spike got a new one.
+    workers = {region: sorted((run / "logs").glob(f"rollout-{region}-*.log")) for region in REGIONS}
+    assert [len(workers[region]) for region in REGIONS] == [2, 1]
+    assert "is gone: stopping rollout-region-a-" in output
+
+    # The run's namespace is deleted in every cluster it reached.
+    namespace = output.split("in namespace ")[1].split()[0]
+    for cluster in [HUB, *REGIONS]:
+        phase = subprocess.run(
+            [
+                *(binary("kubectl"), f"--kubeconfig={bed.kubeconfig}"),
+                *(f"--context={cluster}", "get", "namespace", namespace, "--ignore-not-found"),
+                "-o=jsonpath={.status.phase}",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert phase in ("", "Terminating")
