@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from conftest import ROOT
 
 from rlfleet.testbed.bed import BedInfo
@@ -26,10 +27,15 @@ REGIONS = ["region-a", "region-b"]
 def test_a_run_through_the_operators_loses_and_regains_a_regions_worker_in_a_spike(
     bed: BedInfo, tmp_path
 ) -> None:
+    # The example under a name of its own: `test_operator_local.py` ran it on this bed.
+    document = yaml.safe_load((ROOT / "examples" / "local.yaml").read_text())
+    document["metadata"]["name"] = "tiny-moe-cli"
+    example = tmp_path / "local.yaml"
+    example.write_text(yaml.safe_dump(document))
     run = tmp_path / "run"
     done = subprocess.run(
         [
-            *(sys.executable, "-m", "rlfleet.cli", "run", str(ROOT / "examples" / "local.yaml")),
+            *(sys.executable, "-m", "rlfleet.cli", "run", str(example)),
             *("--operator", "--bed", str(bed.state_dir), "--state", str(run)),
             # Flow, not learning, is under test; the spike ends well before the budget, so
             # the GPUs come back and a second worker starts in region-a.
