@@ -15,6 +15,7 @@ starts.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import copy
@@ -27,18 +28,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import nats.js.errors
 import yaml
 from rich.logging import RichHandler
 
 from rlfleet.api import launch as pods
 from rlfleet.api.meta import API_VERSION
 from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.api.streams import run_stream_configs
+from rlfleet.api.wire import weights_stream
 from rlfleet.local import plan
 from rlfleet.local import run as local_run
 from rlfleet.local.pods import PodRunner, kube_pods
 from rlfleet.local.run import console
 from rlfleet.testbed.bed import STATE_FILE, Bed, BedInfo, stop_recorded
 from rlfleet.testbed.fleet import HUB, Fleet, TrafficServer, serving_deployment
+from rlfleet.testbed.nats import NatsServer
 from rlfleet.testbed.pki import write_secret
 from rlfleet.testbed.processes import Supervisor
 
@@ -111,6 +116,22 @@ def inference_pool(metrics_url: str) -> dict:
             "traffic": {"metricsUrl": metrics_url, "lendBelow": 4, "reclaimAbove": 12},
         },
     }
+
+
+async def drop_streams(hub: NatsServer, run: str, regions: list[str]) -> None:
+    """Deletes the run's streams from the bed's NATS: the hub operator keeps them after the
+    run is deleted, and a run made again under the name would read the old one's
+    trajectories and step reports."""
+    nc = await hub.connect()
+    try:
+        streams = [(nc.jetstream(), c.name) for c in run_stream_configs(run)]
+        streams.append((nc.jetstream(), weights_stream(run)))
+        streams += [(nc.jetstream(domain=region), weights_stream(run)) for region in regions]
+        for js, stream in streams:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await js.delete_stream(stream)
+    finally:
+        await nc.close()
 
 
 @contextlib.contextmanager
@@ -235,6 +256,7 @@ class OperatedPlane:
             self.apply(region, serving_deployment(SERVING, SERVING_REPLICAS, GPUS_PER_REPLICA))
             self.apply(region, inference_pool(self.traffic.url(region)))
         fleet.start_all()
+        asyncio.run(drop_streams(self.bed.nats.hub, self.name, self.regions))
         self.apply(HUB, self.document)
         console.print(f"applied RLRun {self.name}; waiting for the hub to mint its NATS user")
         write_secret(self.credentials, self._minted_user())
@@ -284,8 +306,10 @@ class OperatedPlane:
 
     def __exit__(self, *exc: object) -> None:
         self.stop_run()
+        with contextlib.suppress(Exception):  # the bed's NATS may be what failed
+            asyncio.run(drop_streams(self.bed.nats.hub, self.name, self.regions))
         # The namespace goes in every cluster, and with it the run, its pools and its
-        # Secrets; the hub's finalizer deletes the run's NATS streams.
+        # Secrets.
         for cluster in [HUB, *self.regions]:
             self.fleet.kubectl(cluster, "delete", "namespace", self.namespace, "--wait=false")
         self.fleet.stop()
@@ -303,8 +327,8 @@ def run(
     spikes: tuple[Spike, ...],
 ) -> int:
     """`rlfleet run FILE --operator`: as `rlfleet run`, through the bed's operators. Each
-    time round is a new RLRun in a namespace of its own, deleted at the end; the trainer
-    resumes from its checkpoint in the run folder."""
+    time round is a new RLRun, with new streams, in a namespace of its own, deleted at the
+    end; the trainer resumes from its checkpoint in the run folder."""
     name, spec = local_run.load(path)
     strays = sorted({s.region for s in spikes} - {r.name for r in spec.rollout.regions})
     if strays:
