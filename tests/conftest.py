@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from rlfleet.api.schema import KINDS
-from rlfleet.api.wire import StepReport
+from rlfleet.api.streams import run_stream_configs
+from rlfleet.api.wire import StepReport, weights_stream
 from rlfleet.testbed.bed import Bed, BedInfo
 from rlfleet.testbed.binaries import binary
 from rlfleet.testbed.nats import StandaloneNats
@@ -38,6 +39,11 @@ def nats_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalon
         yield servers
     finally:
         servers.stop()
+
+
+def run_streams(key: str) -> list[str]:
+    """Every stream a run has on the hub: the four of `rlfleet.api.streams`, and weights."""
+    return [config.name for config in run_stream_configs(key)] + [weights_stream(key)]
 
 
 def step_report(run: str, version: int, finished_at: float, dropped_stale: int) -> StepReport:

@@ -139,6 +139,12 @@ BAD_SPECS = {
         _rlrun(evaluation={"suite": "rules", "minReward": 0.5, "targetReward": 0.5}),
         "spec.evaluation.targetReward",
     ),
+    # The name is the run's NATS subjects' token: a '.' would split it.
+    "a name with a dot": (_rlrun() | {"metadata": {"name": "tiny.moe"}}, "metadata.name"),
+    "a name too long for its trainer's pod labels": (
+        _rlrun() | {"metadata": {"name": "r" * 45}},
+        "metadata.name",
+    ),
     "a group of one attempt": (
         _rlrun(rollout={"groupSize": 1, "regions": [{"name": "region-a", "maxGpus": 8}]}),
         "spec.rollout.groupSize",

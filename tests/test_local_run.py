@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import ROOT
 
@@ -74,3 +75,34 @@ def test_a_local_run_stops_failed_when_a_version_scores_under_the_gates_floor(
     assert last["reward"] < 0.99 and last["suite"] == str(suite) and last["tasks"] == 16
     assert f"Failed: version {last['policy_version']} scored" in summary["stdout"]
     assert "under minReward 0.99" in summary["stdout"]
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"metadata": {"name": "tiny.moe"}}, "metadata.name: an RLRun's name must be a DNS label"),
+        ({"spec": {"maxStaleness": -1}}, "maxStaleness"),
+    ],
+)
+@pytest.mark.parametrize("operator", [False, True])
+def test_rlfleet_run_refuses_what_the_api_server_refuses_before_starting_anything(
+    change: dict, error: str, operator: bool, tmp_path: Path
+) -> None:
+    document = yaml.safe_load(EXAMPLE.read_text())
+    for part, fields in change.items():
+        document[part] |= fields
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(document))
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "rlfleet.cli", "run", str(bad)),
+            *("--state", str(tmp_path / "run"), "--bed", str(tmp_path / "bed")),
+            *(("--operator",) if operator else ()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert error in " ".join(done.stderr.split())
+    assert not (tmp_path / "bed").exists() and not (tmp_path / "run").exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import threading
 import time
@@ -18,20 +19,21 @@ import uuid
 from collections.abc import Iterator
 
 import nats
+import nats.js.errors
 import pytest
 import yaml
-from conftest import ROOT, step_report, wait_for
+from conftest import ROOT, run_streams, step_report, wait_for
 
 from rlfleet.api import natsauth
-from rlfleet.api.streams import evaluation_stream, step_stream
+from rlfleet.api.launch import run_key
+from rlfleet.api.streams import step_stream
 from rlfleet.api.wire import (
     EvaluationReport,
     StepReport,
     encode,
     evaluation_subject,
     step_subject,
-    task_stream,
-    trajectory_stream,
+    weights_stream,
 )
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import (
@@ -62,6 +64,7 @@ class World:
         self.ns = namespace
         self.traffic = traffic
         self.traces = traces
+        self.key = run_key(namespace, RUN)  # the run's name on NATS
 
     def get(self, cluster: str, *what: str) -> dict:
         return json.loads(self.fleet.kubectl(cluster, "-n", self.ns, "get", *what, "-o", "json"))
@@ -266,7 +269,7 @@ def test_every_pod_reads_the_runs_mounted_spec_and_is_told_where_nats_is(world: 
     hub_pods = world.items(HUB, "pods", "-l", f"rlfleet.io/run={RUN}")
     rollout = world.items("region-a", "pods", "-l", "rlfleet.io/component=rollout")[0]
     spec = json.loads(world.get(HUB, "configmap", f"{RUN}-spec")["data"]["rlrun.json"])
-    assert spec["name"] == RUN and spec["spec"]["rollout"]["groupSize"] == 8
+    assert spec["run"] == world.key and spec["spec"]["rollout"]["groupSize"] == 8
     for pod in [*hub_pods, rollout]:
         container = pod["spec"]["containers"][0]
         assert container["args"] == ["--rlrun", "/etc/rlfleet/rlrun.json"]
@@ -552,29 +555,23 @@ def on_hub_nats(world: World, work) -> object:
 def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: World) -> None:
     async def streams(nc) -> tuple[list[str], dict[str, str]]:
         hub = nc.jetstream()
-        names = [
-            trajectory_stream(RUN),
-            task_stream(RUN),
-            step_stream(RUN),
-            evaluation_stream(RUN),
-            f"WEIGHTS-{RUN}",
-        ]
-        made = [(await hub.stream_info(name)).config.name for name in names]
+        made = [(await hub.stream_info(name)).config.name for name in run_streams(world.key)]
         mirrors = {}
         for region in REGIONS:
-            info = await nc.jetstream(domain=region).stream_info(f"WEIGHTS-{RUN}")
+            info = await nc.jetstream(domain=region).stream_info(weights_stream(world.key))
             mirrors[region] = info.config.mirror.name
         return made, mirrors
 
     made, mirrors = on_hub_nats(world, streams)
-    assert len(made) == 5
-    assert mirrors == {r: f"WEIGHTS-{RUN}" for r in REGIONS}
+    # Named by namespace and name: a run of this name in another namespace is another run.
+    assert made == run_streams(f"{world.ns}_{RUN}")
+    assert mirrors == {r: weights_stream(world.key) for r in REGIONS}
 
     def publish(report: StepReport):
         # What the trainer publishes after each durable step.
-        return lambda nc: nc.jetstream().publish(step_subject(RUN), encode(report))
+        return lambda nc: nc.jetstream().publish(step_subject(world.key), encode(report))
 
-    on_hub_nats(world, publish(step_report(RUN, 7, time.time(), dropped_stale=3)))
+    on_hub_nats(world, publish(step_report(world.key, 7, time.time(), dropped_stale=3)))
     wait_for("policy version 7", lambda: world.run_status().get("policyVersion") == 7)
     status = world.run_status()
     assert status["trainerStep"] == 7 and status["staleness"] == 2
@@ -599,7 +596,7 @@ def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: 
     stalled = [e for e in world.events(HUB, RUN) if e["reason"] == "WeightSyncStalled"]
     assert stalled and "version 7 published at" in stalled[0]["message"]
     stall_after(900)
-    on_hub_nats(world, publish(step_report(RUN, 8, time.time(), dropped_stale=3)))
+    on_hub_nats(world, publish(step_report(world.key, 8, time.time(), dropped_stale=3)))
     wait_for("policy version 8", lambda: world.run_status().get("policyVersion") == 8)
     wait_for("flowing", lambda: world.condition("WeightSyncStalled").get("status") == "False")
     wait_for("Ready again", lambda: world.condition("Ready").get("status") == "True")
@@ -623,7 +620,7 @@ def test_the_hub_mints_the_runs_own_nats_user_into_every_cluster_it_runs_in(
         region_meta, region_creds = minted(region)
         assert "ownerReferences" not in region_meta  # the hub deletes it with the mirror
         user = natsauth.claims_of(natsauth.parse_creds(region_creds)[0])
-        assert user["name"] == f"run:{RUN}" and user["nats"]["pub"]["allow"]
+        assert user["name"] == f"run:{world.key}" and user["nats"]["pub"]["allow"]
 
     async def reach() -> str:
         nc = await natsauth.connect(world.fleet.bed.nats.leaves["region-a"].url, creds)
@@ -631,11 +628,11 @@ def test_the_hub_mints_the_runs_own_nats_user_into_every_cluster_it_runs_in(
             js = nc.jetstream(domain="hub", timeout=2)
             with pytest.raises(nats.errors.TimeoutError):
                 await js.stream_info(step_stream("another-run"))
-            return (await js.stream_info(step_stream(RUN))).config.name
+            return (await js.stream_info(step_stream(world.key))).config.name
         finally:
             await nc.close()
 
-    assert asyncio.run(reach()) == step_stream(RUN)
+    assert asyncio.run(reach()) == step_stream(world.key)
 
 
 def test_the_evaluation_gate_holds_a_run_that_fails_or_reaches_its_target(
@@ -657,7 +654,7 @@ def test_the_evaluation_gate_holds_a_run_that_fails_or_reaches_its_target(
     gate({"suite": "rules", "everyVersions": 10, "minReward": 0.5})
     wait_for("an evaluator", lambda: replicas("evaluator") == [1])
     report = EvaluationReport(
-        run=RUN,
+        run=world.key,
         suite="rules",
         policy_version=8,
         reward=0.31,
@@ -667,7 +664,8 @@ def test_the_evaluation_gate_holds_a_run_that_fails_or_reaches_its_target(
         finished_at=time.time(),
     )
     # What the evaluator publishes once it has scored a version.
-    on_hub_nats(world, lambda nc: nc.jetstream().publish(evaluation_subject(RUN), encode(report)))
+    subject = evaluation_subject(world.key)
+    on_hub_nats(world, lambda nc: nc.jetstream().publish(subject, encode(report)))
     wait_for("failed", lambda: world.run_status().get("phase") == "Failed")
     failed = world.condition("Failed")
     assert (failed["status"], failed["reason"]) == ("True", "EvaluationBelowFloor")
@@ -726,6 +724,20 @@ def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:
     wait_for(
         "NATS user gone", lambda: not world.items(HUB, "secrets", "-l", f"rlfleet.io/run={RUN}")
     )
+
+    async def left(nc) -> list[str]:
+        """The run's streams still on the hub, and its weights' copies in the regions."""
+        where = [("hub", nc.jetstream(), n) for n in run_streams(world.key)]
+        where += [(r, nc.jetstream(domain=r), weights_stream(world.key)) for r in REGIONS]
+        found = []
+        for domain, js, name in where:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await js.stream_info(name)
+                found.append(f"{domain}: {name}")
+        return found
+
+    # Nothing of the run is left on NATS for a run made again under its name to read.
+    assert on_hub_nats(world, left) == []
 
 
 def test_operator_logs_have_no_tracebacks(world: World) -> None:

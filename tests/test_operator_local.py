@@ -130,7 +130,7 @@ def world(
         document=document,
         namespace=f"local-{uuid.uuid4().hex[:6]}",
     )
-    listener = Listener(bed.nats.hub, name)
+    listener = Listener(bed.nats.hub, plane.key)
     try:
         # Installs the chart, makes each region's serving fleet, applies the run, and
         # binds its pods to processes that log in as the NATS user the hub minted.

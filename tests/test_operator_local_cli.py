@@ -6,15 +6,19 @@ same plane (a drained worker, training going on, serving replicas back) are asse
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 
+import nats.js.errors
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, run_streams
 
+from rlfleet.api.launch import run_key
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.binaries import binary
 from rlfleet.testbed.fleet import HUB
@@ -27,11 +31,10 @@ REGIONS = ["region-a", "region-b"]
 def test_a_run_through_the_operators_loses_and_regains_a_regions_worker_in_a_spike(
     bed: BedInfo, tmp_path
 ) -> None:
-    # The example under a name of its own: `test_operator_local.py` ran it on this bed.
-    document = yaml.safe_load((ROOT / "examples" / "local.yaml").read_text())
-    document["metadata"]["name"] = "tiny-moe-cli"
-    example = tmp_path / "local.yaml"
-    example.write_text(yaml.safe_dump(document))
+    # `test_operator_local.py` ran this example on the bed too: a run of the same name in
+    # another namespace is another run, with streams of its own.
+    example = ROOT / "examples" / "local.yaml"
+    name = yaml.safe_load(example.read_text())["metadata"]["name"]
     run = tmp_path / "run"
     done = subprocess.run(
         [
@@ -74,3 +77,17 @@ def test_a_run_through_the_operators_loses_and_regains_a_regions_worker_in_a_spi
             check=True,
         ).stdout
         assert phase in ("", "Terminating")
+
+    async def streams_left() -> list[str]:
+        nc = await bed.nats.hub.connect()
+        try:
+            found = []
+            for stream in run_streams(run_key(namespace, name)):
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    found.append((await nc.jetstream().stream_info(stream)).config.name)
+            return found
+        finally:
+            await nc.close()
+
+    # The hub deleted the run's streams with the run: the bed's NATS keeps nothing of it.
+    assert asyncio.run(streams_left()) == []

@@ -224,14 +224,14 @@ def test_the_operators_pods_train_from_the_mounted_spec_alone(pods) -> None:
 def test_a_pod_told_no_nats_or_given_a_model_it_cannot_read_says_so(tmp_path: Path) -> None:
     spec = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())["spec"]
     mounted = tmp_path / "rlrun.json"
-    mounted.write_text(json.dumps({"name": "r", "spec": spec}))
+    mounted.write_text(json.dumps({"run": "r", "spec": spec}))
     feed = [sys.executable, "-m", "rlfleet.rollout.feed", "--rlrun", str(mounted)]
     done = subprocess.run(feed, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "RLFLEET_NATS_URL is not set" in done.stderr
     assert "Traceback" not in done.stderr
 
     spec["model"]["uri"] = "s3://bucket/tiny-moe"
-    mounted.write_text(json.dumps({"name": "r", "spec": spec}))
+    mounted.write_text(json.dumps({"run": "r", "spec": spec}))
     trainer = [sys.executable, "-m", "rlfleet.trainer", "--rlrun", str(mounted)]
     env = os.environ | {"RLFLEET_NATS_URL": "nats://127.0.0.1:4222"}
     done = subprocess.run(trainer, capture_output=True, text=True, timeout=300, env=env)

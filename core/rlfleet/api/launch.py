@@ -26,7 +26,7 @@ from rlfleet.api.rlrun import RLRunSpec
 T = TypeVar("T")
 
 SPEC_DIR = "/etc/rlfleet"
-SPEC_FILE = f"{SPEC_DIR}/rlrun.json"  # {"name": run, "spec": RLRun spec}, as JSON
+SPEC_FILE = f"{SPEC_DIR}/rlrun.json"  # {"run": its key on NATS, "spec": RLRun spec}, as JSON
 STATE_DIR = "/var/lib/rlfleet"  # the trainer's checkpoints and step log live under here
 # The run's own NATS user (a .creds file, from the Secret `nats_credentials_secret(run)`).
 NATS_CREDENTIALS_DIR = "/var/run/secrets/rlfleet/nats"
@@ -71,14 +71,22 @@ def nats_credentials_secret(run: str) -> str:
     return f"{run}-nats"
 
 
-def spec_document(name: str, spec: dict) -> str:
-    """The mounted file's text: the run's name and spec."""
-    return json.dumps({"name": name, "spec": spec}, sort_keys=True)
+def run_key(namespace: str, name: str) -> str:
+    """An RLRun's name on NATS, in its streams, subjects and user: runs of one name in two
+    namespaces are two runs. Neither a namespace nor an RLRun's name may hold `_` (both
+    are DNS labels), so two runs never share a key."""
+    return f"{namespace}_{name}"
+
+
+def spec_document(run: str, spec: dict) -> str:
+    """The mounted file's text: the run's key on NATS (`run_key`) and its spec."""
+    return json.dumps({"run": run, "spec": spec}, sort_keys=True)
 
 
 def read_spec(path: Path) -> tuple[str, RLRunSpec]:
+    """The run's key on NATS and its spec, from the mounted file."""
     document = json.loads(path.read_text())
-    return document["name"], RLRunSpec.model_validate(document["spec"])
+    return document["run"], RLRunSpec.model_validate(document["spec"])
 
 
 def model_dir(spec: RLRunSpec) -> str:
@@ -199,7 +207,7 @@ def component_config(
     if args.config:
         return from_file(args.config)
     try:
-        name, spec = read_spec(args.rlrun)
-        return from_spec(name, spec, Placement.from_env(os.environ))
+        run, spec = read_spec(args.rlrun)
+        return from_spec(run, spec, Placement.from_env(os.environ))
     except (OSError, ValueError, msgspec.ValidationError) as error:
         sys.exit(f"{program}: cannot run {args.rlrun}: {error}")

@@ -84,6 +84,7 @@ class ResourceKind:
     spec: type[ApiModel]
     status: type[ApiModel]
     columns: tuple[PrinterColumn, ...] = field(default=())
+    rules: tuple[dict[str, str], ...] = ()  # CEL rules on the whole object, its name too
 
     @property
     def crd_name(self) -> str:

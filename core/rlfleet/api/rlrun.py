@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
@@ -19,6 +20,22 @@ from rlfleet.api.meta import (
 )
 
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
+
+# An RLRun's own name names its NATS streams and subjects, where `.` cannot go, and its
+# trainer's pods carry the label `<name>-trainer-<hash of up to 10>`, which must fit 63.
+RUN_NAME_MAX = 44
+RUN_NAME_RULE = cel(
+    f"size(self.metadata.name) <= {RUN_NAME_MAX} && self.metadata.name.matches('{DNS_LABEL}')",
+    f"metadata.name: an RLRun's name must be a DNS label (lowercase letters, digits and "
+    f"'-', no '.') of at most {RUN_NAME_MAX} characters",
+)
+
+
+def check_run_name(name: object) -> str:
+    """The name, if the API server would take it for an RLRun (`RUN_NAME_RULE`)."""
+    if not (isinstance(name, str) and len(name) <= RUN_NAME_MAX and re.match(DNS_LABEL, name)):
+        raise ValueError(RUN_NAME_RULE["message"] + f", not {name!r}")
+    return name
 
 
 class ModelSource(ApiModel):
@@ -402,6 +419,7 @@ RLRUN = ResourceKind(
     short_names=("rlr",),
     spec=RLRunSpec,
     status=RLRunStatus,
+    rules=(RUN_NAME_RULE,),
     columns=(
         PrinterColumn("Phase", ".status.phase", "string"),
         PrinterColumn("Version", ".status.policyVersion", "integer", "Current policy version"),

@@ -101,6 +101,8 @@ def crd(kind: ResourceKind) -> dict[str, Any]:
             "status": model_schema(kind.status),
         },
     }
+    if kind.rules:
+        schema[VALIDATIONS] = list(kind.rules)
     columns = [
         {
             "name": column.name,

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
+import yaml
 
 from rlfleet.cli.dev import DEFAULT_STATE as DEV_BED
 
@@ -20,6 +23,13 @@ def _spike(text: str):
 
 def _run(args: argparse.Namespace) -> int:
     # torch, NATS and rich load slowly: only once the arguments are known to be good.
+    from rlfleet.local.run import load
+
+    try:
+        load(args.file)  # what the API server would refuse is refused here, as plainly
+    except (OSError, ValueError, yaml.YAMLError) as error:
+        print(f"rlfleet run: {args.file}: {error}", file=sys.stderr)
+        return 2
     if args.operator:
         from rlfleet.local import operated
 

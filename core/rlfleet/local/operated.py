@@ -15,35 +15,31 @@ starts.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import copy
 import functools
 import logging
 import secrets
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import nats.js.errors
 import yaml
 from rich.logging import RichHandler
 
 from rlfleet.api import launch as pods
 from rlfleet.api.meta import API_VERSION
 from rlfleet.api.rlrun import RLRunSpec
-from rlfleet.api.streams import run_stream_configs
-from rlfleet.api.wire import weights_stream
 from rlfleet.local import plan
 from rlfleet.local import run as local_run
 from rlfleet.local.pods import PodRunner, kube_pods
 from rlfleet.local.run import console
 from rlfleet.testbed.bed import STATE_FILE, Bed, BedInfo, stop_recorded
 from rlfleet.testbed.fleet import HUB, Fleet, TrafficServer, serving_deployment
-from rlfleet.testbed.nats import NatsServer
 from rlfleet.testbed.pki import write_secret
 from rlfleet.testbed.processes import Supervisor
 
@@ -60,6 +56,7 @@ OPERATOR_VALUES = {
     "callTimeoutSeconds": 2,
 }
 WAIT_S = 120.0  # for the operators' first decisions: the chart, the run's NATS user
+DELETE_WAIT_S = 60  # for the hub to delete the run's mirrors and streams
 
 
 @dataclass(frozen=True)
@@ -116,22 +113,6 @@ def inference_pool(metrics_url: str) -> dict:
             "traffic": {"metricsUrl": metrics_url, "lendBelow": 4, "reclaimAbove": 12},
         },
     }
-
-
-async def drop_streams(hub: NatsServer, run: str, regions: list[str]) -> None:
-    """Deletes the run's streams from the bed's NATS: the hub operator keeps them after the
-    run is deleted, and a run made again under the name would read the old one's
-    trajectories and step reports."""
-    nc = await hub.connect()
-    try:
-        streams = [(nc.jetstream(), c.name) for c in run_stream_configs(run)]
-        streams.append((nc.jetstream(), weights_stream(run)))
-        streams += [(nc.jetstream(domain=region), weights_stream(run)) for region in regions]
-        for js, stream in streams:
-            with contextlib.suppress(nats.js.errors.NotFoundError):
-                await js.delete_stream(stream)
-    finally:
-        await nc.close()
 
 
 @contextlib.contextmanager
@@ -216,6 +197,7 @@ class OperatedPlane:
         if missing:
             raise ValueError(f"the bed has no cluster for region(s) {', '.join(missing)}")
         self.url = bed.nats.hub.url
+        self.key = pods.run_key(namespace, name)  # as the hub names the run on NATS
         self.credentials = layout.credentials
         self.fleet = Fleet(bed, layout.root / "fleet", [namespace], self.regions)
         self.fleet.values = OPERATOR_VALUES
@@ -223,7 +205,7 @@ class OperatedPlane:
         self.supervisor = Supervisor(layout.logs, attached=True)
         self.runner = PodRunner(
             name,
-            {p.name: p for p in plan.processes(name, spec, layout, bed.nats, tuning)},
+            {p.name: p for p in plan.processes(self.key, spec, layout, bed.nats, tuning)},
             kube_pods(bed.kubeconfig, namespace, name),
             [HUB, *self.regions],
             self.supervisor,
@@ -256,7 +238,6 @@ class OperatedPlane:
             self.apply(region, serving_deployment(SERVING, SERVING_REPLICAS, GPUS_PER_REPLICA))
             self.apply(region, inference_pool(self.traffic.url(region)))
         fleet.start_all()
-        asyncio.run(drop_streams(self.bed.nats.hub, self.name, self.regions))
         self.apply(HUB, self.document)
         console.print(f"applied RLRun {self.name}; waiting for the hub to mint its NATS user")
         write_secret(self.credentials, self._minted_user())
@@ -306,10 +287,22 @@ class OperatedPlane:
 
     def __exit__(self, *exc: object) -> None:
         self.stop_run()
-        with contextlib.suppress(Exception):  # the bed's NATS may be what failed
-            asyncio.run(drop_streams(self.bed.nats.hub, self.name, self.regions))
-        # The namespace goes in every cluster, and with it the run, its pools and its
-        # Secrets.
+        # The run is deleted while its operators still run: the hub deletes its mirrors
+        # and NATS streams before it lets the RLRun go.
+        try:
+            self.fleet.kubectl(
+                HUB,
+                "-n",
+                self.namespace,
+                "delete",
+                "rlrun",
+                self.name,
+                "--ignore-not-found",
+                f"--timeout={DELETE_WAIT_S}s",
+            )
+        except (RuntimeError, subprocess.TimeoutExpired) as error:  # an operator had died
+            console.print(f"[yellow]the hub did not finish deleting {self.name}: {error}")
+        # The namespace goes in every cluster, and with it the pools and Secrets.
         for cluster in [HUB, *self.regions]:
             self.fleet.kubectl(cluster, "delete", "namespace", self.namespace, "--wait=false")
         self.fleet.stop()

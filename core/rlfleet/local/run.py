@@ -35,7 +35,7 @@ from rich.live import Live
 from rich.table import Table
 
 from rlfleet.api import natsauth
-from rlfleet.api.rlrun import EvaluationGate, RLRunSpec
+from rlfleet.api.rlrun import EvaluationGate, RLRunSpec, check_run_name
 from rlfleet.api.streams import step_stream
 from rlfleet.api.wire import (
     EvaluationReport,
@@ -57,7 +57,8 @@ def load(path: Path) -> tuple[str, RLRunSpec]:
     document = yaml.safe_load(path.read_text())
     if not isinstance(document, dict) or document.get("kind") != "RLRun":
         raise ValueError(f"{path}: not an RLRun document")
-    return document["metadata"]["name"], RLRunSpec.model_validate(document["spec"])
+    name = check_run_name((document.get("metadata") or {}).get("name"))
+    return name, RLRunSpec.model_validate(document["spec"])
 
 
 def make_model(spec: RLRunSpec, layout: plan.Layout, warmup_steps: int) -> None:
@@ -155,8 +156,8 @@ async def follow(
         return table(name, steps, scores, trained_s(), budget_s, plane.status(trained_s()))
 
     nc = await natsauth.connect(plane.url, plane.credentials)
-    await nc.subscribe(step_subject(name), cb=on_step)
-    await nc.subscribe(evaluation_subject(name), cb=on_score)
+    await nc.subscribe(step_subject(plane.key), cb=on_step)
+    await nc.subscribe(evaluation_subject(plane.key), cb=on_score)
     try:
         with Live(shown(), console=console) as live:
             while not stop.is_set() and trained_s() < budget_s and not ruled():
@@ -171,16 +172,16 @@ async def follow(
     return scores
 
 
-async def recorded_steps(name: str, url: str, credentials: Path) -> list[StepReport]:
+async def recorded_steps(run: str, url: str, credentials: Path) -> list[StepReport]:
     """Every step report the run's stream holds, re-runs included, oldest first."""
     nc = await natsauth.connect(url, credentials)
     try:
         js = nc.jetstream()
-        state = (await js.stream_info(step_stream(name))).state
+        state = (await js.stream_info(step_stream(run))).state
         found = []
         for seq in range(state.first_seq, state.last_seq + 1) if state.messages else []:
             try:
-                message = await js.get_msg(step_stream(name), seq, direct=True)
+                message = await js.get_msg(step_stream(run), seq, direct=True)
                 found.append(decode_step_report(message.data))
             except (nats.js.errors.NotFoundError, msgspec.ValidationError):
                 continue
@@ -236,6 +237,7 @@ class Plane(Protocol):
     """Where a run's processes run and how they are reached: started on entering."""
 
     url: str  # the hub's NATS
+    key: str  # the run's name there: its streams, subjects and user
     credentials: Path  # the run's own NATS user
 
     def __enter__(self) -> Plane: ...
@@ -262,6 +264,7 @@ class LocalPlane:
         self, name: str, spec: RLRunSpec, layout: plan.Layout, tuning: plan.Tuning
     ) -> None:
         self.name, self.spec, self.layout, self.tuning = name, spec, layout, tuning
+        self.key = name  # the run has NATS to itself
         self.credentials = layout.credentials
         self.supervisor = Supervisor(layout.logs, attached=True)
         self.components: list[str] = []
@@ -271,8 +274,8 @@ class LocalPlane:
             regions = [r.name for r in self.spec.rollout.regions]
             bed = start_nats(regions, self.supervisor, self.layout.nats)
             self.url = bed.hub.url
-            write_secret(self.credentials, bed.run_user(self.name))
-            for process in plan.processes(self.name, self.spec, self.layout, bed, self.tuning):
+            write_secret(self.credentials, bed.run_user(self.key))
+            for process in plan.processes(self.key, self.spec, self.layout, bed, self.tuning):
                 launch(process, self.supervisor)
                 self.components.append(process.name)
         except BaseException:
@@ -326,10 +329,10 @@ def train(
             plan.model_path(spec, layout),
             spec.rollout.task_suite,
             layout.report / EVALUATION_END,
-            *("--run", name, "--nats-url", plane.url),
+            *("--run", plane.key, "--nats-url", plane.url),
             credentials=plane.credentials,
         )
-        steps = asyncio.run(recorded_steps(name, plane.url, plane.credentials))
+        steps = asyncio.run(recorded_steps(plane.key, plane.url, plane.credentials))
     return Trained(steps, end, scores)
 
 

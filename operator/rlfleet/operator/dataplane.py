@@ -8,6 +8,7 @@ slows a reconcile by at most `timeout_s` and never blocks kopf.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Coroutine
@@ -125,6 +126,27 @@ class DataPlane:
                 log.warning("weights mirror of run %s in region %s: %s", run, region, error)
                 missing.append(region)
         return missing
+
+    def delete_streams(self, run: str, regions: list[str]) -> list[str]:
+        """Deletes the run's streams in the hub and its weights' mirror in each region, so
+        nothing of it outlives the run; returns the regions whose mirror is left."""
+        return self._run(self._delete_streams(run, regions))
+
+    async def _delete_streams(self, run: str, regions: list[str]) -> list[str]:
+        nc = await self._client()
+        js = nc.jetstream()
+        for config in run_stream_configs(run):
+            with contextlib.suppress(nats.js.errors.NotFoundError):  # or an earlier try's
+                await js.delete_stream(config.name)
+        await WeightStream(nc, run, SyncConfig()).delete()
+        left = []
+        for region in regions:
+            try:
+                await WeightStream(nc, run, SyncConfig(), domain=region).delete()
+            except (nats.errors.Error, TimeoutError) as error:
+                log.warning("weights mirror of run %s in region %s: %s", run, region, error)
+                left.append(region)
+        return left
 
     def last_step(self, run: str) -> StepReport | None:
         """The trainer's newest step report, None before its first step."""

@@ -135,11 +135,9 @@ def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -
     @kopf.on.delete(**runs, **own)
     def delete_run(body: kopf.Body, namespace: str, name: str, uid: str, **_) -> None:
         with locks.of(uid), telemetry.reconciling("RLRun", namespace, name):
-            unreachable = hub.delete(dict(body))
-        if unreachable:
-            raise kopf.TemporaryError(
-                f"the mirrors in {', '.join(unreachable)} are deleted once they answer", delay=5
-            )
+            left = hub.delete(dict(body))
+        if left:
+            raise kopf.TemporaryError(f"left for a later try: {'; '.join(left)}", delay=5)
         # Trainer objects carry ownerReferences: the garbage collector takes them.
 
 

@@ -60,6 +60,11 @@ class RegionReport:
     credentials: bool = False  # the problem is the kubeconfig Secret, not the network
 
 
+def _key(run: dict) -> str:
+    """The run's name on NATS."""
+    return launch.run_key(run["metadata"]["namespace"], run["metadata"]["name"])
+
+
 def _mirror_ref(run: dict) -> Ref:
     meta = run["metadata"]
     return Ref(API_VERSION, "RLRun", meta["name"], meta["namespace"])
@@ -92,7 +97,7 @@ class Hub:
             return None
         if meta["uid"] not in self._users:
             try:
-                self._users[meta["uid"]] = self.dataplane.run_user(meta["name"])
+                self._users[meta["uid"]] = self.dataplane.run_user(_key(run))
             except DataPlaneUnavailable as error:
                 log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
                 return None
@@ -162,14 +167,14 @@ class Hub:
         if self.dataplane is None:
             return None
         meta, old = run["metadata"], run.get("status") or {}
-        name, regions = meta["name"], tuple(r.name for r in spec.rollout.regions)
+        key, regions = _key(run), tuple(r.name for r in spec.rollout.regions)
         try:
             made = (meta["uid"], regions) in self._streams
-            if not made and not self.dataplane.ensure_streams(name, list(regions)):
+            if not made and not self.dataplane.ensure_streams(key, list(regions)):
                 self._streams.add((meta["uid"], regions))
-            report = self.dataplane.last_step(name)
+            report = self.dataplane.last_step(key)
         except DataPlaneUnavailable as error:
-            log.warning("run %s/%s: %s", meta["namespace"], name, error)
+            log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
             return None
         was = next((c for c in old.get("conditions", []) if c["type"] == "Training"), {})
         since = parse_time(was.get("lastTransitionTime")) if was.get("status") == "True" else None
@@ -207,7 +212,7 @@ class Hub:
         report = None
         if spec.evaluation is not None and self.dataplane is not None:
             try:
-                report = self.dataplane.last_evaluation(meta["name"])
+                report = self.dataplane.last_evaluation(_key(run))
             except DataPlaneUnavailable as error:
                 log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
         return gate.judge(report, spec, old, meta.get("generation", 0))
@@ -417,11 +422,24 @@ class Hub:
         return Outcome(status, events)
 
     def delete(self, run: dict) -> list[str]:
-        """Deletes every mirror of the run; returns the regions that could not be reached."""
+        """Deletes every mirror of the run, then its NATS streams (the hub's and each
+        region's copy of its weights); returns what is left for a later try."""
+        uid = run["metadata"]["uid"]
         named = {r["name"] for r in run["spec"]["rollout"]["regions"]}
         named |= {e["name"] for e in (run.get("status") or {}).get("regions", [])}
         for region in named:
-            self._answered.pop((run["metadata"]["uid"], region), None)
-        self._users.pop(run["metadata"]["uid"], None)
-        self._placed.discard((run["metadata"]["uid"], self.config.cluster))
-        return sorted(region for region in named if not self._forget(run, region))
+            self._answered.pop((uid, region), None)
+        self._users.pop(uid, None)
+        self._placed.discard((uid, self.config.cluster))
+        left = [f"its mirror in {r}" for r in sorted(named) if not self._forget(run, r)]
+        if self.dataplane is not None:
+            # Only regions the hub reaches: one never configured has no copy to delete.
+            regions = sorted(r for r in named if r in self.regions.access)
+            try:
+                kept = self.dataplane.delete_streams(_key(run), regions)
+            except DataPlaneUnavailable as error:
+                left.append(f"its NATS streams ({error})")
+            else:
+                left += [f"its weights' mirror in {r}'s NATS" for r in kept]
+                self._streams = {made for made in self._streams if made[0] != uid}
+        return left

@@ -55,12 +55,13 @@ def _meta(body: dict, name: str, labels: dict[str, str]) -> dict:
 
 def spec_config_map(run: dict) -> dict:
     """The run's spec as the pods read it: one source of truth for their settings."""
-    name = run["metadata"]["name"]
+    meta = run["metadata"]
+    name, key = meta["name"], launch.run_key(meta["namespace"], meta["name"])
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(run, f"{name}-spec", {RUN_LABEL: name}),
-        "data": {Path(launch.SPEC_FILE).name: launch.spec_document(name, run["spec"])},
+        "data": {Path(launch.SPEC_FILE).name: launch.spec_document(key, run["spec"])},
     }
 
 

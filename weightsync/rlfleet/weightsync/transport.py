@@ -15,6 +15,7 @@ in flight at once; that window, not the server, sets how much a receiver buffers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -100,6 +101,12 @@ class WeightStream:
             ),
         )
         await _add_or_update(self.js, config)
+
+    async def delete(self) -> None:
+        """The run's stream (or mirror) on this domain, gone with every version in it; a
+        stream that is not there is already gone."""
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.js.delete_stream(self.subjects.stream)
 
     async def put_version(self, version: EncodedVersion) -> None:
         manifest = version.manifest
