@@ -22,7 +22,7 @@ from conftest import ROOT, wait_for
 from nats.js.api import StreamInfo
 
 from rlfleet.api.inferencepool import InferencePoolSpec
-from rlfleet.api.launch import SPEC_FILE, STATE_DIR_ENV
+from rlfleet.api.launch import SPEC_FILE, STATE_DIR_ENV, run_key
 from rlfleet.api.natsauth import CREDENTIALS_ENV
 from rlfleet.api.streams import evaluation_stream, step_stream
 from rlfleet.api.wire import (
@@ -106,7 +106,8 @@ def pods(
         access = NatsAccess(url=bed.hub.url, domain=HUB_DOMAIN, credentials_secret="nats")
         # What the hub mints into the run's Secret: its pods connect as the run's own user.
         user = work / "run.creds"
-        write_secret(user, bed.run_user(run["metadata"]["name"]))
+        meta = run["metadata"]
+        write_secret(user, bed.run_user(run_key(meta["namespace"], meta["name"])))
         made = hub_objects(run, Images(), access)
         objects = {o["kind"]: o for o in made if o["kind"] != "Deployment"}
         deployments = {
@@ -183,6 +184,7 @@ async def weight_mirror(server: NatsServer, run: str, domain: str) -> StreamInfo
 def test_the_operators_pods_train_from_the_mounted_spec_alone(pods) -> None:
     run, bed, work, workloads = pods
     name = run["metadata"]["name"]
+    key = run_key(run["metadata"]["namespace"], name)  # the run's name on NATS
     # The model's claim is mounted read-only where its file:// uri points (here the
     # model already is at that path, as the volume would put it).
     for component in ("trainer", "rollout"):
@@ -202,19 +204,24 @@ def test_the_operators_pods_train_from_the_mounted_spec_alone(pods) -> None:
         assert secrets == [f"{name}-nats"]
         env = {e["name"]: e.get("value") for e in pod_spec["containers"][0]["env"]}
         assert env[CREDENTIALS_ENV] == "/var/run/secrets/rlfleet/nats/creds"
-    step, trajectory = asyncio.run(first_step_and_trajectory(bed.hub, name))
-    assert step.run == name and step.policy_version >= 1
+    step, trajectory = asyncio.run(first_step_and_trajectory(bed.hub, key))
+    assert step.run == key and step.policy_version >= 1
     # The worker names itself by its region and pod; the spec's group size holds.
     assert trajectory.worker == f"{REGION}/tiny-moe-arith-rollout-chat-prod-5b8c-qz7lm"
     assert trajectory.group_size == 8
+
     # The worker reads weights from its region's own mirror of the hub's stream (made by
     # the worker here, with no operator about), so a version crosses the WAN once.
-    info = asyncio.run(weight_mirror(bed.leaves[REGION], name, REGION))
-    assert info.mirror is not None and info.state.messages > 0
+    # A mirror made before the hub's stream retries on the server's schedule (about 10 s).
+    def mirrored() -> bool:
+        info = asyncio.run(weight_mirror(bed.leaves[REGION], key, REGION))
+        return info.mirror is not None and info.state.messages > 0
+
+    wait_for("region-a's mirror of the weights", mirrored, timeout=120)
     # The trainer keeps its checkpoints and step log in the state volume.
     wait_for("the step log", lambda: (work / "state" / "checkpoints" / "steps.jsonl").exists())
     # The evaluator scored a version the trainer published on the suite the spec names.
-    evaluation = asyncio.run(last_evaluation(bed.hub, name))
+    evaluation = asyncio.run(last_evaluation(bed.hub, key))
     assert evaluation.suite == run["spec"]["evaluation"]["suite"]
     assert (evaluation.tasks, evaluation.attempts) == (EVALUATION_TASKS, 8)
     logs = {p.stem: p.read_text() for p in (work / "logs").glob("*.log")}
