@@ -7,8 +7,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import yaml
-
 from rlfleet.cli.dev import DEFAULT_STATE as DEV_BED
 
 
@@ -23,22 +21,20 @@ def _spike(text: str):
 
 def _run(args: argparse.Namespace) -> int:
     # torch, NATS and rich load slowly: only once the arguments are known to be good.
-    from rlfleet.local.run import load
+    from rlfleet.local import run
+    from rlfleet.local.run import InvalidRun
 
     try:
-        load(args.file)  # what the API server would refuse is refused here, as plainly
-    except (OSError, ValueError, yaml.YAMLError) as error:
-        print(f"rlfleet run: {args.file}: {error}", file=sys.stderr)
+        if args.operator:
+            from rlfleet.local import operated
+
+            return operated.run(
+                args.file, args.state, args.minutes, args.warmup_steps, args.bed, tuple(args.spike)
+            )
+        return run.run(args.file, args.state, args.minutes, args.warmup_steps)
+    except InvalidRun as error:  # what the API server would refuse, refused as plainly
+        print(f"rlfleet run: {error}", file=sys.stderr)
         return 2
-    if args.operator:
-        from rlfleet.local import operated
-
-        return operated.run(
-            args.file, args.state, args.minutes, args.warmup_steps, args.bed, tuple(args.spike)
-        )
-    from rlfleet.local.run import run
-
-    return run(args.file, args.state, args.minutes, args.warmup_steps)
 
 
 def register(groups: argparse._SubParsersAction) -> None:

@@ -53,12 +53,19 @@ from rlfleet.testbed.processes import Supervisor, stop_pids
 console = Console()
 
 
+class InvalidRun(Exception):
+    """The file is not an RLRun the API server would take: nothing was started."""
+
+
 def load(path: Path) -> tuple[str, RLRunSpec]:
-    document = yaml.safe_load(path.read_text())
-    if not isinstance(document, dict) or document.get("kind") != "RLRun":
-        raise ValueError(f"{path}: not an RLRun document")
-    name = check_run_name((document.get("metadata") or {}).get("name"))
-    return name, RLRunSpec.model_validate(document["spec"])
+    try:
+        document = yaml.safe_load(path.read_text())
+        if not isinstance(document, dict) or document.get("kind") != "RLRun":
+            raise ValueError("not an RLRun document")
+        name = check_run_name((document.get("metadata") or {}).get("name"))
+        return name, RLRunSpec.model_validate(document.get("spec"))
+    except (OSError, ValueError, yaml.YAMLError) as error:
+        raise InvalidRun(f"{path}: {error}") from error
 
 
 def make_model(spec: RLRunSpec, layout: plan.Layout, warmup_steps: int) -> None:

@@ -35,6 +35,7 @@ from rlfleet.operator.workloads import (
     hub_objects,
     mints_users,
     mirror,
+    nats_key,
     nats_user_secret,
 )
 
@@ -58,11 +59,6 @@ class RegionReport:
     entry: dict  # the run's status.regions entry for this region
     problem: str = ""  # why it is not reachable: credentials or the network
     credentials: bool = False  # the problem is the kubeconfig Secret, not the network
-
-
-def _key(run: dict) -> str:
-    """The run's name on NATS."""
-    return launch.run_key(run["metadata"]["namespace"], run["metadata"]["name"])
 
 
 def _mirror_ref(run: dict) -> Ref:
@@ -97,7 +93,7 @@ class Hub:
             return None
         if meta["uid"] not in self._users:
             try:
-                self._users[meta["uid"]] = self.dataplane.run_user(_key(run))
+                self._users[meta["uid"]] = self.dataplane.run_user(nats_key(run))
             except DataPlaneUnavailable as error:
                 log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
                 return None
@@ -167,7 +163,7 @@ class Hub:
         if self.dataplane is None:
             return None
         meta, old = run["metadata"], run.get("status") or {}
-        key, regions = _key(run), tuple(r.name for r in spec.rollout.regions)
+        key, regions = nats_key(run), tuple(r.name for r in spec.rollout.regions)
         try:
             made = (meta["uid"], regions) in self._streams
             if not made and not self.dataplane.ensure_streams(key, list(regions)):
@@ -212,7 +208,7 @@ class Hub:
         report = None
         if spec.evaluation is not None and self.dataplane is not None:
             try:
-                report = self.dataplane.last_evaluation(_key(run))
+                report = self.dataplane.last_evaluation(nats_key(run))
             except DataPlaneUnavailable as error:
                 log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
         return gate.judge(report, spec, old, meta.get("generation", 0))
@@ -436,7 +432,7 @@ class Hub:
             # Only regions the hub reaches: one never configured has no copy to delete.
             regions = sorted(r for r in named if r in self.regions.access)
             try:
-                kept = self.dataplane.delete_streams(_key(run), regions)
+                kept = self.dataplane.delete_streams(nats_key(run), regions)
             except DataPlaneUnavailable as error:
                 left.append(f"its NATS streams ({error})")
             else:

@@ -53,15 +53,19 @@ def _meta(body: dict, name: str, labels: dict[str, str]) -> dict:
     }
 
 
+def nats_key(run: dict) -> str:
+    """The run's name on NATS, for its pods (in the mounted spec) and the hub alike."""
+    return launch.run_key(run["metadata"]["namespace"], run["metadata"]["name"])
+
+
 def spec_config_map(run: dict) -> dict:
     """The run's spec as the pods read it: one source of truth for their settings."""
-    meta = run["metadata"]
-    name, key = meta["name"], launch.run_key(meta["namespace"], meta["name"])
+    name = run["metadata"]["name"]
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(run, f"{name}-spec", {RUN_LABEL: name}),
-        "data": {Path(launch.SPEC_FILE).name: launch.spec_document(key, run["spec"])},
+        "data": {Path(launch.SPEC_FILE).name: launch.spec_document(nats_key(run), run["spec"])},
     }
 
 
