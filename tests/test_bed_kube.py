@@ -149,6 +149,11 @@ BAD_SPECS = {
         _rlrun(rollout={"groupSize": 1, "regions": [{"name": "region-a", "maxGpus": 8}]}),
         "spec.rollout.groupSize",
     ),
+    # Greedy rollouts would give every attempt of a group the same answer: no signal.
+    "a sampling temperature of zero": (
+        _rlrun(rollout={"temperature": 0, "regions": [{"name": "region-a", "maxGpus": 8}]}),
+        "spec.rollout.temperature",
+    ),
 }
 
 

@@ -72,6 +72,22 @@ def test_vllm_reports_the_experts_of_every_token_it_ran(tmp_path: Path) -> None:
         agree = (chosen.sort(-1).values == reported).all(-1)[real].float().mean()
         assert agree > 0.9, (layer, float(agree))
 
+    # The engine's log-probs are what the trainer's off-policy correction divides by: they
+    # are of the distribution the tokens were sampled from, temperature included, and the
+    # trainer scored at the same temperature with the same routing agrees with them.
+    def gap(s: dict, temperature: float) -> float:
+        one = Batch.of([torch.tensor(s["tokens"])], [torch.tensor(s["experts"])])
+        with torch.no_grad():
+            scored = token_logprobs(
+                model, one, batch_invariant=True, replay=True, temperature=temperature
+            )[0, s["prompt_len"] - 1 :]
+        return float((scored - torch.tensor(s["logprobs"])).abs().mean())
+
+    hot, temperature = report["hot"]["sample"], report["hot"]["temperature"]
+    assert gap(samples[0], 1.0) < 0.02
+    assert gap(hot, temperature) < 0.02
+    assert gap(hot, 1.0) > 4 * gap(hot, temperature)
+
     # And they make trajectories the trainer accepts for router replay.
     s = samples[0]
     generated = len(s["tokens"]) - s["prompt_len"]

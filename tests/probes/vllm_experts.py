@@ -1,7 +1,8 @@
 """vLLM samples with routed experts recorded in its workers; argv: CHECKPOINT OUT_JSON.
 
-A second round continues the first sample, as a multi-turn session does, so its
-prompt comes mostly from the prefix cache.
+The engine is made with the rollout worker's options. A second round continues the
+first sample, as a multi-turn session does, so its prompt comes mostly from the prefix
+cache. A third samples at a temperature above 1, as a run that explores does.
 """
 
 import json
@@ -13,13 +14,14 @@ PROMPTS = [
     "<|im_start|>user\nreverse the string abcdef<|im_end|>\n<|im_start|>assistant\n",
     "hi",
 ]
+HOT = 1.5
 
 
 def main() -> None:
     from vllm import LLM, SamplingParams
 
     from rlfleet.rollout import vllm_experts
-    from rlfleet.weightsync import vllm_options
+    from rlfleet.rollout.worker import engine_options
 
     llm = LLM(
         model=sys.argv[1],
@@ -29,7 +31,7 @@ def main() -> None:
         seed=0,
         enable_prefix_caching=True,
         block_size=32,
-        **vllm_options(worker_extension=vllm_experts.EXTENSION),
+        **engine_options(),
     )
     layers = vllm_experts.start(llm)
     params = SamplingParams(n=2, max_tokens=20, min_tokens=5, logprobs=0, seed=3)
@@ -55,8 +57,18 @@ def main() -> None:
     params = SamplingParams(max_tokens=10, min_tokens=5, logprobs=0, seed=4)
     again = llm.generate([{"prompt_token_ids": turn}], params, use_tqdm=False)
     continued = sample(again[0], again[0].outputs[0], vllm_experts.take(llm, again)[0][0])
+    params = SamplingParams(max_tokens=20, logprobs=0, seed=5, temperature=HOT)
+    hot = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    tempered = sample(hot[0], hot[0].outputs[0], vllm_experts.take(llm, hot)[0][0])
     Path(sys.argv[2]).write_text(
-        json.dumps({"layers": layers, "samples": samples, "continued": continued})
+        json.dumps(
+            {
+                "layers": layers,
+                "samples": samples,
+                "continued": continued,
+                "hot": {"temperature": HOT, "sample": tempered},
+            }
+        )
     )
 
 

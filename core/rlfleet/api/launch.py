@@ -117,6 +117,7 @@ def trainer_settings(
         "batch_invariant": spec.trainer.batch_invariant,
         "router_replay": spec.trainer.router_replay,
         "kl_coef": spec.trainer.kl_coef,
+        "temperature": spec.rollout.temperature,
         "max_staleness": spec.max_staleness,
         "weight_mirrors": _weight_mirrors(spec, at),
         "weightsync": _sync(spec),
@@ -156,6 +157,7 @@ def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> d
         "model": model,
         "name": f"{region}/{at.pod or 'rollout-0'}",
         "group_size": spec.rollout.group_size,
+        "session": {"temperature": spec.rollout.temperature},
         "weightsync": _sync(spec),
     } | ({"rewards": _rewards(spec)} if spec.rewards else {})
 

@@ -192,6 +192,18 @@ class RolloutSpec(ApiModel):
             ),
         ),
     ] = 1.0
+    temperature: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=2,
+            description=(
+                "Rollouts' sampling temperature. The trainer scores their tokens at the same"
+                " temperature, so the off-policy correction compares like with like; above 1"
+                " explores answers the policy rarely gives."
+            ),
+        ),
+    ] = 1.0
 
 
 class NatsEndpoint(ApiModel):

@@ -159,7 +159,8 @@ def processes(
             | {
                 "max_sessions": tuning.max_sessions,
                 "max_model_len": tuning.max_model_len,
-                "session": {"turn_tokens": tuning.turn_tokens, "max_turns": tuning.max_turns},
+                "session": worker["session"]
+                | {"turn_tokens": tuning.turn_tokens, "max_turns": tuning.max_turns},
             },
             rollout_env,
         )

@@ -50,10 +50,18 @@ MAX_DELIVER = 5
 VERSION_WAIT_S = 1800.0
 
 
+def engine_options() -> dict:
+    """What a rollout engine needs besides its sizes: weights that follow the trainer, the
+    experts each token was routed to, and each sampled token's log-prob under the
+    temperature it was sampled at (vLLM's default, raw log-probs, ignores temperature,
+    and the trainer's off-policy correction divides by that log-prob)."""
+    from rlfleet.rollout.vllm_experts import EXTENSION
+
+    return {"logprobs_mode": "processed_logprobs", **vllm_options(worker_extension=EXTENSION)}
+
+
 def make_llm(config: WorkerConfig):
     from vllm import LLM
-
-    from rlfleet.rollout.vllm_experts import EXTENSION
 
     return LLM(
         model=config.model,
@@ -62,7 +70,7 @@ def make_llm(config: WorkerConfig):
         enforce_eager=True,
         seed=config.seed,
         enable_prefix_caching=config.prefix_caching,
-        **vllm_options(worker_extension=EXTENSION),
+        **engine_options(),
     )
 
 

@@ -110,6 +110,7 @@ class Policy:
             rows.batch,
             batch_invariant=self.config.batch_invariant,
             replay=self.replay,
+            temperature=self.config.temperature,
         )
 
     def train_step(self, micro_batches: list[Rows]) -> StepResult:

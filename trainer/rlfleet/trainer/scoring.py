@@ -52,12 +52,18 @@ def prepare(model: nn.Module, *, batch_invariant: bool) -> nn.Module:
 
 
 def token_logprobs(
-    model: nn.Module, batch: Batch, *, batch_invariant: bool, replay: bool
+    model: nn.Module,
+    batch: Batch,
+    *,
+    batch_invariant: bool,
+    replay: bool,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """log p(token[t+1] | tokens[:t+1]) as [batch, width - 1] float32, 0 past each row's end.
 
     The model runs over every token but the last of each row (the last is only ever a
     target). With `replay`, MoE layers route each of those tokens by `batch.experts`.
+    `temperature` scores under softmax(logits / temperature), as the engine samples.
     """
     if replay and batch.experts is None:
         raise ValueError("router replay needs the routed experts of every sequence")
@@ -68,6 +74,6 @@ def token_logprobs(
     attention_mask = None if batch_invariant else batch.mask()[:, :-1].long()
     with kernels.sequence_lengths(lengths), routing.replay(batch.experts if replay else None):
         logits = model(input_ids=inputs, attention_mask=attention_mask, use_cache=False).logits
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
     picked = logprobs.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
     return picked * targets_real
