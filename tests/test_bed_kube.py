@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -105,6 +105,12 @@ def _rlrun(**spec_changes: object) -> dict:
     return document
 
 
+def _rlrun_with_rollout(**rollout_changes: object) -> dict:
+    document = _rlrun()
+    document["spec"]["rollout"].update(rollout_changes)
+    return document
+
+
 BAD_SPECS = {
     "wrong type": (_rlrun(maxStaleness="two"), "spec.maxStaleness"),
     "out of range": (_rlrun(maxStaleness=5000), "spec.maxStaleness"),
@@ -151,7 +157,7 @@ BAD_SPECS = {
     ),
     # Greedy rollouts would give every attempt of a group the same answer: no signal.
     "a sampling temperature of zero": (
-        _rlrun(rollout={"temperature": 0, "regions": [{"name": "region-a", "maxGpus": 8}]}),
+        _rlrun_with_rollout(temperature=0),
         "spec.rollout.temperature",
     ),
 }
@@ -174,16 +180,32 @@ def test_bad_specs_are_rejected_naming_the_field(
     assert listed.returncode != 0, "a rejected spec must not be stored"
 
 
+def _new_model(spec: dict) -> None:
+    spec["model"]["uri"] = "file:///another"
+
+
+def _hotter(spec: dict) -> None:
+    # The run was made without one, so it holds the default, 1.
+    spec["rollout"]["temperature"] = 1.5
+
+
 @pytest.mark.usefixtures("crds_installed")
-def test_model_is_immutable(kubectl: Kubectl, namespace: str) -> None:
+@pytest.mark.parametrize(
+    ("field", "change"),
+    [("spec.model", _new_model), ("spec.rollout.temperature", _hotter)],
+    ids=["model", "temperature"],
+)
+def test_fields_fixed_for_the_runs_life_refuse_a_change(
+    kubectl: Kubectl, namespace: str, field: str, change: Callable[[dict], None]
+) -> None:
     document = _rlrun()
     kubectl.run("hub", "-n", namespace, "apply", "-f", "-", stdin=yaml.safe_dump(document))
-    document["spec"]["model"]["uri"] = "file:///another"
+    change(document["spec"])
     result = kubectl.run(
         "hub", "-n", namespace, "apply", "-f", "-", stdin=yaml.safe_dump(document), check=False
     )
     assert result.returncode != 0
-    assert "spec.model" in result.stderr and "immutable" in result.stderr
+    assert field in result.stderr and "immutable" in result.stderr
 
 
 @pytest.mark.usefixtures("crds_installed")

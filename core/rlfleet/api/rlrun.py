@@ -192,6 +192,8 @@ class RolloutSpec(ApiModel):
             ),
         ),
     ] = 1.0
+    # Fixed for the run's life: pods read it when they start, and the trajectories in flight
+    # were sampled at the old one, so a change would mix temperatures in one step unseen.
     temperature: Annotated[
         float,
         Field(
@@ -200,8 +202,13 @@ class RolloutSpec(ApiModel):
             description=(
                 "Rollouts' sampling temperature. The trainer scores their tokens at the same"
                 " temperature, so the off-policy correction compares like with like; above 1"
-                " explores answers the policy rarely gives."
+                " explores answers the policy rarely gives. Fixed once the run exists."
             ),
+            json_schema_extra={
+                "x-kubernetes-validations": [
+                    cel("self == oldSelf", "rollout.temperature is immutable")
+                ]
+            },
         ),
     ] = 1.0
 

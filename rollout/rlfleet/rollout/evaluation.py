@@ -3,7 +3,8 @@
 A run's batch reward is what its rollouts earned on the tasks the feed chose. With the
 curriculum those are mostly the tasks still being learnt, so the batch reward says little
 about the suite. An evaluation samples every task of an exact-answer suite `attempts`
-times at temperature 1, as a rollout group would, and reports the mean reward, the share
+times at temperature 1, the policy's own distribution whatever temperature the run's
+rollouts explore at, and reports the mean reward, the share
 of tasks some attempt gets right (pass@k: what RL can still turn into reward) and the
 share of groups that disagree (what GRPO learns from). The weights are a version read
 off the run's weight stream, as a rollout worker reads them. Generation is Hugging Face

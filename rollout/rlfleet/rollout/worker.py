@@ -54,7 +54,9 @@ def engine_options() -> dict:
     """What a rollout engine needs besides its sizes: weights that follow the trainer, the
     experts each token was routed to, and each sampled token's log-prob under the
     temperature it was sampled at (vLLM's default, raw log-probs, ignores temperature,
-    and the trainer's off-policy correction divides by that log-prob)."""
+    and the trainer's off-policy correction divides by that log-prob). The processed
+    log-prob also takes in every other sampling change (min_tokens, penalties, top-p),
+    which the trainer does not make: sessions set the temperature and nothing else."""
     from rlfleet.rollout.vllm_experts import EXTENSION
 
     return {"logprobs_mode": "processed_logprobs", **vllm_options(worker_extension=EXTENSION)}

@@ -43,7 +43,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     is_cap: float = 2.0
     kl_coef: float = 0.0
     # The rollouts' sampling temperature: tokens are scored under logits / temperature, the
-    # distribution they were sampled from, or the importance ratios are off.
+    # distribution they were sampled from, else importance ratios compare two different
+    # distributions. The KL to the reference is taken at it too.
     temperature: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     group_timeout_s: float = 600.0
     ack_wait_s: float = 600.0  # JetStream redelivers what a dead trainer never acknowledged
