@@ -22,7 +22,6 @@ def _spike(text: str):
 def _run(args: argparse.Namespace) -> int:
     # torch, NATS and rich load slowly: only once the arguments are known to be good.
     from rlfleet.local import run
-    from rlfleet.local.run import InvalidRun
 
     try:
         if args.operator:
@@ -32,7 +31,7 @@ def _run(args: argparse.Namespace) -> int:
                 args.file, args.state, args.minutes, args.warmup_steps, args.bed, tuple(args.spike)
             )
         return run.run(args.file, args.state, args.minutes, args.warmup_steps)
-    except InvalidRun as error:  # what the API server would refuse, refused as plainly
+    except run.InvalidRun as error:  # what the API server would refuse, refused as plainly
         print(f"rlfleet run: {error}", file=sys.stderr)
         return 2
 
