@@ -112,7 +112,7 @@ def mismatch(model_dir: Path, samples: list[dict]) -> dict[str, float]:
     for hook in hooks:
         hook.remove()
     # The last pass routed by the trainer's own top-k: how often did it agree with vLLM?
-    real = batch.mask()[:, 1:].reshape(-1)
+    real = batch.real.reshape(-1)
     agree = []
     for layer, chosen in enumerate(own):
         reported = batch.experts[:, :, layer].reshape(-1, chosen.shape[-1])

@@ -66,7 +66,7 @@ def test_vllm_reports_the_experts_of_every_token_it_ran(tmp_path: Path) -> None:
     )
     with torch.no_grad():
         token_logprobs(model, batch, batch_invariant=True, replay=False)
-    real = batch.mask()[:, 1:].reshape(-1)
+    real = batch.real.reshape(-1)
     for layer, chosen in enumerate(own):
         reported = batch.experts[:, :, layer].reshape(-1, 2).sort(-1).values
         agree = (chosen.sort(-1).values == reported).all(-1)[real].float().mean()

@@ -74,6 +74,76 @@ def test_both_modes_compute_the_same_function(tiny_moe: Path) -> None:
     torch.testing.assert_close(invariant, default, rtol=0, atol=1e-4)
 
 
+def _groups(seed: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """Three GRPO-like groups: five sequences each after one shared prompt, with experts that
+    agree on the prompt (the engine ran it once) and differ after it."""
+    gen = torch.Generator().manual_seed(seed)
+    sequences, experts, prompts = [], [], []
+    for _ in range(3):
+        p = int(torch.randint(5, 60, (1,), generator=gen))
+        prompt = torch.randint(0, 256, (p,), generator=gen)
+        prompt_experts = torch.randint(0, 8, (p, 2, 2), generator=gen)
+        for _ in range(5):
+            c = int(torch.randint(1, 8, (1,), generator=gen))  # one-token answers too
+            sequences.append(torch.cat([prompt, torch.randint(0, 256, (c,), generator=gen)]))
+            answer_experts = torch.randint(0, 8, (c - 1, 2, 2), generator=gen)
+            experts.append(torch.cat([prompt_experts, answer_experts]))
+            prompts.append(p)
+    return sequences, experts, prompts
+
+
+def test_a_shared_prompt_runs_once_and_each_sequence_scores_as_it_would_alone(
+    tiny_moe: Path,
+) -> None:
+    sequences, experts, prompts = _groups()
+    model = _model(tiny_moe, True)
+    shared = Batch.of(sequences, experts, prompts=prompts)
+    # One row per group: the prompt once, then the five continuations' inputs.
+    assert shared.inputs.shape[0] == 3
+    assert shared.inputs.numel() < Batch.of(sequences, experts).inputs.numel() / 2
+    order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        together = token_logprobs(model, shared, batch_invariant=True, replay=True)
+        shuffled = token_logprobs(
+            model,
+            Batch.of(
+                [sequences[i] for i in order],
+                [experts[i] for i in order],
+                prompts=[prompts[i] for i in order],
+            ),
+            batch_invariant=True,
+            replay=True,
+        )
+        for index, (sequence, routed, prompt) in enumerate(
+            zip(sequences, experts, prompts, strict=True)
+        ):
+            alone = token_logprobs(
+                model,
+                Batch.of([sequence], [routed], prompts=[prompt]),
+                batch_invariant=True,
+                replay=True,
+            )[0]
+            n = len(sequence) - 1
+            # Bitwise: whichever siblings share its row, and in whatever order.
+            assert torch.equal(together[index, :n], alone[:n])
+            assert torch.equal(shuffled[order.index(index), :n], alone[:n])
+            assert not together[index, n:].any()
+
+
+def test_sharing_a_prompt_computes_the_same_function_as_scoring_each_sequence_whole(
+    tiny_moe: Path,
+) -> None:
+    sequences, experts, prompts = _groups()
+    whole = Batch.of(sequences, experts)
+    shared = Batch.of(sequences, experts, prompts=prompts)
+    with torch.no_grad():
+        for invariant in (True, False):
+            model = _model(tiny_moe, invariant)
+            expected = token_logprobs(model, whole, batch_invariant=invariant, replay=True)
+            found = token_logprobs(model, shared, batch_invariant=invariant, replay=True)
+            torch.testing.assert_close(found, expected, rtol=0, atol=1e-4)
+
+
 def _segment(length: int, experts: np.ndarray) -> Segment:
     rng = np.random.default_rng(length)
     prompt = 5
@@ -120,7 +190,7 @@ def test_router_replay_trains_with_exactly_the_trajectory_experts(
         logprobs, logprobs.detach(), rows.behaviour, rows.advantages, rows.mask, ObjectiveConfig()
     ).loss
     loss.backward()
-    real = rows.batch.mask()[:, 1:].reshape(-1)
+    real = rows.batch.real.reshape(-1)
     for layer in (0, 1):
         used = seen[layer][0].view(len(lengths), -1, 2)
         for row, segment in enumerate(segments):

@@ -22,6 +22,7 @@ import contextlib
 import contextvars
 import types
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +35,41 @@ NAME = "rlfleet_batch_invariant"
 # Rows per GEMM tile. Padding wastes at most TILE-1 rows per call (per expert in MoE).
 TILE = 64
 
-_lengths: contextvars.ContextVar[Sequence[int] | None] = contextvars.ContextVar(
-    "rlfleet_sequence_lengths", default=None
+_layouts: contextvars.ContextVar[Sequence[Layout] | None] = contextvars.ContextVar(
+    "rlfleet_layouts", default=None
 )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One row of a batch: a prompt, then continuations laid end to end after it, each of
+    which attends to the prompt and to itself only. A row without continuations is one
+    sequence; the rest of the row past them is padding."""
+
+    prompt: int
+    continuations: tuple[int, ...] = ()  # lengths, in the order they are laid out
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Where each non-empty continuation sits in the row."""
+        spans, start = [], self.prompt
+        for length in self.continuations:
+            if length:
+                spans.append((start, start + length))
+            start += length
+        return spans
+
+    def allowed(self, width: int) -> torch.Tensor:
+        """[width, width] True where a query (row) may attend to a key (column): the causal
+        mask of each sequence the row holds. A padding query sees itself only."""
+        owner = torch.full((width,), -2)
+        owner[: self.prompt] = -1
+        for index, (start, end) in enumerate(self.spans()):
+            owner[start:end] = index
+        position = torch.arange(width)
+        causal = position[None, :] <= position[:, None]
+        query, key = owner[:, None], owner[None, :]
+        related = (key == query) | ((key == -1) & (query >= 0))  # itself, or the prompt
+        return (causal & related & (query != -2)) | torch.eye(width, dtype=torch.bool)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -53,32 +86,44 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @contextlib.contextmanager
-def sequence_lengths(lengths: Sequence[int]) -> Iterator[None]:
-    """The true length of each row of a right-padded batch, for the attention below."""
-    token = _lengths.set(list(lengths))
+def layouts(rows: Sequence[Layout]) -> Iterator[None]:
+    """What each row of the batch holds, for the attention below."""
+    token = _layouts.set(list(rows))
     try:
         yield
     finally:
-        _lengths.reset(token)
+        _layouts.reset(token)
+
+
+def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> torch.Tensor:
+    """Causal attention over one sequence, [heads, tokens, dim] in, [tokens, heads, dim] out."""
+    attended = F.scaled_dot_product_attention(
+        query[None], key[None], value[None], is_causal=True, scale=scaling, enable_gqa=True
+    )
+    return attended[0].transpose(0, 1)
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    lengths = _lengths.get()
-    if lengths is None:
-        raise RuntimeError("batch-invariant attention needs sequence_lengths(...) around forward")
-    batch, heads, tokens, head_dim = query.shape
-    out = query.new_zeros(batch, tokens, heads, head_dim)
-    for row, length in enumerate(lengths):
-        attended = F.scaled_dot_product_attention(
-            query[row : row + 1, :, :length],
-            key[row : row + 1, :, :length],
-            value[row : row + 1, :, :length],
-            is_causal=True,
-            scale=scaling,
-            enable_gqa=True,
-        )
-        out[row, :length] = attended[0].transpose(0, 1)
-    return out, None
+    rows = _layouts.get()
+    if rows is None:
+        raise RuntimeError("batch-invariant attention needs layouts(...) around forward")
+    width = query.shape[2]
+    # The prompt is attended alone, then each continuation with the prompt in front: the
+    # kernel's sums run over the whole window, so a prompt attended beside a continuation
+    # would depend on that continuation's length; this way every sequence's numbers depend
+    # on it alone, whoever shares its row. Rows are split with `unbind` and joined with one
+    # `stack`: slicing rows out of the whole batch would make each row's backward write a
+    # batch-sized gradient.
+    out = []
+    for q, k, v, layout in zip(query.unbind(0), key.unbind(0), value.unbind(0), rows, strict=True):
+        p = layout.prompt
+        parts = [_causal(q[:, :p], k[:, :p], v[:, :p], scaling)]
+        for start, end in layout.spans():
+            q_, k_, v_ = (torch.cat((x[:, :p], x[:, start:end]), dim=1) for x in (q, k, v))
+            parts.append(_causal(q_, k_, v_, scaling)[p:])
+        row = torch.cat(parts)
+        out.append(F.pad(row, (0, 0, 0, 0, 0, width - row.shape[0])))
+    return torch.stack(out), None
 
 
 def _no_mask(*args, **kwargs) -> None:

@@ -38,8 +38,9 @@ def make_rows(segments: Sequence[Segment], advantages: Sequence[float], pad_id: 
         [torch.tensor(s.tokens) for s in segments],
         [routed_experts(s) for s in segments] if with_experts else None,
         pad_id=pad_id,
+        prompts=[s.prompt_len for s in segments],
     )
-    shape = (len(segments), batch.tokens.shape[1] - 1)
+    shape = batch.targets.shape
     behaviour, mask, adv = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
     for row, (segment, advantage) in enumerate(zip(segments, advantages, strict=True)):
         # Target t is token t+1, so the completion's first token is target prompt_len - 1.
@@ -55,18 +56,25 @@ def split_by_tokens(
 ) -> list[list[tuple[Segment, float]]]:
     """Micro-batches whose padded size (rows x longest row) stays within `padded_budget`.
 
-    Sorted by length so rows of a micro-batch pad little; a row longer than the budget
-    goes alone.
+    Sequences that share a prompt sit side by side, so a micro-batch scores their prompt
+    once (`Batch`); the budget counts them unshared, an upper bound. A sequence longer than
+    the budget goes alone.
     """
-    ordered = sorted(items, key=lambda item: len(item[0].tokens))
+    ordered = sorted(items, key=lambda item: (_prompt(item[0]), len(item[0].tokens)))
     batches: list[list[tuple[Segment, float]]] = []
     current: list[tuple[Segment, float]] = []
+    widest = 0
     for item in ordered:
-        width = len(item[0].tokens)
+        width = max(widest, len(item[0].tokens))
         if current and (len(current) + 1) * width > padded_budget:
             batches.append(current)
-            current = []
+            current, width = [], len(item[0].tokens)
         current.append(item)
+        widest = width
     if current:
         batches.append(current)
     return batches
+
+
+def _prompt(segment: Segment) -> tuple[int, ...]:
+    return tuple(segment.tokens[: segment.prompt_len])

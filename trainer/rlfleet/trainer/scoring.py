@@ -13,11 +13,22 @@ from rlfleet.trainer import kernels, routing
 
 @dataclass(frozen=True)
 class Batch:
-    """Sequences right-padded into one tensor; position t of row b is real iff t < lengths[b]."""
+    """Sequences laid out for one forward pass, and where each one's targets are scored.
 
-    tokens: torch.Tensor  # [batch, width] int64
-    lengths: list[int]
-    experts: torch.Tensor | None  # [batch, width - 1, layers, top_k] experts each input token used
+    Sequences that start with the same prompt share a row: the prompt runs through the
+    model once, then each sequence's own continuation follows, attending to the prompt and
+    to itself only, at the positions it has in its own sequence. A GRPO group scores its
+    prompt once instead of once per attempt. Every token of a sequence but its last runs
+    through the model; the last is only ever a target.
+    """
+
+    inputs: torch.Tensor  # [rows, width] int64: the tokens run through the model
+    positions: torch.Tensor  # [rows, width]: each input's position in its own sequence
+    layouts: list[kernels.Layout]  # per row: its prompt and continuations
+    experts: torch.Tensor | None  # [rows, width, layers, top_k] experts each input used
+    targets: torch.Tensor  # [sequences, longest - 1] int64: token t+1 of each sequence
+    source: torch.Tensor  # [sequences, longest - 1]: the flat input index predicting it
+    real: torch.Tensor  # [sequences, longest - 1] bool: target t exists
 
     @classmethod
     def of(
@@ -25,22 +36,80 @@ class Batch:
         sequences: Sequence[torch.Tensor],
         experts: Sequence[torch.Tensor] | None = None,
         pad_id: int = 0,
+        prompts: Sequence[int] | None = None,
     ) -> Batch:
-        lengths = [len(s) for s in sequences]
-        width = max(lengths)
-        tokens = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-        for row, sequence in enumerate(sequences):
-            tokens[row, : len(sequence)] = sequence
-        routed = None
-        if experts is not None:
-            shape = experts[0].shape[1:]
-            routed = torch.zeros((len(sequences), width - 1, *shape), dtype=torch.long)
-            for row, ids in enumerate(experts):
-                routed[row, : len(ids)] = ids
-        return cls(tokens, lengths, routed)
+        """`sequences` ([length] each), with `experts` ([length - 1, layers, top_k] each) and
+        the length of each one's prompt, `prompts`: those sharing a prompt share a row.
+        Without `prompts` each sequence is a row of its own."""
+        # Row key -> (its prompt's length, the sequences in it, in order).
+        rows: dict[object, tuple[int, list[int]]] = {}
+        for index, sequence in enumerate(sequences):
+            if prompts is None:
+                rows[index] = (len(sequence) - 1, [index])
+                continue
+            prompt = prompts[index]
+            rows.setdefault((prompt, tuple(sequence[:prompt].tolist())), (prompt, []))[1].append(
+                index
+            )
+        layouts, inputs, positions, routed = [], [], [], []
+        longest = max(len(s) for s in sequences) - 1
+        targets = torch.zeros((len(sequences), longest), dtype=torch.long)
+        source = torch.zeros((len(sequences), longest), dtype=torch.long)
+        real = torch.zeros((len(sequences), longest), dtype=torch.bool)
+        offsets = []  # per row, where in the row each sequence's continuation starts
+        for prompt, members in rows.values():
+            first = members[0]
+            row_inputs = [sequences[first][:prompt]]
+            row_positions = [torch.arange(prompt)]
+            row_experts = [experts[first][:prompt]] if experts is not None else []
+            start, continuations, starts = prompt, [], []
+            for member in members:
+                continuation = sequences[member][prompt:-1]
+                row_inputs.append(continuation)
+                row_positions.append(torch.arange(prompt, prompt + len(continuation)))
+                if experts is not None:
+                    row_experts.append(experts[member][prompt:])
+                starts.append(start)
+                continuations.append(len(continuation))
+                start += len(continuation)
+            layouts.append(kernels.Layout(prompt, tuple(continuations)))
+            inputs.append(torch.cat(row_inputs))
+            positions.append(torch.cat(row_positions))
+            routed.append(torch.cat(row_experts) if experts is not None else None)
+            offsets.append((members, starts))
+        width = max(len(row) for row in inputs)
+        for row, (members, starts) in enumerate(offsets):
+            prompt = layouts[row].prompt
+            for member, start in zip(members, starts, strict=True):
+                n = len(sequences[member]) - 1
+                targets[member, :n] = sequences[member][1:]
+                # Targets up to the prompt's end come from the prompt's inputs; each later
+                # one from the continuation's own input before it.
+                at = torch.arange(n)
+                at = torch.where(at < prompt, at, at - prompt + start)
+                source[member, :n] = row * width + at
+                real[member, :n] = True
+        return cls(
+            inputs=_padded(inputs, width, pad_id),
+            positions=_padded(positions, width, 0),
+            layouts=layouts,
+            experts=_padded(routed, width, 0) if experts is not None else None,
+            targets=targets,
+            source=source,
+            real=real,
+        )
 
-    def mask(self) -> torch.Tensor:
-        return torch.arange(self.tokens.shape[1])[None, :] < torch.tensor(self.lengths)[:, None]
+    def attention_mask(self) -> torch.Tensor:
+        """[rows, 1, width, width] bool: each row's sequences, for the default kernels."""
+        width = self.inputs.shape[1]
+        return torch.stack([layout.allowed(width) for layout in self.layouts])[:, None]
+
+
+def _padded(rows: Sequence[torch.Tensor], width: int, fill: int) -> torch.Tensor:
+    out = torch.full((len(rows), width, *rows[0].shape[1:]), fill, dtype=rows[0].dtype)
+    for index, row in enumerate(rows):
+        out[index, : len(row)] = row
+    return out
 
 
 def prepare(model: nn.Module, *, batch_invariant: bool) -> nn.Module:
@@ -59,21 +128,24 @@ def token_logprobs(
     replay: bool,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """log p(token[t+1] | tokens[:t+1]) as [batch, width - 1] float32, 0 past each row's end.
+    """log p(token[t+1] | tokens[:t+1]) of each sequence as [sequences, longest - 1] float32,
+    0 past each sequence's end.
 
-    The model runs over every token but the last of each row (the last is only ever a
-    target). With `replay`, MoE layers route each of those tokens by `batch.experts`.
-    `temperature` scores under softmax(logits / temperature), as the engine samples.
+    With `replay`, MoE layers route each input by `batch.experts`. `temperature` scores
+    under softmax(logits / temperature), as the engine samples.
     """
     if replay and batch.experts is None:
         raise ValueError("router replay needs the routed experts of every sequence")
-    inputs = batch.tokens[:, :-1]
-    lengths = [n - 1 for n in batch.lengths]
-    targets_real = batch.mask()[:, 1:]
-    # Batch-invariant attention slices each row to its length; the default kernels take a mask.
-    attention_mask = None if batch_invariant else batch.mask()[:, :-1].long()
-    with kernels.sequence_lengths(lengths), routing.replay(batch.experts if replay else None):
-        logits = model(input_ids=inputs, attention_mask=attention_mask, use_cache=False).logits
+    # Batch-invariant attention attends to each sequence alone; the default kernels take a mask.
+    attention_mask = None if batch_invariant else batch.attention_mask()
+    with kernels.layouts(batch.layouts), routing.replay(batch.experts if replay else None):
+        logits = model(
+            input_ids=batch.inputs,
+            position_ids=batch.positions,
+            attention_mask=attention_mask,
+            use_cache=False,
+        ).logits
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    picked = logprobs.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
-    return picked * targets_real
+    vocab = logprobs.shape[-1]
+    picked = logprobs.reshape(-1)[batch.source * vocab + batch.targets]
+    return picked * batch.real
