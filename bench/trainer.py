@@ -12,10 +12,14 @@ Prints one JSON object; ratios compare numbers measured in this same run.
   KL(vLLM || trainer) per generated token, `mismatch_abs_*` the mean |delta log-prob|,
   `routing_agreement` the share of (token, layer) expert sets the trainer's own router
   picks identically.
+- `prompt_sharing_speedup`: seconds per training step on a GRPO-shaped batch (8 groups of
+  16 attempts at one 48-token prompt, answers of 2 to 9 tokens, the demo's shape) scored
+  with each sequence whole over the same scored with each group's prompt run once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -122,37 +126,78 @@ def mismatch(model_dir: Path, samples: list[dict]) -> dict[str, float]:
     return result
 
 
-def step_timing(model_dir: Path, work: Path) -> dict[str, float]:
+def _segment(tokens: list[int], prompt: int, gen: torch.Generator):
     from rlfleet.api.wire import Segment
-    from rlfleet.trainer.config import TrainerConfig
-    from rlfleet.trainer.policy import Policy
-    from rlfleet.trainer.rows import make_rows, split_by_tokens
 
-    gen = torch.Generator().manual_seed(0)
+    answer = len(tokens) - prompt
+    experts = torch.randint(0, 8, ((len(tokens) - 1) * 4,), generator=gen)
+    return Segment(
+        tokens=tokens,
+        prompt_len=prompt,
+        generated=[1] * answer,
+        logprobs=[-2.0] * answer,
+        versions=[0] * answer,
+        routed_experts=experts.to(torch.int16).numpy().astype("<u2").tobytes(),
+        moe_layers=2,
+        top_k=2,
+    )
+
+
+def _long_answers(gen: torch.Generator) -> list:
+    """32 sequences of 64 to 256 tokens, each its own prompt."""
     segments = []
     for _ in range(32):
         n = int(torch.randint(64, 257, (1,), generator=gen))
-        prompt = 32
-        segments.append(
-            (
-                Segment(
-                    tokens=torch.randint(0, 256, (n,), generator=gen).tolist(),
-                    prompt_len=prompt,
-                    generated=[1] * (n - prompt),
-                    logprobs=[-2.0] * (n - prompt),
-                    versions=[0] * (n - prompt),
-                    routed_experts=torch.randint(0, 8, ((n - 1) * 4,), generator=gen)
-                    .to(torch.int16)
-                    .numpy()
-                    .astype("<u2")
-                    .tobytes(),
-                    moe_layers=2,
-                    top_k=2,
-                ),
-                float(torch.randn(1, generator=gen)),
+        tokens = torch.randint(0, 256, (n,), generator=gen).tolist()
+        segments.append((_segment(tokens, 32, gen), float(torch.randn(1, generator=gen))))
+    return segments
+
+
+def _grpo_groups(gen: torch.Generator) -> list:
+    """8 groups of 16 short answers to one 48-token prompt each."""
+    segments = []
+    for _ in range(8):
+        prompt = torch.randint(0, 256, (48,), generator=gen).tolist()
+        for _ in range(16):
+            answer = torch.randint(0, 256, (int(torch.randint(2, 10, (1,), generator=gen)),))
+            tokens = prompt + answer.tolist()
+            segments.append((_segment(tokens, 48, gen), float(torch.randn(1, generator=gen))))
+    return segments
+
+
+def _micro_batches(segments: list, budget: int, share_prompts: bool = True) -> list:
+    from rlfleet.trainer.rows import make_rows, routed_experts, split_by_tokens
+    from rlfleet.trainer.scoring import Batch
+
+    found = []
+    for chunk in split_by_tokens(segments, budget):
+        rows = make_rows([s for s, _ in chunk], [a for _, a in chunk], 0)
+        if not share_prompts:  # the same rows, each sequence laid out whole
+            whole = Batch.of(
+                [torch.tensor(s.tokens) for s, _ in chunk], [routed_experts(s) for s, _ in chunk]
             )
-        )
-    tokens = sum(len(s.tokens) for s, _ in segments)
+            rows = dataclasses.replace(rows, batch=whole)
+        found.append(rows)
+    return found
+
+
+def _seconds_per_step(policy, micro_batches) -> float:
+    policy.train_step(micro_batches)  # warm-up
+    runs = []
+    for _ in range(5):
+        started = time.perf_counter()
+        policy.train_step(micro_batches)
+        runs.append(time.perf_counter() - started)
+    return statistics.median(runs)
+
+
+def step_timing(model_dir: Path, work: Path) -> dict[str, float]:
+    from rlfleet.trainer.config import TrainerConfig
+    from rlfleet.trainer.policy import Policy
+
+    gen = torch.Generator().manual_seed(0)
+    long_answers, groups = _long_answers(gen), _grpo_groups(gen)
+    tokens = sum(len(s.tokens) for s, _ in long_answers)
     seconds = {}
     for invariant in (True, False):
         config = TrainerConfig(
@@ -164,17 +209,13 @@ def step_timing(model_dir: Path, work: Path) -> dict[str, float]:
             lr=1e-5,
         )
         policy = Policy(config)
-        micro = [
-            make_rows([s for s, _ in chunk], [a for _, a in chunk], 0)
-            for chunk in split_by_tokens(segments, config.micro_batch_tokens)
-        ]
-        policy.train_step(micro)  # warm-up
-        runs = []
-        for _ in range(5):
-            started = time.perf_counter()
-            policy.train_step(micro)
-            runs.append(time.perf_counter() - started)
-        seconds[invariant] = statistics.median(runs)
+        budget = config.micro_batch_tokens
+        seconds[invariant] = _seconds_per_step(policy, _micro_batches(long_answers, budget))
+        if invariant:
+            shared = _micro_batches(groups, budget)
+            whole = _micro_batches(groups, budget, share_prompts=False)
+            seconds["shared"] = _seconds_per_step(policy, shared)
+            seconds["whole"] = _seconds_per_step(policy, whole)
     return {
         "step_tokens": tokens,
         "invariant_step_s": seconds[True],
@@ -182,6 +223,9 @@ def step_timing(model_dir: Path, work: Path) -> dict[str, float]:
         "invariant_overhead": seconds[True] / seconds[False],
         "train_tokens_per_s": tokens / seconds[True],
         "default_tokens_per_s": tokens / seconds[False],
+        "grpo_shared_step_s": seconds["shared"],
+        "grpo_whole_step_s": seconds["whole"],
+        "prompt_sharing_speedup": seconds["whole"] / seconds["shared"],
     }
 
 

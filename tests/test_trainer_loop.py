@@ -246,7 +246,7 @@ def test_trainer_raises_the_reward_of_a_fixed_policy_on_a_verifiable_task(
     tmp_path: Path, tiny_moe: Path, nats_servers: StandaloneNats
 ) -> None:
     hub = nats_servers.bed.hub
-    rounds, groups, group_size, max_tokens = 12, 8, 4, 12
+    rounds, groups, group_size, max_tokens = 16, 8, 4, 12
     prompt = "<|im_start|>user\nWrite the number {n:04d}.<|im_end|>\n<|im_start|>assistant\n"
     prompt_tokens = len(AutoTokenizer.from_pretrained(tiny_moe)(prompt.format(n=0)).input_ids)
     round_tokens = groups * group_size * (prompt_tokens + max_tokens)

@@ -41,54 +41,44 @@ class Batch:
         """`sequences` ([length] each), with `experts` ([length - 1, layers, top_k] each) and
         the length of each one's prompt, `prompts`: those sharing a prompt share a row.
         Without `prompts` each sequence is a row of its own."""
-        # Row key -> (its prompt's length, the sequences in it, in order).
-        rows: dict[object, tuple[int, list[int]]] = {}
-        for index, sequence in enumerate(sequences):
-            if prompts is None:
-                rows[index] = (len(sequence) - 1, [index])
-                continue
-            prompt = prompts[index]
-            rows.setdefault((prompt, tuple(sequence[:prompt].tolist())), (prompt, []))[1].append(
-                index
-            )
+        if prompts is None:
+            prompts = [len(s) - 1 for s in sequences]
+            rows = [[index] for index in range(len(sequences))]
+        else:
+            sharing: dict[tuple[int, ...], list[int]] = {}
+            for index, (sequence, prompt) in enumerate(zip(sequences, prompts, strict=True)):
+                sharing.setdefault(tuple(sequence[:prompt].tolist()), []).append(index)
+            rows = list(sharing.values())
         layouts, inputs, positions, routed = [], [], [], []
+        placed: dict[int, tuple[int, int]] = {}  # sequence -> (row, where its continuation starts)
+        for row, members in enumerate(rows):
+            first, prompt = members[0], prompts[members[0]]
+            continuations = [sequences[m][prompt:-1] for m in members]
+            lengths = [len(c) for c in continuations]
+            starts = torch.tensor([prompt, *lengths[:-1]]).cumsum(0).tolist()
+            placed |= {m: (row, start) for m, start in zip(members, starts, strict=True)}
+            layouts.append(kernels.Layout(prompt, tuple(lengths)))
+            inputs.append(torch.cat([sequences[first][:prompt], *continuations]))
+            positions.append(
+                torch.cat(
+                    [torch.arange(prompt), *(torch.arange(prompt, prompt + n) for n in lengths)]
+                )
+            )
+            if experts is not None:
+                routed.append(
+                    torch.cat([experts[first][:prompt], *(experts[m][prompt:] for m in members)])
+                )
+        width = max(len(row) for row in inputs)
         longest = max(len(s) for s in sequences) - 1
         targets = torch.zeros((len(sequences), longest), dtype=torch.long)
         source = torch.zeros((len(sequences), longest), dtype=torch.long)
-        real = torch.zeros((len(sequences), longest), dtype=torch.bool)
-        offsets = []  # per row, where in the row each sequence's continuation starts
-        for prompt, members in rows.values():
-            first = members[0]
-            row_inputs = [sequences[first][:prompt]]
-            row_positions = [torch.arange(prompt)]
-            row_experts = [experts[first][:prompt]] if experts is not None else []
-            start, continuations, starts = prompt, [], []
-            for member in members:
-                continuation = sequences[member][prompt:-1]
-                row_inputs.append(continuation)
-                row_positions.append(torch.arange(prompt, prompt + len(continuation)))
-                if experts is not None:
-                    row_experts.append(experts[member][prompt:])
-                starts.append(start)
-                continuations.append(len(continuation))
-                start += len(continuation)
-            layouts.append(kernels.Layout(prompt, tuple(continuations)))
-            inputs.append(torch.cat(row_inputs))
-            positions.append(torch.cat(row_positions))
-            routed.append(torch.cat(row_experts) if experts is not None else None)
-            offsets.append((members, starts))
-        width = max(len(row) for row in inputs)
-        for row, (members, starts) in enumerate(offsets):
-            prompt = layouts[row].prompt
-            for member, start in zip(members, starts, strict=True):
-                n = len(sequences[member]) - 1
-                targets[member, :n] = sequences[member][1:]
-                # Targets up to the prompt's end come from the prompt's inputs; each later
-                # one from the continuation's own input before it.
-                at = torch.arange(n)
-                at = torch.where(at < prompt, at, at - prompt + start)
-                source[member, :n] = row * width + at
-                real[member, :n] = True
+        for member, (row, start) in placed.items():
+            n, prompt = len(sequences[member]) - 1, prompts[member]
+            targets[member, :n] = sequences[member][1:]
+            # Targets up to the prompt's end are predicted by the prompt's inputs; each later
+            # one by the continuation's own input before it.
+            at = torch.arange(n)
+            source[member, :n] = row * width + torch.where(at < prompt, at, at - prompt + start)
         return cls(
             inputs=_padded(inputs, width, pad_id),
             positions=_padded(positions, width, 0),
@@ -96,7 +86,8 @@ class Batch:
             experts=_padded(routed, width, 0) if experts is not None else None,
             targets=targets,
             source=source,
-            real=real,
+            real=torch.arange(longest)[None, :]
+            < torch.tensor([len(s) - 1 for s in sequences])[:, None],
         )
 
     def attention_mask(self) -> torch.Tensor:
