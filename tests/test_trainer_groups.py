@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rlfleet.api.wire import Segment, Trajectory
 from rlfleet.trainer.groups import GroupBuffer, Received
+from rlfleet.trainer.rows import split_by_tokens
 
 TOKENS = 10
 
@@ -101,3 +102,29 @@ def test_an_attempt_published_twice_is_held_once() -> None:
     assert buffer.add(_item(3, "a", 1))
     taken = buffer.take(token_budget=1, token_cap=60, now=1.0)
     assert [[i.seq for i in g] for g in taken] == [[1, 3]]
+
+
+def _answer(prompt: list[int], answer: int) -> Segment:
+    return Segment(
+        tokens=prompt + [7] * answer,
+        prompt_len=len(prompt),
+        generated=[1] * answer,
+        logprobs=[-1.0] * answer,
+        versions=[0] * answer,
+    )
+
+
+def test_micro_batches_keep_a_group_together_and_stay_within_the_budget() -> None:
+    # Two groups of four, arriving interleaved, with answers of different lengths.
+    first, second = [1, 2, 3, 4], [5, 6, 7, 8, 9, 10]
+    items = [
+        (_answer(prompt, answer), 0.0) for answer in (1, 5, 2, 4) for prompt in (second, first)
+    ]
+    budget = 4 * 11  # four rows of the longest sequence, 6 + 5 tokens
+    batches = split_by_tokens(items, budget)
+    assert sorted(len(batch) for batch in batches) == [4, 4]
+    for batch in batches:
+        # One prompt per micro-batch: it runs through the model once.
+        assert len({tuple(s.tokens[: s.prompt_len]) for s, _ in batch}) == 1
+        assert len(batch) * max(len(s.tokens) for s, _ in batch) <= budget
+    assert sum(len(batch) for batch in split_by_tokens(items, 1)) == len(items)

@@ -81,7 +81,7 @@ class Tuning:
     max_model_len: int = 1024
     # Three groups at once per rollout worker. With one (16), a worker's engine idled while
     # a group's last attempts finished and ran small batches: the demo took 376 steps in
-    # its 7 minutes, rollout-bound; with three, 525, and the trainer is the bound again.
+    # its 7 minutes; with three, 525 to 561 (a step every 0.75 s, the trainer busy 0.26 s).
     max_sessions: int = 48
     queue_depth: int = 8
 
