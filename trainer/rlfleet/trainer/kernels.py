@@ -6,8 +6,10 @@ Measured on CPU, three things make a forward pass depend on the batch:
   another kernel than a full batch), and the rows of a linear are the batch's tokens, or
   for an MoE expert the tokens routed to it. Here every linear runs as one batched
   matmul over fixed tiles of `TILE` rows: each tile is the same GEMM whatever the batch.
-- Attention over a padded batch reduces over the padded length. Here each sequence
-  attends over exactly its own tokens.
+- Attention over a padded batch reduces over the padded length, and the kernel's sums
+  over a window depend on the window's length. Here each sequence attends over exactly
+  its own tokens: its prompt alone, then its continuation with the prompt in front,
+  whichever other sequences share that prompt's row (`Layout`).
 - MoE combine: each token adds its experts' outputs in expert order.
 
 Row-wise reductions over a fixed width (RMSNorm, the router's softmax, the log-softmax
