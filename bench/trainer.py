@@ -91,7 +91,7 @@ def mismatch(model_dir: Path, samples: list[dict]) -> dict[str, float]:
         [torch.tensor(s["tokens"]) for s in samples],
         [torch.tensor(s["experts"]) for s in samples],
     )
-    behaviour = torch.zeros(len(samples), batch.tokens.shape[1] - 1)
+    behaviour = torch.zeros(batch.targets.shape)
     mask = torch.zeros_like(behaviour)
     for row, s in enumerate(samples):
         span = slice(s["prompt_len"] - 1, len(s["tokens"]) - 1)
