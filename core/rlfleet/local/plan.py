@@ -94,6 +94,22 @@ class Process:
     env: dict[str, str]
 
 
+def serving_dtype(cpu_flags: set[str]) -> str:
+    """What the rollout engines compute in on this machine's CPU. Without bf16 instructions
+    (AVX-512 BF16, AMX) every bf16 matmul is converted on the fly, and float32 generates
+    the demo's rollouts twice as fast. Weights still travel in the checkpoint's dtype."""
+    return "bfloat16" if cpu_flags & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in info.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
 def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
     """Trainer cores and rollout cores, disjoint, at least one each (shared if only one)."""
     if len(cores) < 2:
@@ -164,6 +180,7 @@ def processes(
             rollout_cores,
             worker
             | {
+                "dtype": serving_dtype(cpu_flags()),
                 "max_sessions": tuning.max_sessions,
                 "max_model_len": tuning.max_model_len,
                 "session": worker["session"]
