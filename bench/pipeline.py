@@ -54,7 +54,7 @@ def main() -> None:
         "--updates-per-step",
         type=int,
         default=1,
-        help="optimiser passes per batch; 2 balances the trainer with the rollouts on 2 cores",
+        help="optimiser passes per batch: more work for the trainer per rollout",
     )
     parser.add_argument(
         "--plot", type=Path, default=Path(".rlfleet/bench/pipeline.png"), help="reward vs time"

@@ -72,16 +72,16 @@ class Tuning:
     warmup_steps: int = 240
     lr: float = 5e-4  # 1e-3 collapses the tiny policy onto one answer per question
     lr_warmup_steps: int = 50
-    # Optimiser passes over each batch. Two balance the trainer core with the rollout core
-    # (`bench/pipeline.py --updates-per-step 2`: async idles 6%, sync 51%), but reached
-    # 0.25 in 4 minutes where one pass reaches about 0.29: no more reward per minute.
+    # Optimiser passes over each batch. One: the rollout core delivers a step's groups
+    # every 0.45 s and a pass takes the trainer 0.26 s; a second pass (tried when the
+    # trainer idled more) reached less reward in the same minutes.
     updates_per_step: int = 1
     turn_tokens: int = 24
     max_turns: int = 2
     max_model_len: int = 1024
     # Three groups at once per rollout worker. With one (16), a worker's engine idled while
     # a group's last attempts finished and ran small batches: the demo took 376 steps in
-    # its 7 minutes; with three, 525 to 561 (a step every 0.75 s, the trainer busy 0.26 s).
+    # its 7 minutes; with three, 525 to 561 (before the engine changes in `processes`).
     max_sessions: int = 48
     queue_depth: int = 8
 
@@ -96,8 +96,10 @@ class Process:
 
 def serving_dtype(cpu_flags: set[str]) -> str:
     """What the rollout engines compute in on this machine's CPU. Without bf16 instructions
-    (AVX-512 BF16, AMX) every bf16 matmul is converted on the fly, and float32 generates
-    the demo's rollouts twice as fast. Weights still travel in the checkpoint's dtype."""
+    (AVX-512 BF16, AMX) every bf16 matmul is converted on the fly: float32 generates the
+    demo's rollouts twice as fast (939 steps in its 7 minutes instead of 662-687) and
+    computes as the trainer does (step 1's mismatch: mean |dlogp| 2.6e-7 instead of
+    5.8e-3). Weights still travel in the checkpoint's dtype."""
     return "bfloat16" if cpu_flags & {"avx512_bf16", "amx_bf16"} else "float32"
 
 
@@ -167,8 +169,8 @@ def processes(
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, rollout_cores)),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         # Engine and model in the worker's own process: on one shared core, vLLM's usual
-        # three processes only add a hand-off per engine step and per weight update. The
-        # demo took 662 steps in its 7 minutes instead of 545-561.
+        # three processes only add a hand-off per engine step and per weight update: the
+        # demo took 662-687 steps in its 7 minutes instead of 545-561.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
     for demand in spec.rollout.regions:
