@@ -1,18 +1,23 @@
 """`rlfleet run FILE --operator`'s own decisions: which serving fleet a run borrows from,
-and when a scripted traffic spike holds a region's GPUs back. The run itself, on the bed,
-is `test_operator_local.py`."""
+and when a scripted traffic spike holds a region's GPUs back; and how its pod binding
+stops the processes it started. The run itself, on the bed, is `test_operator_local.py`."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
 from conftest import ROOT
 
+from rlfleet.api.meta import COMPONENT_LABEL, RUN_LABEL
 from rlfleet.api.rlrun import RLRunSpec
-from rlfleet.local.operated import GPUS_PER_REPLICA, POOL, Spike, borrowing
+from rlfleet.local.operated import GPUS_PER_REPLICA, POOL, Binding, Spike, borrowing
+from rlfleet.local.plan import Process
+from rlfleet.local.pods import PodRunner
+from rlfleet.testbed.processes import Supervisor
 
 
 def test_a_spike_is_a_region_and_a_window_in_minutes_of_training() -> None:
@@ -64,3 +69,41 @@ def test_the_cli_refuses_a_bad_spike_before_starting_anything(
     assert done.returncode == 2
     assert error in " ".join((done.stdout + done.stderr).split())
     assert not (tmp_path / "bed").exists() and not (tmp_path / "run").exists()
+
+
+# A trainer that takes half a second to finish its step once told to stop.
+FINISHES_ITS_STEP = """
+import pathlib, signal, sys, time
+config = pathlib.Path(sys.argv[-1])
+def finish(*_):
+    time.sleep(0.5)
+    config.with_suffix(".finished").write_text("")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, finish)
+config.with_suffix(".ready").write_text("")
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_stopping_the_pod_binding_lets_each_process_finish_before_it_exits(tmp_path) -> None:
+    # The processes die with the thread that started them (PR_SET_PDEATHSIG): stopped only
+    # after it ended, the trainer was killed with a step half published.
+    config = tmp_path / "trainer.json"
+    trainer = Process("trainer", [sys.executable, "-c", FINISHES_ITS_STEP, str(config)], {}, {})
+    pod = {
+        "metadata": {"name": "trainer-0", "labels": {RUN_LABEL: "run", COMPONENT_LABEL: "trainer"}},
+        "spec": {"containers": [{"env": []}]},
+        "status": {"phase": "Running"},
+    }
+    runner = PodRunner(
+        "run", {"trainer": trainer}, lambda _: [pod], ["hub"], Supervisor(tmp_path, attached=True)
+    )
+    binding = Binding(runner)
+    deadline = time.monotonic() + 60
+    while not config.with_suffix(".ready").exists():
+        binding.check_alive()
+        assert time.monotonic() < deadline, "the pod's process never started"
+        time.sleep(0.1)
+    binding.stop()
+    assert config.with_suffix(".finished").exists()

@@ -147,13 +147,19 @@ class Binding:
         self.thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(0.5):
-            try:
-                self.runner.sync()
-                self.runner.supervisor.check_alive()
-            except Exception as error:  # raised in the caller's thread by check_alive
-                self.error = error
-                return
+        try:
+            while not self._stop.wait(0.5):
+                try:
+                    self.runner.sync()
+                    self.runner.supervisor.check_alive()
+                except Exception as error:  # raised in the caller's thread by check_alive
+                    self.error = error
+                    return
+        finally:
+            # The processes die the moment this thread ends (PR_SET_PDEATHSIG follows the
+            # thread that started them): stopped from it, each finishes what it was doing,
+            # the trainer its step, instead of being killed with half a step published.
+            self.runner.supervisor.stop_all(grace_seconds=self.runner.stop_grace_s)
 
     def check_alive(self) -> None:
         if self.error is not None:
@@ -169,6 +175,7 @@ class Binding:
         return counts
 
     def stop(self) -> None:
+        """Stops the processes, each given its grace, and then the thread."""
         self._stop.set()
         self.thread.join()
 
@@ -283,7 +290,6 @@ class OperatedPlane:
     def stop_run(self) -> None:
         if self.binding is not None:
             self.binding.stop()
-        self.supervisor.stop_all(grace_seconds=30)
 
     def __exit__(self, *exc: object) -> None:
         self.stop_run()
