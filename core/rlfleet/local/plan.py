@@ -173,6 +173,7 @@ def processes(
         # demo took 662-687 steps in its 7 minutes instead of 545-561.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
+    dtype = serving_dtype(cpu_flags())
     for demand in spec.rollout.regions:
         at = launch.Placement(nats.leaves[demand.name].url, HUB_DOMAIN, demand.name, "0")
         worker = launch.rollout_settings(name, spec, model, at)
@@ -182,7 +183,7 @@ def processes(
             rollout_cores,
             worker
             | {
-                "dtype": serving_dtype(cpu_flags()),
+                "dtype": dtype,
                 "max_sessions": tuning.max_sessions,
                 "max_model_len": tuning.max_model_len,
                 "session": worker["session"]
