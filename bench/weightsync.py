@@ -220,7 +220,7 @@ def loopback_gbps(nbytes: int = 1 << 30) -> float:
 
 def transfer(nbytes: int) -> dict:
     """A full version of incompressible bits published at the hub, fetched at a leaf."""
-    from rlfleet.testbed.nats import HUB_DOMAIN, NatsServer, StandaloneNats
+    from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
     from rlfleet.weightsync.receiver import Receiver
     from rlfleet.weightsync.transport import WeightStream
 
@@ -270,9 +270,9 @@ def transfer(nbytes: int) -> dict:
 
 def vllm_apply_pause() -> dict:
     """Tiny MoE in vLLM (CPU): the pause to write a real AdamW step's delta in place."""
+    from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
+    from rlfleet.local.processes import run_in_session
     from rlfleet.models.tiny import init_model, train_step
-    from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
-    from rlfleet.testbed.processes import run_in_session
 
     probe = Path(__file__).resolve().parent.parent / "tests" / "probes" / "vllm_weightsync.py"
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-vllm-") as root:

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from rlfleet.api.schema import KINDS
-from rlfleet.api.streams import run_stream_configs
 from rlfleet.api.wire import StepReport, weights_stream
+from rlfleet.bus.streams import run_stream_configs
+from rlfleet.local.binaries import binary
+from rlfleet.local.nats import StandaloneNats
 from rlfleet.testbed.bed import Bed, BedInfo
-from rlfleet.testbed.binaries import binary
-from rlfleet.testbed.nats import StandaloneNats
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTERS = ("hub", "region-a", "region-b", "region-c")
@@ -42,7 +42,7 @@ def nats_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalon
 
 
 def run_streams(key: str) -> list[str]:
-    """Every stream a run has on the hub: the four of `rlfleet.api.streams`, and weights."""
+    """Every stream a run has on the hub: the four of `rlfleet.bus.streams`, and weights."""
     return [config.name for config in run_stream_configs(key)] + [weights_stream(key)]
 
 

@@ -12,18 +12,18 @@ import pytest
 from nats.errors import NoServersError
 from nats.js.api import StreamConfig
 
-from rlfleet.api import natsauth
-from rlfleet.api.natsauth import NKey
-from rlfleet.api.streams import run_stream_configs
 from rlfleet.api.wire import step_subject
+from rlfleet.bus import auth
+from rlfleet.bus.auth import NKey
+from rlfleet.bus.streams import run_stream_configs
+from rlfleet.local.nats import HUB_DOMAIN, NatsServer
 from rlfleet.testbed.bed import BedInfo
-from rlfleet.testbed.nats import HUB_DOMAIN, NatsServer
 
 pytestmark = pytest.mark.nats
 
 
 async def _connect(server: NatsServer, credentials: str | None = None, **options):
-    return await natsauth.connect(
+    return await auth.connect(
         server.url,
         credentials if credentials is not None else Path(server.credentials),
         allow_reconnect=False,
@@ -63,9 +63,9 @@ def test_publish_on_each_region_leaf_is_consumed_at_the_hub(bed: BedInfo) -> Non
 
 def _stranger() -> str:
     """A user signed by an account key the servers were never told of."""
-    account, user = NKey.generate(natsauth.ACCOUNT), NKey.generate(natsauth.USER)
-    jwt = natsauth.user_jwt(account, account.public, user, "stranger", natsauth.Permissions())
-    return natsauth.creds(jwt, user.seed)
+    account, user = NKey.generate(auth.ACCOUNT), NKey.generate(auth.USER)
+    jwt = auth.user_jwt(account, account.public, user, "stranger", auth.Permissions())
+    return auth.creds(jwt, user.seed)
 
 
 @pytest.mark.parametrize("who", ["anonymous", "a user of an account no server trusts"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import yaml
 from conftest import ROOT
 
-from rlfleet.api import launch
+from rlfleet import launch
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.rollout import config as rollout_config
 from rlfleet.trainer import config as trainer_config

@@ -14,10 +14,10 @@ from conftest import ROOT
 
 from rlfleet.api.meta import COMPONENT_LABEL, RUN_LABEL
 from rlfleet.api.rlrun import RLRunSpec
-from rlfleet.local.operated import GPUS_PER_REPLICA, POOL, Binding, Spike, borrowing
 from rlfleet.local.plan import Process
-from rlfleet.local.pods import PodRunner
-from rlfleet.testbed.processes import Supervisor
+from rlfleet.local.processes import Supervisor
+from rlfleet.testbed.operated import GPUS_PER_REPLICA, POOL, Binding, Spike, borrowing
+from rlfleet.testbed.pods import PodRunner
 
 
 def test_a_spike_is_a_region_and_a_window_in_minutes_of_training() -> None:

@@ -24,9 +24,6 @@ import pytest
 import yaml
 from conftest import ROOT, run_streams, step_report, wait_for
 
-from rlfleet.api import natsauth
-from rlfleet.api.launch import run_key
-from rlfleet.api.streams import step_stream
 from rlfleet.api.wire import (
     EvaluationReport,
     StepReport,
@@ -35,6 +32,9 @@ from rlfleet.api.wire import (
     step_subject,
     weights_stream,
 )
+from rlfleet.bus import auth
+from rlfleet.bus.streams import step_stream
+from rlfleet.launch import run_key
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import (
     GVISOR,
@@ -263,7 +263,7 @@ def container_env(pod: dict) -> dict[str, str | None]:
 
 
 def test_every_pod_reads_the_runs_mounted_spec_and_is_told_where_nats_is(world: World) -> None:
-    """The environment `rlfleet.api.launch.Placement` reads, as the operators set it: the
+    """The environment `rlfleet.launch.Placement` reads, as the operators set it: the
     trainer and the feed reach the hub's NATS, a rollout worker its region's leaf node and
     the hub's JetStream domain (from the mirror), and each names itself by its pod."""
     hub_pods = world.items(HUB, "pods", "-l", f"rlfleet.io/run={RUN}")
@@ -619,11 +619,11 @@ def test_the_hub_mints_the_runs_own_nats_user_into_every_cluster_it_runs_in(
     for region in REGIONS:
         region_meta, region_creds = minted(region)
         assert "ownerReferences" not in region_meta  # the hub deletes it with the mirror
-        user = natsauth.claims_of(natsauth.parse_creds(region_creds)[0])
+        user = auth.claims_of(auth.parse_creds(region_creds)[0])
         assert user["name"] == f"run:{world.key}" and user["nats"]["pub"]["allow"]
 
     async def reach() -> str:
-        nc = await natsauth.connect(world.fleet.bed.nats.leaves["region-a"].url, creds)
+        nc = await auth.connect(world.fleet.bed.nats.leaves["region-a"].url, creds)
         try:
             js = nc.jetstream(domain="hub", timeout=2)
             with pytest.raises(nats.errors.TimeoutError):

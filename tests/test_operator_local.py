@@ -1,6 +1,6 @@
 """The data plane under the control plane's decisions, on the real bed: the operators
 (installed by the chart) create the run's trainer and rollout pods on kwok's nodes, and
-`rlfleet.local.operated` (what `rlfleet run --operator` runs) binds each of them to a real
+`rlfleet.testbed.operated` (what `rlfleet run --operator` runs) binds each of them to a real
 local process: the trainer on DeepSpeed, the rollout workers on vLLM, talking through NATS
 leaf nodes. A traffic spike in one
 region reclaims its GPUs and so stops its worker while training goes on with the other
@@ -24,11 +24,11 @@ from conftest import ROOT, wait_for
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import decode_step_report, decode_trajectory, step_subject, trajectory_subject
 from rlfleet.local import plan
-from rlfleet.local.operated import BUSY, QUIET, OperatedPlane
+from rlfleet.local.nats import NatsServer
 from rlfleet.local.run import make_model
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import HUB
-from rlfleet.testbed.nats import NatsServer
+from rlfleet.testbed.operated import BUSY, QUIET, OperatedPlane
 
 pytestmark = pytest.mark.bed
 

@@ -18,9 +18,9 @@ import pytest
 import yaml
 from conftest import ROOT, run_streams
 
-from rlfleet.api.launch import run_key
+from rlfleet.launch import run_key
+from rlfleet.local.binaries import binary
 from rlfleet.testbed.bed import BedInfo
-from rlfleet.testbed.binaries import binary
 from rlfleet.testbed.fleet import HUB
 
 pytestmark = pytest.mark.bed

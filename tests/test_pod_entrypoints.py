@@ -22,9 +22,6 @@ from conftest import ROOT, wait_for
 from nats.js.api import StreamInfo
 
 from rlfleet.api.inferencepool import InferencePoolSpec
-from rlfleet.api.launch import SPEC_FILE, STATE_DIR_ENV, run_key
-from rlfleet.api.natsauth import CREDENTIALS_ENV
-from rlfleet.api.streams import evaluation_stream, step_stream
 from rlfleet.api.wire import (
     EvaluationReport,
     StepReport,
@@ -36,13 +33,16 @@ from rlfleet.api.wire import (
     step_subject,
     trajectory_stream,
 )
+from rlfleet.bus.auth import CREDENTIALS_ENV
+from rlfleet.bus.streams import evaluation_stream, step_stream
+from rlfleet.launch import SPEC_FILE, STATE_DIR_ENV, run_key
+from rlfleet.local.files import write_secret
+from rlfleet.local.nats import HUB_DOMAIN, NatsBed, NatsServer, start_nats
+from rlfleet.local.processes import Supervisor
 from rlfleet.models.tiny import init_model
 from rlfleet.operator.config import Images, NatsAccess
 from rlfleet.operator.workloads import COMPONENT_LABEL, hub_objects, mirror, rollout_deployment
 from rlfleet.rollout.tasks import rules_suite, write_suite
-from rlfleet.testbed.nats import HUB_DOMAIN, NatsBed, NatsServer, start_nats
-from rlfleet.testbed.pki import write_secret
-from rlfleet.testbed.processes import Supervisor
 from rlfleet.weightsync import SyncConfig, WeightStream
 
 REGION = "region-a"

@@ -19,9 +19,6 @@ from conftest import step_report
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from rlfleet.api import natsauth
-from rlfleet.api.natsauth import CREDENTIALS_ENV
-from rlfleet.api.streams import ensure_stream, step_stream_config
 from rlfleet.api.wire import (
     GroupOutcome,
     StepReport,
@@ -33,12 +30,15 @@ from rlfleet.api.wire import (
     task_stream,
     task_subject,
 )
+from rlfleet.bus import auth
+from rlfleet.bus.auth import CREDENTIALS_ENV
+from rlfleet.bus.streams import ensure_stream, step_stream_config
+from rlfleet.local.nats import StandaloneNats
 from rlfleet.rollout.admission import Admission
 from rlfleet.rollout.curriculum import Curriculum
 from rlfleet.rollout.feed import FeedConfig, feed, passes
 from rlfleet.rollout.tasks import write_suite
 from rlfleet.rollout.worker import groups_to_take
-from rlfleet.testbed.nats import StandaloneNats
 
 
 def min_versions(admission: Admission, room: int) -> list[int]:
@@ -159,7 +159,7 @@ def test_a_restarted_feed_remembers_what_the_step_stream_shows_settled(
     config = three_task_feed(nats_servers, tmp_path, monkeypatch)
 
     async def scenario() -> None:
-        nc = await natsauth.connect(config.nats_url)
+        nc = await auth.connect(config.nats_url)
         try:
             js = nc.jetstream()
             await ensure_stream(js, step_stream_config(config.run))
@@ -214,7 +214,7 @@ async def _feeding(
     """The feed running, and a rollout worker's pull consumer on the run's task queue."""
     stop = asyncio.Event()
     feeding = asyncio.create_task(feed(config, stop))
-    nc = await natsauth.connect(config.nats_url)
+    nc = await auth.connect(config.nats_url)
     try:
         js = nc.jetstream()
         await ensure_stream(js, step_stream_config(config.run))

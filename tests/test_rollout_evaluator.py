@@ -17,13 +17,13 @@ import pytest
 from conftest import wait_for
 from safetensors.torch import load_file
 
-from rlfleet.api.streams import evaluation_stream
 from rlfleet.api.wire import EvaluationReport, decode_evaluation_report
+from rlfleet.bus.streams import evaluation_stream
+from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
+from rlfleet.local.processes import Supervisor
 from rlfleet.models.tiny import init_model
 from rlfleet.rollout.evaluator import due
 from rlfleet.rollout.tasks import rules_suite, write_suite
-from rlfleet.testbed.nats import HUB_DOMAIN, NatsServer, StandaloneNats
-from rlfleet.testbed.processes import Supervisor
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 
 pytestmark = pytest.mark.nats

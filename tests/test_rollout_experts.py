@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlfleet.api.wire import Segment, Trajectory
+from rlfleet.local.processes import run_in_session
 from rlfleet.models.tiny import init_model
-from rlfleet.testbed.processes import run_in_session
 from rlfleet.trainer.scoring import Batch, prepare, token_logprobs
 from rlfleet.trainer.validation import ModelShape, problem
 

@@ -23,7 +23,6 @@ from conftest import wait_for
 from rollout_scripts import ABUSE, HAPPY, SUMMARY, SUMMARY_TASK
 from transformers import AutoTokenizer
 
-from rlfleet.api.streams import ensure_stream, task_stream_config, trajectory_stream_config
 from rlfleet.api.wire import (
     TaskMessage,
     Trajectory,
@@ -33,11 +32,12 @@ from rlfleet.api.wire import (
     trajectory_stream,
     trajectory_subject,
 )
+from rlfleet.bus.streams import ensure_stream, task_stream_config, trajectory_stream_config
+from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
+from rlfleet.local.processes import free_port
 from rlfleet.models.tiny import init_model, read_weights
 from rlfleet.rollout.session import SUMMARY_HEADER, window_text
 from rlfleet.rollout.tasks import SUITES, load_suite
-from rlfleet.testbed.nats import HUB_DOMAIN, StandaloneNats
-from rlfleet.testbed.processes import free_port
 from rlfleet.trainer.validation import ModelShape, problem
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 

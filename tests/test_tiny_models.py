@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.testbed.processes import run_in_session
+from rlfleet.local.processes import run_in_session
 
 pytestmark = pytest.mark.slow
 

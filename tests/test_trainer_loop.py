@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from rlfleet.api.streams import ensure_stream, trajectory_stream_config
 from rlfleet.api.wire import Segment, Trajectory, encode_trajectory, trajectory_subject
+from rlfleet.bus.streams import ensure_stream, trajectory_stream_config
+from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
+from rlfleet.local.processes import run_in_session
 from rlfleet.models.tiny import init_model
-from rlfleet.testbed.nats import HUB_DOMAIN, NatsServer, StandaloneNats
-from rlfleet.testbed.processes import run_in_session
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from rlfleet.testbed.nats import HUB_DOMAIN, NatsServer, StandaloneNats
+from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.publisher import Publisher
 from rlfleet.weightsync.receiver import Receiver

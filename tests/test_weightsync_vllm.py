@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from rlfleet.local.nats import HUB_DOMAIN
+from rlfleet.local.processes import run_in_session
 from rlfleet.models.tiny import init_model, train_step
-from rlfleet.testbed.nats import HUB_DOMAIN
-from rlfleet.testbed.processes import run_in_session
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.transport import WeightStream
 

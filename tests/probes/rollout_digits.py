@@ -21,8 +21,8 @@ DIGITS = {str(d) for d in range(10)}
 def main() -> None:
     from vllm import LLM, SamplingParams
 
-    from rlfleet.api import natsauth
     from rlfleet.api.wire import Segment, Trajectory, encode_trajectory, trajectory_subject
+    from rlfleet.bus import auth
     from rlfleet.rollout import vllm_experts
     from rlfleet.weightsync import SyncConfig, vllm_options, vllm_start, vllm_update
 
@@ -40,7 +40,7 @@ def main() -> None:
     tokenizer = llm.get_tokenizer()
     vllm_start(llm, args["nats_url"], args["run"], None, SyncConfig(snapshot_every=4))
     loop = asyncio.new_event_loop()
-    nc = loop.run_until_complete(natsauth.connect(args["nats_url"]))
+    nc = loop.run_until_complete(auth.connect(args["nats_url"]))
     js = nc.jetstream()
     version = vllm_update(llm, 0).version
     rounds = []

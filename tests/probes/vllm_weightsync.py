@@ -41,7 +41,7 @@ def generate(llm) -> list[dict]:
 def main() -> None:
     from vllm import LLM
 
-    from rlfleet.api import natsauth
+    from rlfleet.bus import auth
     from rlfleet.models.tiny import read_weights
     from rlfleet.weightsync import (
         Publisher,
@@ -69,7 +69,7 @@ def main() -> None:
     else:
         config = SyncConfig(**args["config"])
         loop = asyncio.new_event_loop()
-        hub = loop.run_until_complete(natsauth.connect(args["hub_url"]))
+        hub = loop.run_until_complete(auth.connect(args["hub_url"]))
         stream = WeightStream(hub, args["run"], config)
         loop.run_until_complete(stream.create())
         publisher = Publisher(stream, config)

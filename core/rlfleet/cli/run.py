@@ -1,5 +1,5 @@
 """`rlfleet run FILE`: train an RLRun on this machine (see `rlfleet.local.run`), or with
-`--operator` through the operators on the four-cluster bed (see `rlfleet.local.operated`)."""
+`--operator` through the operators on the four-cluster bed (see `rlfleet.testbed.operated`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rlfleet.cli.dev import DEFAULT_STATE as DEV_BED
 
 
 def _spike(text: str):
-    from rlfleet.local.operated import Spike
+    from rlfleet.testbed.operated import Spike
 
     try:
         return Spike.parse(text)
@@ -25,7 +25,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         if args.operator:
-            from rlfleet.local import operated
+            from rlfleet.testbed import operated
 
             return operated.run(
                 args.file, args.state, args.minutes, args.warmup_steps, args.bed, tuple(args.spike)

@@ -14,10 +14,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlfleet.api import launch
-from rlfleet.api.natsauth import CREDENTIALS_ENV
+from rlfleet import launch
 from rlfleet.api.rlrun import RLRunSpec
-from rlfleet.testbed.nats import HUB_DOMAIN, NatsBed
+from rlfleet.bus.auth import CREDENTIALS_ENV
+from rlfleet.local.nats import HUB_DOMAIN, NatsBed
 
 TINY_SCHEME = "tiny://"  # model.uri tiny://tiny-moe: made on the spot, then warmed up
 
@@ -135,7 +135,7 @@ def processes(
     name: str, spec: RLRunSpec, layout: Layout, nats: NatsBed, tuning: Tuning
 ) -> list[Process]:
     """The components as local processes, with the settings pods get from the same spec
-    (`rlfleet.api.launch`) and this machine's tuning on top. Each connects to NATS as the
+    (`rlfleet.launch`) and this machine's tuning on top. Each connects to NATS as the
     run's own user (`layout.credentials`), as its pods would."""
     trainer_cores, rollout_cores = split_cores(sorted(os.sched_getaffinity(0)))
     model = str(model_path(spec, layout))

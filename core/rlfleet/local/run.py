@@ -34,9 +34,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from rlfleet.api import natsauth
 from rlfleet.api.rlrun import EvaluationGate, RLRunSpec, check_run_name
-from rlfleet.api.streams import step_stream
 from rlfleet.api.wire import (
     EvaluationReport,
     StepReport,
@@ -45,10 +43,12 @@ from rlfleet.api.wire import (
     evaluation_subject,
     step_subject,
 )
+from rlfleet.bus import auth
+from rlfleet.bus.streams import step_stream
 from rlfleet.local import plan, report
-from rlfleet.testbed.nats import start_nats
-from rlfleet.testbed.pki import write_secret
-from rlfleet.testbed.processes import Supervisor, stop_pids
+from rlfleet.local.files import write_secret
+from rlfleet.local.nats import start_nats
+from rlfleet.local.processes import Supervisor, stop_pids
 
 console = Console()
 
@@ -162,7 +162,7 @@ async def follow(
     def shown() -> Table:
         return table(name, steps, scores, trained_s(), budget_s, plane.status(trained_s()))
 
-    nc = await natsauth.connect(plane.url, plane.credentials)
+    nc = await auth.connect(plane.url, plane.credentials)
     await nc.subscribe(step_subject(plane.key), cb=on_step)
     await nc.subscribe(evaluation_subject(plane.key), cb=on_score)
     try:
@@ -181,7 +181,7 @@ async def follow(
 
 async def recorded_steps(run: str, url: str, credentials: Path) -> list[StepReport]:
     """Every step report the run's stream holds, re-runs included, oldest first."""
-    nc = await natsauth.connect(url, credentials)
+    nc = await auth.connect(url, credentials)
     try:
         js = nc.jetstream()
         state = (await js.stream_info(step_stream(run))).state
@@ -211,7 +211,7 @@ def evaluate(
         ],
         capture_output=True,
         text=True,
-        env=os.environ | ({natsauth.CREDENTIALS_ENV: str(credentials)} if credentials else {}),
+        env=os.environ | ({auth.CREDENTIALS_ENV: str(credentials)} if credentials else {}),
     )
     if done.returncode != 0:
         reason = (done.stderr.strip().splitlines() or ["no output"])[-1]

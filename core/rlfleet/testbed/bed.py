@@ -13,15 +13,16 @@ from pathlib import Path
 
 import psutil
 
+from rlfleet.local.files import write_secret
+from rlfleet.local.nats import NatsBed, start_nats
+from rlfleet.local.processes import Supervisor, stop_pids
 from rlfleet.testbed.kube import (
     DEFAULT_CLUSTERS,
     ClusterSpec,
     start_clusters,
     start_etcd,
 )
-from rlfleet.testbed.nats import NatsBed, start_nats
-from rlfleet.testbed.pki import make_pki, write_secret
-from rlfleet.testbed.processes import Supervisor, stop_pids
+from rlfleet.testbed.pki import make_pki
 
 STATE_FILE = "bed.json"
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import yaml
 
+from rlfleet.local.binaries import binary
+from rlfleet.local.files import write_secret
+from rlfleet.local.processes import Supervisor, free_port
 from rlfleet.testbed.bed import BedInfo
-from rlfleet.testbed.binaries import binary
-from rlfleet.testbed.pki import write_secret
-from rlfleet.testbed.processes import Supervisor, free_port
 
 CHART = Path(__file__).resolve().parents[3] / "helm" / "rlfleet"
 RELEASE = "rlfleet"

@@ -16,9 +16,10 @@ from pathlib import Path
 import yaml
 
 from rlfleet.api.meta import GPU_RESOURCE
-from rlfleet.testbed.binaries import binary
-from rlfleet.testbed.pki import Pki, write_secret
-from rlfleet.testbed.processes import Supervisor, free_port
+from rlfleet.local.binaries import binary
+from rlfleet.local.files import write_secret
+from rlfleet.local.processes import Supervisor, free_port
+from rlfleet.testbed.pki import Pki
 
 GPU = GPU_RESOURCE
 REGION_LABEL = "rlfleet.io/region"

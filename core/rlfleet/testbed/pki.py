@@ -25,13 +25,6 @@ class Pki:
     admin_token: str
 
 
-def write_secret(path: Path, text: str) -> None:
-    """Writes a file only its owner can read: these hold the bed's credentials."""
-    path.touch(mode=0o600, exist_ok=True)
-    path.chmod(0o600)
-    path.write_text(text)
-
-
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> None:
     path.write_bytes(
         key.private_bytes(

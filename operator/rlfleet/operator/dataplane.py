@@ -20,13 +20,6 @@ import nats
 import nats.errors
 import nats.js.errors
 
-from rlfleet.api import natsauth
-from rlfleet.api.streams import (
-    ensure_stream,
-    evaluation_stream,
-    run_stream_configs,
-    step_stream,
-)
 from rlfleet.api.wire import (
     EvaluationReport,
     StepReport,
@@ -34,6 +27,13 @@ from rlfleet.api.wire import (
     decode_step_report,
     evaluation_subject,
     step_subject,
+)
+from rlfleet.bus import auth
+from rlfleet.bus.streams import (
+    ensure_stream,
+    evaluation_stream,
+    run_stream_configs,
+    step_stream,
 )
 from rlfleet.weightsync import SyncConfig, WeightStream
 
@@ -85,7 +85,7 @@ class DataPlane:
     async def _client(self) -> nats.NATS:
         async with self._connecting:
             if self._nc is None or self._nc.is_closed:
-                self._nc = await natsauth.connect(
+                self._nc = await auth.connect(
                     self.url,
                     self.login().credentials,
                     connect_timeout=self.timeout_s,
@@ -102,9 +102,7 @@ class DataPlane:
                 "the operator's NATS Secret has no `creds` and `signing-seed`: "
                 f"no user can be made for run {run}"
             )
-        return natsauth.mint_run_user(
-            login.signing_seed, natsauth.account_of(login.credentials), run
-        )
+        return auth.mint_run_user(login.signing_seed, auth.account_of(login.credentials), run)
 
     def ensure_streams(self, run: str, regions: list[str]) -> list[str]:
         """Creates the run's streams in the hub and a mirror of its weights in each region's

@@ -18,7 +18,7 @@ from functools import partial
 
 from kubernetes.client.exceptions import ApiException
 
-from rlfleet.api import launch
+from rlfleet import launch
 from rlfleet.api.meta import API_VERSION
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.operator import gate, progress

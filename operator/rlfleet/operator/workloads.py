@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlfleet.api import launch
+from rlfleet import launch
 from rlfleet.api.envpool import EnvPoolSpec
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import API_VERSION, COMPONENT_LABEL, GPU_RESOURCE, GROUP, RUN_LABEL
-from rlfleet.api.natsauth import CREDENTIALS_ENV
 from rlfleet.api.rlrun import CheckpointStorage, RLRunSpec
+from rlfleet.bus.auth import CREDENTIALS_ENV
 from rlfleet.operator.config import Images, NatsAccess
 
 POOL_LABEL = f"{GROUP}/pool"
@@ -84,7 +84,7 @@ def _deployment(owner_body: dict, name: str, labels: dict, replicas: int, pod: d
 
 def _container(name: str, image: str, gpus: int, env: dict[str, str]) -> dict:
     """A component reading its run's mounted spec (`python -m ... --rlrun`), placed by
-    the environment (`rlfleet.api.launch.Placement`)."""
+    the environment (`rlfleet.launch.Placement`)."""
     return {
         "name": name,
         "image": image,

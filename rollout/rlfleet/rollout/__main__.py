@@ -8,7 +8,7 @@ import sys
 
 import prometheus_client
 
-from rlfleet.api import launch
+from rlfleet import launch
 from rlfleet.rollout.config import from_spec, load
 from rlfleet.rollout.worker import Worker
 

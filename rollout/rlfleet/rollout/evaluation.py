@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlfleet.api import natsauth
 from rlfleet.api.wire import Task
+from rlfleet.bus import auth
 from rlfleet.rollout.rewards import matches
 from rlfleet.rollout.session import END_TURN, window_text
 from rlfleet.rollout.tasks import load_suite, suite_path
@@ -118,7 +118,7 @@ async def published_weights(
     url: str, run: str, config: SyncConfig, domain: str | None = None
 ) -> WeightState:
     """The newest version of `run`'s weights on the stream, verified."""
-    nc = await natsauth.connect(url)
+    nc = await auth.connect(url)
     try:
         receiver = Receiver(WeightStream(nc, run, config, domain))
         await receiver.sync()

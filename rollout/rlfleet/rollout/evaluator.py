@@ -22,14 +22,15 @@ import nats
 import nats.errors
 import nats.js.errors
 
-from rlfleet.api import launch, natsauth
-from rlfleet.api.streams import ensure_stream, evaluation_stream, evaluation_stream_config
+from rlfleet import launch
 from rlfleet.api.wire import (
     EvaluationReport,
     decode_evaluation_report,
     encode,
     evaluation_subject,
 )
+from rlfleet.bus import auth
+from rlfleet.bus.streams import ensure_stream, evaluation_stream, evaluation_stream_config
 from rlfleet.rollout.evaluation import evaluable, evaluate
 from rlfleet.rollout.stopping import run_until_signalled
 from rlfleet.rollout.tasks import load_suite, suite_path
@@ -72,7 +73,7 @@ async def run_evaluator(config: EvaluatorConfig, stop: asyncio.Event) -> None:
     tasks = load_suite(suite_path(config.suite))
     if not evaluable(tasks):
         raise ValueError(f"suite {config.suite}: only bare exact-answer tasks can be evaluated")
-    nc = await natsauth.connect(config.nats_url, max_reconnect_attempts=-1)
+    nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
     try:
         js = nc.jetstream(domain=config.jetstream_domain)
         await ensure_stream(js, evaluation_stream_config(config.run))

@@ -23,8 +23,7 @@ from typing import Annotated
 import msgspec
 from nats.js.api import DeliverPolicy, StreamState
 
-from rlfleet.api import launch, natsauth
-from rlfleet.api.streams import ensure_stream, step_stream, step_stream_config, task_stream_config
+from rlfleet import launch
 from rlfleet.api.wire import (
     Task,
     TaskMessage,
@@ -34,6 +33,8 @@ from rlfleet.api.wire import (
     task_stream,
     task_subject,
 )
+from rlfleet.bus import auth
+from rlfleet.bus.streams import ensure_stream, step_stream, step_stream_config, task_stream_config
 from rlfleet.rollout.admission import Admission
 from rlfleet.rollout.curriculum import Curriculum
 from rlfleet.rollout.stopping import run_until_signalled
@@ -99,7 +100,7 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
     admission = Admission(config.max_staleness, config.groups_per_step)
     curriculum = Curriculum(config.revisit_uniform, config.seed)
     trainer = _Trainer(admission, curriculum)
-    nc = await natsauth.connect(config.nats_url, max_reconnect_attempts=-1)
+    nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
     try:
         js = nc.jetstream(domain=config.jetstream_domain)
         await ensure_stream(js, task_stream_config(config.run))

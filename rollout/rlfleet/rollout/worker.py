@@ -22,8 +22,6 @@ import msgspec
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from rlfleet.api import natsauth
-from rlfleet.api.streams import ensure_stream, task_stream_config, trajectory_stream_config
 from rlfleet.api.wire import (
     Task,
     Trajectory,
@@ -33,6 +31,8 @@ from rlfleet.api.wire import (
     task_subject,
     trajectory_subject,
 )
+from rlfleet.bus import auth
+from rlfleet.bus.streams import ensure_stream, task_stream_config, trajectory_stream_config
 from rlfleet.rollout import metrics, rewards
 from rlfleet.rollout.config import RewardConfig, WorkerConfig
 from rlfleet.rollout.engine import Engine
@@ -130,7 +130,7 @@ class Worker:
         config = self.config
         llm = await asyncio.to_thread(make_llm, config)
         self.engine = engine = Engine(llm, follow_weights=config.follow_weights)
-        nc = await natsauth.connect(config.nats_url, max_reconnect_attempts=-1)
+        nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
         try:
             if config.follow_weights:  # before the engine starts polling what this starts
                 await engine.call(

@@ -6,7 +6,7 @@ import logging
 import signal
 import sys
 
-from rlfleet.api import launch
+from rlfleet import launch
 from rlfleet.trainer.config import from_spec, load
 from rlfleet.trainer.loop import Trainer
 

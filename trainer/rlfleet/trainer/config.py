@@ -7,7 +7,7 @@ from typing import Annotated
 
 import msgspec
 
-from rlfleet.api import launch
+from rlfleet import launch
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.weightsync import SyncConfig
 

@@ -21,8 +21,6 @@ import torch
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from rlfleet.api import natsauth
-from rlfleet.api.streams import ensure_stream, step_stream_config, trajectory_stream_config
 from rlfleet.api.wire import (
     GroupOutcome,
     StepReport,
@@ -33,6 +31,8 @@ from rlfleet.api.wire import (
     trajectory_stream,
     trajectory_subject,
 )
+from rlfleet.bus import auth
+from rlfleet.bus.streams import ensure_stream, step_stream_config, trajectory_stream_config
 from rlfleet.trainer import metrics
 from rlfleet.trainer.config import TrainerConfig
 from rlfleet.trainer.groups import GroupBuffer, Received, staleness
@@ -71,7 +71,7 @@ class Trainer:
             prometheus_client.start_http_server(config.metrics_port)
         self.policy = await asyncio.to_thread(Policy, config)
         self._resume(await asyncio.to_thread(self.policy.load))
-        nc = await natsauth.connect(config.nats_url, max_reconnect_attempts=-1)
+        nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
         try:
             js = nc.jetstream(domain=config.jetstream_domain)
             await ensure_stream(js, trajectory_stream_config(config.run))

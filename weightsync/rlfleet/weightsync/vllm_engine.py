@@ -28,7 +28,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from rlfleet.api import natsauth
+from rlfleet.bus import auth
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.receiver import Receiver
 from rlfleet.weightsync.transport import WeightStream
@@ -101,7 +101,7 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     async def _follow(self, info: InitInfo) -> Receiver:
-        self._nc = await natsauth.connect(info.nats_url, max_reconnect_attempts=-1)
+        self._nc = await auth.connect(info.nats_url, max_reconnect_attempts=-1)
         stream = WeightStream(self._nc, info.run, SyncConfig(**info.config), domain=info.domain)
         receiver = Receiver(stream)
         self._following = asyncio.ensure_future(receiver.follow(self._stop))

@@ -27,7 +27,6 @@ import nats
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from rlfleet.api.streams import evaluation_stream, step_stream
 from rlfleet.api.wire import (
     evaluation_subject,
     step_subject,
@@ -38,6 +37,7 @@ from rlfleet.api.wire import (
     weights_prefix,
     weights_stream,
 )
+from rlfleet.bus.streams import evaluation_stream, step_stream
 
 # A pod's user credentials: the path of a .creds file (a mounted Secret's key).
 CREDENTIALS_ENV = "RLFLEET_NATS_CREDS"

@@ -1,11 +1,13 @@
-"""NATS for the bed: a hub server with JetStream, and one leaf node per region.
+"""Embedded NATS for a run on one machine (`rlfleet run`, the test bed): a hub server with
+JetStream, and one leaf node per region.
 
 Each region's clients connect to their own leaf node, which reaches the hub over one
 leaf connection, so a message crosses the WAN once per region. Every server has its own
 JetStream domain (`hub`, or the region's name): clients reach the hub's streams through
 the leaf with the `hub` domain. Authentication is on everywhere, with the JWTs of one
-operator (`rlfleet.api.natsauth`): nobody is anonymous. The bed's own clients (tests,
-the operator) connect as an unrestricted user of the account (`NatsServer.credentials`).
+operator (`rlfleet.bus.auth`): nobody is anonymous. The servers' own clients (tests,
+the operator, `rlfleet run`) connect as an unrestricted user of the account
+(`NatsServer.credentials`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rlfleet.api.natsauth import (
+from rlfleet.bus.auth import (
     ACCOUNT,
     CREDENTIALS_ENV,
     OPERATOR,
@@ -29,9 +31,9 @@ from rlfleet.api.natsauth import (
     mint_user,
     operator_jwt,
 )
-from rlfleet.testbed.binaries import binary
-from rlfleet.testbed.pki import write_secret
-from rlfleet.testbed.processes import Supervisor, free_port
+from rlfleet.local.binaries import binary
+from rlfleet.local.files import write_secret
+from rlfleet.local.processes import Supervisor, free_port
 
 HUB_DOMAIN = "hub"
 MAX_CONTROL_LINE = 64 << 10
@@ -48,7 +50,7 @@ class NatsServer:
         return await connect(self.url, Path(self.credentials), **options)
 
     def client_env(self) -> dict[str, str]:
-        """The environment a child process connects with (`natsauth.connect` reads it)."""
+        """The environment a child process connects with (`rlfleet.bus.auth.connect` reads it)."""
         return {CREDENTIALS_ENV: self.credentials}
 
 

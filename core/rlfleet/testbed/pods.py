@@ -18,11 +18,11 @@ from pathlib import Path
 
 import kubernetes
 
-from rlfleet.api.launch import REGION_ENV
 from rlfleet.api.meta import COMPONENT_LABEL, RUN_LABEL
+from rlfleet.launch import REGION_ENV
 from rlfleet.local.plan import Process
+from rlfleet.local.processes import Supervisor
 from rlfleet.local.run import launch
-from rlfleet.testbed.processes import Supervisor
 
 log = logging.getLogger(__name__)
 

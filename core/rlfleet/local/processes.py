@@ -1,4 +1,4 @@
-"""Starts the bed's server processes and guarantees none outlives the bed.
+"""Starts server processes (a local run's, the bed's) and guarantees none outlives them.
 
 Each process leads its own process group, so stopping it stops its children too. Under
 pytest the bed is attached: every process also gets PR_SET_PDEATHSIG, so even a SIGKILLed

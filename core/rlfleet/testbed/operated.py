@@ -31,17 +31,17 @@ from pathlib import Path
 import yaml
 from rich.logging import RichHandler
 
-from rlfleet.api import launch as pods
+from rlfleet import launch as pods
 from rlfleet.api.meta import API_VERSION
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.local import plan
 from rlfleet.local import run as local_run
-from rlfleet.local.pods import PodRunner, kube_pods
+from rlfleet.local.files import write_secret
+from rlfleet.local.processes import Supervisor
 from rlfleet.local.run import console
 from rlfleet.testbed.bed import STATE_FILE, Bed, BedInfo, stop_recorded
 from rlfleet.testbed.fleet import HUB, Fleet, TrafficServer, serving_deployment
-from rlfleet.testbed.pki import write_secret
-from rlfleet.testbed.processes import Supervisor
+from rlfleet.testbed.pods import PodRunner, kube_pods
 
 POOL = "chat-prod"  # each region's simulated serving fleet
 SERVING = "chat-vllm"

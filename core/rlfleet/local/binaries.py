@@ -1,4 +1,5 @@
-"""Finds the bed's binaries: those `make setup` built into ./.bin, else the PATH."""
+"""Finds the binaries a local run and the bed start: those `make setup` built into
+./.bin, else the PATH."""
 
 from __future__ import annotations
 
