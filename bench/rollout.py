@@ -46,7 +46,7 @@ def observation(turn: int) -> str:
 async def vllm_sessions(model: Path) -> dict:
     from vllm import SamplingParams
 
-    from rlfleet.rollout.config import WorkerConfig
+    from rlfleet.launch.settings import WorkerConfig
     from rlfleet.rollout.engine import Engine
     from rlfleet.rollout.worker import make_llm
 

@@ -192,7 +192,7 @@ def _seconds_per_step(policy, micro_batches) -> float:
 
 
 def step_timing(model_dir: Path, work: Path) -> dict[str, float]:
-    from rlfleet.trainer.config import TrainerConfig
+    from rlfleet.launch.settings import TrainerConfig
     from rlfleet.trainer.policy import Policy
 
     gen = torch.Generator().manual_seed(0)

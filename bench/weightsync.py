@@ -17,7 +17,6 @@ Prints one JSON object. Every ratio compares two numbers measured in this same r
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import math
 import os
@@ -28,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 import zstandard
@@ -220,6 +220,7 @@ def loopback_gbps(nbytes: int = 1 << 30) -> float:
 
 def transfer(nbytes: int) -> dict:
     """A full version of incompressible bits published at the hub, fetched at a leaf."""
+    from rlfleet.bus.streams import ensure_run_streams
     from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
     from rlfleet.weightsync.receiver import Receiver
     from rlfleet.weightsync.transport import WeightStream
@@ -236,8 +237,8 @@ def transfer(nbytes: int) -> dict:
         hub = await hub_server.connect()
         leaf = await leaf_server.connect()
         try:
+            await ensure_run_streams(hub, "bench", HUB_DOMAIN)
             stream = WeightStream(hub, "bench", CONFIG)
-            await stream.create()
             started = time.perf_counter()
             await stream.put_version(encode_version("bench", 0, tensors, None, CONFIG))
             put_s = time.perf_counter() - started
@@ -291,7 +292,7 @@ def vllm_apply_pause() -> dict:
                 "leaf_url": leaf.url,
                 "run": "bench",
                 "domain": HUB_DOMAIN,
-                "config": dataclasses.asdict(CONFIG),
+                "config": msgspec.to_builtins(CONFIG),
             }
             (root_path / "args.json").write_text(json.dumps(args))
             done = run_in_session(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.api.schema import KINDS
-from rlfleet.api.wire import StepReport, weights_stream
+from rlfleet.api.wire import StepReport
 from rlfleet.bus.streams import run_stream_configs
 from rlfleet.local.binaries import binary
 from rlfleet.local.nats import StandaloneNats
@@ -42,8 +42,8 @@ def nats_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalon
 
 
 def run_streams(key: str) -> list[str]:
-    """Every stream a run has on the hub: the four of `rlfleet.bus.streams`, and weights."""
-    return [config.name for config in run_stream_configs(key)] + [weights_stream(key)]
+    """Every stream a run has on the hub."""
+    return [config.name for config in run_stream_configs(key)]
 
 
 def step_report(run: str, version: int, finished_at: float, dropped_stale: int) -> StepReport:

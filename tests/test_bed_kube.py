@@ -210,8 +210,7 @@ def test_fields_fixed_for_the_runs_life_refuse_a_change(
 
 @pytest.mark.usefixtures("crds_installed")
 def test_checkpoint_storage_is_fixed_once_the_run_exists(kubectl: Kubectl, namespace: str) -> None:
-    bare, without = _rlrun(), _rlrun()
-    del bare["spec"]["trainer"]
+    bare, without = _rlrun(), _rlrun(trainer={"replicas": 1})
     stored = _rlrun(trainer={"checkpointStorage": {"size": "500Gi"}})
     for document in (bare, without, stored):
         kubectl.run("hub", "-n", namespace, "apply", "-f", "-", stdin=yaml.safe_dump(document))

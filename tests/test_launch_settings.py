@@ -1,29 +1,76 @@
-"""What the components run with, from a pod's mounted spec: one spec field, one meaning in
-every component that needs it."""
+"""What the components run with, from a pod's mounted spec or a local run's JSON file: one
+spec field, one meaning in every component that needs it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgspec
+import pytest
 import yaml
 from conftest import ROOT
 
 from rlfleet import launch
 from rlfleet.api.rlrun import RLRunSpec
-from rlfleet.rollout import config as rollout_config
-from rlfleet.trainer import config as trainer_config
+from rlfleet.launch.settings import from_json, to_json
+from rlfleet.local import plan
+
+AT = launch.Placement("nats://hub:4222", "hub", "region-a", "rollout-0")
 
 
-def _spec(**rollout: object) -> RLRunSpec:
-    document = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())
+def _spec(name: str = "rlrun.yaml", **rollout: object) -> RLRunSpec:
+    document = yaml.safe_load((ROOT / "examples" / name).read_text())
     document["spec"]["rollout"].update(rollout)
     return RLRunSpec.model_validate(document["spec"])
 
 
 def test_rollouts_sample_and_the_trainer_scores_at_the_specs_temperature() -> None:
-    at = launch.Placement("nats://hub:4222", "hub", "region-a", "rollout-0")
     hot = _spec(temperature=1.3)
-    assert rollout_config.from_spec("r", hot, at).session.temperature == 1.3
-    assert trainer_config.from_spec("r", hot, at).temperature == 1.3
+    assert launch.ROLLOUT.for_pod("r", hot, AT).session.temperature == 1.3
+    assert launch.TRAINER.for_pod("r", hot, AT).temperature == 1.3
     # Unset, both stay at 1: the model's own distribution.
     plain = _spec()
-    assert rollout_config.from_spec("r", plain, at).session.temperature == 1.0
-    assert trainer_config.from_spec("r", plain, at).temperature == 1.0
+    assert launch.ROLLOUT.for_pod("r", plain, AT).session.temperature == 1.0
+    assert launch.TRAINER.for_pod("r", plain, AT).temperature == 1.0
+
+
+def test_the_specs_weight_sync_reaches_every_component_that_moves_weights() -> None:
+    spec = _spec().model_copy(
+        update={"weight_sync": _spec().weight_sync.model_copy(update={"shard_size_mib": 4})}
+    )
+    for component in (launch.TRAINER, launch.ROLLOUT):
+        sync = component.for_pod("r", spec, AT).weightsync
+        assert (sync.snapshot_every, sync.shard_bytes) == (20, 4 << 20)
+
+
+def _local(tmp_path: Path) -> dict[str, plan.Process]:
+    spec = _spec("local.yaml")
+    leaves = {r.name: SimpleNamespace(url=f"nats://{r.name}:4222") for r in spec.rollout.regions}
+    nats = SimpleNamespace(hub=SimpleNamespace(url="nats://hub:4222"), leaves=leaves)
+    layout = plan.Layout(tmp_path)
+    processes = plan.processes("local", spec, layout, nats, plan.Tuning())  # type: ignore[arg-type]
+    return {p.name: p for p in processes}
+
+
+def test_a_local_run_writes_each_process_settings_its_program_reads_back(tmp_path) -> None:
+    processes = _local(tmp_path)
+    assert set(processes) == {"trainer", "rollout-region-a", "rollout-region-b", "feed"}
+    for name, process in processes.items():
+        component = launch.COMPONENTS[name.partition("-")[0]]
+        assert process.argv[-4:-1] == component.command(process.argv[-4])
+        path = Path(process.argv[-1])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(to_json(process.config))
+        assert component.read(path) == process.config
+    # The machine's tuning, on top of what the spec says.
+    tuning, trainer = plan.Tuning(), processes["trainer"].config
+    assert (trainer.step_groups, trainer.lr, trainer.zero_stage) == (tuning.step_groups, 5e-4, 1)
+    worker = processes["rollout-region-a"].config
+    assert (worker.group_size, worker.session.turn_tokens) == (16, tuning.turn_tokens)
+
+
+def test_a_misspelt_setting_is_refused_when_read(tmp_path) -> None:
+    written = msgspec.json.decode(to_json(_local(tmp_path)["feed"].config))
+    with pytest.raises(msgspec.ValidationError, match="max_stalenes"):
+        from_json(msgspec.json.encode(written | {"max_stalenes": 3}), launch.FEED.settings)

@@ -182,7 +182,7 @@ def test_applying_the_example_trains_in_the_hub_and_borrows_gpus_in_three_region
     world: World,
 ) -> None:
     run = example("rlrun.yaml")
-    run["spec"]["trainer"]["checkpointStorage"] = CHECKPOINTS
+    run["spec"]["trainer"] = {"checkpointStorage": CHECKPOINTS}
     world.apply(HUB, run)
     wait_for("trainer pods running", lambda: world.trainer_pods() == 1)
     # Its rank keeps checkpoints on a claim of its own, bound to the hub's volume.

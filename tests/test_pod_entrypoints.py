@@ -39,6 +39,7 @@ from rlfleet.launch import SPEC_FILE, STATE_DIR_ENV, run_key
 from rlfleet.local.files import write_secret
 from rlfleet.local.nats import HUB_DOMAIN, NatsBed, NatsServer, start_nats
 from rlfleet.local.processes import Supervisor
+from rlfleet.local.run import make_streams
 from rlfleet.models.tiny import init_model
 from rlfleet.operator.config import Images, NatsAccess
 from rlfleet.operator.workloads import COMPONENT_LABEL, hub_objects, mirror, rollout_deployment
@@ -108,6 +109,8 @@ def pods(
         user = work / "run.creds"
         meta = run["metadata"]
         write_secret(user, bed.run_user(run_key(meta["namespace"], meta["name"])))
+        # The run's streams and region-a's weights mirror, as the hub operator makes them.
+        asyncio.run(make_streams(bed, run_key(meta["namespace"], meta["name"])))
         made = hub_objects(run, Images(), access)
         objects = {o["kind"]: o for o in made if o["kind"] != "Deployment"}
         deployments = {
@@ -210,9 +213,8 @@ def test_the_operators_pods_train_from_the_mounted_spec_alone(pods) -> None:
     assert trajectory.worker == f"{REGION}/tiny-moe-arith-rollout-chat-prod-5b8c-qz7lm"
     assert trajectory.group_size == 8
 
-    # The worker reads weights from its region's own mirror of the hub's stream (made by
-    # the worker here, with no operator about), so a version crosses the WAN once.
-    # A mirror made before the hub's stream retries on the server's schedule (about 10 s).
+    # The worker reads weights from its region's own mirror of the hub's stream, so a
+    # version crosses the WAN once.
     def mirrored() -> bool:
         info = asyncio.run(weight_mirror(bed.leaves[REGION], key, REGION))
         return info.mirror is not None and info.state.messages > 0

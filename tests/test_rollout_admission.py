@@ -30,9 +30,9 @@ from rlfleet.api.wire import (
     task_stream,
     task_subject,
 )
-from rlfleet.bus import auth
+from rlfleet.bus import auth, streams
 from rlfleet.bus.auth import CREDENTIALS_ENV
-from rlfleet.bus.streams import ensure_stream, step_stream_config
+from rlfleet.bus.streams import StreamMissing, ensure_run_streams
 from rlfleet.local.nats import StandaloneNats
 from rlfleet.rollout.admission import Admission
 from rlfleet.rollout.curriculum import Curriculum
@@ -159,10 +159,10 @@ def test_a_restarted_feed_remembers_what_the_step_stream_shows_settled(
     config = three_task_feed(nats_servers, tmp_path, monkeypatch)
 
     async def scenario() -> None:
+        await _make_streams(config)
         nc = await auth.connect(config.nats_url)
         try:
             js = nc.jetstream()
-            await ensure_stream(js, step_stream_config(config.run))
             # What the trainer reported before this feed (re)started.
             for version in range(1, 4):
                 await js.publish(step_subject(config.run), encode(settling(config.run, version)))
@@ -212,13 +212,12 @@ async def _feeding(
     config: FeedConfig,
 ) -> AsyncIterator[tuple[JetStreamContext, JetStreamContext.PullSubscription]]:
     """The feed running, and a rollout worker's pull consumer on the run's task queue."""
+    await _make_streams(config)
     stop = asyncio.Event()
     feeding = asyncio.create_task(feed(config, stop))
     nc = await auth.connect(config.nats_url)
     try:
         js = nc.jetstream()
-        await ensure_stream(js, step_stream_config(config.run))
-        await _wait_for_stream(js, task_stream(config.run))
         worker = await js.pull_subscribe(
             task_subject(config.run),
             durable="rollout",
@@ -243,13 +242,33 @@ async def _take(worker: JetStreamContext.PullSubscription, count: int) -> list[T
     return found
 
 
-async def _wait_for_stream(js, name: str) -> None:
-    while True:
+async def _make_streams(config: FeedConfig) -> None:
+    """The run's streams, as whoever starts a run makes them."""
+    nc = await auth.connect(config.nats_url)
+    try:
+        await ensure_run_streams(nc, config.run, None)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.nats
+def test_a_feed_whose_run_has_no_streams_fails_naming_the_stream_and_makes_none(
+    nats_servers: StandaloneNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = three_task_feed(nats_servers, tmp_path, monkeypatch)
+    monkeypatch.setattr(streams, "BIND_WAIT_S", 0.5)  # not the half minute a pod waits
+
+    async def scenario() -> None:
+        with pytest.raises(StreamMissing, match=f"stream {task_stream(config.run)} does not"):
+            await feed(config, asyncio.Event())
+        nc = await auth.connect(config.nats_url)
         try:
-            await js.stream_info(name)
-            return
-        except nats.js.errors.NotFoundError:
-            await asyncio.sleep(0.1)
+            with pytest.raises(nats.js.errors.NotFoundError):
+                await nc.jetstream().stream_info(task_stream(config.run))
+        finally:
+            await nc.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
 def test_a_worker_takes_whole_groups_and_a_group_larger_than_its_sessions_alone() -> None:

@@ -18,7 +18,7 @@ from conftest import wait_for
 from safetensors.torch import load_file
 
 from rlfleet.api.wire import EvaluationReport, decode_evaluation_report
-from rlfleet.bus.streams import evaluation_stream
+from rlfleet.bus.streams import ensure_run_streams, evaluation_stream
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.local.processes import Supervisor
 from rlfleet.models.tiny import init_model
@@ -47,7 +47,6 @@ class Trainer:
         nc = await self.hub.connect()
         try:
             stream = WeightStream(nc, self.run, SyncConfig(), HUB_DOMAIN)
-            await stream.create()
             publisher = Publisher(stream, SyncConfig())
             for version in versions:
                 await publisher.publish(self.tensors, version)
@@ -56,6 +55,15 @@ class Trainer:
 
     def publish(self, *versions: int) -> None:
         asyncio.run(self._publish(list(versions)))
+
+
+async def _make_streams(hub: NatsServer, run: str) -> None:
+    """The run's streams, as whoever starts a run makes them."""
+    nc = await hub.connect()
+    try:
+        await ensure_run_streams(nc, run, HUB_DOMAIN)
+    finally:
+        await nc.close()
 
 
 async def _reports(hub: NatsServer, run: str) -> list[EvaluationReport]:
@@ -101,6 +109,7 @@ def test_a_restarted_evaluator_goes_on_from_its_last_report(
     def scored() -> list[int]:
         return [r.policy_version for r in asyncio.run(_reports(hub, run))]
 
+    asyncio.run(_make_streams(hub, run))
     try:
         trainer.publish(0)
         supervisor.start("evaluator", argv, hub.client_env())

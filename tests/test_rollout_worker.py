@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 import rollout_scripts
@@ -32,7 +33,7 @@ from rlfleet.api.wire import (
     trajectory_stream,
     trajectory_subject,
 )
-from rlfleet.bus.streams import ensure_stream, task_stream_config, trajectory_stream_config
+from rlfleet.bus.streams import ensure_run_streams
 from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.local.processes import free_port
 from rlfleet.models.tiny import init_model, read_weights
@@ -73,7 +74,7 @@ class WorkerUnderTest:
                         "summary_tokens": self.session.summary_tokens,
                         "temperature": 0.0,
                     },
-                    "limits": rollout_scripts.LIMITS.__dict__,
+                    "limits": msgspec.to_builtins(rollout_scripts.LIMITS),
                     "metrics_port": self.metrics_port,
                     "weightsync": {"snapshot_every": SYNC.snapshot_every},
                 }
@@ -83,14 +84,11 @@ class WorkerUnderTest:
         self.loop = asyncio.new_event_loop()
         self.nc = self.loop.run_until_complete(self.hub.connect())
         self.js = self.nc.jetstream(domain=HUB_DOMAIN)
-        self.loop.run_until_complete(ensure_stream(self.js, trajectory_stream_config(self.run)))
-        self.loop.run_until_complete(ensure_stream(self.js, task_stream_config(self.run)))
+        self.loop.run_until_complete(ensure_run_streams(self.nc, self.run, HUB_DOMAIN))
         self.trajectories = self.loop.run_until_complete(
             self.js.pull_subscribe(trajectory_subject(self.run), stream=trajectory_stream(self.run))
         )
-        weights = WeightStream(self.nc, self.run, SYNC, domain=HUB_DOMAIN)
-        self.loop.run_until_complete(weights.create())
-        self.publisher = Publisher(weights, SYNC)
+        self.publisher = Publisher(WeightStream(self.nc, self.run, SYNC, domain=HUB_DOMAIN), SYNC)
         self.publish_weights(read_weights(self.model), 0)
         env = os.environ | servers.bed.leaves[servers.region].client_env()
         env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}

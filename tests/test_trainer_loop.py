@@ -21,7 +21,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlfleet.api.wire import Segment, Trajectory, encode_trajectory, trajectory_subject
-from rlfleet.bus.streams import ensure_stream, trajectory_stream_config
+from rlfleet.bus.streams import ensure_run_streams
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.local.processes import run_in_session
 from rlfleet.models.tiny import init_model
@@ -71,11 +71,19 @@ def group(run: str, name: str, version: int) -> list[bytes]:
     return [encode_trajectory(trajectory(run, name, a, version)) for a in range(GROUP)]
 
 
+async def make_streams(hub: NatsServer, run: str) -> None:
+    """The run's streams, as whoever starts a run makes them."""
+    nc = await hub.connect()
+    try:
+        await ensure_run_streams(nc, run, HUB_DOMAIN)
+    finally:
+        await nc.close()
+
+
 async def publish(hub: NatsServer, run: str, payloads: list[bytes]) -> None:
     nc = await hub.connect()
     try:
         js = nc.jetstream(domain=HUB_DOMAIN)
-        await ensure_stream(js, trajectory_stream_config(run))
         for payload in payloads:
             await js.publish(trajectory_subject(run), payload)
     finally:
@@ -147,6 +155,7 @@ def trainer(
     tmp_path: Path, tiny_moe: Path, servers: StandaloneNats, **settings
 ) -> Iterator[TrainerProcess]:
     process = TrainerProcess(tmp_path, tiny_moe, servers.bed.hub, **settings)
+    asyncio.run(make_streams(servers.bed.hub, process.run))
     try:
         yield process
     finally:
@@ -262,7 +271,6 @@ def test_trainer_raises_the_reward_of_a_fixed_policy_on_a_verifiable_task(
         max_step_tokens=round_tokens,
         max_steps=rounds - 1,
     ) as process:
-        asyncio.run(publish(hub, process.run, []))
         process.start()
         args = tmp_path / "rollout.json"
         args.write_text(

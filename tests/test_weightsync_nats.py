@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import signal
@@ -15,11 +14,13 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from rlfleet.bus.streams import ensure_run_streams
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.publisher import Publisher
@@ -81,9 +82,8 @@ def _rejected(reason: str) -> float:
 
 
 async def _publish_all(hub: nats.NATS, run: str, versions) -> Publisher:
-    stream = WeightStream(hub, run, CONFIG)
-    await stream.create()
-    publisher = Publisher(stream, CONFIG)
+    await ensure_run_streams(hub, run, HUB_DOMAIN)
+    publisher = Publisher(WeightStream(hub, run, CONFIG), CONFIG)
     for version, tensors in enumerate(versions):
         await publisher.publish(tensors, version)
     return publisher
@@ -97,9 +97,8 @@ def test_a_region_follows_versions_through_its_own_mirror(nats_servers: Standalo
             nats_servers.bed.hub,
             nats_servers.bed.leaves[REGION],
         ) as (hub, leaf):
-            await WeightStream(hub, run, CONFIG).create()
+            assert await ensure_run_streams(hub, run, HUB_DOMAIN, [REGION]) == []
             regional = WeightStream(leaf, run, CONFIG, domain=REGION)
-            await regional.mirror(HUB_DOMAIN)
             publisher = Publisher(WeightStream(hub, run, CONFIG), CONFIG)
             seen: list[int] = []
 
@@ -133,11 +132,10 @@ def test_a_late_receiver_starts_from_the_snapshot_retention_kept(
             nats_servers.bed.hub,
             nats_servers.bed.leaves[REGION],
         ) as (hub, leaf):
+            # The hub's client makes the region's mirror through the region's domain.
+            assert await ensure_run_streams(hub, run, HUB_DOMAIN, [REGION]) == []
             stream = WeightStream(hub, run, CONFIG)
-            await stream.create()
-            # The hub's client manages the region's mirror through the region's domain.
             mirror = WeightStream(hub, run, CONFIG, domain=REGION)
-            await mirror.mirror(HUB_DOMAIN)
             publisher = Publisher(stream, CONFIG, mirrors=[mirror])
             for version, tensors in enumerate(versions):
                 await publisher.publish(tensors, version)
@@ -158,10 +156,9 @@ def test_a_region_cut_off_keeps_its_old_versions_and_publishing_goes_on(
 
     async def scenario() -> None:
         async with _connected(nats_servers.bed.hub) as (hub,):
+            assert await ensure_run_streams(hub, run, HUB_DOMAIN, [REGION]) == []
             stream = WeightStream(hub, run, CONFIG)
-            await stream.create()
             reached = WeightStream(hub, run, CONFIG, domain=REGION)
-            await reached.mirror(HUB_DOMAIN)
             # No server answers for this region's domain, as when its link is down.
             cut_off = WeightStream(hub, run, CONFIG, domain="region-cut-off")
             publisher = Publisher(stream, CONFIG, mirrors=[cut_off, reached])
@@ -182,8 +179,8 @@ def test_a_corrupted_shard_is_refetched_then_refused_and_the_snapshot_used(
 
     async def scenario() -> None:
         async with _connected(nats_servers.bed.hub) as (hub,):
+            await ensure_run_streams(hub, run, HUB_DOMAIN)
             stream = WeightStream(hub, run, CONFIG)
-            await stream.create()
             receiver = Receiver(stream, fetch_timeout=5)
             publisher = await _publish_all(hub, run, versions[:3])
             assert await receiver.sync() == 2
@@ -214,8 +211,8 @@ def test_a_delta_on_an_unknown_base_is_never_applied(nats_servers: StandaloneNat
 
     async def scenario() -> None:
         async with _connected(nats_servers.bed.hub) as (hub,):
+            await ensure_run_streams(hub, run, HUB_DOMAIN)
             stream = WeightStream(hub, run, CONFIG)
-            await stream.create()
             await stream.put_version(encode_version(run, 0, versions[0], None, CONFIG))
             # Version 2 claims version 1 as its base, which was never published.
             base = WeightState.copy_of(versions[1], 1)
@@ -268,7 +265,7 @@ def test_a_receiver_killed_mid_transfer_restarts_onto_the_right_version(
         leaf.url,
         HUB_DOMAIN,
         run,
-        json.dumps(dataclasses.asdict(CONFIG)),
+        json.dumps(msgspec.to_builtins(CONFIG)),
     ]
     first = subprocess.Popen(
         [*argv, str(tmp_path / "first.json")], stdout=subprocess.PIPE, text=True, env=env

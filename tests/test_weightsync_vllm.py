@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import sys
 import uuid
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from rlfleet.bus.streams import ensure_run_streams
 from rlfleet.local.nats import HUB_DOMAIN
 from rlfleet.local.processes import run_in_session
 from rlfleet.models.tiny import init_model, train_step
 from rlfleet.weightsync.config import SyncConfig
-from rlfleet.weightsync.transport import WeightStream
 
 pytestmark = [pytest.mark.slow, pytest.mark.nats]
 
@@ -48,13 +48,10 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
 
     async def streams() -> None:
         hub = await nats_servers.bed.hub.connect()
-        client = await leaf.connect()
         try:
-            await WeightStream(hub, run, CONFIG).create()
-            await WeightStream(client, run, CONFIG, domain=region).mirror(HUB_DOMAIN)
+            assert await ensure_run_streams(hub, run, HUB_DOMAIN, [region]) == []
         finally:
             await hub.close()
-            await client.close()
 
     asyncio.run(streams())
     updated = _probe(
@@ -65,7 +62,7 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
             "leaf_url": leaf.url,
             "run": run,
             "domain": region,
-            "config": dataclasses.asdict(CONFIG),
+            "config": msgspec.to_builtins(CONFIG),
         },
         tmp_path,
         "updated",

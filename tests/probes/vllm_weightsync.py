@@ -70,9 +70,7 @@ def main() -> None:
         config = SyncConfig(**args["config"])
         loop = asyncio.new_event_loop()
         hub = loop.run_until_complete(auth.connect(args["hub_url"]))
-        stream = WeightStream(hub, args["run"], config)
-        loop.run_until_complete(stream.create())
-        publisher = Publisher(stream, config)
+        publisher = Publisher(WeightStream(hub, args["run"], config), config)
         vllm_start(llm, args["leaf_url"], args["run"], args["domain"], config)
         for step in rounds:
             weights = read_weights(Path(step["publish"]))

@@ -286,3 +286,9 @@ def weights_stream(run: str) -> str:
 def weights_prefix(run: str) -> str:
     """Every subject of a run's weights begins with this (see weightsync's `Subjects`)."""
     return f"rlfleet.weights.{run}"
+
+
+# One weights message carries at most this much of a shard (the stream takes no more). A
+# server counts headers against its max_payload (1 MiB by default) and a leaf node drops
+# its link on an oversized message, so leave room for the direct-get headers.
+WEIGHT_CHUNK_BYTES = (1 << 20) - (4 << 10)

@@ -1,29 +1,58 @@
-"""The JetStream streams of one run, defined once.
+"""The JetStream streams of one run, declared once, and the one function that makes them.
 
-The hub operator creates them when a run starts; each component also ensures the streams
-it uses when it starts (idempotent), so a run without the operator (`rlfleet run`, the
-tests) has them too. The weights stream belongs to weightsync (`WeightStream.create`).
+Whoever starts a run makes its streams (`ensure_run_streams`): the hub operator, or
+`rlfleet run` on one machine. Components only bind to them (`bind_stream`) and fail,
+naming the stream, when it is not there; none creates or rewrites a stream, so no
+component's idea of a stream's config can drift from what is declared here.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+
+import nats.errors
+from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.api import (
+    DiscardPolicy,
+    ExternalStream,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+    StreamInfo,
+    StreamSource,
+)
+from nats.js.errors import BadRequestError, NotFoundError
 
 from rlfleet.api.wire import (
+    WEIGHT_CHUNK_BYTES,
     evaluation_subject,
     step_subject,
     task_stream,
     task_subject,
     trajectory_stream,
     trajectory_subject,
+    weights_prefix,
+    weights_stream,
 )
+
+log = logging.getLogger(__name__)
 
 # Step reports kept per run: enough history to read a run's recent progress after a
 # restart, bounded so a run of a million steps does not grow the stream without end.
 STEP_REPORTS_KEPT = 10_000
 EVALUATIONS_KEPT = 1_000  # one every `everyVersions` versions: a long run's whole history
+# How long a component waits for a stream its run's owner has not made yet: the hub
+# operator starts a run's pods and makes its streams in the same reconcile.
+BIND_WAIT_S = 30.0
+
+
+class StreamMissing(LookupError):
+    """A stream a component needs is not there: whoever starts the run makes it."""
 
 
 def step_stream(run: str) -> str:
@@ -77,18 +106,107 @@ def evaluation_stream_config(run: str) -> StreamConfig:
     return _reports(evaluation_stream(run), evaluation_subject(run), EVALUATIONS_KEPT)
 
 
+def weights_stream_config(run: str) -> StreamConfig:
+    """The run's weight versions on the hub (`rlfleet.weightsync`): shards in chunks read
+    by batched direct get, and a publisher's retries dropped as duplicates."""
+    return StreamConfig(
+        name=weights_stream(run),
+        subjects=[f"{weights_prefix(run)}.>"],
+        storage=StorageType.FILE,
+        allow_direct=True,
+        discard=DiscardPolicy.OLD,
+        max_msg_size=WEIGHT_CHUNK_BYTES + 4096,
+        duplicate_window=120.0,
+    )
+
+
+def weights_mirror_config(run: str, hub_domain: str) -> StreamConfig:
+    """A region's copy of the run's weights, read there so a version crosses the WAN once
+    per region; the publisher retires old versions from it as from the hub's."""
+    name = weights_stream(run)
+    return StreamConfig(
+        name=name,
+        storage=StorageType.FILE,
+        allow_direct=True,
+        mirror=StreamSource(name=name, external=ExternalStream(api=f"$JS.{hub_domain}.API")),
+    )
+
+
 def run_stream_configs(run: str) -> list[StreamConfig]:
+    """Every stream the run has on the hub."""
     return [
         task_stream_config(run),
         trajectory_stream_config(run),
         step_stream_config(run),
         evaluation_stream_config(run),
+        weights_stream_config(run),
     ]
 
 
-async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+async def _ensure(js: JetStreamContext, config: StreamConfig) -> None:
     """Creates the stream, or brings an existing one to `config`."""
     try:
         await js.add_stream(config)
     except BadRequestError:
         await js.update_stream(config)
+
+
+async def ensure_run_streams(
+    nc: Client, run: str, hub_domain: str | None, regions: Sequence[str] = ()
+) -> list[str]:
+    """Makes the run's streams on the hub and a mirror of its weights in each region's
+    JetStream domain, or brings them back to their declared config (idempotent); returns
+    the regions whose mirror could not be made yet. `nc` reaches the hub's JetStream
+    through `hub_domain` (None: no domains, and so no regions)."""
+    if regions and hub_domain is None:
+        raise ValueError("a region's mirror names the hub's JetStream domain: give it")
+    hub = nc.jetstream(domain=hub_domain)
+    for config in run_stream_configs(run):
+        await _ensure(hub, config)
+    missing = []
+    for region in regions:
+        try:
+            await _ensure(nc.jetstream(domain=region), weights_mirror_config(run, hub_domain))
+        except (nats.errors.Error, TimeoutError) as error:
+            log.warning("weights mirror of run %s in region %s: %s", run, region, error)
+            missing.append(region)
+    return missing
+
+
+async def delete_run_streams(
+    nc: Client, run: str, hub_domain: str | None, regions: Sequence[str] = ()
+) -> list[str]:
+    """Deletes the run's streams on the hub and its weights' mirror in each region, so
+    nothing of it outlives the run; returns the regions whose mirror is left. A stream
+    that is not there is already gone."""
+    hub = nc.jetstream(domain=hub_domain)
+    for config in run_stream_configs(run):
+        with contextlib.suppress(NotFoundError):
+            await hub.delete_stream(config.name)
+    left = []
+    for region in regions:
+        try:
+            with contextlib.suppress(NotFoundError):
+                await nc.jetstream(domain=region).delete_stream(weights_stream(run))
+        except (nats.errors.Error, TimeoutError) as error:
+            log.warning("weights mirror of run %s in region %s: %s", run, region, error)
+            left.append(region)
+    return left
+
+
+async def bind_stream(js: JetStreamContext, name: str) -> StreamInfo:
+    """The stream `name` as `js` reaches it, waiting up to `BIND_WAIT_S` for its owner to
+    make it; StreamMissing, naming it, when it is still not there."""
+    deadline = time.monotonic() + BIND_WAIT_S
+    while True:
+        try:
+            return await js.stream_info(name)
+        except NotFoundError:
+            if time.monotonic() >= deadline:
+                raise StreamMissing(
+                    f"stream {name} does not exist: a run's streams are made by "
+                    "whoever starts it (the hub operator, or `rlfleet run`), not by its "
+                    "components"
+                ) from None
+            log.info("waiting for stream %s, which its run's owner makes", name)
+            await asyncio.sleep(1.0)

@@ -3,9 +3,10 @@
 The operator mounts the run's spec into every pod it makes (`SPEC_FILE`, the ConfigMap
 `<run>-spec`) and says where the pod sits in environment variables (`Placement`);
 `rlfleet run` places the same components as local processes. Both turn the spec into
-settings here, so a spec field means the same thing wherever the run trains. Settings
-are plain dicts; each component validates them with its own config type, and what the
-spec does not say stays at that type's defaults (a local run adds its own tuning).
+settings here, so a spec field means the same thing wherever the run trains. Settings are
+typed (`rlfleet.launch.settings`); what the spec does not say stays at their defaults (a
+local run adds its own tuning with `msgspec.structs.replace`). `COMPONENTS` names the
+programs that run them.
 """
 
 from __future__ import annotations
@@ -17,13 +18,24 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import msgspec
 
 from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.launch.settings import (
+    EvaluatorConfig,
+    FeedConfig,
+    JudgeConfig,
+    RewardConfig,
+    SessionConfig,
+    SyncConfig,
+    TrainerConfig,
+    WorkerConfig,
+    from_json,
+)
 
-T = TypeVar("T")
+S = TypeVar("S", bound=msgspec.Struct)
 
 SPEC_DIR = "/etc/rlfleet"
 SPEC_FILE = f"{SPEC_DIR}/rlrun.json"  # {"run": its key on NATS, "spec": RLRun spec}, as JSON
@@ -100,28 +112,31 @@ def model_dir(spec: RLRunSpec) -> str:
     return uri.removeprefix(FILE_SCHEME)
 
 
-def _sync(spec: RLRunSpec) -> dict:
-    return {"snapshot_every": spec.weight_sync.snapshot_interval}
+def _sync(spec: RLRunSpec) -> SyncConfig:
+    return SyncConfig(
+        snapshot_every=spec.weight_sync.snapshot_interval,
+        shard_bytes=spec.weight_sync.shard_size_mib << 20,
+    )
 
 
 def trainer_settings(
     name: str, spec: RLRunSpec, model: str, checkpoint_dir: str, at: Placement
-) -> dict:
-    return {
-        "run": name,
-        "nats_url": at.nats_url,
-        "jetstream_domain": at.jetstream_domain,
-        "model": model,
-        "checkpoint_dir": checkpoint_dir,
-        "zero_stage": spec.trainer.zero_stage,
-        "batch_invariant": spec.trainer.batch_invariant,
-        "router_replay": spec.trainer.router_replay,
-        "kl_coef": spec.trainer.kl_coef,
-        "temperature": spec.rollout.temperature,
-        "max_staleness": spec.max_staleness,
-        "weight_mirrors": _weight_mirrors(spec, at),
-        "weightsync": _sync(spec),
-    }
+) -> TrainerConfig:
+    return TrainerConfig(
+        run=name,
+        nats_url=at.nats_url,
+        jetstream_domain=at.jetstream_domain,
+        model=Path(model),
+        checkpoint_dir=Path(checkpoint_dir),
+        zero_stage=spec.trainer.zero_stage,
+        batch_invariant=spec.trainer.batch_invariant,
+        router_replay=spec.trainer.router_replay,
+        kl_coef=spec.trainer.kl_coef,
+        temperature=spec.rollout.temperature,
+        max_staleness=spec.max_staleness,
+        weight_mirrors=_weight_mirrors(spec, at),
+        weightsync=_sync(spec),
+    )
 
 
 def _weight_mirrors(spec: RLRunSpec, at: Placement) -> list[str]:
@@ -131,74 +146,120 @@ def _weight_mirrors(spec: RLRunSpec, at: Placement) -> list[str]:
     return [region.name for region in spec.rollout.regions] if at.jetstream_domain else []
 
 
-def _rewards(spec: RLRunSpec) -> dict:
+def _rewards(spec: RLRunSpec) -> RewardConfig:
     """The worker's reward weights; an empty list keeps the suite's verifiable checks."""
     if not spec.rewards:
-        return {}
+        return RewardConfig()
     weights = {r.kind: r.weight for r in spec.rewards}
-    rewards: dict = {
-        "exact": weights.get("exactAnswer", 0.0),
-        "tests": weights.get("hiddenTests", 0.0),
-        "judge": weights.get("judge", 0.0),
-    }
     judge = next((r for r in spec.rewards if r.kind == "judge"), None)
+    endpoint = None
     if judge is not None:
-        rewards["judge_endpoint"] = {"base_url": judge.endpoint, "model": judge.judge_model}
-    return rewards
+        if judge.endpoint is None or judge.judge_model is None:
+            raise ValueError("spec.rewards: a judge reward needs endpoint and judgeModel")
+        endpoint = JudgeConfig(base_url=judge.endpoint, model=judge.judge_model)
+    return RewardConfig(
+        exact=weights.get("exactAnswer", 0.0),
+        tests=weights.get("hiddenTests", 0.0),
+        judge=weights.get("judge", 0.0),
+        judge_endpoint=endpoint,
+    )
 
 
-def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> dict:
+def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> WorkerConfig:
     region = at.region or "default"
-    return {
-        "run": name,
-        "nats_url": at.nats_url,
-        "jetstream_domain": at.jetstream_domain,
-        "weights_domain": at.region if at.jetstream_domain else None,
-        "model": model,
-        "name": f"{region}/{at.pod or 'rollout-0'}",
-        "group_size": spec.rollout.group_size,
-        "session": {"temperature": spec.rollout.temperature},
-        "weightsync": _sync(spec),
-    } | ({"rewards": _rewards(spec)} if spec.rewards else {})
+    return WorkerConfig(
+        run=name,
+        nats_url=at.nats_url,
+        jetstream_domain=at.jetstream_domain,
+        weights_domain=at.region if at.jetstream_domain else None,
+        model=model,
+        name=f"{region}/{at.pod or 'rollout-0'}",
+        group_size=spec.rollout.group_size,
+        session=SessionConfig(temperature=spec.rollout.temperature),
+        rewards=_rewards(spec),
+        weightsync=_sync(spec),
+    )
 
 
-def feed_settings(name: str, spec: RLRunSpec, at: Placement) -> dict:
-    return {
-        "run": name,
-        "nats_url": at.nats_url,
-        "jetstream_domain": at.jetstream_domain,
-        "suite": spec.rollout.task_suite,
-        "max_staleness": spec.max_staleness,
-        "group_size": spec.rollout.group_size,
-        "revisit_uniform": spec.rollout.uniform_group_revisit,
-    }
+def feed_settings(name: str, spec: RLRunSpec, at: Placement) -> FeedConfig:
+    return FeedConfig(
+        run=name,
+        nats_url=at.nats_url,
+        jetstream_domain=at.jetstream_domain,
+        suite=spec.rollout.task_suite,
+        max_staleness=spec.max_staleness,
+        group_size=spec.rollout.group_size,
+        revisit_uniform=spec.rollout.uniform_group_revisit,
+    )
 
 
-def evaluator_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> dict:
+def evaluator_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> EvaluatorConfig:
     """The evaluator follows the hub's copy of the weights, as the trainer publishes them."""
     if spec.evaluation is None:
         raise ValueError("spec.evaluation is not set: there is nothing to evaluate")
-    return {
-        "run": name,
-        "nats_url": at.nats_url,
-        "jetstream_domain": at.jetstream_domain,
-        "model": model,
-        "suite": spec.evaluation.suite,
-        "every_versions": spec.evaluation.every_versions,
-        "weightsync": _sync(spec),
-    }
+    return EvaluatorConfig(
+        run=name,
+        nats_url=at.nats_url,
+        jetstream_domain=at.jetstream_domain,
+        model=model,
+        suite=spec.evaluation.suite,
+        every_versions=spec.evaluation.every_versions,
+        weightsync=_sync(spec),
+    )
 
 
-def component_config(
-    argv: list[str],
-    program: str,
-    from_file: Callable[[Path], T],
-    from_spec: Callable[[str, RLRunSpec, Placement], T],
-) -> T:
+@dataclass(frozen=True)
+class Program:
+    """A program of the components' images: `python -m MODULE ...`."""
+
+    module: str
+
+    def command(self, python: str = "python") -> list[str]:
+        return [python, "-m", self.module]
+
+
+@dataclass(frozen=True)
+class Component(Program, Generic[S]):
+    """A long-running part of a run: `python -m MODULE SETTINGS.json`, its settings as a
+    local run writes them, or `--rlrun [SPEC]` in a pod, which builds them with
+    `for_pod` from the mounted spec and the placement its environment gives."""
+
+    name: str
+    settings: type[S]
+    for_pod: Callable[[str, RLRunSpec, Placement], S]
+
+    def read(self, path: Path) -> S:
+        return from_json(path.read_bytes(), self.settings)
+
+
+def _trainer_pod(name: str, spec: RLRunSpec, at: Placement) -> TrainerConfig:
+    return trainer_settings(name, spec, model_dir(spec), f"{at.state_dir}/checkpoints", at)
+
+
+def _rollout_pod(name: str, spec: RLRunSpec, at: Placement) -> WorkerConfig:
+    return rollout_settings(name, spec, model_dir(spec), at)
+
+
+def _evaluator_pod(name: str, spec: RLRunSpec, at: Placement) -> EvaluatorConfig:
+    return evaluator_settings(name, spec, model_dir(spec), at)
+
+
+TRAINER = Component("rlfleet.trainer", "trainer", TrainerConfig, _trainer_pod)
+ROLLOUT = Component("rlfleet.rollout", "rollout", WorkerConfig, _rollout_pod)
+FEED = Component("rlfleet.rollout.feed", "feed", FeedConfig, feed_settings)
+EVALUATOR = Component("rlfleet.rollout.evaluator", "evaluator", EvaluatorConfig, _evaluator_pod)
+COMPONENTS = {c.name: c for c in (TRAINER, ROLLOUT, FEED, EVALUATOR)}
+# What `rlfleet run` runs besides: a tiny model's warm-up and a whole-suite evaluation.
+WARMUP = Program("rlfleet.rollout.warmup")
+EVALUATION = Program("rlfleet.rollout.evaluation")
+
+
+def component_settings(argv: list[str], component: Component[S]) -> S:
     """A component's settings from its command line: `CONFIG.json` (its own settings, as
     `rlfleet run` writes them) or `--rlrun [SPEC]` (a pod: the mounted spec, `SPEC_FILE`
     by default, placed by the environment). A pod that cannot run as told exits with the
     reason, not a traceback, so `kubectl logs` says what to fix."""
+    program = " ".join(component.command())
     parser = argparse.ArgumentParser(prog=program)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("config", nargs="?", type=Path, help="the component's settings")
@@ -207,9 +268,9 @@ def component_config(
     )
     args = parser.parse_args(argv)
     if args.config:
-        return from_file(args.config)
+        return component.read(args.config)
     try:
         run, spec = read_spec(args.rlrun)
-        return from_spec(run, spec, Placement.from_env(os.environ))
+        return component.for_pod(run, spec, Placement.from_env(os.environ))
     except (OSError, ValueError, msgspec.ValidationError) as error:
         sys.exit(f"{program}: cannot run {args.rlrun}: {error}")

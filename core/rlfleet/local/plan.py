@@ -14,6 +14,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+from msgspec.structs import replace
+
 from rlfleet import launch
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.bus.auth import CREDENTIALS_ENV
@@ -90,7 +93,7 @@ class Tuning:
 class Process:
     name: str
     argv: list[str]
-    config: dict  # written as JSON beside the run and passed as the only argument
+    config: msgspec.Struct  # its settings, written as JSON where the argv's last word says
     env: dict[str, str]
 
 
@@ -120,9 +123,9 @@ def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
     return cores[:half], cores[half:]
 
 
-def _pinned(module: str, cores: list[int], config_path: Path) -> list[str]:
+def _pinned(component: launch.Component, cores: list[int], config_path: Path) -> list[str]:
     cpus = ",".join(map(str, cores))
-    return ["taskset", "-c", cpus, sys.executable, "-m", module, str(config_path)]
+    return ["taskset", "-c", cpus, *component.command(sys.executable), str(config_path)]
 
 
 def model_path(spec: RLRunSpec, layout: Layout) -> Path:
@@ -143,24 +146,30 @@ def processes(
     hub = launch.Placement(nats.hub.url, HUB_DOMAIN)
     found: list[Process] = []
 
-    def add(process_name: str, module: str, cores: list[int], config: dict, env: dict) -> None:
+    def add(
+        process_name: str,
+        component: launch.Component,
+        cores: list[int],
+        config: msgspec.Struct,
+        env: dict,
+    ) -> None:
         path = layout.configs / f"{process_name}.json"
         env = env | {CREDENTIALS_ENV: str(layout.credentials)}
-        found.append(Process(process_name, _pinned(module, cores, path), config, env))
+        found.append(Process(process_name, _pinned(component, cores, path), config, env))
 
     trainer = launch.trainer_settings(name, spec, model, str(layout.checkpoints), hub)
     add(
         "trainer",
-        "rlfleet.trainer",
+        launch.TRAINER,
         trainer_cores,
-        trainer
-        | {
-            "zero_stage": min(spec.trainer.zero_stage, 2),  # ZeRO-3 needs a GPU
-            "step_groups": tuning.step_groups,
-            "lr": tuning.lr,
-            "lr_warmup_steps": tuning.lr_warmup_steps,
-            "updates_per_step": tuning.updates_per_step,
-        },
+        replace(
+            trainer,
+            zero_stage=min(trainer.zero_stage, 2),  # ZeRO-3 needs a GPU
+            step_groups=tuning.step_groups,
+            lr=tuning.lr,
+            lr_warmup_steps=tuning.lr_warmup_steps,
+            updates_per_step=tuning.updates_per_step,
+        ),
         threads,
     )
     rollout_env = {
@@ -179,29 +188,30 @@ def processes(
         worker = launch.rollout_settings(name, spec, model, at)
         add(
             f"rollout-{demand.name}",
-            "rlfleet.rollout",
+            launch.ROLLOUT,
             rollout_cores,
-            worker
-            | {
-                "dtype": dtype,
-                "max_sessions": tuning.max_sessions,
-                "max_model_len": tuning.max_model_len,
-                "session": worker["session"]
-                | {"turn_tokens": tuning.turn_tokens, "max_turns": tuning.max_turns},
-            },
+            replace(
+                worker,
+                dtype=dtype,
+                max_sessions=tuning.max_sessions,
+                max_model_len=tuning.max_model_len,
+                session=replace(
+                    worker.session, turn_tokens=tuning.turn_tokens, max_turns=tuning.max_turns
+                ),
+            ),
             rollout_env,
         )
     feed = launch.feed_settings(name, spec, hub)
     add(
         "feed",
-        "rlfleet.rollout.feed",
+        launch.FEED,
         rollout_cores,
-        feed | {"depth": tuning.queue_depth, "groups_per_step": tuning.step_groups},
+        replace(feed, depth=tuning.queue_depth, groups_per_step=tuning.step_groups),
         {},
     )
     if spec.evaluation is not None:
         # Scoring shares the rollout cores: it generates, as they do.
         evaluator = launch.evaluator_settings(name, spec, model, hub)
         scoring_threads = {"OMP_NUM_THREADS": rollout_env["OMP_NUM_THREADS"]}
-        add("evaluator", "rlfleet.rollout.evaluator", rollout_cores, evaluator, scoring_threads)
+        add("evaluator", launch.EVALUATOR, rollout_cores, evaluator, scoring_threads)
     return found

@@ -44,10 +44,12 @@ from rlfleet.api.wire import (
     step_subject,
 )
 from rlfleet.bus import auth
-from rlfleet.bus.streams import step_stream
+from rlfleet.bus.streams import ensure_run_streams, step_stream
+from rlfleet.launch import EVALUATION, WARMUP
+from rlfleet.launch.settings import to_json
 from rlfleet.local import plan, report
 from rlfleet.local.files import write_secret
-from rlfleet.local.nats import start_nats
+from rlfleet.local.nats import NatsBed, start_nats
 from rlfleet.local.processes import Supervisor, stop_pids
 
 console = Console()
@@ -82,10 +84,7 @@ def make_model(spec: RLRunSpec, layout: plan.Layout, warmup_steps: int) -> None:
     )
     suite = spec.rollout.task_suite
     subprocess.run(
-        [
-            *(sys.executable, "-m", "rlfleet.rollout.warmup", str(staging), suite),
-            *("--steps", str(warmup_steps)),
-        ],
+        [*WARMUP.command(sys.executable), str(staging), suite, "--steps", str(warmup_steps)],
         check=True,
     )
     staging.rename(layout.model)  # only a finished warm-up counts
@@ -205,10 +204,7 @@ def evaluate(
     the run published, read as the user of `credentials`. None, with the reason shown,
     for a suite it cannot grade."""
     done = subprocess.run(
-        [
-            *(sys.executable, "-m", "rlfleet.rollout.evaluation"),
-            *(str(model), suite, str(out), *published),
-        ],
+        [*EVALUATION.command(sys.executable), str(model), suite, str(out), *published],
         capture_output=True,
         text=True,
         env=os.environ | ({auth.CREDENTIALS_ENV: str(credentials)} if credentials else {}),
@@ -221,9 +217,8 @@ def evaluate(
 
 
 def launch(process: plan.Process, supervisor: Supervisor) -> None:
-    """Writes the process's config where its argv names it, then starts it."""
-    config_path = Path(process.argv[-1])
-    config_path.write_text(json.dumps(process.config, indent=2))
+    """Writes the process's settings where its argv names it, then starts it."""
+    Path(process.argv[-1]).write_bytes(to_json(process.config))
     supervisor.start(process.name, process.argv, process.env)
 
 
@@ -264,6 +259,18 @@ class Plane(Protocol):
 PlaneFactory = Callable[[str, RLRunSpec, plan.Layout, plan.Tuning], Plane]
 
 
+async def make_streams(bed: NatsBed, run: str) -> None:
+    """The run's streams, and its weights' mirror in every region, as the hub operator
+    makes them for a run in a cluster: the run's processes only bind to them."""
+    nc = await bed.hub.connect()
+    try:
+        missing = await ensure_run_streams(nc, run, bed.hub.domain, list(bed.leaves))
+    finally:
+        await nc.close()
+    if missing:
+        raise RuntimeError(f"run {run}: no weights mirror in {', '.join(missing)}")
+
+
 class LocalPlane:
     """An embedded NATS hub with a leaf node per region, and the run's processes."""
 
@@ -282,6 +289,7 @@ class LocalPlane:
             bed = start_nats(regions, self.supervisor, self.layout.nats)
             self.url = bed.hub.url
             write_secret(self.credentials, bed.run_user(self.key))
+            asyncio.run(make_streams(bed, self.key))
             for process in plan.processes(self.key, self.spec, self.layout, bed, self.tuning):
                 launch(process, self.supervisor)
                 self.components.append(process.name)

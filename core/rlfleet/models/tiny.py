@@ -25,19 +25,13 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from rlfleet.models.chat import CHAT_TEMPLATE, END_TEXT, END_TURN, SPECIAL_TOKENS
+
 Kind = Literal["tiny-moe", "tiny-dense"]
 KINDS: tuple[Kind, ...] = ("tiny-moe", "tiny-dense")
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # 256 byte symbols and the special tokens, rounded up to a multiple of 64 for the kernels.
 VOCAB_SIZE = 320
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 _COMMON = dict(
     vocab_size=VOCAB_SIZE,
@@ -83,8 +77,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+        eos_token=END_TURN,
+        pad_token=END_TEXT,
         chat_template=CHAT_TEMPLATE,
         model_max_length=_COMMON["max_position_embeddings"],
     )
@@ -98,8 +92,8 @@ def init_model(
         raise ValueError(f"unknown model kind {kind!r}; choose one of {', '.join(KINDS)}")
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    eos = tokenizer.convert_tokens_to_ids(END_TURN)
+    pad = tokenizer.convert_tokens_to_ids(END_TEXT)
     config = model_config(kind, eos, pad)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import kubernetes
+import msgspec
 
 from rlfleet.api.meta import COMPONENT_LABEL, RUN_LABEL
 from rlfleet.launch import REGION_ENV
@@ -74,7 +75,7 @@ def process_for(pod: Pod, plan: dict[str, Process]) -> Process | None:
         template,
         name=name,
         argv=[*template.argv[:-1], config_path],
-        config=template.config | {"name": pod.key},
+        config=msgspec.structs.replace(template.config, name=pod.key),
     )
 
 

@@ -8,7 +8,6 @@ slows a reconcile by at most `timeout_s` and never blocks kopf.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 from collections.abc import Callable, Coroutine
@@ -30,12 +29,11 @@ from rlfleet.api.wire import (
 )
 from rlfleet.bus import auth
 from rlfleet.bus.streams import (
-    ensure_stream,
+    delete_run_streams,
+    ensure_run_streams,
     evaluation_stream,
-    run_stream_configs,
     step_stream,
 )
-from rlfleet.weightsync import SyncConfig, WeightStream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -110,20 +108,7 @@ class DataPlane:
         return self._run(self._ensure_streams(run, regions))
 
     async def _ensure_streams(self, run: str, regions: list[str]) -> list[str]:
-        nc = await self._client()
-        js = nc.jetstream()
-        for config in run_stream_configs(run):
-            await ensure_stream(js, config)
-        # Only the chunk size shapes the stream; shard sizes are the trainer's choice.
-        await WeightStream(nc, run, SyncConfig()).create()
-        missing = []
-        for region in regions:
-            try:
-                await WeightStream(nc, run, SyncConfig(), domain=region).mirror(self.domain)
-            except (nats.errors.Error, TimeoutError) as error:
-                log.warning("weights mirror of run %s in region %s: %s", run, region, error)
-                missing.append(region)
-        return missing
+        return await ensure_run_streams(await self._client(), run, self.domain, regions)
 
     def delete_streams(self, run: str, regions: list[str]) -> list[str]:
         """Deletes the run's streams in the hub and its weights' mirror in each region, so
@@ -131,20 +116,7 @@ class DataPlane:
         return self._run(self._delete_streams(run, regions))
 
     async def _delete_streams(self, run: str, regions: list[str]) -> list[str]:
-        nc = await self._client()
-        js = nc.jetstream()
-        for config in run_stream_configs(run):
-            with contextlib.suppress(nats.js.errors.NotFoundError):  # or an earlier try's
-                await js.delete_stream(config.name)
-        await WeightStream(nc, run, SyncConfig()).delete()
-        left = []
-        for region in regions:
-            try:
-                await WeightStream(nc, run, SyncConfig(), domain=region).delete()
-            except (nats.errors.Error, TimeoutError) as error:
-                log.warning("weights mirror of run %s in region %s: %s", run, region, error)
-                left.append(region)
-        return left
+        return await delete_run_streams(await self._client(), run, self.domain, regions)
 
     def last_step(self, run: str) -> StepReport | None:
         """The trainer's newest step report, None before its first step."""

@@ -9,7 +9,6 @@ import sys
 import prometheus_client
 
 from rlfleet import launch
-from rlfleet.rollout.config import from_spec, load
 from rlfleet.rollout.worker import Worker
 
 
@@ -17,7 +16,7 @@ def main() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config = launch.component_config(sys.argv[1:], "python -m rlfleet.rollout", load, from_spec)
+    config = launch.component_settings(sys.argv[1:], launch.ROLLOUT)
     if config.metrics_port is not None:
         prometheus_client.start_http_server(config.metrics_port)
     worker = Worker(config)

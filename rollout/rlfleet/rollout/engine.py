@@ -28,7 +28,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from rlfleet.rollout import metrics, vllm_experts
-from rlfleet.weightsync import vllm_status, vllm_update
+from rlfleet.weightsync import vllm_status, vllm_update, wait_for_version_async
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +109,14 @@ class Engine:
         """Block until the model runs `version` or newer (weights arrive via weightsync)."""
         if not self.follow_weights:
             raise RuntimeError("the engine does not follow weights")
-        deadline = time.monotonic() + timeout_s
-        while self.version < version:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"policy version {version} did not arrive in {timeout_s}s")
+
+        def running() -> int:
             self._work.set()  # the driver polls weightsync even while idle
-            await asyncio.sleep(self.poll_s)
+            return self.version
+
+        await wait_for_version_async(
+            running, version, timeout_s, what="the rollout engine", poll_s=self.poll_s
+        )
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> Completion:
         params = params.clone()

@@ -15,9 +15,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
 
-import msgspec
 import nats
 import nats.errors
 import nats.js.errors
@@ -30,27 +28,14 @@ from rlfleet.api.wire import (
     evaluation_subject,
 )
 from rlfleet.bus import auth
-from rlfleet.bus.streams import ensure_stream, evaluation_stream, evaluation_stream_config
+from rlfleet.bus.streams import bind_stream, evaluation_stream
+from rlfleet.launch.settings import EvaluatorConfig
 from rlfleet.rollout.evaluation import evaluable, evaluate
 from rlfleet.rollout.stopping import run_until_signalled
 from rlfleet.rollout.tasks import load_suite, suite_path
-from rlfleet.weightsync import Receiver, SyncConfig, WeightStream
+from rlfleet.weightsync import Receiver, WeightStream
 
 log = logging.getLogger(__name__)
-
-Positive = Annotated[int, msgspec.Meta(ge=1)]
-
-
-class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    run: str
-    nats_url: str
-    model: str  # the run's model folder: its config and tokenizer, and version 0
-    suite: str  # a shipped suite's name, or a path to a JSON Lines file
-    every_versions: Positive = 10
-    jetstream_domain: str | None = None  # the hub's, where the weights and reports live
-    attempts: Positive = 8  # per task: the k of pass@k
-    poll_seconds: Annotated[float, msgspec.Meta(gt=0)] = 5.0
-    weightsync: dict = msgspec.field(default_factory=dict)  # SyncConfig fields
 
 
 def due(version: int | None, last: int | None, every: int) -> bool:
@@ -76,12 +61,11 @@ async def run_evaluator(config: EvaluatorConfig, stop: asyncio.Event) -> None:
     nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
     try:
         js = nc.jetstream(domain=config.jetstream_domain)
-        await ensure_stream(js, evaluation_stream_config(config.run))
+        stream = WeightStream(nc, config.run, config.weightsync, config.jetstream_domain)
+        await bind_stream(js, evaluation_stream(config.run))
+        await stream.bind()
         last_report = await _last_report(js, config.run)
         last = last_report.policy_version if last_report else None
-        stream = WeightStream(
-            nc, config.run, SyncConfig(**config.weightsync), config.jetstream_domain
-        )
         receiver = Receiver(stream)
         while not stop.is_set():
             version = await receiver.sync()
@@ -121,14 +105,7 @@ def main() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config = launch.component_config(
-        sys.argv[1:],
-        "python -m rlfleet.rollout.evaluator",
-        lambda path: msgspec.json.decode(path.read_bytes(), type=EvaluatorConfig),
-        lambda name, spec, at: msgspec.convert(
-            launch.evaluator_settings(name, spec, launch.model_dir(spec), at), EvaluatorConfig
-        ),
-    )
+    config = launch.component_settings(sys.argv[1:], launch.EVALUATOR)
 
     try:
         run_until_signalled(lambda stop: run_evaluator(config, stop))

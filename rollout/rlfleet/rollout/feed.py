@@ -18,7 +18,6 @@ import random
 import sys
 import time
 from collections.abc import Iterator
-from typing import Annotated
 
 import msgspec
 from nats.js.api import DeliverPolicy, StreamState
@@ -34,29 +33,14 @@ from rlfleet.api.wire import (
     task_subject,
 )
 from rlfleet.bus import auth
-from rlfleet.bus.streams import ensure_stream, step_stream, step_stream_config, task_stream_config
+from rlfleet.bus.streams import bind_stream, step_stream
+from rlfleet.launch.settings import FeedConfig
 from rlfleet.rollout.admission import Admission
 from rlfleet.rollout.curriculum import Curriculum
 from rlfleet.rollout.stopping import run_until_signalled
 from rlfleet.rollout.tasks import load_suite, suite_path
 
 log = logging.getLogger(__name__)
-
-
-class FeedConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    run: str
-    nats_url: str
-    suite: str  # a shipped suite's name, or a path to a JSON Lines file
-    jetstream_domain: str | None = None
-    max_staleness: Annotated[int, msgspec.Meta(ge=0)] = 4  # the trainer's bound
-    groups_per_step: Annotated[int, msgspec.Meta(ge=1)] = 8  # a first guess; steps correct it
-    depth: Annotated[int, msgspec.Meta(ge=1)] = 8
-    group_size: Annotated[int, msgspec.Meta(ge=2)] | None = None  # the workers' default
-    seed: int = 0
-    # The chance a task whose last trained group was all right or all wrong is asked again
-    # (`Curriculum`); 1 asks every task in turn.
-    revisit_uniform: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    poll_s: float = 0.25
 
 
 def passes(tasks: list[Task], seed: int) -> Iterator[Task]:
@@ -103,8 +87,8 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
     nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
     try:
         js = nc.jetstream(domain=config.jetstream_domain)
-        await ensure_stream(js, task_stream_config(config.run))
-        await ensure_stream(js, step_stream_config(config.run))
+        for stream in (task_stream(config.run), step_stream(config.run)):
+            await bind_stream(js, stream)
         replayed = await _replay_outcomes(js, config.run, curriculum)
         if replayed:
             log.info("the curriculum learnt from %d earlier step reports", replayed)
@@ -188,12 +172,7 @@ def main() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config = launch.component_config(
-        sys.argv[1:],
-        "python -m rlfleet.rollout.feed",
-        lambda path: msgspec.json.decode(path.read_bytes(), type=FeedConfig),
-        lambda name, spec, at: msgspec.convert(launch.feed_settings(name, spec, at), FeedConfig),
-    )
+    config = launch.component_settings(sys.argv[1:], launch.FEED)
 
     run_until_signalled(lambda stop: feed(config, stop))
 

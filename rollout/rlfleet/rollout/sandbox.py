@@ -20,8 +20,11 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import msgspec
+
+from rlfleet.launch.settings import Limits
 
 log = logging.getLogger(__name__)
 
@@ -29,18 +32,7 @@ _HERE = Path(__file__).parent
 # The server needs only the standard library; the system Python is readable by any uid.
 SANDBOX_PYTHON = "/usr/bin/python3"
 _UID_BASE = 200_000 + (os.getpid() % 500) * 1000
-
-
-@dataclass(frozen=True)
-class Limits:
-    cpu_seconds: int = 60  # per process
-    memory_bytes: int = 1 << 30  # address space per process
-    file_bytes: int = 64 << 20  # largest file
-    disk_bytes: int = 256 << 20  # the whole working tree
-    processes: int = 64
-    open_files: int = 256
-    wall_seconds: float = 600.0  # the sandbox's whole life
-    call_seconds: float = 30.0  # one tool call
+DEFAULT_LIMITS = Limits()
 
 
 def _mountpoint() -> Path:
@@ -65,7 +57,7 @@ class Sandbox:
         self._lock = asyncio.Lock()
 
     @classmethod
-    async def start(cls, start_state: Path | None, limits: Limits = Limits()) -> Sandbox:
+    async def start(cls, start_state: Path | None, limits: Limits = DEFAULT_LIMITS) -> Sandbox:
         host_dir = _mountpoint()
         uid = _UID_BASE + cls._next_slot % 1000
         cls._next_slot += 1
@@ -76,7 +68,7 @@ class Sandbox:
             "disk_bytes": limits.disk_bytes,
             "server": str(_HERE / "envserver.py"),
             "python": SANDBOX_PYTHON,
-            "limits": asdict(limits),
+            "limits": msgspec.to_builtins(limits),
         }
         process = await asyncio.create_subprocess_exec(
             "unshare",

@@ -9,18 +9,20 @@ cache) and the trainer scores exactly the tokens that were sampled.
 When the next turn would not fit the context budget, the model is asked to summarise
 its progress; the window is closed as a segment and a new one starts from the system
 prompt, the task and the summary. Every segment is kept, so the summary is credited
-with the session's final reward. Conversation format is ChatML (Qwen and the tiny models).
+with the session's final reward. The conversation is in the one chat format
+(`rlfleet.models.chat`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 from vllm import SamplingParams
 
 from rlfleet.api.wire import Segment, Task
+from rlfleet.launch.settings import SessionConfig
+from rlfleet.models.chat import END_TURN, chat_text
 from rlfleet.rollout import tools
 from rlfleet.rollout.engine import Completion, Engine
 from rlfleet.rollout.sandbox import Sandbox, SandboxClosed
@@ -34,9 +36,6 @@ SUMMARY_REQUEST = (
     "changed, and what is left to do. Your summary replaces the conversation."
 )
 SUMMARY_HEADER = "Summary of your progress so far:\n"
-
-
-END_TURN = "<|im_end|>"
 
 
 def window_text(
@@ -55,22 +54,12 @@ def window_text(
         turns.append(("user", SUMMARY_HEADER + summary))
     if observation is not None:
         turns.append(("user", observation))
-    text = "".join(f"<|im_start|>{role}\n{content}{END_TURN}\n" for role, content in turns)
-    return text + "<|im_start|>assistant\n"
+    return chat_text(turns)
 
 
 def user_turn_text(text: str) -> str:
     """A user turn (an observation, the summary request) after the model's closed turn."""
-    return f"<|im_start|>user\n{text}{END_TURN}\n<|im_start|>assistant\n"
-
-
-class SessionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    max_turns: int = 50
-    turn_tokens: int = 256  # most new tokens per model turn
-    context_tokens: int = 4096  # a window's budget; over it, the model summarises
-    summary_tokens: int = 256
-    observation_chars: int = 4000  # longer tool output is cut in the middle
-    temperature: float = 1.0
+    return chat_text([("user", text)])
 
 
 @dataclass

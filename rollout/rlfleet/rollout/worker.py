@@ -29,12 +29,13 @@ from rlfleet.api.wire import (
     encode_trajectory,
     task_stream,
     task_subject,
+    trajectory_stream,
     trajectory_subject,
 )
 from rlfleet.bus import auth
-from rlfleet.bus.streams import ensure_stream, task_stream_config, trajectory_stream_config
+from rlfleet.bus.streams import bind_stream
+from rlfleet.launch.settings import RewardConfig, WorkerConfig
 from rlfleet.rollout import metrics, rewards
-from rlfleet.rollout.config import RewardConfig, WorkerConfig
 from rlfleet.rollout.engine import Engine
 from rlfleet.rollout.sandbox import Limits, Sandbox, SandboxClosed
 from rlfleet.rollout.session import Episode, Session
@@ -132,23 +133,19 @@ class Worker:
         self.engine = engine = Engine(llm, follow_weights=config.follow_weights)
         nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
         try:
+            js = nc.jetstream(domain=config.jetstream_domain)
+            for stream in (task_stream(config.run), trajectory_stream(config.run)):
+                await bind_stream(js, stream)
             if config.follow_weights:  # before the engine starts polling what this starts
+                weights = WeightStream(nc, config.run, config.weightsync, self._weights_domain())
+                await weights.bind()
                 await engine.call(
-                    vllm_start,
-                    llm,
-                    config.nats_url,
-                    config.run,
-                    await self._weights_domain(nc),
-                    config.sync_config(),
+                    vllm_start, llm, config.nats_url, config.run, weights.domain, weights.config
                 )
             await engine.start()
             if config.follow_weights and config.start_version is not None:
                 log.info("waiting for policy version %d", config.start_version)
                 await engine.wait_for_version(config.start_version, timeout_s=3600)
-            js = nc.jetstream(domain=config.jetstream_domain)
-            # Both streams it uses, so a worker up before the trainer loses no group.
-            await ensure_stream(js, task_stream_config(config.run))
-            await ensure_stream(js, trajectory_stream_config(config.run))
             queue = await js.pull_subscribe(
                 task_subject(config.run),
                 durable=CONSUMER,
@@ -170,15 +167,10 @@ class Worker:
             await engine.close()
             await nc.close()
 
-    async def _weights_domain(self, nc) -> str | None:
-        """Where this worker reads weights: its region's mirror of the hub's stream, made
-        here if the operator has not yet (or no operator runs, as under `rlfleet run`)."""
-        config = self.config
-        hub, region = config.jetstream_domain, config.weights_domain
-        if hub is None or region is None or region == hub:
-            return hub
-        await WeightStream(nc, config.run, config.sync_config(), region).mirror(hub)
-        return region
+    def _weights_domain(self) -> str | None:
+        """Where this worker reads weights: its region's mirror of the hub's stream."""
+        hub, region = self.config.jetstream_domain, self.config.weights_domain
+        return hub if hub is None or region is None else region
 
     async def _take(self, queue, js) -> None:
         wanted = groups_to_take(self.sessions, self.config.max_sessions, self.config.group_size)

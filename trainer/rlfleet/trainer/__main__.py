@@ -7,7 +7,6 @@ import signal
 import sys
 
 from rlfleet import launch
-from rlfleet.trainer.config import from_spec, load
 from rlfleet.trainer.loop import Trainer
 
 
@@ -15,7 +14,7 @@ def main() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config = launch.component_config(sys.argv[1:], "python -m rlfleet.trainer", load, from_spec)
+    config = launch.component_settings(sys.argv[1:], launch.TRAINER)
     trainer = Trainer(config)
 
     async def run() -> None:

@@ -32,9 +32,9 @@ from rlfleet.api.wire import (
     trajectory_subject,
 )
 from rlfleet.bus import auth
-from rlfleet.bus.streams import ensure_stream, step_stream_config, trajectory_stream_config
+from rlfleet.bus.streams import bind_stream, step_stream
+from rlfleet.launch.settings import TrainerConfig
 from rlfleet.trainer import metrics
-from rlfleet.trainer.config import TrainerConfig
 from rlfleet.trainer.groups import GroupBuffer, Received, staleness
 from rlfleet.trainer.objective import group_advantages
 from rlfleet.trainer.policy import Policy
@@ -74,8 +74,10 @@ class Trainer:
         nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
         try:
             js = nc.jetstream(domain=config.jetstream_domain)
-            await ensure_stream(js, trajectory_stream_config(config.run))
-            await ensure_stream(js, step_stream_config(config.run))
+            weights = WeightStream(nc, config.run, config.weightsync, config.jetstream_domain)
+            for stream in (trajectory_stream(config.run), step_stream(config.run)):
+                await bind_stream(js, stream)
+            await weights.bind()
             subscription = await js.pull_subscribe(
                 trajectory_subject(config.run),
                 durable=CONSUMER,
@@ -86,13 +88,11 @@ class Trainer:
                     max_ack_pending=-1,
                 ),
             )
-            weights = WeightStream(nc, config.run, config.sync_config(), config.jetstream_domain)
-            await weights.create()
             mirrors = [
-                WeightStream(nc, config.run, config.sync_config(), domain)
+                WeightStream(nc, config.run, config.weightsync, domain)
                 for domain in config.weight_mirrors
             ]
-            self.publisher = Publisher(weights, config.sync_config(), mirrors)
+            self.publisher = Publisher(weights, config.weightsync, mirrors)
             await self._publish_weights()
             self.ready_at = time.perf_counter()
             while not self.stopping.is_set() and not self._done():

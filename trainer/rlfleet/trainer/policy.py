@@ -16,8 +16,8 @@ from deepspeed.accelerator import get_accelerator
 from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
+from rlfleet.launch.settings import TrainerConfig
 from rlfleet.trainer import routing
-from rlfleet.trainer.config import TrainerConfig
 from rlfleet.trainer.objective import Mismatch, ObjectiveConfig, policy_loss
 from rlfleet.trainer.rows import Rows
 from rlfleet.trainer.scoring import prepare, token_logprobs

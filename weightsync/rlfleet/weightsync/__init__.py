@@ -4,7 +4,8 @@ This is the public API; other components import from here, never from the module
 Trainers publish (`Publisher`), rollout workers receive (`Receiver`) or let vLLM's
 workers receive (`vllm_options`, `vllm_start`, `vllm_update`). A component that adds
 its own methods to vLLM's workers subclasses `WeightsyncWorker` and names its class in
-`vllm_options(worker_extension=...)`.
+`vllm_options(worker_extension=...)`. `wait_for_version` (and its async twin) waits until
+an engine serves a version.
 """
 
 from rlfleet.weightsync.config import SyncConfig
@@ -12,6 +13,7 @@ from rlfleet.weightsync.publisher import Publisher
 from rlfleet.weightsync.receiver import Receiver
 from rlfleet.weightsync.state import WeightState
 from rlfleet.weightsync.transport import WeightStream
+from rlfleet.weightsync.versions import wait_for_version, wait_for_version_async
 from rlfleet.weightsync.vllm_client import Update as VllmUpdate
 from rlfleet.weightsync.vllm_client import llm_options as vllm_options
 from rlfleet.weightsync.vllm_client import start as vllm_start
@@ -31,4 +33,6 @@ __all__ = [
     "vllm_start",
     "vllm_status",
     "vllm_update",
+    "wait_for_version",
+    "wait_for_version_async",
 ]

@@ -1,5 +1,8 @@
 """Weight versions on NATS JetStream: one stream per run, on the hub, mirrored per region.
 
+The stream and its mirrors are declared, made and deleted with the run's other streams
+(`rlfleet.bus.streams`); this module publishes into them and reads from them.
+
 Subjects, under ``rlfleet.weights.<run>.<version>``:
 
 - ``.manifest.<kind>``: the version's manifest (JSON), published last;
@@ -15,7 +18,6 @@ in flight at once; that window, not the server, sets how much a receiver buffers
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -24,10 +26,10 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, ExternalStream, StorageType, StreamConfig, StreamSource
 
 from rlfleet.api.wire import ShardRef, WeightManifest, weights_prefix, weights_stream
 from rlfleet.api.wire import encode as encode_message
+from rlfleet.bus.streams import bind_stream
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.errors import CorruptShard
 from rlfleet.weightsync.shards import EncodedVersion
@@ -77,36 +79,10 @@ class WeightStream:
         prefix = f"$JS.{domain}.API" if domain else "$JS.API"
         self._direct_get = f"{prefix}.DIRECT.GET.{self.subjects.stream}"
 
-    async def create(self) -> None:
-        """The run's stream on this domain (the hub); idempotent."""
-        config = StreamConfig(
-            name=self.subjects.stream,
-            subjects=[f"{self.subjects.prefix}.>"],
-            storage=StorageType.FILE,
-            allow_direct=True,
-            discard=DiscardPolicy.OLD,
-            max_msg_size=self.config.chunk_bytes + 4096,
-            duplicate_window=120.0,
-        )
-        await _add_or_update(self.js, config)
-
-    async def mirror(self, source_domain: str) -> None:
-        """A mirror of `source_domain`'s stream on this domain (a region); idempotent."""
-        config = StreamConfig(
-            name=self.subjects.stream,
-            storage=StorageType.FILE,
-            allow_direct=True,
-            mirror=StreamSource(
-                name=self.subjects.stream, external=ExternalStream(api=f"$JS.{source_domain}.API")
-            ),
-        )
-        await _add_or_update(self.js, config)
-
-    async def delete(self) -> None:
-        """The run's stream (or mirror) on this domain, gone with every version in it; a
-        stream that is not there is already gone."""
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            await self.js.delete_stream(self.subjects.stream)
+    async def bind(self) -> None:
+        """Waits for the stream (or mirror) on this domain, which the run's owner makes;
+        `StreamMissing`, naming it, when it is not there."""
+        await bind_stream(self.js, self.subjects.stream)
 
     async def put_version(self, version: EncodedVersion) -> None:
         manifest = version.manifest
@@ -186,10 +162,3 @@ class WeightStream:
             return
         await self.js.purge_stream(self.subjects.stream, seq=first.seq)
         log.info("retired versions before %d from %s", version, self.subjects.stream)
-
-
-async def _add_or_update(js: JetStreamContext, config: StreamConfig) -> None:
-    try:
-        await js.add_stream(config)
-    except nats.js.errors.BadRequestError:
-        await js.update_stream(config)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from rlfleet.weightsync.config import SyncConfig
+from rlfleet.weightsync.versions import wait_for_version
 
 ENGINE_NAME = "rlfleet-weightsync"
 _STATUS = "rlfleet_weightsync_status"
@@ -32,7 +34,7 @@ def start(llm, nats_url: str, run: str, domain: str | None, config: SyncConfig) 
         "nats_url": nats_url,
         "run": run,
         "domain": domain,
-        "config": dataclasses.asdict(config),
+        "config": msgspec.to_builtins(config),
     }
     llm.init_weight_transfer_engine({"init_info": info})
 
@@ -48,19 +50,20 @@ def status(llm) -> list[dict[str, Any]]:
     return llm.collective_rpc(_STATUS)
 
 
+def _held_by_all(llm) -> int | None:
+    """The newest version every worker holds; None while one holds none."""
+    held = [s["held"] for s in status(llm)]
+    return None if None in held else min(held)
+
+
 def update(llm, version: int | None = None, timeout_s: float = 300.0) -> Update:
     """Switch the model to `version` (or the newest held) once every worker holds it.
 
     Waiting happens between generation steps; only the write into the model pauses it.
     Samples generated afterwards carry the version in `CompletionOutput.weight_versions`.
     """
-    deadline = time.monotonic() + timeout_s
-    while version is not None and not all(
-        s["held"] is not None and s["held"] >= version for s in status(llm)
-    ):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"workers did not receive version {version} in {timeout_s}s")
-        time.sleep(0.05)
+    if version is not None:
+        wait_for_version(lambda: _held_by_all(llm), version, timeout_s, what="vLLM's workers")
     started = time.perf_counter()
     llm.start_weight_update()
     llm.update_weights({"update_info": {"version": version, "timeout_s": timeout_s}})

@@ -17,7 +17,6 @@ import asyncio
 import logging
 import re
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +31,7 @@ from rlfleet.bus import auth
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.receiver import Receiver
 from rlfleet.weightsync.transport import WeightStream
+from rlfleet.weightsync.versions import wait_for_version
 from rlfleet.weightsync.vllm_client import ENGINE_NAME
 
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
@@ -125,14 +125,14 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
         receiver = self.receiver
-        deadline = time.monotonic() + update_info.timeout_s
-        wanted = update_info.version
-        while wanted is not None and (receiver.version is None or receiver.version < wanted):
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"weightsync: version {wanted} not received in {update_info.timeout_s}s"
-                )
-            time.sleep(0.02)
+        if update_info.version is not None:
+            wait_for_version(
+                lambda: receiver.version,
+                update_info.version,
+                update_info.timeout_s,
+                what="weightsync's receiver",
+                poll_s=0.02,
+            )
         with receiver.state_lock:
             tensors = receiver.state.tensors
             changed = {name for name in receiver.take_changed() if name in tensors}

@@ -1,0 +1,237 @@
+"""What each component runs with, typed: the settings `rlfleet.launch` derives from a run's
+spec and a placement, which a pod builds at start and `rlfleet run` writes as JSON.
+
+A field the spec decides takes its default from the API model (`rlfleet.api.rlrun`), its
+one home (`spec_default`); the other fields are the components' own tunables. The types
+live here, not in the components, because core builds them and may not import those.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, TypeVar
+
+import msgspec
+from pydantic import BaseModel
+
+from rlfleet.api.rlrun import EvaluationGate, RLRunSpec, RolloutSpec, TrainerSpec, WeightSyncSpec
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Weight = Annotated[float, msgspec.Meta(ge=0)]
+MIB = 1 << 20
+
+
+def spec_default(model: type[BaseModel], field: str) -> Any:
+    """The default of a spec field, from the API model: the one place it is decided."""
+    return model.model_fields[field].get_default(call_default_factory=True)
+
+
+class SyncConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Weightsync's tunables; the spec sets `snapshot_every` and `shard_bytes`."""
+
+    # A full snapshot every this many versions; the versions between are deltas.
+    snapshot_every: Positive = spec_default(WeightSyncSpec, "snapshot_interval")
+    # Encoded shards stay below this many bytes, so they move and retry independently.
+    # One batched direct get returns at most ~64 MiB, so a shard must stay below that.
+    shard_bytes: int = spec_default(WeightSyncSpec, "shard_size_mib") * MIB
+    # One JetStream message carries at most this much of a shard. A server counts
+    # headers against its max_payload (1 MiB by default) and a leaf node drops its link
+    # on an oversized message, so leave room for the direct-get headers.
+    chunk_bytes: int = MIB - (4 << 10)
+    # Snapshots kept on the stream; receivers further behind start from the oldest.
+    keep_snapshots: int = 2
+    zstd_level: int = 3
+    # Dense coding is tried only where at least this fraction of a piece changed.
+    dense_from_fraction: float = 0.25
+    # Shards fetched at once by a receiver. A server drops a client with more than its
+    # max_pending (64 MiB by default) queued, so shards in flight must stay below it.
+    parallel_fetches: int = 4
+
+    MAX_SHARD_BYTES: ClassVar[int] = 60 * MIB
+    MAX_IN_FLIGHT_BYTES: ClassVar[int] = 48 * MIB
+
+    def __post_init__(self) -> None:
+        if self.snapshot_every < 1:
+            raise ValueError("snapshot_every must be at least 1")
+        if self.chunk_bytes < 1024 or self.shard_bytes < self.chunk_bytes:
+            raise ValueError("shard_bytes must be at least chunk_bytes, and that at least 1 KiB")
+        if self.keep_snapshots < 1 or self.parallel_fetches < 1:
+            raise ValueError("keep_snapshots and parallel_fetches must be at least 1")
+        if self.shard_bytes > self.MAX_SHARD_BYTES:
+            raise ValueError(f"shard_bytes must be at most {self.MAX_SHARD_BYTES}")
+        if self.shard_bytes * self.parallel_fetches > self.MAX_IN_FLIGHT_BYTES:
+            raise ValueError(
+                f"shard_bytes * parallel_fetches must be at most {self.MAX_IN_FLIGHT_BYTES}"
+            )
+
+
+class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    run: str
+    nats_url: str
+    model: Path  # the base Hugging Face checkpoint: policy version 0
+    checkpoint_dir: Path  # DeepSpeed checkpoints and the step log; resume from here
+    jetstream_domain: str | None = None  # the hub's domain, when connected through a leaf
+    # Regions' domains whose mirrors of the weights the trainer retires old versions from
+    # (a purge does not travel down a mirror).
+    weight_mirrors: list[str] = msgspec.field(default_factory=list)
+    zero_stage: Annotated[int, msgspec.Meta(ge=0, le=3)] = spec_default(TrainerSpec, "zero_stage")
+    batch_invariant: bool = spec_default(TrainerSpec, "batch_invariant")
+    router_replay: bool = spec_default(TrainerSpec, "router_replay")
+    max_staleness: Annotated[int, msgspec.Meta(ge=0)] = spec_default(RLRunSpec, "max_staleness")
+    step_tokens: Positive = 4096  # each optimiser step trains on at least this many tokens
+    max_step_tokens: Positive | None = None  # and on more when ready, up to this (2x by default)
+    # Or on exactly this many groups (tasks), ignoring the token budget: a batch the task
+    # feed's staleness-aware admission can issue exactly, so nothing goes stale unused.
+    step_groups: Positive | None = None
+    micro_batch_tokens: Positive = 8192  # padded tokens per forward/backward
+    lr: float = 1e-5
+    lr_warmup_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # lr ramps up over these updates
+    updates_per_step: Positive = 1  # optimiser passes over each batch (PPO epochs)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    is_cap: float = 2.0
+    kl_coef: float = spec_default(TrainerSpec, "kl_coef")
+    # The rollouts' sampling temperature: tokens are scored under logits / temperature, the
+    # distribution they were sampled from, else importance ratios compare two different
+    # distributions. The KL to the reference is taken at it too.
+    temperature: Annotated[float, msgspec.Meta(gt=0)] = spec_default(RolloutSpec, "temperature")
+    group_timeout_s: float = 600.0
+    ack_wait_s: float = 600.0  # JetStream redelivers what a dead trainer never acknowledged
+    keep_checkpoints: Positive = 2
+    max_steps: int | None = None  # stop after this step (tests, fixed-budget runs)
+    seed: int = 0
+    metrics_port: int | None = None  # serve Prometheus metrics here
+    weightsync: SyncConfig = SyncConfig()
+
+
+class SessionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One agent session's budget (`rlfleet.rollout.session`)."""
+
+    max_turns: int = 50
+    turn_tokens: int = 256  # most new tokens per model turn
+    context_tokens: int = 4096  # a window's budget; over it, the model summarises
+    summary_tokens: int = 256
+    observation_chars: int = 4000  # longer tool output is cut in the middle
+    temperature: float = spec_default(RolloutSpec, "temperature")
+
+
+class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A local sandbox's limits (`rlfleet.rollout.sandbox`)."""
+
+    cpu_seconds: int = 60  # per process
+    memory_bytes: int = 1 << 30  # address space per process
+    file_bytes: int = 64 * MIB  # largest file
+    disk_bytes: int = 256 * MIB  # the whole working tree
+    processes: int = 64
+    open_files: int = 256
+    wall_seconds: float = 600.0  # the sandbox's whole life
+    call_seconds: float = 30.0  # one tool call
+
+
+class JudgeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An LLM-as-judge over any OpenAI-compatible endpoint (a vLLM server included)."""
+
+    base_url: str
+    model: str
+    api_key: str | None = None
+    timeout_s: float = 60.0
+    extra_body: dict = msgspec.field(default_factory=dict)  # e.g. a vLLM guided regex
+
+
+class RewardConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Weights of the parts that apply to a task (an answer, hidden tests, a rubric). With
+    no `spec.rewards`, the suite's verifiable checks: an answer and hidden tests."""
+
+    exact: Weight = 1.0
+    tests: Weight = 1.0
+    judge: Weight = 0.0
+    judge_endpoint: JudgeConfig | None = None
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A rollout worker's (`rlfleet.rollout`)."""
+
+    run: str
+    nats_url: str
+    model: str  # the base Hugging Face checkpoint: policy version 0
+    name: str = "rollout-0"  # names the worker in trajectories and logs
+    jetstream_domain: str | None = None  # the hub's domain, when connected through a leaf
+    # The region's own domain, whose mirror of the hub's weights the worker reads: a
+    # version then crosses the WAN once per region, not once per worker.
+    weights_domain: str | None = None
+    max_sessions: Positive = 64  # sessions running at once, across groups
+    # Attempts per task, unless the task message says.
+    group_size: Positive = spec_default(RolloutSpec, "group_size")
+    max_model_len: Positive = 4096
+    dtype: str = "bfloat16"
+    prefix_caching: bool = True
+    follow_weights: bool = True  # apply the trainer's versions as they arrive
+    start_version: int | None = 0  # take no task before this version is loaded
+    session: SessionConfig = SessionConfig()
+    limits: Limits = Limits()
+    rewards: RewardConfig = RewardConfig()
+    ack_wait_s: float = 600.0  # a task whose worker died is redelivered after this
+    seed: int = 0
+    metrics_port: int | None = None
+    weightsync: SyncConfig = SyncConfig()
+
+
+class FeedConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The task feed's (`rlfleet.rollout.feed`)."""
+
+    run: str
+    nats_url: str
+    suite: str  # a shipped suite's name, or a path to a JSON Lines file
+    jetstream_domain: str | None = None
+    # The trainer's bound.
+    max_staleness: Annotated[int, msgspec.Meta(ge=0)] = spec_default(RLRunSpec, "max_staleness")
+    groups_per_step: Positive = 8  # a first guess; steps correct it
+    depth: Positive = 8
+    group_size: Annotated[int, msgspec.Meta(ge=2)] | None = None  # the workers' default
+    seed: int = 0
+    # The chance a task whose last trained group was all right or all wrong is asked again
+    # (`Curriculum`); 1 asks every task in turn.
+    revisit_uniform: Annotated[float, msgspec.Meta(gt=0, le=1)] = spec_default(
+        RolloutSpec, "uniform_group_revisit"
+    )
+    poll_s: float = 0.25
+
+
+class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The evaluator's (`rlfleet.rollout.evaluator`)."""
+
+    run: str
+    nats_url: str
+    model: str  # the run's model folder: its config and tokenizer, and version 0
+    suite: str  # a shipped suite's name, or a path to a JSON Lines file
+    every_versions: Positive = spec_default(EvaluationGate, "every_versions")
+    jetstream_domain: str | None = None  # the hub's, where the weights and reports live
+    attempts: Positive = 8  # per task: the k of pass@k
+    poll_seconds: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    weightsync: SyncConfig = SyncConfig()
+
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def _encode_path(value: object) -> object:
+    if isinstance(value, Path):
+        return str(value)
+    raise NotImplementedError(f"{type(value).__name__} in settings")
+
+
+def _decode_path(kind: type, value: object) -> object:
+    if kind is Path and isinstance(value, str):
+        return Path(value)
+    raise NotImplementedError(f"{kind} in settings")
+
+
+def to_json(settings: msgspec.Struct) -> bytes:
+    """The settings as the readable JSON file a local process is given."""
+    return msgspec.json.format(msgspec.json.encode(settings, enc_hook=_encode_path), indent=2)
+
+
+def from_json(data: bytes, kind: type[S]) -> S:
+    return msgspec.json.decode(data, type=kind, dec_hook=_decode_path)

@@ -1,0 +1,132 @@
+"""One home per default: a spec field's default lives in the API model, and nothing else
+(component settings, examples) says it again, or says something else."""
+
+from __future__ import annotations
+
+import types
+import typing
+
+import msgspec
+import pytest
+import yaml
+from conftest import ROOT
+from pydantic import BaseModel
+
+from rlfleet import launch
+from rlfleet.api.rlrun import (
+    EvaluationGate,
+    RLRunSpec,
+    RolloutSpec,
+    TrainerSpec,
+    WeightSyncSpec,
+)
+from rlfleet.launch.settings import (
+    EvaluatorConfig,
+    FeedConfig,
+    SessionConfig,
+    SyncConfig,
+    TrainerConfig,
+    WorkerConfig,
+)
+from rlfleet.models.chat import CHAT_TEMPLATE, chat_text
+
+MIB = 1 << 20
+# (API model, its field, settings type, its field, the spec's value as the setting's)
+SPEC_FIELDS = [
+    (RLRunSpec, "max_staleness", TrainerConfig, "max_staleness", None),
+    (RLRunSpec, "max_staleness", FeedConfig, "max_staleness", None),
+    (TrainerSpec, "zero_stage", TrainerConfig, "zero_stage", None),
+    (TrainerSpec, "batch_invariant", TrainerConfig, "batch_invariant", None),
+    (TrainerSpec, "router_replay", TrainerConfig, "router_replay", None),
+    (TrainerSpec, "kl_coef", TrainerConfig, "kl_coef", None),
+    (RolloutSpec, "temperature", TrainerConfig, "temperature", None),
+    (RolloutSpec, "temperature", SessionConfig, "temperature", None),
+    (RolloutSpec, "group_size", WorkerConfig, "group_size", None),
+    (RolloutSpec, "uniform_group_revisit", FeedConfig, "revisit_uniform", None),
+    (WeightSyncSpec, "snapshot_interval", SyncConfig, "snapshot_every", None),
+    (WeightSyncSpec, "shard_size_mib", SyncConfig, "shard_bytes", lambda mib: mib * MIB),
+    (EvaluationGate, "every_versions", EvaluatorConfig, "every_versions", None),
+]
+
+
+def _setting_default(kind: type[msgspec.Struct], name: str) -> object:
+    field = next(f for f in msgspec.structs.fields(kind) if f.name == name)
+    return field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+
+
+@pytest.mark.parametrize(
+    "model,field,kind,setting,as_setting",
+    SPEC_FIELDS,
+    ids=[f"{m.__name__}.{f}-{k.__name__}.{s}" for m, f, k, s, _ in SPEC_FIELDS],
+)
+def test_component_settings_default_to_the_api_models_default(
+    model: type[BaseModel], field: str, kind: type[msgspec.Struct], setting: str, as_setting
+) -> None:
+    api = model.model_fields[field].get_default(call_default_factory=True)
+    expected = as_setting(api) if as_setting else api
+    assert _setting_default(kind, setting) == expected, (
+        f"{kind.__name__}.{setting} defaults to {_setting_default(kind, setting)!r}, but "
+        f"{model.__name__}.{field} to {api!r}: take the API model's (`spec_default`)"
+    )
+
+
+def test_a_spec_that_says_nothing_gives_each_component_its_default_settings() -> None:
+    bare = RLRunSpec.model_validate(
+        {
+            "model": {"uri": "file:///m"},
+            "rollout": {"regions": [{"name": "a", "maxGpus": 1}]},
+            "evaluation": {"suite": "toy"},
+        }
+    )
+    at = launch.Placement("nats://hub:4222")
+    for component in launch.COMPONENTS.values():
+        built = component.for_pod("r", bare, at)
+        for _, _, kind, setting, _ in SPEC_FIELDS:
+            for struct in (
+                built,
+                getattr(built, "weightsync", None),
+                getattr(built, "session", None),
+            ):
+                if isinstance(struct, kind):
+                    assert getattr(struct, setting) == _setting_default(kind, setting), (
+                        f"{component.name}: {kind.__name__}.{setting}"
+                    )
+
+
+def _model_of(annotation: object) -> type[BaseModel] | None:
+    """The API model a field holds (itself, optional, or a list of it), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (types.UnionType, typing.Union, list):
+        return next(filter(None, map(_model_of, typing.get_args(annotation))), None)
+    return None
+
+
+def restated(model: type[BaseModel], document: object, path: str) -> list[str]:
+    """Where a document sets a field to the default the API model gives it anyway."""
+    if isinstance(document, list):
+        return [f for i, item in enumerate(document) for f in restated(model, item, f"{path}[{i}]")]
+    found = []
+    fields = {info.alias or name: info for name, info in model.model_fields.items()}
+    for key, value in document.items():
+        info = fields[key]
+        inner = _model_of(info.annotation)
+        if inner is not None and isinstance(value, dict | list):
+            found += restated(inner, value, f"{path}.{key}")
+        elif not info.is_required() and value == info.get_default(call_default_factory=True):
+            found.append(f"{path}.{key}: {value!r}")
+    return found
+
+
+@pytest.mark.parametrize("example", ["rlrun.yaml", "local.yaml"])
+def test_examples_do_not_restate_the_api_models_defaults(example: str) -> None:
+    document = yaml.safe_load((ROOT / "examples" / example).read_text())
+    assert restated(RLRunSpec, document["spec"], "spec") == []
+
+
+def test_prompts_are_written_in_the_tokenizers_chat_format() -> None:
+    jinja2 = pytest.importorskip("jinja2")
+    turns = [("system", "rules"), ("user", "2+2?"), ("user", "exit code 0")]
+    messages = [{"role": role, "content": content} for role, content in turns]
+    rendered = jinja2.Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
+    assert rendered == chat_text(turns)
