@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlfleet.api.inferencepool import OffPeakWindow
-from rlfleet.operator.lending import PoolState, RunDemand, decide, in_off_peak, plan_region
+from rlfleet.operator.lending import PoolState, RunDemand, decide, in_off_peak, lent_elsewhere
 
 
 def pool(load: float | None, lent: dict[str, int] | None = None, **changes) -> PoolState:
@@ -113,9 +113,12 @@ def test_outside_the_off_peak_windows_everything_comes_back() -> None:
 
 
 def test_a_region_plan_lends_each_run_its_demand_once_across_pools() -> None:
-    pools = [pool(load=0.0, name="chat"), pool(load=0.0, name="code")]
-    decisions = plan_region(pools, [run("a", max_gpus=64, pools=("chat", "code"))])
-    assert decisions["chat"].lent == {"a": 6} and decisions["code"].lent == {"a": 2}
+    # As the region operator decides: pool by pool, each seeing what the others lend.
+    demands = [run("a", max_gpus=64, pools=("chat", "code"))]
+    chat = decide(pool(load=0.0, name="chat"), demands)
+    gpus = {r: n * 8 for r, n in chat.lent.items()}
+    code = decide(pool(load=0.0, name="code"), demands, lent_elsewhere([gpus]))
+    assert chat.lent == {"a": 6} and code.lent == {"a": 2}
 
 
 pools_strategy = st.builds(

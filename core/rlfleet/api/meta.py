@@ -46,6 +46,11 @@ class ApiModel(BaseModel):
         alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
     )
 
+    def merge_patch(self) -> dict[str, Any]:
+        """The fields this model was given, camelCase, as a JSON merge patch: a field left
+        out stays as the object has it, and one given None is deleted there."""
+        return self.model_dump(by_alias=True, exclude_unset=True, mode="json")
+
 
 class Condition(ApiModel):
     """A metav1.Condition: the state of one aspect of an object."""

@@ -124,13 +124,12 @@ def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -
         if body.metadata.get("deletionTimestamp"):
             return
         with locks.of(uid), telemetry.reconciling("RLRun", namespace, name):
-            outcome = hub.reconcile(dict(body), resync)
-            local.write_status(dict(body), outcome.status)
-        for entry in outcome.status["regions"]:
-            telemetry.REGION_REACHABLE.labels(namespace, name, entry["name"]).set(
-                1 if entry.get("reachable") else 0
+            decision = hub.reconcile(dict(body), resync)
+        for entry in decision.status.regions:
+            telemetry.REGION_REACHABLE.labels(namespace, name, entry.name).set(
+                1 if entry.reachable else 0
             )
-        _post(body, outcome.events)
+        _post(body, decision.events)
 
     @kopf.on.delete(**runs, **own)
     def delete_run(body: kopf.Body, namespace: str, name: str, uid: str, **_) -> None:

@@ -22,7 +22,7 @@ from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 from opentelemetry import trace
 
-from rlfleet.api.meta import API_VERSION
+from rlfleet.api.meta import API_VERSION, ApiModel
 from rlfleet.api.schema import KINDS
 from rlfleet.operator.status import differs
 
@@ -215,13 +215,14 @@ class Kube:
             "PATCH", ref.path(subresource), patch, content_type="application/merge-patch+json"
         )
 
-    def write_status(self, obj: dict, status: dict) -> bool:
-        """Merges `status` into the object's status unless it already says so; returns
-        whether it wrote. A resync that finds nothing new costs no write, and no watch
-        event for every operator and controller that watches the kind."""
-        if not differs(obj.get("status"), status):
+    def write_status(self, obj: dict, status: ApiModel) -> bool:
+        """Merges the fields `status` was given into the object's status unless it already
+        says so; returns whether it wrote. A resync that finds nothing new costs no write,
+        and no watch event for every operator and controller that watches the kind."""
+        patch = status.merge_patch()
+        if not differs(obj.get("status"), patch):
             return False
-        self.merge_patch(Ref.of(obj), {"status": status}, "status")
+        self.merge_patch(Ref.of(obj), {"status": patch}, "status")
         return True
 
     def scale(self, ref: Ref, replicas: int) -> bool:

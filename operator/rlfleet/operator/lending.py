@@ -164,21 +164,11 @@ def decide(
     return Decision(lent, reason)
 
 
-def plan_region(pools: list[PoolState], demands: list[RunDemand]) -> dict[str, Decision]:
-    """Every pool's decision, pool by pool in name order, each seeing what the pools before
-    it decided and what the ones after it lend now."""
-    decided: dict[str, dict[str, int]] = {p.name: dict(p.lent) for p in pools}
-    by_pool = {p.name: p for p in pools}
-    out: dict[str, Decision] = {}
-    for name in sorted(by_pool):
-        pool = by_pool[name]
-        elsewhere: dict[str, int] = {}
-        for other, lent in decided.items():
-            if other == name:
-                continue
-            for run, replicas in lent.items():
-                gpus = replicas * by_pool[other].gpus_per_replica
-                elsewhere[run] = elsewhere.get(run, 0) + gpus
-        out[name] = decide(pool, demands, elsewhere)
-        decided[name] = out[name].lent
-    return out
+def lent_elsewhere(by_pool: list[Mapping[str, int]]) -> dict[str, int]:
+    """GPUs lent to each run by the region's other pools (each pool's run -> GPUs), summed:
+    the `elsewhere` of a pool's decision."""
+    elsewhere: dict[str, int] = {}
+    for lent in by_pool:
+        for run, gpus in lent.items():
+            elsewhere[run] = elsewhere.get(run, 0) + gpus
+    return elsewhere

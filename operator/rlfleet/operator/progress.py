@@ -16,59 +16,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.api.meta import Condition
+from rlfleet.api.rlrun import RLRunSpec, RLRunStatus, WeightSyncStatus
 from rlfleet.api.wire import StepReport
-from rlfleet.operator.status import Event, condition, timestamp
+from rlfleet.operator.status import Event, condition, find, timestamp
 
 
 @dataclass
 class Progress:
-    fields: dict  # status fields from the report; empty before the first step
+    fields: RLRunStatus  # the status fields the report sets; none before the first step
     stalled: bool
-    condition: dict  # WeightSyncStalled
+    condition: Condition  # WeightSyncStalled
     events: list[Event] = field(default_factory=list)
 
 
 def fold(
     report: StepReport | None,
     spec: RLRunSpec,
-    old: dict,
+    old: RLRunStatus,
     training_since: datetime | None,
     moment: datetime,
     generation: int,
 ) -> Progress:
     """`old` is the run's current status; `training_since` is when Training last became
     true (None while it is not)."""
-    fields: dict = {}
-    events: list[Event] = []
-    published = None
-    if report is not None:
-        published = datetime.fromtimestamp(report.finished_at, UTC)
-        fields = {
-            "policyVersion": report.policy_version,
-            "trainerStep": report.step,
-            "staleness": report.staleness_max,
-            "trajectoriesDroppedStale": report.dropped_stale_total,
-            "lastWeightSync": {
-                "version": report.policy_version,
-                "bytes": report.weight_bytes,
-                "seconds": report.weight_seconds,
-                "time": timestamp(published),
-            },
-        }
-        dropped = report.dropped_stale_total - old.get("trajectoriesDroppedStale", 0)
-        if dropped > 0:
-            events.append(
-                Event(
-                    "Warning",
-                    "StalenessBoundExceeded",
-                    f"{dropped} trajectories arrived more than maxStaleness "
-                    f"{spec.max_staleness} versions behind and were dropped "
-                    f"({report.dropped_stale_total} in all, policy version "
-                    f"{report.policy_version}); rollouts in some region lag",
-                )
-            )
-
+    published = None if report is None else datetime.fromtimestamp(report.finished_at, UTC)
+    events = [] if report is None else _dropped(report, spec, old)
     since = max(filter(None, [published, training_since]), default=None)
     stalled = (
         training_since is not None
@@ -84,15 +57,49 @@ def fold(
     )
     limit = f"stallSeconds {spec.weight_sync.stall_seconds}"
     stalled_condition = condition(
-        old.get("conditions", []),
+        old.conditions,
         "WeightSyncStalled",
         stalled,
         "NoNewVersion" if stalled else "VersionsLanding",
         f"{newest}; {limit}",
         generation,
+        moment,
     )
-    was = next((c for c in old.get("conditions", []) if c.get("type") == "WeightSyncStalled"), {})
-    if stalled and was.get("status") != "True":
+    was = find(old.conditions, "WeightSyncStalled")
+    if stalled and (was is None or was.status != "True"):
         age = (moment - since).total_seconds() if since else 0.0
         events.append(Event("Warning", "WeightSyncStalled", f"{newest}, {age:.0f}s ago; {limit}"))
+    fields = RLRunStatus() if report is None else _fields(report, published)
     return Progress(fields, stalled, stalled_condition, events)
+
+
+def _fields(report: StepReport, published: datetime) -> RLRunStatus:
+    return RLRunStatus(
+        policy_version=report.policy_version,
+        trainer_step=report.step,
+        staleness=report.staleness_max,
+        trajectories_dropped_stale=report.dropped_stale_total,
+        last_weight_sync=WeightSyncStatus(
+            version=report.policy_version,
+            bytes=report.weight_bytes,
+            seconds=report.weight_seconds,
+            time=timestamp(published),
+        ),
+    )
+
+
+def _dropped(report: StepReport, spec: RLRunSpec, old: RLRunStatus) -> list[Event]:
+    """StalenessBoundExceeded when the trainer dropped more since the hub last looked."""
+    dropped = report.dropped_stale_total - (old.trajectories_dropped_stale or 0)
+    if dropped <= 0:
+        return []
+    return [
+        Event(
+            "Warning",
+            "StalenessBoundExceeded",
+            f"{dropped} trajectories arrived more than maxStaleness "
+            f"{spec.max_staleness} versions behind and were dropped "
+            f"({report.dropped_stale_total} in all, policy version "
+            f"{report.policy_version}); rollouts in some region lag",
+        )
+    ]

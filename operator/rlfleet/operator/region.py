@@ -16,20 +16,22 @@ Serving never drops below its floor because the decision never lends past it.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
 from functools import partial
 
-from rlfleet.api.envpool import EnvPoolSpec
-from rlfleet.api.inferencepool import InferencePoolSpec
-from rlfleet.api.meta import API_VERSION
-from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.api.envpool import EnvPoolSpec, EnvPoolStatus
+from rlfleet.api.inferencepool import InferencePoolSpec, InferencePoolStatus, LentToRun
+from rlfleet.api.meta import API_VERSION, Condition
+from rlfleet.api.rlrun import RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.operator import telemetry
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.kube import Kube, Ref
-from rlfleet.operator.lending import Decision, PoolState, RunDemand, decide
+from rlfleet.operator.lending import Decision, PoolState, RunDemand, decide, lent_elsewhere
 from rlfleet.operator.locks import KeyedLocks
 from rlfleet.operator.parallel import at_once
-from rlfleet.operator.status import Event, condition, now, parse_time, timestamp
+from rlfleet.operator.status import Event, condition, find, now, parse_time, timestamp
 from rlfleet.operator.traffic import TrafficUnknown, read_load
 from rlfleet.operator.workloads import (
     COMPONENT_LABEL,
@@ -60,6 +62,156 @@ def _running(pods: Iterable[dict]) -> list[dict]:
 
 def _selector(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def _lent(decision: Decision) -> list[LentToRun]:
+    return [LentToRun(run=r, replicas=n) for r, n in decision.lent.items()]
+
+
+@dataclass(frozen=True)
+class PoolSeen:
+    """What a pool's reconcile read of its serving side."""
+
+    load: float | None  # None: the traffic signal could not be read
+    traffic_problem: str  # why not
+    serving_pods: int  # alive
+    serving_running: int
+
+
+@dataclass(frozen=True)
+class ReclaimClock:
+    started: datetime | None  # when the reclaim in progress began; None: none is
+    events: list[Event]
+    overdue: bool  # past the deadline: the draining pods are to be killed
+
+
+def serving_missing(
+    old: InferencePoolStatus, message: str, generation: int
+) -> tuple[InferencePoolStatus, list[Event]]:
+    """The pool's status, and its event the first time, when its serving Deployment is gone."""
+    ready = condition(old.conditions, "Ready", False, "ServingNotFound", message, generation)
+    was = find(old.conditions, "Ready")
+    told = was is not None and was.reason == "ServingNotFound"  # tell once, not every resync
+    events = [] if told else [Event("Warning", "ServingNotFound", message)]
+    return InferencePoolStatus(conditions=[ready]), events
+
+
+def decision_events(
+    spec: InferencePoolSpec, state: PoolState, decision: Decision, current: Mapping[str, int]
+) -> list[Event]:
+    """GPUsLent or GPUsReclaiming for each run whose share of the pool changed."""
+    gpus = spec.serving.gpus_per_replica
+    load = "unknown" if state.load is None else f"{state.load:g}"
+    events = []
+    for run in sorted(set(current) | set(decision.lent)):
+        before, after = current.get(run, 0), decision.lent.get(run, 0)
+        if after > before:
+            events.append(
+                Event(
+                    "Normal",
+                    "GPUsLent",
+                    f"lending {(after - before) * gpus} GPUs ({after - before} replicas) "
+                    f"to {run}, {after * gpus} in all; serving keeps "
+                    f"{spec.serving.replicas - decision.total} of {spec.serving.replicas} "
+                    f"replicas at load {load}",
+                )
+            )
+        elif after < before:
+            events.append(
+                Event(
+                    "Normal",
+                    "GPUsReclaiming",
+                    f"taking {(before - after) * gpus} GPUs back from {run} "
+                    f"({decision.reason}, load {load}); deadline "
+                    f"{spec.reclaim_deadline_seconds}s",
+                )
+            )
+    return events
+
+
+def reclaim_clock(
+    started: datetime | None,
+    reclaiming: int,
+    moment: datetime,
+    spec: InferencePoolSpec,
+    lent_replicas: int,
+) -> ReclaimClock:
+    """Times a reclaim from the first reconcile that finds rollout pods draining to the
+    first that finds none; past the pool's deadline the draining pods are overdue."""
+    if reclaiming and started is None:
+        started = moment
+    if started and not reclaiming:
+        seconds = (moment - started).total_seconds()
+        done = Event(
+            "Normal",
+            "GPUsReclaimed",
+            f"serving has its GPUs back {seconds:.1f}s after the reclaim began "
+            f"(deadline {spec.reclaim_deadline_seconds}s); "
+            f"{lent_replicas * spec.serving.gpus_per_replica} GPUs stay lent",
+        )
+        return ReclaimClock(None, [done], False)
+    overdue = bool(started) and (moment - started).total_seconds() > spec.reclaim_deadline_seconds
+    return ReclaimClock(started, [], overdue)
+
+
+def forced_events(killed: int, spec: InferencePoolSpec) -> list[Event]:
+    if not killed:
+        return []
+    return [
+        Event(
+            "Warning",
+            "ReclaimDeadlineExceeded",
+            f"{killed} rollout pods did not finish within "
+            f"{spec.reclaim_deadline_seconds}s and were killed",
+        )
+    ]
+
+
+def pool_status(
+    spec: InferencePoolSpec,
+    old: InferencePoolStatus,
+    generation: int,
+    seen: PoolSeen,
+    decision: Decision,
+    reclaiming: int,
+    started: datetime | None,
+) -> InferencePoolStatus:
+    """The pool's whole status after acting on `decision`; a reclaim that is over clears
+    reclaimStartedAt."""
+
+    def said(kind: str, true: bool, reason: str, message: str) -> Condition:
+        return condition(old.conditions, kind, true, reason, message, generation)
+
+    load = seen.load
+    return InferencePoolStatus(
+        observed_generation=generation,
+        serving_replicas=seen.serving_running,
+        lent_replicas=decision.total,
+        reclaiming_replicas=reclaiming,
+        lent=_lent(decision),
+        observed_traffic=load,
+        reclaim_started_at=timestamp(started) if started else None,
+        conditions=[
+            said(
+                "Ready",
+                load is not None,
+                "TrafficRead" if load is not None else "TrafficUnknown",
+                seen.traffic_problem or f"load {load:g} over {seen.serving_pods} serving pods",
+            ),
+            said(
+                "Lending",
+                decision.total > 0,
+                decision.reason,
+                f"{decision.total} of {spec.serving.replicas} replicas lent",
+            ),
+            said(
+                "Reclaiming",
+                reclaiming > 0,
+                "Draining" if reclaiming else "Idle",
+                f"{reclaiming} rollout pods draining" if reclaiming else "",
+            ),
+        ],
+    )
 
 
 class Region:
@@ -130,41 +282,36 @@ class Region:
                 if p["metadata"]["labels"].get(POOL_LABEL) == pool["metadata"]["name"]
             ]
             running += len(here) * gpus
-        entry = {
-            "name": self.name,
-            "requested": demand.max_gpus if demand else 0,
-            "lent": lent,
-            "running": running,
-        }
-        status = {
-            "observedGeneration": meta.get("generation", 0),
-            "regions": [entry],
-            "gpusLent": lent,
-            "gpusRunning": running,
-        }
+        entry = RegionStatus(
+            name=self.name,
+            requested=demand.max_gpus if demand else 0,
+            lent=lent,
+            running=running,
+        )
+        status = RLRunStatus(
+            observed_generation=meta.get("generation", 0),
+            regions=[entry],
+            gpus_lent=lent,
+            gpus_running=running,
+        )
         self.local.write_status(run, status)
 
     # --- pools ------------------------------------------------------------------------
 
     def reconcile_pool(self, pool: dict) -> tuple[list[Event], int]:
         """Decides, records, acts; returns the events to post and the GPUs now lent."""
-        meta, old = pool["metadata"], pool.get("status") or {}
+        meta = pool["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         spec = InferencePoolSpec.model_validate(pool["spec"])
+        old = InferencePoolStatus.model_validate(pool.get("status") or {})
         generation = meta.get("generation", 0)
-        conditions = old.get("conditions", [])
-        events: list[Event] = []
-
         serving = self.local.get(
             Ref("apps/v1", "Deployment", spec.serving.deployment_name, namespace)
         )
         if serving is None:
             message = f"Deployment {namespace}/{spec.serving.deployment_name} does not exist"
-            ready = condition(conditions, "Ready", False, "ServingNotFound", message, generation)
-            was = next((c for c in conditions if c["type"] == "Ready"), {})
-            if was.get("reason") != "ServingNotFound":  # tell once, not every resync
-                events.append(Event("Warning", "ServingNotFound", message))
-            self.local.write_status(pool, {"conditions": [ready]})
+            status, events = serving_missing(old, message, generation)
+            self.local.write_status(pool, status)
             return events, 0
 
         # The world, read once and at once before deciding: the status counts what this
@@ -177,79 +324,21 @@ class Region:
                 partial(self._rollout_deployments, namespace, name),
             ]
         )
-
-        current = {e["run"]: e["replicas"] for e in old.get("lent", [])}
+        current = {e.run: e.replicas for e in old.lent}
         state = PoolState.of(name, spec, load, current, now())
         decision, runs = self._decide(pool, state)
-        if decision.lent != current:
-            events += self._decision_events(spec, state, decision, current)
-
+        events = decision_events(spec, state, decision, current)
         reclaiming = self._act(
             name, spec, serving, decision, runs, deployments, rollout_pods, serving_pods
         )
-        forced = 0
-        started = parse_time(old.get("reclaimStartedAt"))
-        if reclaiming and started is None:
-            started = now()
-        if started and not reclaiming:
-            seconds = (now() - started).total_seconds()
-            events.append(
-                Event(
-                    "Normal",
-                    "GPUsReclaimed",
-                    f"serving has its GPUs back {seconds:.1f}s after the reclaim began "
-                    f"(deadline {spec.reclaim_deadline_seconds}s); "
-                    f"{decision.total * spec.serving.gpus_per_replica} GPUs stay lent",
-                )
-            )
-            started = None
-        if started and (now() - started).total_seconds() > spec.reclaim_deadline_seconds:
-            forced = self._force(namespace, name)
-        if forced:
-            events.append(
-                Event(
-                    "Warning",
-                    "ReclaimDeadlineExceeded",
-                    f"{forced} rollout pods did not finish within "
-                    f"{spec.reclaim_deadline_seconds}s and were killed",
-                )
-            )
-
-        status = {
-            "observedGeneration": generation,
-            "servingReplicas": len(_running(serving_pods)),
-            "lentReplicas": decision.total,
-            "reclaimingReplicas": reclaiming,
-            "lent": [{"run": r, "replicas": n} for r, n in decision.lent.items()],
-            "observedTraffic": load,
-            "reclaimStartedAt": timestamp(started) if started else None,
-            "conditions": [
-                condition(
-                    conditions,
-                    "Ready",
-                    load is not None,
-                    "TrafficRead" if load is not None else "TrafficUnknown",
-                    traffic_problem or f"load {load:g} over {len(serving_pods)} serving pods",
-                    generation,
-                ),
-                condition(
-                    conditions,
-                    "Lending",
-                    decision.total > 0,
-                    decision.reason,
-                    f"{decision.total} of {spec.serving.replicas} replicas lent",
-                    generation,
-                ),
-                condition(
-                    conditions,
-                    "Reclaiming",
-                    reclaiming > 0,
-                    "Draining" if reclaiming else "Idle",
-                    f"{reclaiming} rollout pods draining" if reclaiming else "",
-                    generation,
-                ),
-            ],
-        }
+        clock = reclaim_clock(
+            parse_time(old.reclaim_started_at), reclaiming, now(), spec, decision.total
+        )
+        events += clock.events
+        if clock.overdue:
+            events += forced_events(self._force(namespace, name), spec)
+        seen = PoolSeen(load, traffic_problem, len(serving_pods), len(_running(serving_pods)))
+        status = pool_status(spec, old, generation, seen, decision, reclaiming, clock.started)
         self.local.write_status(pool, status)
         return events, decision.total * spec.serving.gpus_per_replica
 
@@ -264,14 +353,12 @@ class Region:
         with telemetry.tracer.start_as_current_span("decide"), self.decisions.of(namespace):
             runs = self._runs(namespace)
             demands = [d for d in (self._demand(r) for r in runs) if d is not None]
-            elsewhere: dict[str, int] = {}
-            for lent in self._lent_by_pool(namespace, besides=name):
-                for run, gpus in lent.items():
-                    elsewhere[run] = elsewhere.get(run, 0) + gpus
+            elsewhere = lent_elsewhere(self._lent_by_pool(namespace, besides=name))
             decision = decide(state, demands, elsewhere)
             if decision.lent != state.lent:
-                lent = [{"run": r, "replicas": n} for r, n in decision.lent.items()]
-                self.local.merge_patch(Ref.of(pool), {"status": {"lent": lent}}, "status")
+                lent = InferencePoolStatus(lent=_lent(decision))
+                patch = {"status": lent.merge_patch()}
+                self.local.merge_patch(Ref.of(pool), patch, "status")
                 gpus = state.gpus_per_replica
                 self._decided[(namespace, name)] = (
                     time.monotonic(),
@@ -305,37 +392,6 @@ class Region:
             None,
             self.config.resync_seconds / 2,
         )
-
-    def _decision_events(
-        self, spec: InferencePoolSpec, state: PoolState, decision: Decision, current: dict
-    ) -> list[Event]:
-        gpus = spec.serving.gpus_per_replica
-        load = "unknown" if state.load is None else f"{state.load:g}"
-        events = []
-        for run in sorted(set(current) | set(decision.lent)):
-            before, after = current.get(run, 0), decision.lent.get(run, 0)
-            if after > before:
-                events.append(
-                    Event(
-                        "Normal",
-                        "GPUsLent",
-                        f"lending {(after - before) * gpus} GPUs ({after - before} replicas) "
-                        f"to {run}, {after * gpus} in all; serving keeps "
-                        f"{spec.serving.replicas - decision.total} of {spec.serving.replicas} "
-                        f"replicas at load {load}",
-                    )
-                )
-            elif after < before:
-                events.append(
-                    Event(
-                        "Normal",
-                        "GPUsReclaiming",
-                        f"taking {(before - after) * gpus} GPUs back from {run} "
-                        f"({decision.reason}, load {load}); deadline "
-                        f"{spec.reclaim_deadline_seconds}s",
-                    )
-                )
-        return events
 
     def _pods(self, namespace: str, labels: dict[str, str]) -> list[dict]:
         return _alive(self.local.list(Ref("v1", "Pod", namespace=namespace), _selector(labels)))
@@ -416,10 +472,10 @@ class Region:
         for manifest in envpool_objects(envpool, replicas):
             self.local.apply(manifest)
         ready = [p for p in _running(pods) if p not in busy]
-        status = {
-            "observedGeneration": meta.get("generation", 0),
-            "ready": len(ready),
-            "busy": len(busy),
-            "warming": len(pods) - len(ready) - len(busy),
-        }
+        status = EnvPoolStatus(
+            observed_generation=meta.get("generation", 0),
+            ready=len(ready),
+            busy=len(busy),
+            warming=len(pods) - len(ready) - len(busy),
+        )
         self.local.write_status(envpool, status)

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TypeVar
+
+from rlfleet.api.meta import ApiModel, Condition
+
+Status = TypeVar("Status", bound=ApiModel)
 
 
 @dataclass(frozen=True)
@@ -28,28 +34,49 @@ def parse_time(text: str | None) -> datetime | None:
 
 
 def condition(
-    previous: list[dict], kind: str, true: bool, reason: str, message: str, generation: int
-) -> dict:
-    """One condition; its lastTransitionTime moves only when its status changes."""
+    previous: Sequence[Condition],
+    kind: str,
+    true: bool,
+    reason: str,
+    message: str,
+    generation: int,
+    moment: datetime | None = None,
+) -> Condition:
+    """One condition; its lastTransitionTime moves (to `moment`, else now) only when its
+    status changes."""
     status = "True" if true else "False"
-    old = next((c for c in previous if c.get("type") == kind), None)
-    changed = old is None or old.get("status") != status
-    return {
-        "type": kind,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": timestamp() if changed else old["lastTransitionTime"],
-        "observedGeneration": generation,
-    }
+    old = find(previous, kind)
+    changed = old is None or old.status != status
+    return Condition(
+        type=kind,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=timestamp(moment) if changed else old.last_transition_time,
+        observed_generation=generation,
+    )
 
 
-def is_present(conditions: list[dict], kind: str) -> bool:
-    return any(c.get("type") == kind for c in conditions)
+def find(conditions: Sequence[Condition], kind: str) -> Condition | None:
+    return next((c for c in conditions if c.type == kind), None)
 
 
-def is_true(conditions: list[dict], kind: str) -> bool:
-    return any(c.get("type") == kind and c.get("status") == "True" for c in conditions)
+def is_present(conditions: Sequence[Condition], kind: str) -> bool:
+    return find(conditions, kind) is not None
+
+
+def is_true(conditions: Sequence[Condition], kind: str) -> bool:
+    found = find(conditions, kind)
+    return found is not None and found.status == "True"
+
+
+def merged(kind: type[Status], *parts: ApiModel) -> Status:
+    """One status from partial ones, each holding only the fields it was given; a later
+    part's field wins."""
+    given: dict = {}
+    for part in parts:
+        given |= {name: getattr(part, name) for name in part.model_fields_set}
+    return kind.model_validate(given)
 
 
 def differs(old: dict | None, new: dict) -> bool:

@@ -173,7 +173,41 @@ def hub_objects(
     spec = RLRunSpec.model_validate(run["spec"])
     stopped = spec.suspend or held
     labels = {RUN_LABEL: name, COMPONENT_LABEL: "trainer"}
-    replicas = 0 if stopped else spec.trainer.replicas
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(run, f"{name}-trainer", labels),
+        "spec": {
+            "clusterIP": "None",
+            "selector": labels,
+            "ports": [{"name": "rendezvous", "port": TRAINER_PORT}],
+        },
+    }
+    budget = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(run, f"{name}-trainer", labels),
+        # Losing one rank stops the step for all: voluntary evictions wait for the run.
+        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": labels}},
+    }
+    statefulset = _trainer(run, spec, images, nats, stopped, labels)
+    objects = [spec_config_map(run), statefulset, service, budget]
+    objects.append(_hub_component(run, spec, images, nats, "feed", stopped))
+    if spec.evaluation is not None:
+        objects.append(_hub_component(run, spec, images, nats, "evaluator", stopped))
+    return objects
+
+
+def _trainer(
+    run: dict,
+    spec: RLRunSpec,
+    images: Images,
+    nats: NatsAccess | None,
+    stopped: bool,
+    labels: dict[str, str],
+) -> dict:
+    """The trainer's StatefulSet: one pod per rank, at zero while the run is stopped."""
+    name = run["metadata"]["name"]
     container = _container(
         "trainer",
         spec.trainer.image or images.trainer,
@@ -189,7 +223,7 @@ def hub_objects(
         "metadata": _meta(run, f"{name}-trainer", labels),
         "spec": {
             "serviceName": f"{name}-trainer",
-            "replicas": replicas,
+            "replicas": 0 if stopped else spec.trainer.replicas,
             "podManagementPolicy": "Parallel",  # ranks rendezvous; none waits for another
             "selector": {"matchLabels": labels},
             "template": {
@@ -214,28 +248,7 @@ def hub_objects(
     }
     if storage is not None:
         statefulset["spec"] |= _checkpoint_claims(storage, labels)
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(run, f"{name}-trainer", labels),
-        "spec": {
-            "clusterIP": "None",
-            "selector": labels,
-            "ports": [{"name": "rendezvous", "port": TRAINER_PORT}],
-        },
-    }
-    budget = {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": _meta(run, f"{name}-trainer", labels),
-        # Losing one rank stops the step for all: voluntary evictions wait for the run.
-        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": labels}},
-    }
-    objects = [spec_config_map(run), statefulset, service, budget]
-    objects.append(_hub_component(run, spec, images, nats, "feed", stopped))
-    if spec.evaluation is not None:
-        objects.append(_hub_component(run, spec, images, nats, "evaluator", stopped))
-    return objects
+    return statefulset
 
 
 def _checkpoint_claims(storage: CheckpointStorage, labels: dict[str, str]) -> dict:
@@ -273,7 +286,7 @@ def _hub_component(
     name = run["metadata"]["name"]
     labels = {RUN_LABEL: name, COMPONENT_LABEL: component}
     container = _container(component, spec.rollout.image or images.rollout, 0, _nats_env(nats))
-    container["command"] = ["python", "-m", f"rlfleet.rollout.{component}"]
+    container["command"] = launch.COMPONENTS[component].command()
     pod = {"containers": [container], "volumes": [_spec_volume(name)]}
     if component == "evaluator":
         pod = _with_model(pod, spec)

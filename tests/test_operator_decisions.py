@@ -1,0 +1,279 @@
+"""The hub's and the region operator's decisions alone (pure functions): region
+reachability, the evaluation gate's verdict, the run's status and events, and a pool's
+reclaim clock. A decision over a world that has not changed must tell nothing new and
+write nothing, or every resync would post events and patch status."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import yaml
+from conftest import ROOT, step_report
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlfleet.api.inferencepool import InferencePoolSpec
+from rlfleet.api.rlrun import EvaluationGate, RegionStatus, RLRunSpec, RLRunStatus
+from rlfleet.api.wire import EvaluationReport
+from rlfleet.operator.gate import judge
+from rlfleet.operator.lending import Decision as Lending
+from rlfleet.operator.lending import PoolState
+from rlfleet.operator.region import decision_events, reclaim_clock
+from rlfleet.operator.runstatus import (
+    Observed,
+    RegionReport,
+    decide,
+    region_view,
+)
+from rlfleet.operator.status import differs, timestamp
+
+NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
+SPEC = RLRunSpec.model_validate(
+    yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())["spec"]
+)
+REGIONS = [r.name for r in SPEC.rollout.regions]
+TIMEOUT_S = 120.0
+
+ages = st.integers(min_value=0, max_value=600).map(lambda s: NOW - timedelta(seconds=s))
+counts = st.integers(min_value=0, max_value=64)
+
+
+@st.composite
+def previous_entries(draw: st.DrawFn, name: str) -> RegionStatus | None:
+    if draw(st.booleans()):
+        return None  # the hub has not written this region yet
+    return RegionStatus(
+        name=name,
+        reachable=draw(st.booleans()),
+        requested=draw(counts),
+        lent=draw(counts),
+        running=draw(counts),
+        last_seen=draw(st.none() | ages.map(timestamp)),
+    )
+
+
+@st.composite
+def reports(draw: st.DrawFn, name: str) -> RegionReport:
+    kind = draw(st.sampled_from(["answered", "network", "credentials"]))
+    if kind == "answered":
+        reported = RegionStatus(
+            name=name, requested=draw(counts), lent=draw(counts), running=draw(counts)
+        )
+        return RegionReport(name, True, reported, draw(ages))
+    return RegionReport(name, False, problem="no answer", credentials=kind == "credentials")
+
+
+@st.composite
+def regions(draw: st.DrawFn, name: str = "region-a") -> tuple:
+    return (
+        draw(reports(name)),
+        draw(previous_entries(name)),
+        draw(st.none() | ages),  # its last answer in this process
+        draw(st.none() | st.just(NOW - timedelta(hours=1))),  # the run's creation
+    )
+
+
+@given(regions())
+def test_a_region_is_reachable_exactly_when_it_answers_or_is_not_yet_timed_out(
+    region: tuple,
+) -> None:
+    report, previous, last_answer, created = region
+    view = region_view(report, previous, last_answer, created, NOW, TIMEOUT_S)
+    was = previous.reachable if previous is not None else True
+    assert view.entry.name == report.name
+    if report.reachable:
+        assert view.entry.reachable and not view.lost and not view.refused
+        assert view.entry.lent == report.reported.lent
+    elif report.credentials:
+        assert not view.entry.reachable and view.refused and not view.lost
+    else:
+        assert view.lost == (view.silent_s >= TIMEOUT_S)
+        assert view.entry.reachable == (was and not view.lost)
+        if last_answer is not None:
+            assert view.entry.last_seen == timestamp(last_answer)
+    # An event exactly when reachability turns, Warning only when it is lost.
+    turned = view.entry.reachable != was
+    assert (view.event is not None) == turned
+    if view.event is not None:
+        assert view.event.reason == (
+            "RegionReachable"
+            if view.entry.reachable
+            else "RegionCredentialsInvalid"
+            if report.credentials
+            else "RegionUnreachable"
+        )
+        assert (view.event.type == "Warning") == (not view.entry.reachable)
+
+
+@given(regions())
+def test_a_region_seen_again_unchanged_tells_nothing_and_writes_nothing(region: tuple) -> None:
+    report, previous, last_answer, created = region
+    first = region_view(report, previous, last_answer, created, NOW, TIMEOUT_S)
+    again = region_view(report, first.entry, last_answer, created, NOW, TIMEOUT_S)
+    assert again.entry == first.entry and again.event is None
+
+
+GATE = EvaluationGate(suite="rules", min_reward=0.4, target_reward=0.8)
+rewards = st.floats(min_value=0, max_value=1)
+
+
+def evaluation(version: int, reward: float) -> EvaluationReport:
+    return EvaluationReport(
+        run="r",
+        suite="rules",
+        policy_version=version,
+        reward=reward,
+        pass_at_k=0.5,
+        attempts=8,
+        tasks=80,
+        finished_at=NOW.timestamp(),
+    )
+
+
+@given(
+    st.integers(0, 1000),
+    rewards,
+    st.floats(min_value=0, max_value=0.9),
+    st.floats(min_value=0.01, max_value=0.1) | st.none(),
+)
+def test_the_gate_holds_a_run_exactly_under_its_floor_or_at_its_target(
+    version: int, reward: float, floor: float, above: float | None
+) -> None:
+    target = None if above is None else min(1.0, floor + above)
+    gate = EvaluationGate(suite="rules", min_reward=floor, target_reward=target)
+    spec = SPEC.model_copy(update={"evaluation": gate})
+    verdict = judge(evaluation(version, reward), spec, RLRunStatus(), 3)
+    assert verdict.failed == (reward < floor)
+    assert verdict.succeeded == (not verdict.failed and target is not None and reward >= target)
+    assert verdict.held == bool(verdict.why)
+    assert [c.type for c in verdict.conditions] == ["Failed"] + (
+        ["Succeeded"] if target is not None else []
+    )
+    reasons = [e.reason for e in verdict.events]
+    assert reasons[0] == "Evaluated"
+    assert ("EvaluationBelowFloor" in reasons) == verdict.failed
+    assert ("EvaluationReachedTarget" in reasons) == verdict.succeeded
+    # Judged again on the status it wrote: the same verdict, nothing more to tell.
+    status = RLRunStatus.model_validate(
+        verdict.fields.merge_patch() | {"conditions": verdict.conditions}
+    )
+    for report in (evaluation(version, reward), None):
+        again = judge(report, spec, status, 3)
+        assert again.events == [] and again.conditions == verdict.conditions
+        assert again.held == verdict.held
+
+
+@st.composite
+def observations(draw: st.DrawFn) -> Observed:
+    suspend = draw(st.booleans())
+    spec = SPEC.model_copy(update={"suspend": suspend})
+    found = [draw(regions(name)) for name in REGIONS]
+    leftover = draw(st.lists(st.sampled_from(["region-x", "region-y"]), unique=True))
+    old_regions = [p for _, p, _, _ in found if p is not None]
+    old_regions += [RegionStatus(name=n, lent=draw(counts), running=draw(counts)) for n in leftover]
+    old = RLRunStatus(regions=old_regions, gpus_lent=draw(st.none() | counts))
+    stepped = draw(st.booleans())
+    step = draw(st.none() | ages.map(lambda t: step_report("r", 7, t.timestamp(), 0)))
+    return Observed(
+        spec=spec,
+        old=old,
+        generation=draw(st.integers(1, 5)),
+        created=NOW - timedelta(hours=1),
+        verdict=judge(None, spec, old, 1),
+        ready=draw(st.integers(0, 2)),
+        regions=[r for r, _, _, _ in found],
+        leftover=leftover,
+        last_answer={r.name: a for r, _, a, _ in found if a is not None},
+        stepped=stepped,
+        step=step if stepped else None,
+        moment=NOW,
+        region_timeout_s=TIMEOUT_S,
+    )
+
+
+@given(observations())
+def test_the_run_status_counts_only_reachable_regions_and_ready_means_all_is_well(
+    observed: Observed,
+) -> None:
+    status = decide(observed).status
+    reachable = [e for e in status.regions if e.reachable and e.name in REGIONS]
+    assert status.gpus_lent == sum(e.lent for e in reachable)
+    assert status.gpus_running == sum(e.running for e in reachable)
+    assert [e.name for e in status.regions] == REGIONS + list(observed.leftover)
+    assert not any(e.reachable for e in status.regions if e.name not in REGIONS)
+    said = {c.type: c.status for c in status.conditions}
+    assert status.conditions[0].type == "Ready" and len(said) == len(status.conditions)
+    if said["Ready"] == "True":
+        assert said["Training"] == "True" and said["RolloutsDegraded"] == "False"
+        assert status.phase == "Running" and status.gpus_running > 0
+    assert (status.phase == "Suspended") == observed.spec.suspend
+    if observed.spec.suspend:  # a stopped run wants no GPUs: none are missing
+        degraded = next(c for c in status.conditions if c.type == "RolloutsDegraded")
+        assert degraded.reason != "BelowMinGpus"
+    assert (said["Suspended"] == "True") == observed.spec.suspend
+
+
+@given(observations())
+def test_a_run_decided_again_on_its_own_status_tells_nothing_and_writes_nothing(
+    observed: Observed,
+) -> None:
+    first = decide(observed)
+    again = decide(
+        Observed(**(vars(observed) | {"old": first.status}))  # the status it wrote
+    )
+    assert again.events == []
+    assert not differs(first.status.merge_patch(), again.status.merge_patch())
+
+
+@given(observations())
+def test_only_what_a_human_may_act_on_is_a_warning(observed: Observed) -> None:
+    for event in decide(observed).events:
+        warning = event.reason in (
+            "RegionUnreachable",
+            "RegionCredentialsInvalid",
+            "WeightSyncStalled",
+            "StalenessBoundExceeded",
+        )
+        assert (event.type == "Warning") == warning, event
+
+
+POOL = InferencePoolSpec.model_validate(
+    yaml.safe_load((ROOT / "examples" / "inferencepool.yaml").read_text())["spec"]
+)
+
+
+@given(
+    st.none() | st.integers(0, 600).map(lambda s: NOW - timedelta(seconds=s)),
+    st.integers(0, 4),
+    st.integers(0, 4),
+)
+def test_a_reclaim_is_timed_from_the_first_draining_pod_to_the_last(
+    started: datetime | None, reclaiming: int, lent: int
+) -> None:
+    clock = reclaim_clock(started, reclaiming, NOW, POOL, lent)
+    assert (clock.started is not None) == (reclaiming > 0)
+    if reclaiming and started is None:
+        assert clock.started == NOW  # it begins now
+    done = [e for e in clock.events if e.reason == "GPUsReclaimed"]
+    assert len(done) == (1 if started is not None and not reclaiming else 0)
+    overdue = started is not None and (NOW - started).total_seconds() > (
+        POOL.reclaim_deadline_seconds
+    )
+    assert clock.overdue == (reclaiming > 0 and overdue)
+
+
+lent_maps = st.dictionaries(st.sampled_from("abc"), st.integers(1, 4), max_size=3)
+
+
+@given(lent_maps, lent_maps, st.none() | st.floats(0, 100))
+def test_each_run_whose_share_moved_gets_one_event_saying_which_way(
+    before: dict[str, int], after: dict[str, int], load: float | None
+) -> None:
+    state = PoolState.of("chat-prod", POOL, load, before, NOW)
+    events = decision_events(POOL, state, Lending(after, "Lend"), before)
+    moved = sorted(r for r in set(before) | set(after) if before.get(r, 0) != after.get(r, 0))
+    assert len(events) == len(moved)
+    for run, event in zip(moved, events, strict=True):
+        grew = after.get(run, 0) > before.get(run, 0)
+        assert event.reason == ("GPUsLent" if grew else "GPUsReclaiming")
+        assert run in event.message and event.type == "Normal"
