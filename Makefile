@@ -33,8 +33,16 @@ bench: setup
 crds: setup
 	rlfleet crds generate
 
-# Re-resolve requirements/lock.txt after changing requirements/direct.txt.
+# Re-resolve the lock after changing a dependency set in pyproject.toml: requirements/lock.txt
+# holds the whole environment (`dev`); requirements/<set>.txt each image's set, at the
+# lock's versions (`engine-cpu` stands in for the rollout image's vLLM in its environment
+# test). Pins already in the lock stay unless pyproject.toml moves them.
+IMAGE_SETS := operator trainer rollout engine-cpu
 lock:
-	@source versions.env && "$${XDG_CACHE_HOME:-$$HOME/.cache}/rlfleet/uv-$$UV_VERSION/bin/uv" pip compile \
-	  --quiet --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
-	  requirements/direct.txt --override requirements/overrides.txt -o requirements/lock.txt
+	@source versions.env && uv="$${XDG_CACHE_HOME:-$$HOME/.cache}/rlfleet/uv-$$UV_VERSION/bin/uv" && \
+	  compile() { "$$uv" pip compile --quiet --python-version 3.11 \
+	    --python-platform x86_64-manylinux_2_28 --override requirements/overrides.txt pyproject.toml "$$@"; } && \
+	  compile --extra dev -o requirements/lock.txt && \
+	  for set in $(IMAGE_SETS); do \
+	    compile --extra $$set -c requirements/lock.txt --no-header --no-annotate -o requirements/$$set.txt; \
+	  done

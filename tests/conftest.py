@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import images
 from rlfleet.api.schema import KINDS
 from rlfleet.api.wire import StepReport
 from rlfleet.bus.streams import run_stream_configs
@@ -39,6 +40,11 @@ def nats_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalon
         yield servers
     finally:
         servers.stop()
+
+
+@pytest.fixture(scope="session")
+def image_environments(tmp_path_factory: pytest.TempPathFactory) -> images.Environments:
+    return images.Environments(tmp_path_factory.mktemp("images"))
 
 
 def run_streams(key: str) -> list[str]:

@@ -24,6 +24,7 @@ import pytest
 import yaml
 from conftest import ROOT, run_streams, step_report, wait_for
 
+import images
 from rlfleet.api.wire import (
     EvaluationReport,
     StepReport,
@@ -137,10 +138,15 @@ def example(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def world(
-    bed: BedInfo, crds_installed: None, tmp_path_factory: pytest.TempPathFactory
+    bed: BedInfo,
+    crds_installed: None,
+    image_environments: images.Environments,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[World]:
     namespace = f"op-{uuid.uuid4().hex[:6]}"
     fleet = Fleet(bed, tmp_path_factory.mktemp("fleet"), [namespace], REGIONS)
+    # The operators run from the operator image's environment, as a cluster runs them.
+    fleet.python = str(image_environments.python("operator"))
     fleet.values = {
         "resyncSeconds": 1,
         "runResyncSeconds": 1,

@@ -164,6 +164,8 @@ class Fleet:
     configs: dict[str, Path] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)
     operator_env: dict[str, str] = field(default_factory=dict)  # e.g. where traces go
+    # The interpreter the operators run under: the operator image's environment in tests.
+    python: str = sys.executable
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(self.work / "logs", attached=True)
@@ -314,7 +316,7 @@ class Fleet:
         self.configs[cluster] = config_path
         self.supervisor.start(
             f"operator-{cluster}",
-            [sys.executable, "-m", "rlfleet.operator", str(config_path)],
+            [self.python, "-m", "rlfleet.operator", str(config_path)],
             env={"KUBECONFIG": str(kubeconfig)} | self.operator_env,
         )
 

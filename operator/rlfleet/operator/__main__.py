@@ -5,8 +5,8 @@ In a cluster it uses its ServiceAccount; outside one, $KUBECONFIG (tests and loc
 
 from __future__ import annotations
 
+import argparse
 import logging
-import sys
 from pathlib import Path
 
 import kopf
@@ -18,12 +18,13 @@ from rlfleet.operator.kube import Kube
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m rlfleet.operator", description=__doc__)
+    parser.add_argument("config", type=Path, help="the operator's config (the chart's ConfigMap)")
+    args = parser.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m rlfleet.operator CONFIG.yaml")
-    config = load(Path(sys.argv[1]))
+    config = load(args.config)
     telemetry.start(config.role, config.cluster, config.metrics_port)
     local = Kube.local(config.cluster, config.call_timeout_seconds)
     liveness = f"http://0.0.0.0:{config.health_port}/healthz" if config.health_port else None

