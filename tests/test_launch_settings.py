@@ -13,7 +13,8 @@ from conftest import ROOT
 
 from rlfleet import launch
 from rlfleet.api.rlrun import RLRunSpec
-from rlfleet.launch.settings import from_json, to_json
+from rlfleet.api.wire import WEIGHT_CHUNK_BYTES
+from rlfleet.launch.settings import SyncConfig, from_json, to_json
 from rlfleet.local import plan
 
 AT = launch.Placement("nats://hub:4222", "hub", "region-a", "rollout-0")
@@ -74,3 +75,12 @@ def test_a_misspelt_setting_is_refused_when_read(tmp_path) -> None:
     written = msgspec.json.decode(to_json(_local(tmp_path)["feed"].config))
     with pytest.raises(msgspec.ValidationError, match="max_stalenes"):
         from_json(msgspec.json.encode(written | {"max_stalenes": 3}), launch.FEED.settings)
+
+
+def test_a_weight_chunk_larger_than_the_weights_stream_takes_is_refused() -> None:
+    """The weights stream is declared once (`rlfleet.bus.streams`), sized for chunks of at
+    most `WEIGHT_CHUNK_BYTES`: a larger chunk would be refused mid-publish, so the settings
+    refuse it up front."""
+    assert SyncConfig().chunk_bytes == WEIGHT_CHUNK_BYTES
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        SyncConfig(chunk_bytes=WEIGHT_CHUNK_BYTES + 1)

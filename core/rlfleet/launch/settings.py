@@ -15,6 +15,7 @@ import msgspec
 from pydantic import BaseModel
 
 from rlfleet.api.rlrun import EvaluationGate, RLRunSpec, RolloutSpec, TrainerSpec, WeightSyncSpec
+from rlfleet.api.wire import WEIGHT_CHUNK_BYTES
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Weight = Annotated[float, msgspec.Meta(ge=0)]
@@ -34,10 +35,9 @@ class SyncConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Encoded shards stay below this many bytes, so they move and retry independently.
     # One batched direct get returns at most ~64 MiB, so a shard must stay below that.
     shard_bytes: int = spec_default(WeightSyncSpec, "shard_size_mib") * MIB
-    # One JetStream message carries at most this much of a shard. A server counts
-    # headers against its max_payload (1 MiB by default) and a leaf node drops its link
-    # on an oversized message, so leave room for the direct-get headers.
-    chunk_bytes: int = MIB - (4 << 10)
+    # One JetStream message carries at most this much of a shard; the weights stream
+    # (`rlfleet.bus.streams`) takes messages of up to `WEIGHT_CHUNK_BYTES`, no more.
+    chunk_bytes: int = WEIGHT_CHUNK_BYTES
     # Snapshots kept on the stream; receivers further behind start from the oldest.
     keep_snapshots: int = 2
     zstd_level: int = 3
@@ -53,8 +53,13 @@ class SyncConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.snapshot_every < 1:
             raise ValueError("snapshot_every must be at least 1")
-        if self.chunk_bytes < 1024 or self.shard_bytes < self.chunk_bytes:
-            raise ValueError("shard_bytes must be at least chunk_bytes, and that at least 1 KiB")
+        if not 1024 <= self.chunk_bytes <= WEIGHT_CHUNK_BYTES:
+            raise ValueError(
+                f"chunk_bytes must be at least 1 KiB and at most {WEIGHT_CHUNK_BYTES}, what "
+                "the weights stream takes"
+            )
+        if self.shard_bytes < self.chunk_bytes:
+            raise ValueError("shard_bytes must be at least chunk_bytes")
         if self.keep_snapshots < 1 or self.parallel_fetches < 1:
             raise ValueError("keep_snapshots and parallel_fetches must be at least 1")
         if self.shard_bytes > self.MAX_SHARD_BYTES:
