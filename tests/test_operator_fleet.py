@@ -421,6 +421,61 @@ def test_a_broken_kubeconfig_secret_is_a_condition_and_an_event_not_a_crash(
     wait_for("healthy again", lambda: world.condition("RolloutsDegraded").get("status") == "False")
 
 
+def test_a_region_dropped_while_it_refuses_the_hubs_token_is_forgotten_once_it_accepts(
+    world: World,
+) -> None:
+    """Dropping a region from the spec deletes the run's mirror there. A region that
+    refuses the hub's token (401) keeps the mirror for a later try, and the rest of the run
+    is reconciled meanwhile (the reconcile used to fail whole, leaving the status stale)."""
+    wait_for("lending", world.lent_everywhere)
+    good = world.fleet.kubectl(
+        HUB, "-n", RELEASE_NAMESPACE, "get", "secret", "rlfleet-region-region-b", "-o", "json"
+    )
+    refused = world.fleet.token_kubeconfig(
+        "region-b", f"{RELEASE}-hub", world.fleet.links["region-b"].url
+    )
+    refused["users"][0]["user"]["token"] = "not-a-token-region-b-knows"
+    spec = world.get(HUB, "rlrun", RUN)["spec"]
+
+    def set_regions(names: set[str]) -> int:
+        """The run's regions, and their NATS endpoints, cut down to these."""
+        regions = [r for r in spec["rollout"]["regions"] if r["name"] in names]
+        endpoints = [e for e in spec["weightSync"]["endpoints"] if e["region"] in names]
+        patch = {"spec": {"rollout": {"regions": regions}, "weightSync": {"endpoints": endpoints}}}
+        world.fleet.kubectl(
+            HUB, "-n", world.ns, "patch", "rlrun", RUN, "--type=merge", "-p", json.dumps(patch)
+        )
+        return world.get(HUB, "rlrun", RUN)["metadata"]["generation"]
+
+    def region_b() -> dict | None:
+        return next((e for e in world.run_status()["regions"] if e["name"] == "region-b"), None)
+
+    world.fleet.region_secret("region-b", refused)
+    try:
+        wait_for(
+            "region-b refusing the hub's token",
+            lambda: world.condition("RolloutsDegraded").get("reason") == "RegionCredentialsInvalid",
+        )
+        generation = set_regions(set(REGIONS) - {"region-b"})
+        wait_for(
+            "the run reconciled, region-b's mirror left for a later try",
+            lambda: (
+                world.run_status().get("observedGeneration") == generation
+                and (region_b() or {}).get("reachable") is False
+            ),
+        )
+        assert len(world.items("region-b", "rlruns")) == 1
+    finally:
+        secret = json.loads(good)
+        for key in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
+            secret["metadata"].pop(key, None)
+        world.fleet.kubectl(HUB, "apply", "-f", "-", stdin=json.dumps(secret))
+    wait_for("region-b's mirror deleted", lambda: not world.items("region-b", "rlruns"))
+    wait_for("region-b gone from the status", lambda: region_b() is None)
+    set_regions(set(REGIONS))
+    wait_for("lending", world.lent_everywhere)
+
+
 def test_an_envpool_keeps_its_warm_sandboxes_and_bursts_while_they_are_taken(
     world: World,
 ) -> None:

@@ -171,6 +171,10 @@ class Hub:
             kube.delete(Ref("v1", "Secret", secret, run["metadata"]["namespace"]))
         except (RegionCredentials, Unreachable):
             return False
+        except ApiException as error:
+            if error.status not in (401, 403):
+                raise
+            return False  # the region refuses the hub's credentials: try again later
         self._placed.discard((run["metadata"]["uid"], region))
         return True
 
