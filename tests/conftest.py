@@ -6,10 +6,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import images
 from rlfleet.api.schema import KINDS
@@ -88,6 +90,19 @@ def wait_for(what: str, check, timeout: float = 90.0, interval: float = 0.5):
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus endpoint's samples, as a scraper reads them: name{labels} -> value
+    (labels in the order served, `name` alone when there are none)."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
 
 
 class Kubectl:

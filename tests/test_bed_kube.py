@@ -93,7 +93,7 @@ def test_examples_apply_and_show_printer_columns(kubectl: Kubectl, namespace: st
     )
     # Defaults come from the schema, applied by the API server.
     assert applied["spec"]["rollout"]["regions"][1]["minGpus"] == 0
-    assert applied["spec"]["model"]["format"] == "hf-safetensors"
+    assert applied["spec"]["maxStaleness"] == 2
     for short in ("ipool", "envp"):
         assert kubectl.run("region-a", "-n", namespace, "get", short, "-o", "name").stdout.strip()
 
@@ -123,7 +123,7 @@ BAD_SPECS = {
         _rlrun(rollout={"regions": [{"name": "region-a", "minGpus": 9, "maxGpus": 8}]}),
         "spec.rollout.regions[0].minGpus",
     ),
-    "bad enum": (_rlrun(model={"uri": "file:///m", "format": "gguf"}), "spec.model.format"),
+    "bad enum": (_rlrun(rewards=[{"kind": "rubric"}]), "spec.rewards[0].kind"),
     "endpoint for an unknown region": (
         _rlrun(weightSync={"endpoints": [{"region": "region-z", "url": "nats://leaf-z:4222"}]}),
         "spec.weightSync.endpoints",

@@ -71,6 +71,25 @@ def test_a_local_run_writes_each_process_settings_its_program_reads_back(tmp_pat
     assert (worker.group_size, worker.session.turn_tokens) == (16, tuning.turn_tokens)
 
 
+def test_a_local_run_serves_each_process_metrics_on_a_port_of_its_own(tmp_path) -> None:
+    processes = _local(tmp_path)
+    urls = {name: process.metrics_url for name, process in processes.items()}
+    assert all(url and url.startswith("http://127.0.0.1:") for url in urls.values()), urls
+    assert len(set(urls.values())) == len(urls)
+
+
+def test_a_pod_serves_metrics_where_its_environment_says_or_nowhere() -> None:
+    env = {launch.NATS_URL_ENV: "nats://hub:4222", launch.METRICS_PORT_ENV: "9400"}
+    at = launch.Placement.from_env(env)
+    document = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())
+    spec = RLRunSpec.model_validate(document["spec"] | {"evaluation": {"suite": "rules"}})
+    for component in launch.COMPONENTS.values():
+        assert component.for_pod("r", spec, at).metrics_port == 9400
+    assert launch.Placement.from_env({launch.NATS_URL_ENV: "nats://hub:4222"}).metrics_port is None
+    with pytest.raises(ValueError, match="RLFLEET_METRICS_PORT='http'"):
+        launch.Placement.from_env(env | {launch.METRICS_PORT_ENV: "http"})
+
+
 def test_a_misspelt_setting_is_refused_when_read(tmp_path) -> None:
     written = msgspec.json.decode(to_json(_local(tmp_path)["feed"].config))
     with pytest.raises(msgspec.ValidationError, match="max_stalenes"):

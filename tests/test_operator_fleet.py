@@ -301,6 +301,36 @@ def test_every_pod_reads_the_runs_mounted_spec_and_is_told_where_nats_is(world: 
     assert env["RLFLEET_NATS_URL"] == "nats://nats.rlfleet-system.svc:4222"  # its endpoint
 
 
+def assert_sized_and_scraped(pod: dict) -> None:
+    """The pod asks for the CPU and memory it uses, and caps them, as the scheduler and
+    the kubelet see it, and serves its metrics on its named port, annotated for scraping."""
+    (container,) = pod["spec"]["containers"]
+    name = pod["metadata"]["name"]
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(container["resources"].get(kind, {})), (name, kind)
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
+    annotations = pod["metadata"].get("annotations", {})
+    assert annotations.get("prometheus.io/scrape") == "true", name
+    assert annotations.get("prometheus.io/port") == str(port), name
+    assert annotations.get("prometheus.io/path") == "/metrics", name
+    assert container_env(pod)["RLFLEET_METRICS_PORT"] == str(port), name
+
+
+def test_every_pod_of_the_run_asks_for_what_it_uses_and_serves_its_metrics(world: World) -> None:
+    wait_for("lending", world.lent_everywhere)
+    pods = world.items(HUB, "pods", "-l", f"rlfleet.io/run={RUN}")
+    for region in REGIONS:
+        pods += world.items(region, "pods", "-l", f"rlfleet.io/run={RUN}")
+    components = {p["metadata"]["labels"]["rlfleet.io/component"] for p in pods}
+    assert components == {"trainer", "feed", "rollout"}
+    for pod in pods:
+        assert_sized_and_scraped(pod)
+        assert pod["status"]["phase"] == "Running", pod["metadata"]["name"]
+    trainer = next(p for p in pods if p["metadata"]["labels"]["rlfleet.io/component"] == "trainer")
+    gpus = trainer["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert gpus == "8"  # the spec's trainer.gpusPerReplica, as it was before sizes
+
+
 class Sampler:
     """Samples a region's serving and rollout pods until stopped."""
 
@@ -714,6 +744,13 @@ def test_the_evaluation_gate_holds_a_run_that_fails_or_reaches_its_target(
     wait_for("lending", world.lent_everywhere)
     gate({"suite": "rules", "everyVersions": 10, "minReward": 0.5})
     wait_for("an evaluator", lambda: replicas("evaluator") == [1])
+    # CPU-only (Hugging Face generate on the host): sized, and asking for no GPU.
+    evaluator = wait_for(
+        "the evaluator's pod",
+        lambda: world.items(HUB, "pods", "-l", "rlfleet.io/component=evaluator"),
+    )[0]
+    assert_sized_and_scraped(evaluator)
+    assert "nvidia.com/gpu" not in evaluator["spec"]["containers"][0]["resources"]["limits"]
     report = EvaluationReport(
         run=world.key,
         suite="rules",

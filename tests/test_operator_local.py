@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import yaml
-from conftest import ROOT, wait_for
+from conftest import ROOT, scrape, wait_for
 
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import decode_step_report, decode_trajectory, step_subject, trajectory_subject
@@ -144,6 +144,14 @@ def test_the_operators_pods_train_with_rollouts_from_both_regions(world: World) 
     world.wait("a worker per region", lambda: world.regions_running() == set(REGIONS))
     world.wait("trajectories from both", lambda: world.seen.regions_since(0) == set(REGIONS))
     world.wait("training steps", lambda: len(world.seen.steps) >= 3)
+    # Each bound process serves its metrics, as its pod does on its `metrics` port (a
+    # counter moves just after the message it counts is out).
+    started = world.plane.runner.started
+    trainer = started["trainer"].metrics_url
+    world.wait("steps counted", lambda: scrape(trainer)["rlfleet_trainer_steps_total"] >= 2, 30)
+    assert scrape(trainer)['rlfleet_weightsync_published_bytes_total{kind="full"}'] > 0
+    rollout = next(p for name, p in started.items() if name.startswith("rollout-")).metrics_url
+    assert scrape(rollout)["rlfleet_rollout_trajectories_total"] >= 1
     # The hub folds the real trainer's progress into the RLRun an on-call engineer reads.
     world.wait(
         "the policy version in the RLRun's status",

@@ -18,7 +18,7 @@ import nats
 import nats.js.errors
 import pytest
 import yaml
-from conftest import ROOT, wait_for
+from conftest import ROOT, scrape, wait_for
 from nats.js.api import StreamInfo
 
 from rlfleet.api.inferencepool import InferencePoolSpec
@@ -35,13 +35,13 @@ from rlfleet.api.wire import (
 )
 from rlfleet.bus.auth import CREDENTIALS_ENV
 from rlfleet.bus.streams import evaluation_stream, step_stream
-from rlfleet.launch import SPEC_FILE, STATE_DIR_ENV, run_key
+from rlfleet.launch import METRICS_PORT_ENV, SPEC_FILE, STATE_DIR_ENV, run_key
 from rlfleet.local.files import write_secret
 from rlfleet.local.nats import HUB_DOMAIN, NatsBed, NatsServer, start_nats
-from rlfleet.local.processes import Supervisor
+from rlfleet.local.processes import Supervisor, free_port
 from rlfleet.local.run import make_streams
 from rlfleet.models.tiny import init_model
-from rlfleet.operator.config import Images, NatsAccess
+from rlfleet.operator.config import Images, NatsAccess, Workloads
 from rlfleet.operator.workloads import COMPONENT_LABEL, hub_objects, mirror, rollout_deployment
 from rlfleet.rollout.tasks import rules_suite, write_suite
 from rlfleet.weightsync import SyncConfig, WeightStream
@@ -67,7 +67,8 @@ def as_process(
 ) -> tuple[list, dict]:
     """The argv and environment of a pod's one container: the spec file at `mounted`
     stands for the ConfigMap volume, `state` for the trainer's state volume and `user`
-    for the run's NATS user Secret."""
+    for the run's NATS user Secret. The pods' one metrics port becomes a free port each,
+    as the four share this host's network."""
     (container,) = pod_spec["containers"]
     argv = [sys.executable if a == "python" else a for a in container.get("command") or []]
     argv = argv or [sys.executable, *entrypoint(container["image"])[1:]]
@@ -77,7 +78,9 @@ def as_process(
     for e in container["env"]:
         if e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
             env[e["name"]] = pod
-    return argv, env | {STATE_DIR_ENV: str(state)} | CPU_ENV
+    (metrics,) = [p["containerPort"] for p in container["ports"] if p["name"] == "metrics"]
+    assert env[METRICS_PORT_ENV] == str(metrics)
+    return argv, env | {STATE_DIR_ENV: str(state), METRICS_PORT_ENV: str(free_port())} | CPU_ENV
 
 
 def the_run(model: Path, bed: NatsBed, evaluation_suite: Path) -> dict:
@@ -95,8 +98,9 @@ def the_run(model: Path, bed: NatsBed, evaluation_suite: Path) -> dict:
 @pytest.fixture(scope="module")
 def pods(
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[dict, NatsBed, Path, dict[str, dict]]]:
-    """The operators' objects for the example run, started as processes."""
+) -> Iterator[tuple[dict, NatsBed, Path, dict[str, dict], dict[str, str]]]:
+    """The operators' objects for the example run, started as processes; and where each
+    serves its metrics."""
     work = tmp_path_factory.mktemp("pods")
     supervisor = Supervisor(work / "logs", attached=True)
     try:
@@ -111,7 +115,7 @@ def pods(
         write_secret(user, bed.run_user(run_key(meta["namespace"], meta["name"])))
         # The run's streams and region-a's weights mirror, as the hub operator makes them.
         asyncio.run(make_streams(bed, run_key(meta["namespace"], meta["name"])))
-        made = hub_objects(run, Images(), access)
+        made = hub_objects(run, Images(), Workloads(), access)
         objects = {o["kind"]: o for o in made if o["kind"] != "Deployment"}
         deployments = {
             o["metadata"]["labels"][COMPONENT_LABEL]: o for o in made if o["kind"] == "Deployment"
@@ -124,7 +128,13 @@ def pods(
         copy["metadata"]["uid"] = "mirror-uid"
         pool = yaml.safe_load((ROOT / "examples" / "inferencepool.yaml").read_text())
         rollout = rollout_deployment(
-            copy, POOL, InferencePoolSpec.model_validate(pool["spec"]), 1, Images().rollout, REGION
+            copy,
+            POOL,
+            InferencePoolSpec.model_validate(pool["spec"]),
+            1,
+            Images().rollout,
+            Workloads(),
+            REGION,
         )
         started = {
             "trainer": (objects["StatefulSet"], "tiny-moe-arith-trainer-0"),
@@ -132,11 +142,14 @@ def pods(
             "evaluator": (deployments["evaluator"], "tiny-moe-arith-evaluator-5f6d-k8w2p"),
             "rollout": (rollout, "tiny-moe-arith-rollout-chat-prod-5b8c-qz7lm"),
         }
+        metrics = {}
         for name, (workload, pod) in started.items():
             pod_spec = workload["spec"]["template"]["spec"]
             argv, env = as_process(pod_spec, pod, mounted, work / "state", user)
             supervisor.start(name, argv, env)
-        yield run, bed, work, {name: workload for name, (workload, _) in started.items()}
+            metrics[name] = f"http://127.0.0.1:{env[METRICS_PORT_ENV]}/metrics"
+        workloads = {name: workload for name, (workload, _) in started.items()}
+        yield run, bed, work, workloads, metrics
     finally:
         supervisor.stop_all()
 
@@ -185,7 +198,7 @@ async def weight_mirror(server: NatsServer, run: str, domain: str) -> StreamInfo
 
 
 def test_the_operators_pods_train_from_the_mounted_spec_alone(pods) -> None:
-    run, bed, work, workloads = pods
+    run, bed, work, workloads, metrics = pods
     name = run["metadata"]["name"]
     key = run_key(run["metadata"]["namespace"], name)  # the run's name on NATS
     # The model's claim is mounted read-only where its file:// uri points (here the
@@ -212,6 +225,17 @@ def test_the_operators_pods_train_from_the_mounted_spec_alone(pods) -> None:
     # The worker names itself by its region and pod; the spec's group size holds.
     assert trajectory.worker == f"{REGION}/tiny-moe-arith-rollout-chat-prod-5b8c-qz7lm"
     assert trajectory.group_size == 8
+    # Each serves its metrics where its pod's environment says, weightsync's among them (a
+    # counter moves just after the message it counts is out).
+    trainer = metrics["trainer"]
+    wait_for("a step counted", lambda: scrape(trainer)["rlfleet_trainer_steps_total"] >= 1, 30)
+    assert scrape(trainer)['rlfleet_weightsync_published_bytes_total{kind="full"}'] > 0
+    worker = metrics["rollout"]
+    trajectories = "rlfleet_rollout_trajectories_total"
+    wait_for("a trajectory counted", lambda: scrape(worker)[trajectories] >= 1, 30)
+    assert "rlfleet_weightsync_fetched_bytes_total" in scrape(worker)
+    for component in ("feed", "evaluator"):
+        assert "process_cpu_seconds_total" in scrape(metrics[component])
 
     # The worker reads weights from its region's own mirror of the hub's stream, so a
     # version crosses the WAN once.

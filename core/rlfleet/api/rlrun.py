@@ -64,7 +64,6 @@ class ModelSource(ApiModel):
             ),
         ),
     ]
-    format: Literal["hf-safetensors"] = "hf-safetensors"
     volume_claim_name: Annotated[
         Name | None,
         Field(
@@ -98,7 +97,15 @@ class TrainerSpec(ApiModel):
     ] = None
     deep_speed_config_map: Annotated[
         Name | None,
-        Field(description="ConfigMap whose ds_config.json overrides the trainer's defaults."),
+        Field(
+            description=(
+                "A ConfigMap in the run's namespace whose ds_config.json the trainer merges "
+                "under its own DeepSpeed settings (ZeRO offload, bucket sizes, ...). Keys the "
+                "trainer sets itself (batch sizes, gradient accumulation and clipping, "
+                "zero_optimization.stage, optimizer, scheduler, bf16, fp16) are refused; the "
+                "file is read when a trainer pod starts."
+            )
+        ),
     ] = None
     zero_stage: Annotated[int, Field(ge=0, le=3, description="DeepSpeed ZeRO stage.")] = 2
     batch_invariant: Annotated[
@@ -356,10 +363,6 @@ class RLRunSpec(ApiModel):
         ),
     ] = 2
     weight_sync: WeightSyncSpec = WeightSyncSpec()
-    environments: Annotated[
-        list[Name],
-        Field(default_factory=list, max_length=64, description="EnvPools the rollouts act in."),
-    ]
     rewards: Annotated[
         list[RewardSpec],
         Field(
@@ -396,10 +399,22 @@ class RegionStatus(ApiModel):
 
 
 class WeightSyncStatus(ApiModel):
+    """The trainer's newest publish of its weights to the hub; regions' mirrors get it later."""
+
     version: Count
-    bytes: Count
-    seconds: Annotated[float, Field(ge=0)]
-    time: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = None
+    bytes: Annotated[
+        Count, Field(description="Encoded bytes a receiver one version behind fetches.")
+    ]
+    seconds: Annotated[
+        float, Field(ge=0, description="Seconds the trainer took to publish it to the hub.")
+    ]
+    time: Annotated[
+        str | None,
+        Field(
+            description="When the trainer published it (not when regions have it).",
+            json_schema_extra={"format": "date-time"},
+        ),
+    ] = None
 
 
 class EvaluationStatus(ApiModel):
@@ -418,7 +433,15 @@ class RLRunStatus(ApiModel):
     conditions: Conditions
     policy_version: Count | None = None
     trainer_step: Count | None = None
-    staleness: Count | None = None
+    staleness: Annotated[
+        Count | None,
+        Field(
+            description=(
+                "Versions behind the trainer of the oldest rollout its newest step trained "
+                "on, whichever region it came from."
+            )
+        ),
+    ] = None
     trajectories_dropped_stale: Count | None = None
     trainer_replicas: Count | None = None
     gpus_lent: Count | None = None
@@ -442,7 +465,12 @@ RLRUN = ResourceKind(
     columns=(
         PrinterColumn("Phase", ".status.phase", "string"),
         PrinterColumn("Version", ".status.policyVersion", "integer", "Current policy version"),
-        PrinterColumn("Staleness", ".status.staleness", "integer", "Versions behind, worst region"),
+        PrinterColumn(
+            "Staleness",
+            ".status.staleness",
+            "integer",
+            "Versions behind of the oldest rollout in the newest step",
+        ),
         PrinterColumn("GPUs-Lent", ".status.gpusLent", "integer", "Rollout GPUs borrowed"),
         PrinterColumn("Running", ".status.gpusRunning", "integer", "Rollout GPUs in running pods"),
         PrinterColumn(

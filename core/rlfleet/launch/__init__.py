@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -39,6 +39,11 @@ S = TypeVar("S", bound=msgspec.Struct)
 
 SPEC_DIR = "/etc/rlfleet"
 SPEC_FILE = f"{SPEC_DIR}/rlrun.json"  # {"run": its key on NATS, "spec": RLRun spec}, as JSON
+# The ConfigMap `spec.trainer.deepSpeedConfigMap`, in trainer pods: a folder of its own,
+# since a mount inside the read-only spec volume would need a folder made in it.
+DEEPSPEED_DIR = "/etc/rlfleet-deepspeed"
+DEEPSPEED_KEY = "ds_config.json"
+DEEPSPEED_CONFIG_FILE = f"{DEEPSPEED_DIR}/{DEEPSPEED_KEY}"
 STATE_DIR = "/var/lib/rlfleet"  # the trainer's checkpoints and step log live under here
 # The run's own NATS user (a .creds file, from the Secret `nats_credentials_secret(run)`).
 NATS_CREDENTIALS_DIR = "/var/run/secrets/rlfleet/nats"
@@ -50,6 +55,11 @@ JETSTREAM_DOMAIN_ENV = "RLFLEET_JETSTREAM_DOMAIN"
 REGION_ENV = "RLFLEET_REGION"
 POD_NAME_ENV = "RLFLEET_POD_NAME"
 STATE_DIR_ENV = "RLFLEET_STATE_DIR"
+# The port the component serves its Prometheus metrics on (`/metrics`). The operator sets
+# it from the same number as the pod's `metrics` port and scrape annotations, so the three
+# cannot disagree; processes sharing a host (`rlfleet run`) are each given their own.
+METRICS_PORT_ENV = "RLFLEET_METRICS_PORT"
+METRICS_PATH = "/metrics"  # where prometheus_client's server answers
 
 FILE_SCHEME = "file://"
 
@@ -57,13 +67,15 @@ FILE_SCHEME = "file://"
 @dataclass(frozen=True)
 class Placement:
     """Where one component runs: the NATS server it reaches, the JetStream domain of the
-    run's streams, and for a rollout worker its region and pod."""
+    run's streams, for a rollout worker its region and pod, and the port it serves its
+    metrics on (none: it serves none)."""
 
     nats_url: str
     jetstream_domain: str | None = None
     region: str | None = None
     pod: str | None = None
     state_dir: str = STATE_DIR
+    metrics_port: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Placement:
@@ -75,7 +87,17 @@ class Placement:
             region=env.get(REGION_ENV) or None,
             pod=env.get(POD_NAME_ENV) or None,
             state_dir=env.get(STATE_DIR_ENV) or STATE_DIR,
+            metrics_port=_port(env, METRICS_PORT_ENV),
         )
+
+
+def _port(env: Mapping[str, str], name: str) -> int | None:
+    text = env.get(name)
+    if not text:
+        return None
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"{name}={text!r}: expected a TCP port, 1 to 65535")
+    return int(text)
 
 
 def nats_credentials_secret(run: str) -> str:
@@ -119,9 +141,36 @@ def _sync(spec: RLRunSpec) -> SyncConfig:
     )
 
 
+def read_deepspeed(spec: RLRunSpec, path: Path) -> dict[str, Any] | None:
+    """The user's DeepSpeed settings, from the mounted `ds_config.json` of the ConfigMap
+    the spec names (None when it names none)."""
+    config_map = spec.trainer.deep_speed_config_map
+    if config_map is None:
+        return None
+    document = json.loads(path.read_text())
+    if not isinstance(document, dict):
+        raise ValueError(
+            f"spec.trainer.deepSpeedConfigMap {config_map}: {DEEPSPEED_KEY} is not a JSON object"
+        )
+    return document
+
+
 def trainer_settings(
-    name: str, spec: RLRunSpec, model: str, checkpoint_dir: str, at: Placement
+    name: str,
+    spec: RLRunSpec,
+    model: str,
+    checkpoint_dir: str,
+    at: Placement,
+    deepspeed: dict[str, Any] | None = None,
 ) -> TrainerConfig:
+    """`deepspeed` is the user's DeepSpeed JSON, which a spec naming a ConfigMap needs:
+    only a pod has it mounted (`read_deepspeed`)."""
+    config_map = spec.trainer.deep_speed_config_map
+    if config_map is not None and deepspeed is None:
+        raise ValueError(
+            f"spec.trainer.deepSpeedConfigMap {config_map}: its {DEEPSPEED_KEY} was not "
+            "given; only a trainer pod mounts the ConfigMap"
+        )
     return TrainerConfig(
         run=name,
         nats_url=at.nats_url,
@@ -135,7 +184,9 @@ def trainer_settings(
         temperature=spec.rollout.temperature,
         max_staleness=spec.max_staleness,
         weight_mirrors=_weight_mirrors(spec, at),
+        deepspeed=deepspeed or {},
         weightsync=_sync(spec),
+        metrics_port=at.metrics_port,
     )
 
 
@@ -178,6 +229,7 @@ def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> W
         session=SessionConfig(temperature=spec.rollout.temperature),
         rewards=_rewards(spec),
         weightsync=_sync(spec),
+        metrics_port=at.metrics_port,
     )
 
 
@@ -190,6 +242,7 @@ def feed_settings(name: str, spec: RLRunSpec, at: Placement) -> FeedConfig:
         max_staleness=spec.max_staleness,
         group_size=spec.rollout.group_size,
         revisit_uniform=spec.rollout.uniform_group_revisit,
+        metrics_port=at.metrics_port,
     )
 
 
@@ -205,6 +258,7 @@ def evaluator_settings(name: str, spec: RLRunSpec, model: str, at: Placement) ->
         suite=spec.evaluation.suite,
         every_versions=spec.evaluation.every_versions,
         weightsync=_sync(spec),
+        metrics_port=at.metrics_port,
     )
 
 
@@ -233,7 +287,10 @@ class Component(Program, Generic[S]):
 
 
 def _trainer_pod(name: str, spec: RLRunSpec, at: Placement) -> TrainerConfig:
-    return trainer_settings(name, spec, model_dir(spec), f"{at.state_dir}/checkpoints", at)
+    deepspeed = read_deepspeed(spec, Path(DEEPSPEED_CONFIG_FILE))
+    return trainer_settings(
+        name, spec, model_dir(spec), f"{at.state_dir}/checkpoints", at, deepspeed
+    )
 
 
 def _rollout_pod(name: str, spec: RLRunSpec, at: Placement) -> WorkerConfig:

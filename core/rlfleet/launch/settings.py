@@ -20,6 +20,9 @@ from rlfleet.api.wire import WEIGHT_CHUNK_BYTES
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Weight = Annotated[float, msgspec.Meta(ge=0)]
 MIB = 1 << 20
+# Where a component serves its Prometheus metrics (`rlfleet.launch.METRICS_PORT_ENV` in a
+# pod, a free port in `rlfleet run`); None serves none.
+MetricsPort = Annotated[int, msgspec.Meta(ge=1, le=65535)] | None
 
 
 def spec_default(model: type[BaseModel], field: str) -> Any:
@@ -98,6 +101,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     clip_high: float = 0.28
     is_cap: float = 2.0
     kl_coef: float = spec_default(TrainerSpec, "kl_coef")
+    # The user's DeepSpeed JSON (`spec.trainer.deepSpeedConfigMap`): the trainer merges it
+    # under its own settings and refuses the keys it sets itself.
+    deepspeed: dict[str, Any] = msgspec.field(default_factory=dict)
     # The rollouts' sampling temperature: tokens are scored under logits / temperature, the
     # distribution they were sampled from, else importance ratios compare two different
     # distributions. The KL to the reference is taken at it too.
@@ -107,7 +113,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     keep_checkpoints: Positive = 2
     max_steps: int | None = None  # stop after this step (tests, fixed-budget runs)
     seed: int = 0
-    metrics_port: int | None = None  # serve Prometheus metrics here
+    metrics_port: MetricsPort = None
     weightsync: SyncConfig = SyncConfig()
 
 
@@ -179,7 +185,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rewards: RewardConfig = RewardConfig()
     ack_wait_s: float = 600.0  # a task whose worker died is redelivered after this
     seed: int = 0
-    metrics_port: int | None = None
+    metrics_port: MetricsPort = None
     weightsync: SyncConfig = SyncConfig()
 
 
@@ -202,6 +208,7 @@ class FeedConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         RolloutSpec, "uniform_group_revisit"
     )
     poll_s: float = 0.25
+    metrics_port: MetricsPort = None
 
 
 class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -216,6 +223,7 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attempts: Positive = 8  # per task: the k of pass@k
     poll_seconds: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     weightsync: SyncConfig = SyncConfig()
+    metrics_port: MetricsPort = None
 
 
 S = TypeVar("S", bound=msgspec.Struct)

@@ -9,6 +9,7 @@ GPUs, so an asynchronous run measures overlap rather than contention.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from rlfleet import launch
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.bus.auth import CREDENTIALS_ENV
 from rlfleet.local.nats import HUB_DOMAIN, NatsBed
+from rlfleet.local.processes import free_port
 
 TINY_SCHEME = "tiny://"  # model.uri tiny://tiny-moe: made on the spot, then warmed up
 
@@ -96,6 +98,12 @@ class Process:
     config: msgspec.Struct  # its settings, written as JSON where the argv's last word says
     env: dict[str, str]
 
+    @property
+    def metrics_url(self) -> str | None:
+        """Where the process serves its Prometheus metrics, if it does."""
+        port = getattr(self.config, "metrics_port", None)
+        return None if port is None else f"http://127.0.0.1:{port}{launch.METRICS_PATH}"
+
 
 def serving_dtype(cpu_flags: set[str]) -> str:
     """What the rollout engines compute in on this machine's CPU. Without bf16 instructions
@@ -139,7 +147,8 @@ def processes(
 ) -> list[Process]:
     """The components as local processes, with the settings pods get from the same spec
     (`rlfleet.launch`) and this machine's tuning on top. Each connects to NATS as the
-    run's own user (`layout.credentials`), as its pods would."""
+    run's own user (`layout.credentials`), as its pods would, and serves its metrics on
+    a port of its own (`Process.metrics_url`)."""
     trainer_cores, rollout_cores = split_cores(sorted(os.sched_getaffinity(0)))
     model = str(model_path(spec, layout))
     threads = {"OMP_NUM_THREADS": str(len(trainer_cores))}
@@ -157,7 +166,10 @@ def processes(
         env = env | {CREDENTIALS_ENV: str(layout.credentials)}
         found.append(Process(process_name, _pinned(component, cores, path), config, env))
 
-    trainer = launch.trainer_settings(name, spec, model, str(layout.checkpoints), hub)
+    def metered(at: launch.Placement) -> launch.Placement:
+        return dataclasses.replace(at, metrics_port=free_port())
+
+    trainer = launch.trainer_settings(name, spec, model, str(layout.checkpoints), metered(hub))
     add(
         "trainer",
         launch.TRAINER,
@@ -185,7 +197,7 @@ def processes(
     dtype = serving_dtype(cpu_flags())
     for demand in spec.rollout.regions:
         at = launch.Placement(nats.leaves[demand.name].url, HUB_DOMAIN, demand.name, "0")
-        worker = launch.rollout_settings(name, spec, model, at)
+        worker = launch.rollout_settings(name, spec, model, metered(at))
         add(
             f"rollout-{demand.name}",
             launch.ROLLOUT,
@@ -201,7 +213,7 @@ def processes(
             ),
             rollout_env,
         )
-    feed = launch.feed_settings(name, spec, hub)
+    feed = launch.feed_settings(name, spec, metered(hub))
     add(
         "feed",
         launch.FEED,
@@ -211,7 +223,7 @@ def processes(
     )
     if spec.evaluation is not None:
         # Scoring shares the rollout cores: it generates, as they do.
-        evaluator = launch.evaluator_settings(name, spec, model, hub)
+        evaluator = launch.evaluator_settings(name, spec, model, metered(hub))
         scoring_threads = {"OMP_NUM_THREADS": rollout_env["OMP_NUM_THREADS"]}
         add("evaluator", launch.EVALUATOR, rollout_cores, evaluator, scoring_threads)
     return found

@@ -65,7 +65,13 @@ def load(path: Path) -> tuple[str, RLRunSpec]:
         if not isinstance(document, dict) or document.get("kind") != "RLRun":
             raise ValueError("not an RLRun document")
         name = check_run_name((document.get("metadata") or {}).get("name"))
-        return name, RLRunSpec.model_validate(document.get("spec"))
+        spec = RLRunSpec.model_validate(document.get("spec"))
+        if spec.trainer.deep_speed_config_map is not None:
+            raise ValueError(
+                "spec.trainer.deepSpeedConfigMap: a local run has no ConfigMap to read it "
+                "from; leave it out, or apply the run to a cluster"
+            )
+        return name, spec
     except (OSError, ValueError, yaml.YAMLError) as error:
         raise InvalidRun(f"{path}: {error}") from error
 
@@ -271,6 +277,13 @@ async def make_streams(bed: NatsBed, run: str) -> None:
         raise RuntimeError(f"run {run}: no weights mirror in {', '.join(missing)}")
 
 
+def print_metrics(processes: list[plan.Process]) -> None:
+    """Where each process serves its Prometheus metrics, as a pod would on its port."""
+    for process in processes:
+        if process.metrics_url:
+            console.print(f"  {process.name} metrics: {process.metrics_url}")
+
+
 class LocalPlane:
     """An embedded NATS hub with a leaf node per region, and the run's processes."""
 
@@ -290,13 +303,15 @@ class LocalPlane:
             self.url = bed.hub.url
             write_secret(self.credentials, bed.run_user(self.key))
             asyncio.run(make_streams(bed, self.key))
-            for process in plan.processes(self.key, self.spec, self.layout, bed, self.tuning):
+            processes = plan.processes(self.key, self.spec, self.layout, bed, self.tuning)
+            for process in processes:
                 launch(process, self.supervisor)
                 self.components.append(process.name)
         except BaseException:
             self.__exit__()
             raise
         console.print(f"started {self.name}: logs in {self.layout.logs}; Ctrl-C stops and reports")
+        print_metrics(processes)
         return self
 
     def check_alive(self) -> None:

@@ -22,7 +22,7 @@ import msgspec
 from rlfleet.api.meta import COMPONENT_LABEL, RUN_LABEL
 from rlfleet.launch import REGION_ENV
 from rlfleet.local.plan import Process
-from rlfleet.local.processes import Supervisor
+from rlfleet.local.processes import Supervisor, free_port
 from rlfleet.local.run import launch
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def live_pods(cluster: str, run: str, items: Iterable[dict]) -> list[Pod]:
 def process_for(pod: Pod, plan: dict[str, Process]) -> Process | None:
     """The local process a pod stands for: the plan's trainer or feed, or its region's
     rollout worker named after the pod (`cluster/pod`, so trajectories say which pod made
-    them)."""
+    them), with a metrics port of its own (two pods of a region may run at once)."""
     if pod.component in ("trainer", "feed"):
         return plan[pod.component]
     template = plan.get(f"rollout-{pod.region}")
@@ -75,7 +75,7 @@ def process_for(pod: Pod, plan: dict[str, Process]) -> Process | None:
         template,
         name=name,
         argv=[*template.argv[:-1], config_path],
-        config=msgspec.structs.replace(template.config, name=pod.key),
+        config=msgspec.structs.replace(template.config, name=pod.key, metrics_port=free_port()),
     )
 
 
@@ -111,6 +111,7 @@ class PodRunner:
 
     def __post_init__(self) -> None:
         self.running: dict[str, str] = {}  # pod key -> process name
+        self.started: dict[str, Process] = {}  # process name -> as last started
         self.exits: dict[str, int | None] = {}  # process name -> exit code once stopped
         self.unbound: set[str] = set()  # pods with no process of their own, warned about once
 
@@ -133,6 +134,8 @@ class PodRunner:
                 log.warning("pod %s gets no local process of its own", key)
                 self.unbound.add(key)
                 continue
-            log.info("pod %s is running: starting %s", key, process.name)
+            url = process.metrics_url
+            log.info("pod %s is running: starting %s, metrics at %s", key, process.name, url)
             launch(process, self.supervisor)
             self.running[key] = process.name
+            self.started[process.name] = process

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rlfleet.api.meta import Quantity
 
 Name = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -28,6 +30,82 @@ class Images(BaseModel):
 
     trainer: str = "ghcr.io/rlfleet/trainer:0.1.0"
     rollout: str = "ghcr.io/rlfleet/rollout:0.1.0"
+
+
+class Amounts(BaseModel):
+    # `cpu: 16` in the chart's values is a quantity as much as `cpu: "16"`.
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+
+    cpu: Quantity
+    memory: Quantity
+
+
+class Resources(BaseModel):
+    """A container's CPU and memory, both asked for and capped: the scheduler places the
+    pod by what it asks, and the kubelet stops it past what it may use."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    requests: Amounts
+    limits: Amounts
+
+
+ComponentName = Literal["trainer", "feed", "evaluator", "rollout"]
+
+# The one home of each workload's CPU and memory; the chart's `workloads.resources` is
+# merged over it key by key. GPUs come from the run (a trainer replica's
+# `gpusPerReplica`) and the pool a rollout worker borrows from (its `gpusPerReplica`).
+# Sized for the one pod on an 8-GPU node of 96 cores or more, leaving room for the node's
+# own daemons: the trainer (DeepSpeed's host-side optimizer work, checkpoint writes) and a
+# rollout worker (vLLM's scheduler and tokenizers, the sessions' local sandboxes). Memory limits
+# equal requests: a pod never uses memory the scheduler did not set aside for it. The feed
+# holds a suite and a queue. The evaluator is CPU-only: it generates with Hugging Face
+# `generate` in float32 on the host (`rlfleet.rollout.evaluation`), so a GPU would sit
+# idle; its memory must hold two float32 copies of the model (the weights it received and
+# the model it loads): 32Gi suits models of up to about 4B parameters.
+DEFAULT_RESOURCES: dict[str, dict[str, dict[str, str]]] = {
+    "trainer": {
+        "requests": {"cpu": "16", "memory": "256Gi"},
+        "limits": {"cpu": "32", "memory": "256Gi"},
+    },
+    "rollout": {
+        "requests": {"cpu": "16", "memory": "128Gi"},
+        "limits": {"cpu": "32", "memory": "128Gi"},
+    },
+    "feed": {
+        "requests": {"cpu": "250m", "memory": "512Mi"},
+        "limits": {"cpu": "1", "memory": "1Gi"},
+    },
+    "evaluator": {
+        "requests": {"cpu": "8", "memory": "32Gi"},
+        "limits": {"cpu": "16", "memory": "32Gi"},
+    },
+}
+
+
+def _merged(default: Any, given: Any) -> Any:
+    """`given` over `default`, key by key at every depth."""
+    if isinstance(default, dict) and isinstance(given, dict):
+        return default | {k: _merged(default.get(k), v) for k, v in given.items()}
+    return given
+
+
+class Workloads(BaseModel):
+    """What every pod the operator makes for a run asks for and serves."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    resources: dict[ComponentName, Resources]
+    # Each pod serves its Prometheus metrics here: its container's `metrics` port, its
+    # `prometheus.io/port` annotation and the component's settings all take this number.
+    metrics_port: Annotated[int, Field(ge=1, le=65535)] = 9400
+
+    @model_validator(mode="before")
+    @classmethod
+    def _over_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return data | {"resources": _merged(DEFAULT_RESOURCES, data.get("resources") or {})}
+        return data
 
 
 class NatsAccess(BaseModel):
@@ -52,6 +130,7 @@ class OperatorConfig(BaseModel):
     watch_namespaces: list[str] = Field(default_factory=list)  # empty: every namespace
     regions: list[RegionAccess] = Field(default_factory=list)
     images: Images = Images()
+    workloads: Workloads = Workloads()
     nats: NatsAccess | None = None  # hub only; without it, no streams and no progress
     # Pools and sandboxes are re-read this often: traffic and pods change without an event
     # the operator sees, and a reclaim must start within its deadline.

@@ -213,7 +213,8 @@ class Hub:
         """The run's objects in the hub, as wanted; returns its trainer StatefulSet."""
         meta = run["metadata"]
         trainer_ref = Ref("apps/v1", "StatefulSet", f"{meta['name']}-trainer", meta["namespace"])
-        objects = hub_objects(run, self.config.images, self.config.nats, held)
+        config = self.config
+        objects = hub_objects(run, config.images, config.workloads, config.nats, held)
         if resync and not self._drifted(objects):
             return self._listed(trainer_ref, "trainer") or {}
         # The objects do not refer to each other's existence (a pod waits for a missing

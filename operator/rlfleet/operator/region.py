@@ -444,7 +444,13 @@ class Region:
             free -= grow
             self.local.apply(
                 rollout_deployment(
-                    runs[run], pool, spec, have + grow, self.config.images.rollout, self.name
+                    runs[run],
+                    pool,
+                    spec,
+                    have + grow,
+                    self.config.images.rollout,
+                    self.config.workloads,
+                    self.name,
                 )
             )
         return max(0, len(rollout_pods) - decision.total)

@@ -17,7 +17,7 @@ from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import API_VERSION, COMPONENT_LABEL, GPU_RESOURCE, GROUP, RUN_LABEL
 from rlfleet.api.rlrun import CheckpointStorage, RLRunSpec
 from rlfleet.bus.auth import CREDENTIALS_ENV
-from rlfleet.operator.config import Images, NatsAccess
+from rlfleet.operator.config import Images, NatsAccess, Resources, Workloads
 
 POOL_LABEL = f"{GROUP}/pool"
 ENVPOOL_LABEL = f"{GROUP}/envpool"
@@ -30,6 +30,7 @@ JETSTREAM_DOMAIN = f"{GROUP}/jetstream-domain"
 NATS_USER = f"{GROUP}/nats-user"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "rlfleet-operator"}
 TRAINER_PORT = 29500  # torch.distributed rendezvous
+METRICS_PORT_NAME = "metrics"  # the container port a component serves Prometheus metrics on
 
 
 def owner(body: dict) -> dict:
@@ -69,6 +70,22 @@ def spec_config_map(run: dict) -> dict:
     }
 
 
+def _template(labels: dict, pod: dict) -> dict:
+    """A pod template. A pod whose container has a `metrics` port carries the annotations
+    Prometheus's pod discovery scrapes by (`prometheus.io/scrape|port|path`)."""
+    metadata: dict[str, Any] = {"labels": labels}
+    ports = [
+        p for c in pod["containers"] for p in c.get("ports", []) if p["name"] == METRICS_PORT_NAME
+    ]
+    if ports:
+        metadata["annotations"] = {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(ports[0]["containerPort"]),
+            "prometheus.io/path": launch.METRICS_PATH,
+        }
+    return {"metadata": metadata, "spec": pod}
+
+
 def _deployment(owner_body: dict, name: str, labels: dict, replicas: int, pod: dict) -> dict:
     return {
         "apiVersion": "apps/v1",
@@ -77,26 +94,40 @@ def _deployment(owner_body: dict, name: str, labels: dict, replicas: int, pod: d
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": labels}, "spec": pod},
+            "template": _template(labels, pod),
         },
     }
 
 
-def _container(name: str, image: str, gpus: int, env: dict[str, str]) -> dict:
+def _resources(sized: Resources, gpus: int) -> dict:
+    """CPU and memory as the operator's config sizes them; GPUs (an extended resource)
+    asked for and capped alike."""
+    gpu = {GPU_RESOURCE: str(gpus)} if gpus else {}
+    return {
+        "requests": sized.requests.model_dump() | gpu,
+        "limits": sized.limits.model_dump() | gpu,
+    }
+
+
+def _container(name: str, image: str, gpus: int, env: dict[str, str], workloads: Workloads) -> dict:
     """A component reading its run's mounted spec (`python -m ... --rlrun`), placed by
-    the environment (`rlfleet.launch.Placement`)."""
+    the environment (`rlfleet.launch.Placement`), sized by the operator's config for its
+    kind (`name`), serving its metrics on the `metrics` port."""
+    port = workloads.metrics_port
     return {
         "name": name,
         "image": image,
         "args": ["--rlrun", launch.SPEC_FILE],
         "env": [
             *({"name": k, "value": v} for k, v in env.items()),
+            {"name": launch.METRICS_PORT_ENV, "value": str(port)},
             {
                 "name": launch.POD_NAME_ENV,
                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
             },
         ],
-        "resources": {"limits": {GPU_RESOURCE: str(gpus)}} if gpus else {},
+        "ports": [{"name": METRICS_PORT_NAME, "containerPort": port}],
+        "resources": _resources(workloads.resources[name], gpus),
         "volumeMounts": [{"name": "spec", "mountPath": launch.SPEC_DIR, "readOnly": True}],
     }
 
@@ -151,6 +182,25 @@ def _with_model(pod: dict, spec: RLRunSpec) -> dict:
     return pod
 
 
+def _with_deepspeed(pod: dict, spec: RLRunSpec) -> dict:
+    """Mounts the user's DeepSpeed settings, if the spec names a ConfigMap, where the
+    trainer reads them (`launch.DEEPSPEED_CONFIG_FILE`). Only that key is projected: a
+    ConfigMap without it leaves the pod unstarted with an event that says so."""
+    config_map = spec.trainer.deep_speed_config_map
+    if config_map is not None:
+        key = launch.DEEPSPEED_KEY
+        pod["volumes"].append(
+            {
+                "name": "deepspeed",
+                "configMap": {"name": config_map, "items": [{"key": key, "path": key}]},
+            }
+        )
+        pod["containers"][0]["volumeMounts"].append(
+            {"name": "deepspeed", "mountPath": launch.DEEPSPEED_DIR, "readOnly": True}
+        )
+    return pod
+
+
 def _nats_env(nats: NatsAccess | None) -> dict[str, str]:
     """The hub's NATS, for the trainer, the feed and the evaluator. Without the chart's
     `nats` they are told none, and stop saying so (`Placement.from_env`)."""
@@ -164,7 +214,7 @@ def _spec_volume(run: str) -> dict:
 
 
 def hub_objects(
-    run: dict, images: Images, nats: NatsAccess | None, held: bool = False
+    run: dict, images: Images, workloads: Workloads, nats: NatsAccess | None, held: bool = False
 ) -> list[dict]:
     """The run's spec, its trainer (StatefulSet with stable ranks, headless Service for
     rendezvous, PodDisruptionBudget), its task feed and, with an evaluation gate, its
@@ -190,11 +240,11 @@ def hub_objects(
         # Losing one rank stops the step for all: voluntary evictions wait for the run.
         "spec": {"maxUnavailable": 0, "selector": {"matchLabels": labels}},
     }
-    statefulset = _trainer(run, spec, images, nats, stopped, labels)
+    statefulset = _trainer(run, spec, images, workloads, nats, stopped, labels)
     objects = [spec_config_map(run), statefulset, service, budget]
-    objects.append(_hub_component(run, spec, images, nats, "feed", stopped))
+    objects.append(_hub_component(run, spec, images, workloads, nats, "feed", stopped))
     if spec.evaluation is not None:
-        objects.append(_hub_component(run, spec, images, nats, "evaluator", stopped))
+        objects.append(_hub_component(run, spec, images, workloads, nats, "evaluator", stopped))
     return objects
 
 
@@ -202,6 +252,7 @@ def _trainer(
     run: dict,
     spec: RLRunSpec,
     images: Images,
+    workloads: Workloads,
     nats: NatsAccess | None,
     stopped: bool,
     labels: dict[str, str],
@@ -213,8 +264,9 @@ def _trainer(
         spec.trainer.image or images.trainer,
         spec.trainer.gpus_per_replica,
         _nats_env(nats),
+        workloads,
     )
-    container["ports"] = [{"name": "rendezvous", "containerPort": TRAINER_PORT}]
+    container["ports"].append({"name": "rendezvous", "containerPort": TRAINER_PORT})
     container["volumeMounts"].append({"name": "state", "mountPath": launch.STATE_DIR})
     storage = spec.trainer.checkpoint_storage
     statefulset = {
@@ -226,9 +278,9 @@ def _trainer(
             "replicas": 0 if stopped else spec.trainer.replicas,
             "podManagementPolicy": "Parallel",  # ranks rendezvous; none waits for another
             "selector": {"matchLabels": labels},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": _with_nats(
+            "template": _template(
+                labels,
+                _with_nats(
                     _with_model(
                         {
                             "containers": [container],
@@ -243,9 +295,10 @@ def _trainer(
                     name,
                     mints_users(nats),
                 ),
-            },
+            ),
         },
     }
+    _with_deepspeed(statefulset["spec"]["template"]["spec"], spec)
     if storage is not None:
         statefulset["spec"] |= _checkpoint_claims(storage, labels)
     return statefulset
@@ -275,6 +328,7 @@ def _hub_component(
     run: dict,
     spec: RLRunSpec,
     images: Images,
+    workloads: Workloads,
     nats: NatsAccess | None,
     component: str,
     stopped: bool,
@@ -285,7 +339,8 @@ def _hub_component(
     reads the run's model."""
     name = run["metadata"]["name"]
     labels = {RUN_LABEL: name, COMPONENT_LABEL: component}
-    container = _container(component, spec.rollout.image or images.rollout, 0, _nats_env(nats))
+    image = spec.rollout.image or images.rollout
+    container = _container(component, image, 0, _nats_env(nats), workloads)
     container["command"] = launch.COMPONENTS[component].command()
     pod = {"containers": [container], "volumes": [_spec_volume(name)]}
     if component == "evaluator":
@@ -328,6 +383,7 @@ def rollout_deployment(
     pool_spec: InferencePoolSpec,
     replicas: int,
     default_image: str,
+    workloads: Workloads,
     region: str,
 ) -> dict:
     """The run's rollout workers on GPUs borrowed from one pool: one replica per lent
@@ -343,9 +399,8 @@ def rollout_deployment(
     domain = run["metadata"].get("annotations", {}).get(JETSTREAM_DOMAIN)
     if domain:
         env[launch.JETSTREAM_DOMAIN_ENV] = domain
-    container = _container(
-        "rollout", spec.rollout.image or default_image, pool_spec.serving.gpus_per_replica, env
-    )
+    image = spec.rollout.image or default_image
+    container = _container("rollout", image, pool_spec.serving.gpus_per_replica, env, workloads)
     pod = _with_model(
         {
             "containers": [container],

@@ -19,6 +19,7 @@ from pathlib import Path
 import nats
 import nats.errors
 import nats.js.errors
+import prometheus_client
 
 from rlfleet import launch
 from rlfleet.api.wire import (
@@ -106,6 +107,8 @@ def main() -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = launch.component_settings(sys.argv[1:], launch.EVALUATOR)
+    if config.metrics_port is not None:
+        prometheus_client.start_http_server(config.metrics_port)
 
     try:
         run_until_signalled(lambda stop: run_evaluator(config, stop))

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 
 import msgspec
+import prometheus_client
 from nats.js.api import DeliverPolicy, StreamState
 
 from rlfleet import launch
@@ -173,6 +174,8 @@ def main() -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = launch.component_settings(sys.argv[1:], launch.FEED)
+    if config.metrics_port is not None:
+        prometheus_client.start_http_server(config.metrics_port)
 
     run_until_signalled(lambda stop: feed(config, stop))
 

@@ -7,6 +7,7 @@ import signal
 import sys
 
 from rlfleet import launch
+from rlfleet.trainer.deepspeed_config import deepspeed_config
 from rlfleet.trainer.loop import Trainer
 
 
@@ -15,6 +16,10 @@ def main() -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = launch.component_settings(sys.argv[1:], launch.TRAINER)
+    try:
+        deepspeed_config(config)  # a user's DeepSpeed file is refused before anything loads
+    except ValueError as error:
+        sys.exit(f"python -m rlfleet.trainer: {error}")
     trainer = Trainer(config)
 
     async def run() -> None:

@@ -18,6 +18,7 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from rlfleet.launch.settings import TrainerConfig
 from rlfleet.trainer import routing
+from rlfleet.trainer.deepspeed_config import deepspeed_config
 from rlfleet.trainer.objective import Mismatch, ObjectiveConfig, policy_loss
 from rlfleet.trainer.rows import Rows
 from rlfleet.trainer.scoring import prepare, token_logprobs
@@ -50,6 +51,7 @@ def _init_distributed() -> None:
 class Policy:
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
+        engine_config = deepspeed_config(config)  # a user's bad file fails before any load
         self.objective = ObjectiveConfig(
             clip_low=config.clip_low,
             clip_high=config.clip_high,
@@ -83,16 +85,7 @@ class Policy:
             model=model,
             optimizer=optimizer,
             lr_scheduler=schedule,  # stepped with the optimiser and kept in checkpoints
-            config={
-                "train_micro_batch_size_per_gpu": 1,
-                "gradient_accumulation_steps": 1,
-                # A step has as many micro-batches as its tokens need: the loop owns the boundary.
-                "managed_gradient_accumulation": False,
-                "gradient_clipping": config.grad_clip,
-                "zero_optimization": {"stage": config.zero_stage},
-                "zero_allow_untested_optimizer": True,
-                "steps_per_print": 1 << 30,
-            },
+            config=engine_config,
         )
 
     def _load_model(self) -> torch.nn.Module:

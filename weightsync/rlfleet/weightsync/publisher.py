@@ -18,6 +18,7 @@ import nats.errors
 import torch
 
 from rlfleet.api.wire import WeightManifest
+from rlfleet.weightsync import metrics
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.shards import EncodedVersion, encode_version
 from rlfleet.weightsync.state import WeightState
@@ -64,12 +65,14 @@ class Publisher:
         for version_data in encoded:
             await self.stream.put_version(version_data)
             m = version_data.manifest
+            size = sum(s.size for s in m.shards)
+            metrics.PUBLISHED_BYTES.labels(m.kind).inc(size)
             log.info(
                 "published version %d (%s): %d shards, %d bytes for %d model bytes",
                 m.version,
                 m.kind,
                 len(m.shards),
-                sum(s.size for s in m.shards),
+                size,
                 m.state_bytes,
             )
         self._base = current
