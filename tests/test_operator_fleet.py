@@ -31,6 +31,7 @@ from rlfleet.api.wire import (
     encode,
     evaluation_subject,
     step_subject,
+    task_stream,
     weights_stream,
 )
 from rlfleet.bus import auth
@@ -693,6 +694,27 @@ def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: 
     wait_for("Ready again", lambda: world.condition("Ready").get("status") == "True")
     # No new drops, no new warning.
     assert len([e for e in world.events(HUB, RUN) if e["reason"] == "StalenessBoundExceeded"]) == 1
+
+
+def test_a_run_stream_lost_is_made_again_at_the_next_resync(world: World) -> None:
+    """Components only bind to a run's streams; the hub makes them. One lost (a NATS store
+    wiped, a stream deleted by hand), a region's weights mirror too, comes back at the next
+    resync, as a deleted pod would, instead of leaving the run's pods failing to bind."""
+
+    async def delete(nc) -> None:
+        await nc.jetstream().delete_stream(task_stream(world.key))
+        await nc.jetstream(domain="region-a").delete_stream(weights_stream(world.key))
+
+    async def present(nc) -> bool:
+        try:
+            await nc.jetstream().stream_info(task_stream(world.key))
+            await nc.jetstream(domain="region-a").stream_info(weights_stream(world.key))
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
+
+    on_hub_nats(world, delete)
+    wait_for("the lost streams made again", lambda: on_hub_nats(world, present))
 
 
 def test_the_hub_mints_the_runs_own_nats_user_into_every_cluster_it_runs_in(

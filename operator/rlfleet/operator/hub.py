@@ -144,18 +144,35 @@ class Hub:
         )
         return next((m for m in mirrors if m["metadata"]["name"] == meta["name"]), None)
 
-    def _step(self, run: dict, spec: RLRunSpec) -> tuple[bool, StepReport | None]:
-        """Makes the run's streams once (again when its regions change) and reads its
-        trainer's newest step report; (False, None) when there is no NATS or no answer."""
+    def _ensure_streams(self, run: dict, spec: RLRunSpec, resync: bool) -> None:
+        """Makes the run's streams, and its weights' mirror in each region, before its pods
+        bind to them (components only bind); again at each resync, so a stream lost since
+        (a NATS store wiped, a stream deleted by hand) comes back as a deleted pod would."""
+        if self.dataplane is None:
+            return
+        meta = run["metadata"]
+        key, regions = nats_key(run), tuple(r.name for r in spec.rollout.regions)
+        made = (meta["uid"], regions)
+        if made in self._streams and not resync:
+            return
+        try:
+            missing = self.dataplane.ensure_streams(key, list(regions))
+        except DataPlaneUnavailable as error:
+            log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
+            missing = list(regions) or [key]
+        if missing:
+            self._streams.discard(made)
+        else:
+            self._streams.add(made)
+
+    def _step(self, run: dict) -> tuple[bool, StepReport | None]:
+        """The trainer's newest step report; (False, None) when there is no NATS or no
+        answer."""
         if self.dataplane is None:
             return False, None
         meta = run["metadata"]
-        key, regions = nats_key(run), tuple(r.name for r in spec.rollout.regions)
         try:
-            made = (meta["uid"], regions) in self._streams
-            if not made and not self.dataplane.ensure_streams(key, list(regions)):
-                self._streams.add((meta["uid"], regions))
-            return True, self.dataplane.last_step(key)
+            return True, self.dataplane.last_step(nats_key(run))
         except DataPlaneUnavailable as error:
             log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
             return False, None
@@ -243,6 +260,7 @@ class Hub:
         old = RLRunStatus.model_validate(run.get("status") or {})
         verdict = self._verdict(run, spec, old)
         user = self._nats_user(run)
+        self._ensure_streams(run, spec, resync)
         trainer = self._apply_hub_objects(run, spec, old, verdict.held, resync)
         previous = {e.name: e for e in old.regions}
         wanted = [r.name for r in spec.rollout.regions]
@@ -254,7 +272,7 @@ class Hub:
         )
         # Regions dropped from the spec lose their mirror; one not answering is retried.
         leftover = [n for n in previous if n not in wanted and not self._forget(run, n)]
-        stepped, step = self._step(run, spec)
+        stepped, step = self._step(run)
         return Observed(
             spec=spec,
             old=old,
