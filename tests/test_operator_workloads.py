@@ -81,6 +81,10 @@ def test_the_charts_sizes_merge_over_the_operators_key_by_key() -> None:
     assert trainer["requests"] == default["requests"]
     with pytest.raises(ValidationError, match="trainr"):
         Workloads.model_validate({"resources": {"trainr": {"limits": {"cpu": "1"}}}})
+    # Asking for more than the limit: the API server would refuse every trainer apply.
+    over = {"resources": {"trainer": {"requests": {"memory": "300Gi"}}}}
+    with pytest.raises(ValidationError, match=r"requests.memory 300Gi is over limits.memory"):
+        Workloads.model_validate(over)
 
 
 def test_every_pod_serves_its_metrics_on_the_port_it_names_and_its_annotations_say() -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
+from kubernetes.utils.quantity import parse_quantity
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlfleet.api.meta import Quantity
@@ -48,6 +49,16 @@ class Resources(BaseModel):
 
     requests: Amounts
     limits: Amounts
+
+    @model_validator(mode="after")
+    def _requests_within_limits(self) -> Resources:
+        # The API server refuses a pod asking for more than its limit, at every apply:
+        # refused here, the chart's values name the mistake at install instead.
+        for kind in ("cpu", "memory"):
+            asked, cap = getattr(self.requests, kind), getattr(self.limits, kind)
+            if parse_quantity(asked) > parse_quantity(cap):
+                raise ValueError(f"requests.{kind} {asked} is over limits.{kind} {cap}")
+        return self
 
 
 ComponentName = Literal["trainer", "feed", "evaluator", "rollout"]
