@@ -23,7 +23,7 @@ from rlfleet.operator.config import Images, Workloads
 from rlfleet.operator.workloads import COMPONENT_LABEL, hub_objects
 from rlfleet.trainer.deepspeed_config import deepspeed_config, merged, own_settings
 
-OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "overlap_comm": True}}
+TUNING = {"zero_optimization": {"reduce_bucket_size": 1234567, "overlap_comm": True}}
 
 
 def settings(**deepspeed: object) -> TrainerConfig:
@@ -56,11 +56,11 @@ def test_without_a_user_file_the_engine_gets_the_trainers_own_settings() -> None
 
 
 def test_the_users_keys_merge_under_the_trainers_nested_ones_too() -> None:
-    config = msgspec.structs.replace(settings(**OFFLOAD, wall_clock_breakdown=True), zero_stage=3)
+    config = msgspec.structs.replace(settings(**TUNING, wall_clock_breakdown=True), zero_stage=3)
     engine = deepspeed_config(config)
     assert engine["zero_optimization"] == {
         "stage": 3,
-        "offload_optimizer": {"device": "cpu"},
+        "reduce_bucket_size": 1234567,
         "overlap_comm": True,
     }
     assert engine["wall_clock_breakdown"] is True
@@ -84,6 +84,10 @@ def test_a_user_may_change_what_the_trainer_only_defaults() -> None:
         ({"scheduler": {"type": "WarmupLR"}}, "scheduler"),
         ({"bf16": {"enabled": True}}, "bf16"),
         ({"fp16": {"enabled": False}}, "fp16"),
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+            "zero_optimization.offload_optimizer",
+        ),
     ],
 )
 def test_a_key_the_trainer_sets_is_refused_by_name(user: dict, key: str) -> None:
@@ -102,22 +106,22 @@ def test_every_refused_key_is_named_at_once_with_where_the_run_sets_it() -> None
 
 
 def test_merging_leaves_the_users_settings_as_they_were() -> None:
-    user = json.loads(json.dumps(OFFLOAD))
+    user = json.loads(json.dumps(TUNING))
     merged(user, own_settings(settings()))
-    assert user == OFFLOAD
+    assert user == TUNING
 
 
 def test_a_trainer_pod_reads_the_mounted_file_only_when_the_spec_names_a_config_map(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     mounted = tmp_path / launch.DEEPSPEED_KEY
-    mounted.write_text(json.dumps(OFFLOAD))
+    mounted.write_text(json.dumps(TUNING))
     monkeypatch.setattr(launch, "DEEPSPEED_CONFIG_FILE", str(mounted))
     at = launch.Placement("nats://hub:4222", "hub")
     named = RLRunSpec.model_validate(run_document(deepSpeedConfigMap="ds-tuning")["spec"])
     config = launch.TRAINER.for_pod("team-a_run", named, at)
-    assert config.deepspeed == OFFLOAD
-    assert deepspeed_config(config)["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert config.deepspeed == TUNING
+    assert deepspeed_config(config)["zero_optimization"]["reduce_bucket_size"] == 1234567
     unnamed = RLRunSpec.model_validate(run_document()["spec"])
     assert launch.TRAINER.for_pod("team-a_run", unnamed, at).deepspeed == {}
 

@@ -100,10 +100,10 @@ class TrainerSpec(ApiModel):
         Field(
             description=(
                 "A ConfigMap in the run's namespace whose ds_config.json the trainer merges "
-                "under its own DeepSpeed settings (ZeRO offload, bucket sizes, ...). Keys the "
-                "trainer sets itself (batch sizes, gradient accumulation and clipping, "
-                "zero_optimization.stage, optimizer, scheduler, bf16, fp16) are refused; the "
-                "file is read when a trainer pod starts."
+                "under its own DeepSpeed settings (bucket sizes, communication overlap, ...). "
+                "Keys the trainer sets itself (batch sizes, gradient accumulation and "
+                "clipping, zero_optimization.stage, optimizer and its offload, scheduler, "
+                "bf16, fp16) are refused; the file is read when a trainer pod starts."
             )
         ),
     ] = None

@@ -192,8 +192,8 @@ def trainer_settings(
 
 def _weight_mirrors(spec: RLRunSpec, at: Placement) -> list[str]:
     """Where streams are named by JetStream domain, each region has its own, named after
-    it, holding a mirror of the run's weights (the operator makes it, and so does each
-    worker): the trainer retires old versions there as on the hub."""
+    it, holding a mirror of the run's weights (the run's owner makes it; workers bind to
+    it): the trainer retires old versions there as on the hub."""
     return [region.name for region in spec.rollout.regions] if at.jetstream_domain else []
 
 

@@ -15,7 +15,18 @@ from rlfleet.launch.settings import TrainerConfig
 # DeepSpeed (and kept in its checkpoints); the engine trains float32 weights, which the
 # scores, the reference model and published versions (cast to the serving dtype) assume;
 # a step's size is the loop's, counted in tokens, not DeepSpeed's batch.
-RESERVED = ("train_batch_size", "optimizer", "scheduler", "bf16", "fp16", "amp", "torch_autocast")
+# ZeRO's optimizer offload runs DeepSpeed's own CPU Adam (it refuses a client optimizer,
+# `zero_force_ds_cpu_optimizer`), which needs a compiler the trainer image does not carry.
+RESERVED = (
+    "train_batch_size",
+    "optimizer",
+    "scheduler",
+    "bf16",
+    "fp16",
+    "amp",
+    "torch_autocast",
+    "zero_optimization.offload_optimizer",
+)
 # The trainer's choices a user may change.
 DEFAULTS: dict[str, Any] = {"steps_per_print": 1 << 30}  # the loop logs its own steps
 # Where the RLRun says what a refused key would.
