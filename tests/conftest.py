@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import images
 from rlfleet.api.schema import KINDS
-from rlfleet.api.wire import StepReport
+from rlfleet.api.wire import EvaluationReport, StepReport
 from rlfleet.bus.streams import run_stream_configs
 from rlfleet.local.binaries import binary
 from rlfleet.local.nats import StandaloneNats
@@ -77,6 +77,22 @@ def step_report(run: str, version: int, finished_at: float, dropped_stale: int) 
         finished_at=finished_at,
         weight_bytes=12345,
         weight_seconds=0.25,
+    )
+
+
+def evaluation_report(
+    version: int, reward: float, finished_at: float, pass_at_k: float = 0.7
+) -> EvaluationReport:
+    """The evaluator's report on `version`, as it publishes one."""
+    return EvaluationReport(
+        run="r",
+        suite="rules",
+        policy_version=version,
+        reward=reward,
+        pass_at_k=pass_at_k,
+        attempts=8,
+        tasks=80,
+        finished_at=finished_at,
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import yaml
-from conftest import ROOT, step_report
+from conftest import ROOT, evaluation_report, step_report
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -118,16 +118,7 @@ rewards = st.floats(min_value=0, max_value=1)
 
 
 def evaluation(version: int, reward: float) -> EvaluationReport:
-    return EvaluationReport(
-        run="r",
-        suite="rules",
-        policy_version=version,
-        reward=reward,
-        pass_at_k=0.5,
-        attempts=8,
-        tasks=80,
-        finished_at=NOW.timestamp(),
-    )
+    return evaluation_report(version, reward, NOW.timestamp(), pass_at_k=0.5)
 
 
 @given(

@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import yaml
-from conftest import ROOT, step_report
+from conftest import ROOT, evaluation_report, step_report
 
 from rlfleet.api.meta import Condition
 from rlfleet.api.rlrun import EvaluationGate, RLRunSpec, RLRunStatus
@@ -117,16 +117,7 @@ GATED = SPEC.model_copy(
 
 
 def evaluation(version: int, reward: float) -> EvaluationReport:
-    return EvaluationReport(
-        run="r",
-        suite="rules",
-        policy_version=version,
-        reward=reward,
-        pass_at_k=0.7,
-        attempts=8,
-        tasks=80,
-        finished_at=NOW.timestamp(),
-    )
+    return evaluation_report(version, reward, NOW.timestamp())
 
 
 def said(verdict: Verdict) -> dict[str, tuple[str, str]]:
