@@ -1,15 +1,17 @@
 """Weightsync: lossless sharded weight deltas over NATS JetStream, applied inside vLLM.
 
 This is the public API; other components import from here, never from the modules.
-Trainers publish (`Publisher`), rollout workers receive (`Receiver`) or let vLLM's
-workers receive (`vllm_options`, `vllm_start`, `vllm_update`). A component that adds
-its own methods to vLLM's workers subclasses `WeightsyncWorker` and names its class in
-`vllm_options(worker_extension=...)`. `wait_for_version` (and its async twin) waits until
+Trainers publish (`Publisher`; ranks that each hold part of the model pass their `Part`
+and publish the tensors `owned_names` gives them), rollout workers receive (`Receiver`)
+or let vLLM's workers receive (`vllm_options`, `vllm_start`, `vllm_update`). A component
+that adds its own methods to vLLM's workers subclasses `WeightsyncWorker` and names its
+class in `vllm_options(worker_extension=...)`. `wait_for_version` (and its async twin) waits until
 an engine serves a version.
 """
 
 from rlfleet.weightsync.config import SyncConfig
-from rlfleet.weightsync.publisher import Publisher
+from rlfleet.weightsync.publisher import Publisher, PublishFailed
+from rlfleet.weightsync.ranks import Part, owned_names
 from rlfleet.weightsync.receiver import Receiver
 from rlfleet.weightsync.state import WeightState
 from rlfleet.weightsync.transport import WeightStream
@@ -22,6 +24,8 @@ from rlfleet.weightsync.vllm_client import update as vllm_update
 from rlfleet.weightsync.vllm_worker import WeightsyncWorker
 
 __all__ = [
+    "Part",
+    "PublishFailed",
     "Publisher",
     "Receiver",
     "SyncConfig",
@@ -29,6 +33,7 @@ __all__ = [
     "WeightState",
     "WeightStream",
     "WeightsyncWorker",
+    "owned_names",
     "vllm_options",
     "vllm_start",
     "vllm_status",

@@ -8,11 +8,13 @@ in the wrong place is caught even before its checksum is compared.
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 import time
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
@@ -27,7 +29,15 @@ from rlfleet.weightsync.bits import as_bits, dtype_name, torch_dtype
 from rlfleet.weightsync.codec import Piece
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.errors import CorruptShard, DigestMismatch, UnknownBase
-from rlfleet.weightsync.state import WORKERS, WeightState, state_digest, tensor_digests
+from rlfleet.weightsync.state import (
+    WORKERS,
+    TensorEntry,
+    WeightState,
+    entries_digest,
+    state_digest,
+    tensor_digests,
+    tensor_entries,
+)
 
 MAGIC = b"RLWS\x01"
 _LENGTH = struct.Struct("<I")
@@ -88,41 +98,113 @@ def _encode_piece(
     return piece, sections
 
 
-def _pack(
-    run: str, version: int, encoded: list[tuple[Piece, list[bytes]]], config: SyncConfig
-) -> tuple[list[bytes], list[ShardRef]]:
-    groups: list[list[tuple[Piece, list[bytes]]]] = [[]]
-    size = 0
-    for item in encoded:
+def _shard(
+    run: str, version: int, index: int, group: list[tuple[Piece, list[bytes]]]
+) -> tuple[ShardRef, bytes]:
+    pieces = [piece for piece, _ in group]
+    header = zstandard.compress(msgspec.msgpack.encode(ShardHeader(run, version, index, pieces)))
+    data = b"".join(
+        [MAGIC, _LENGTH.pack(len(header)), header, *(s for _, sections in group for s in sections)]
+    )
+    raw = sum(piece.count * torch_dtype(piece.dtype).itemsize for piece in pieces)
+    tensors = list(dict.fromkeys(piece.tensor for piece in pieces))
+    ref = ShardRef(
+        index=index, size=len(data), raw_size=raw, checksum=checksum(data), tensors=tensors
+    )
+    return ref, data
+
+
+def _encoded_pieces(jobs: Iterator[tuple]) -> Iterator[tuple[Piece, list[bytes]]]:
+    """Encoded pieces in job order, a bounded number ahead, so memory holds a few
+    pieces in flight and never the whole version."""
+    with ThreadPoolExecutor(WORKERS) as pool:
+        pending: deque[Future] = deque()
+        try:
+            for job in jobs:
+                pending.append(pool.submit(_encode_piece, *job))
+                if len(pending) < 2 * WORKERS:
+                    continue
+                if (item := pending.popleft().result()) is not None:
+                    yield item
+            while pending:
+                if (item := pending.popleft().result()) is not None:
+                    yield item
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor in host memory, contiguous: itself when it already is, else one copy."""
+    return tensor.detach().to("cpu").contiguous()
+
+
+def encode_shards(
+    run: str,
+    version: int,
+    tensors: Mapping[str, torch.Tensor],
+    base: WeightState | None,
+    config: SyncConfig,
+    digests: dict[str, bytes],
+    *,
+    rank: int = 0,
+    world: int = 1,
+) -> Iterator[tuple[ShardRef, bytes]]:
+    """Shards of `tensors` as `version`, a delta on `base` or full when None, each yielded
+    as soon as it is full: the caller puts it away before the next is made.
+
+    Fills `digests` with the tensors' digests (those already in it are taken as known).
+    Among `world` ranks each encoding its own tensors, shard `i` of rank `rank` gets index
+    ``i * world + rank``: indices never collide, and need no agreement beforehand.
+    """
+
+    def jobs() -> Iterator[tuple]:
+        for name in sorted(tensors):
+            new = _host(tensors[name])
+            if name not in digests:
+                digests[name] = xxhash.xxh3_128(as_bits(new)).digest()
+            old = base.tensors.get(name) if base is not None else None
+            if old is not None and (old.dtype != new.dtype or old.shape != new.shape):
+                old = None  # carried whole: new shape or dtype
+            piece_elements = max(1, config.shard_bytes // 4 // new.element_size())
+            for start, count in _ranges(new.numel(), piece_elements):
+                yield name, new, old, start, count, config
+
+    group: list[tuple[Piece, list[bytes]]] = []
+    size = local = 0
+    for item in _encoded_pieces(jobs()):
         item_size = sum(item[0].sizes) + 64 + len(item[0].tensor)
-        if groups[-1] and size + item_size > config.shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
+        if group and size + item_size > config.shard_bytes:
+            yield _shard(run, version, local * world + rank, group)
+            group, size, local = [], 0, local + 1
+        group.append(item)
         size += item_size
-    shards, refs = [], []
-    for index, group in enumerate(g for g in groups if g):
-        pieces = [piece for piece, _ in group]
-        header = zstandard.compress(
-            msgspec.msgpack.encode(ShardHeader(run, version, index, pieces))
-        )
-        data = b"".join(
-            [
-                MAGIC,
-                _LENGTH.pack(len(header)),
-                header,
-                *(s for _, sections in group for s in sections),
-            ]
-        )
-        raw = sum(piece.count * torch_dtype(piece.dtype).itemsize for piece, _ in group)
-        tensors = list(dict.fromkeys(piece.tensor for piece, _ in group))
-        shards.append(data)
-        refs.append(
-            ShardRef(
-                index=index, size=len(data), raw_size=raw, checksum=checksum(data), tensors=tensors
-            )
-        )
-    return shards, refs
+    if group:
+        yield _shard(run, version, local * world + rank, group)
+
+
+def version_manifest(
+    run: str,
+    version: int,
+    base_version: int | None,
+    shards: list[ShardRef],
+    entries: list[TensorEntry],
+    removed: list[str],
+) -> WeightManifest:
+    """The manifest of a version from its shards and every tensor's entry, wherever
+    (in one process or across ranks) they were encoded."""
+    return WeightManifest(
+        run=run,
+        version=version,
+        base_version=base_version,
+        kind="delta" if base_version is not None else "full",
+        shards=sorted(shards, key=lambda ref: ref.index),
+        removed=sorted(removed),
+        state_digest=entries_digest(entries),
+        state_bytes=sum(math.prod(e.shape) * torch_dtype(e.dtype).itemsize for e in entries),
+        tensor_count=len(entries),
+        created_at=time.time(),
+    )
 
 
 def encode_version(
@@ -135,38 +217,20 @@ def encode_version(
 ) -> EncodedVersion:
     """Shards and manifest for `tensors` as `version`: a delta on `base`, or full when None.
 
-    `tensors` live in host memory; `digests` are their tensor digests when already known.
+    `digests` are the tensors' digests when already known.
     """
-    jobs = []
-    for name in sorted(tensors):
-        new = tensors[name]
-        old = base.tensors.get(name) if base is not None else None
-        if old is not None and (old.dtype != new.dtype or old.shape != new.shape):
-            old = None  # carried whole: new shape or dtype
-        piece_elements = max(1, config.shard_bytes // 4 // new.element_size())
-        jobs += [
-            (name, new, old, start, count, config)
-            for start, count in _ranges(new.numel(), piece_elements)
-        ]
-    with ThreadPoolExecutor(WORKERS) as pool:
-        encoded = [
-            item for item in pool.map(lambda job: _encode_piece(*job), jobs) if item is not None
-        ]
-    shards, refs = _pack(run, version, encoded, config)
+    known = dict(digests or {})
+    shards = list(encode_shards(run, version, tensors, base, config, known))
     removed = sorted(set(base.tensors) - set(tensors)) if base is not None else []
-    manifest = WeightManifest(
-        run=run,
-        version=version,
-        base_version=base.version if base is not None else None,
-        kind="delta" if base is not None else "full",
-        shards=refs,
-        removed=removed,
-        state_digest=state_digest(tensors, digests or tensor_digests(tensors)),
-        state_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-        tensor_count=len(tensors),
-        created_at=time.time(),
+    manifest = version_manifest(
+        run,
+        version,
+        base.version if base is not None else None,
+        [ref for ref, _ in shards],
+        tensor_entries(tensors, known),
+        removed,
     )
-    return EncodedVersion(manifest, shards)
+    return EncodedVersion(manifest, [data for _, data in shards])
 
 
 def parse_shard(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import torch
 import xxhash
 
@@ -27,15 +28,36 @@ def tensor_digests(
         )
 
 
-def state_digest(tensors: Mapping[str, torch.Tensor], digests: Mapping[str, bytes]) -> str:
+class TensorEntry(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """What the state digest knows of one tensor, so ranks holding parts can pool them."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    digest: bytes
+
+
+def tensor_entries(
+    tensors: Mapping[str, torch.Tensor], digests: Mapping[str, bytes]
+) -> list[TensorEntry]:
+    return [
+        TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), digests[name])
+        for name, t in tensors.items()
+    ]
+
+
+def entries_digest(entries: Iterable[TensorEntry]) -> str:
     """xxh3-128 over every tensor's name, dtype, shape and bits digest, in name order."""
     state = xxhash.xxh3_128()
-    for name in sorted(tensors):
-        tensor = tensors[name]
-        shape = ",".join(map(str, tensor.shape))
-        state.update(f"{name}\0{dtype_name(tensor.dtype)}\0{shape}\0".encode())
-        state.update(digests[name])
+    for entry in sorted(entries, key=lambda e: e.name):
+        shape = ",".join(map(str, entry.shape))
+        state.update(f"{entry.name}\0{entry.dtype}\0{shape}\0".encode())
+        state.update(entry.digest)
     return state.hexdigest()
+
+
+def state_digest(tensors: Mapping[str, torch.Tensor], digests: Mapping[str, bytes]) -> str:
+    return entries_digest(tensor_entries(tensors, digests))
 
 
 class WeightState:

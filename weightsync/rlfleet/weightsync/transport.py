@@ -37,6 +37,9 @@ from rlfleet.weightsync.shards import EncodedVersion
 log = logging.getLogger(__name__)
 
 CHUNK_HEADER = "Rlfleet-Chunk"
+# Shards a publisher has awaiting the stream's acks at once: with shards of up to 8 MiB in
+# 1 MiB chunks, about 64 messages in flight, and a bounded amount of memory.
+SHARDS_IN_FLIGHT = 8
 _END_OF_BATCH = "204"
 
 
@@ -84,26 +87,25 @@ class WeightStream:
         `StreamMissing`, naming it, when it is not there."""
         await bind_stream(self.js, self.subjects.stream)
 
-    async def put_version(self, version: EncodedVersion) -> None:
-        manifest = version.manifest
+    async def put_shard(self, version: int, kind: str, ref: ShardRef, data: bytes) -> None:
+        """One shard, as its chunks, all acknowledged by the stream."""
+        subject = self.subjects.shard(version, kind, ref.index)
         chunk = self.config.chunk_bytes
-        acks = []
-        window = asyncio.Semaphore(64)
-
-        async def put(subject: str, payload: bytes, headers: dict[str, str]) -> None:
-            async with window:
-                await self.js.publish(
-                    subject, payload, headers=headers, stream=self.subjects.stream
+        count = max(1, -(-len(data) // chunk))
+        await asyncio.gather(
+            *(
+                self.js.publish(
+                    subject,
+                    data[i * chunk : (i + 1) * chunk],
+                    headers={CHUNK_HEADER: f"{i}/{count}", "Nats-Msg-Id": f"{subject}.{i}"},
+                    stream=self.subjects.stream,
                 )
+                for i in range(count)
+            )
+        )
 
-        for ref, data in zip(manifest.shards, version.shards, strict=True):
-            subject = self.subjects.shard(manifest.version, manifest.kind, ref.index)
-            count = max(1, -(-len(data) // chunk))
-            for i in range(count):
-                msg_id = f"{subject}.{i}"
-                headers = {CHUNK_HEADER: f"{i}/{count}", "Nats-Msg-Id": msg_id}
-                acks.append(put(subject, data[i * chunk : (i + 1) * chunk], headers))
-        await asyncio.gather(*acks)
+    async def put_manifest(self, manifest: WeightManifest) -> None:
+        """Put last: receivers take a manifest on the stream as a complete version."""
         subject = self.subjects.manifest(manifest.version, manifest.kind)
         await self.js.publish(
             subject,
@@ -111,6 +113,19 @@ class WeightStream:
             headers={"Nats-Msg-Id": subject},
             stream=self.subjects.stream,
         )
+
+    async def put_version(self, version: EncodedVersion) -> None:
+        manifest = version.manifest
+        window = asyncio.Semaphore(SHARDS_IN_FLIGHT)
+
+        async def put(ref: ShardRef, data: bytes) -> None:
+            async with window:
+                await self.put_shard(manifest.version, manifest.kind, ref, data)
+
+        await asyncio.gather(
+            *(put(ref, data) for ref, data in zip(manifest.shards, version.shards, strict=True))
+        )
+        await self.put_manifest(manifest)
 
     async def fetch_shard(self, manifest: WeightManifest, ref: ShardRef) -> bytes:
         """One shard's bytes, all chunks in order, or CorruptShard if any is off.
