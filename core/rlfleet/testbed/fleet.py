@@ -166,6 +166,8 @@ class Fleet:
     operator_env: dict[str, str] = field(default_factory=dict)  # e.g. where traces go
     # The interpreter the operators run under: the operator image's environment in tests.
     python: str = sys.executable
+    chart: Path = CHART  # what `install` installs: another release's chart to upgrade from
+    install_flags: tuple[str, ...] = ()  # more `helm upgrade --install` flags
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(self.work / "logs", attached=True)
@@ -232,11 +234,12 @@ class Fleet:
             "upgrade",
             "--install",
             RELEASE,
-            str(CHART),
+            str(self.chart),
             f"--namespace={RELEASE_NAMESPACE}",
             "--create-namespace",
             "--take-ownership",
             f"--values={values}",
+            *self.install_flags,
         )
 
     def token_kubeconfig(self, cluster: str, account: str, server: str | None = None) -> dict:

@@ -72,10 +72,15 @@ def _level_driven(resource: dict, interval: float, **filters) -> Callable:
     `interval` seconds: it reads the world, so it must not wait for a spec change."""
 
     def register(handler: Callable) -> Callable:
+        # kopf keeps a handler's progress in an annotation named by its id (when one is
+        # retried, or two run at once: resume and update, for a spec changed while the
+        # operator was down). The default id, `_hub.<locals>.name`, is no valid annotation
+        # key, and every such write would fail.
+        named = {"id": handler.__name__}
         for decorator in (
-            kopf.on.resume(**resource, **filters),
-            kopf.on.create(**resource, **filters),
-            kopf.on.update(**resource, **filters, field="spec"),
+            kopf.on.resume(**resource, **filters, **named),
+            kopf.on.create(**resource, **filters, **named),
+            kopf.on.update(**resource, **filters, **named, field="spec"),
         ):
             handler = decorator(handler)
 
@@ -131,7 +136,7 @@ def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -
             )
         _post(body, decision.events)
 
-    @kopf.on.delete(**runs, **own)
+    @kopf.on.delete(**runs, **own, id="delete_run")  # a valid annotation key: see above
     def delete_run(body: kopf.Body, namespace: str, name: str, uid: str, **_) -> None:
         with locks.of(uid), telemetry.reconciling("RLRun", namespace, name):
             left = hub.delete(dict(body))
