@@ -14,7 +14,6 @@ from its first step to its last. Prints one JSON object; `--minutes` sets the bu
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import tempfile
@@ -53,15 +52,18 @@ def main() -> None:
     parser.add_argument(
         "--updates-per-step",
         type=int,
-        default=1,
-        help="optimiser passes per batch: more work for the trainer per rollout",
+        default=None,
+        help="optimiser passes per batch: more work for the trainer per rollout (default: "
+        "the example's trainer.updatesPerStep)",
     )
     parser.add_argument(
         "--plot", type=Path, default=Path(".rlfleet/bench/pipeline.png"), help="reward vs time"
     )
     args = parser.parse_args()
-    tuning = dataclasses.replace(plan.Tuning(), updates_per_step=args.updates_per_step)
     name, spec = load(EXAMPLE)
+    if args.updates_per_step is not None:
+        trainer = spec.trainer.model_copy(update={"updates_per_step": args.updates_per_step})
+        spec = spec.model_copy(update={"trainer": trainer})
     with tempfile.TemporaryDirectory(prefix="rlfleet-pipeline-") as tmp:
         shared = plan.Layout(Path(tmp) / "shared")
         make_model(spec, shared, args.warmup_steps)
@@ -70,12 +72,12 @@ def main() -> None:
         for mode, staleness in (("sync", 0), ("async", spec.max_staleness)):
             moded = spec.model_copy(update={"model": model, "max_staleness": staleness})
             layout = plan.Layout(Path(tmp) / mode)
-            trained = train(name, moded, layout, args.minutes * 60, tuning)
+            trained = train(name, moded, layout, args.minutes * 60, plan.Tuning())
             runs[mode], evaluations[mode] = trained.steps, trained.end
     result = {
         "budget_seconds": args.minutes * 60,
         "async_max_staleness": spec.max_staleness,
-        "updates_per_step": args.updates_per_step,
+        "updates_per_step": spec.trainer.updates_per_step,
     }
     for mode, reports in runs.items():
         result |= measure(mode, reports)

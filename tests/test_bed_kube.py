@@ -12,6 +12,8 @@ import pytest
 import yaml
 from conftest import CLUSTERS, ROOT, Kubectl, wait_for
 
+from rlfleet.testbed.kube import H100, L4
+
 pytestmark = pytest.mark.bed
 
 
@@ -44,6 +46,9 @@ def test_four_api_servers_answer_with_gpu_nodes(kubectl: Kubectl) -> None:
         assert version["serverVersion"]["gitVersion"].startswith("v1.36")
         nodes = json.loads(kubectl.run(context, "get", "nodes", "-o", "json").stdout)["items"]
         assert len(nodes) == (2 if context == "hub" else 4)
+        # Each names its GPU type: the hub trains on H100s, a region serves on two types.
+        types = {n["metadata"]["labels"]["nvidia.com/gpu.product"] for n in nodes}
+        assert types == ({H100} if context == "hub" else {H100, L4})
         for node in nodes:
             assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
             assert node["metadata"]["labels"]["rlfleet.io/region"] == context
@@ -159,6 +164,19 @@ BAD_SPECS = {
     "a sampling temperature of zero": (
         _rlrun_with_rollout(temperature=0),
         "spec.rollout.temperature",
+    ),
+    "a step in tokens and in groups": (
+        _rlrun(trainer={"stepTokens": 4096, "stepGroups": 8}),
+        "spec.trainer.stepGroups",
+    ),
+    # The schema's default clipHigh (0.28) is narrower than this clipLow.
+    "an upper clip narrower than the lower": (
+        _rlrun(trainer={"clipLow": 0.3}),
+        "spec.trainer.clipHigh",
+    ),
+    "a window with no room for a turn and its summary": (
+        _rlrun_with_rollout(contextTokens=512, turnTokens=256),
+        "spec.rollout.contextTokens",
     ),
 }
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from rlfleet import launch
 from rlfleet.api.rlrun import (
+    STEP_TOKENS,
     EvaluationGate,
     RLRunSpec,
     RolloutSpec,
@@ -39,9 +40,22 @@ SPEC_FIELDS = [
     (TrainerSpec, "batch_invariant", TrainerConfig, "batch_invariant", None),
     (TrainerSpec, "router_replay", TrainerConfig, "router_replay", None),
     (TrainerSpec, "kl_coef", TrainerConfig, "kl_coef", None),
+    (TrainerSpec, "learning_rate", TrainerConfig, "lr", None),
+    (TrainerSpec, "learning_rate_warmup_steps", TrainerConfig, "lr_warmup_steps", None),
+    # Unset (so that stepGroups can be set instead), a step is `STEP_TOKENS` tokens.
+    (TrainerSpec, "step_tokens", TrainerConfig, "step_tokens", lambda _: STEP_TOKENS),
+    (TrainerSpec, "step_groups", TrainerConfig, "step_groups", None),
+    (TrainerSpec, "updates_per_step", TrainerConfig, "updates_per_step", None),
+    (TrainerSpec, "clip_low", TrainerConfig, "clip_low", None),
+    (TrainerSpec, "clip_high", TrainerConfig, "clip_high", None),
+    (TrainerSpec, "importance_weight_cap", TrainerConfig, "is_cap", None),
     (RolloutSpec, "temperature", TrainerConfig, "temperature", None),
     (RolloutSpec, "temperature", SessionConfig, "temperature", None),
     (RolloutSpec, "group_size", WorkerConfig, "group_size", None),
+    (RolloutSpec, "max_turns", SessionConfig, "max_turns", None),
+    (RolloutSpec, "turn_tokens", SessionConfig, "turn_tokens", None),
+    (RolloutSpec, "context_tokens", SessionConfig, "context_tokens", None),
+    (RolloutSpec, "summary_tokens", SessionConfig, "summary_tokens", None),
     (RolloutSpec, "uniform_group_revisit", FeedConfig, "revisit_uniform", None),
     (WeightSyncSpec, "snapshot_interval", SyncConfig, "snapshot_every", None),
     (WeightSyncSpec, "shard_size_mib", SyncConfig, "shard_bytes", lambda mib: mib * MIB),

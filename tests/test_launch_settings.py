@@ -64,11 +64,12 @@ def test_a_local_run_writes_each_process_settings_its_program_reads_back(tmp_pat
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(to_json(process.config))
         assert component.read(path) == process.config
-    # The machine's tuning, on top of what the spec says.
-    tuning, trainer = plan.Tuning(), processes["trainer"].config
-    assert (trainer.step_groups, trainer.lr, trainer.zero_stage) == (tuning.step_groups, 5e-4, 1)
-    worker = processes["rollout-region-a"].config
-    assert (worker.group_size, worker.session.turn_tokens) == (16, tuning.turn_tokens)
+    # The example's recipe, as a pod would have it, and the machine's sizes on top.
+    trainer, worker = processes["trainer"].config, processes["rollout-region-a"].config
+    assert (trainer.step_groups, trainer.lr, trainer.zero_stage) == (8, 5e-4, 1)
+    assert (worker.group_size, worker.session.turn_tokens) == (16, 24)
+    assert processes["feed"].config.groups_per_step == trainer.step_groups
+    assert worker.max_sessions == plan.Tuning().max_sessions
 
 
 def test_a_local_run_serves_each_process_metrics_on_a_port_of_its_own(tmp_path) -> None:

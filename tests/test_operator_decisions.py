@@ -36,6 +36,10 @@ TIMEOUT_S = 120.0
 
 ages = st.integers(min_value=0, max_value=600).map(lambda s: NOW - timedelta(seconds=s))
 counts = st.integers(min_value=0, max_value=64)
+# What a region says when none of the run's pools there serves on its GPU types: set only
+# when so, as the region writes it.
+UNSERVED = "spec.rollout.regions[region-a].gpuTypes NVIDIA-L4: no pool of its inferencePools"
+unserved = st.sampled_from([{}, {"gpu_types_unserved": UNSERVED}])
 
 
 @st.composite
@@ -49,6 +53,7 @@ def previous_entries(draw: st.DrawFn, name: str) -> RegionStatus | None:
         lent=draw(counts),
         running=draw(counts),
         last_seen=draw(st.none() | ages.map(timestamp)),
+        **draw(unserved),
     )
 
 
@@ -57,7 +62,11 @@ def reports(draw: st.DrawFn, name: str) -> RegionReport:
     kind = draw(st.sampled_from(["answered", "network", "credentials"]))
     if kind == "answered":
         reported = RegionStatus(
-            name=name, requested=draw(counts), lent=draw(counts), running=draw(counts)
+            name=name,
+            requested=draw(counts),
+            lent=draw(counts),
+            running=draw(counts),
+            **draw(unserved),
         )
         return RegionReport(name, True, reported, draw(ages))
     return RegionReport(name, False, problem="no answer", credentials=kind == "credentials")
@@ -202,6 +211,15 @@ def test_the_run_status_counts_only_reachable_regions_and_ready_means_all_is_wel
         degraded = next(c for c in status.conditions if c.type == "RolloutsDegraded")
         assert degraded.reason != "BelowMinGpus"
     assert (said["Suspended"] == "True") == observed.spec.suspend
+    # A region whose pools serve none of the run's GPU types degrades the rollouts, saying so.
+    degraded = next(c for c in status.conditions if c.type == "RolloutsDegraded")
+    if any(e.gpu_types_unserved for e in reachable):
+        assert degraded.status == "True" and UNSERVED in degraded.message
+        assert degraded.reason in (
+            "RegionUnreachable",
+            "RegionCredentialsInvalid",
+            "NoPoolOfGpuType",
+        )
 
 
 @given(observations())
@@ -217,6 +235,22 @@ def test_a_run_decided_again_on_its_own_status_tells_nothing_and_writes_nothing(
 
 
 @given(observations())
+def test_a_region_that_newly_finds_no_pool_of_the_runs_gpu_types_is_told_once(
+    observed: Observed,
+) -> None:
+    before = {e.name: e.gpu_types_unserved for e in observed.old.regions}
+    newly = {
+        r.name
+        for r in observed.regions
+        if r.reachable
+        and r.reported.gpu_types_unserved
+        and r.reported.gpu_types_unserved != before.get(r.name)
+    }
+    told = [e.message for e in decide(observed).events if e.reason == "NoPoolOfGpuType"]
+    assert sorted(told) == sorted(f"region {name}: {UNSERVED}" for name in newly)
+
+
+@given(observations())
 def test_only_what_a_human_may_act_on_is_a_warning(observed: Observed) -> None:
     for event in decide(observed).events:
         warning = event.reason in (
@@ -224,6 +258,7 @@ def test_only_what_a_human_may_act_on_is_a_warning(observed: Observed) -> None:
             "RegionCredentialsInvalid",
             "WeightSyncStalled",
             "StalenessBoundExceeded",
+            "NoPoolOfGpuType",
         )
         assert (event.type == "Warning") == warning, event
 

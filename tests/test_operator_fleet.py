@@ -25,6 +25,8 @@ import yaml
 from conftest import ROOT, run_streams, step_report, wait_for
 
 import images
+from rlfleet import launch
+from rlfleet.api.meta import GPU_TYPE_LABEL
 from rlfleet.api.wire import (
     EvaluationReport,
     StepReport,
@@ -47,6 +49,7 @@ from rlfleet.testbed.fleet import (
     TrafficServer,
     serving_deployment,
 )
+from rlfleet.testbed.kube import H100, L4
 from rlfleet.testbed.traces import TraceReceiver
 
 pytestmark = pytest.mark.bed
@@ -540,14 +543,18 @@ def test_an_envpool_keeps_its_warm_sandboxes_and_bursts_while_they_are_taken(
 
 def test_a_run_borrowing_from_two_pools_gets_its_demand_once(world: World) -> None:
     """Two pools that could each lend the run all it asks for decide one at a time and see
-    each other's decision, however fresh their view of the other pool is."""
+    each other's decision, however fresh their view of the other pool is. The run's
+    rollouts can use L4s only, which both pools serve on, and its two trainer pods need
+    H100s: each kind of pod is placed on its GPU type, and the trainer's pods are one job."""
     region, pools, run = "region-c", ["spare-1", "spare-2"], "two-pools"
     document = example("rlrun.yaml")
     document["metadata"]["name"] = run
     spec = document["spec"]
     spec["rollout"]["regions"] = [
-        {"name": region, "minGpus": 0, "maxGpus": 4, "inferencePools": pools}
+        {"name": region, "minGpus": 0, "maxGpus": 4, "inferencePools": pools, "gpuTypes": [L4]}
     ]
+    # Beside the first run's trainer (one 8-GPU pod), 8 of the hub's 16 GPUs are free.
+    spec["trainer"] = {"replicas": 2, "gpusPerReplica": 4, "gpuType": H100}
     spec["weightSync"]["endpoints"] = [
         e for e in spec["weightSync"]["endpoints"] if e["region"] == region
     ]
@@ -565,7 +572,12 @@ def test_a_run_borrowing_from_two_pools_gets_its_demand_once(world: World) -> No
         world.apply(region, serving_deployment(name, replicas=2, gpus=4))
         pool = example("inferencepool.yaml")
         pool["metadata"]["name"] = name
-        pool["spec"]["serving"] |= {"deploymentName": name, "replicas": 2, "gpusPerReplica": 4}
+        pool["spec"]["serving"] |= {
+            "deploymentName": name,
+            "replicas": 2,
+            "gpusPerReplica": 4,
+            "gpuType": L4,
+        }
         world.traffic.load[name] = 0.0
         pool["spec"]["traffic"]["metricsUrl"] = world.traffic.url(name)
         world.apply(region, pool)
@@ -582,11 +594,95 @@ def test_a_run_borrowing_from_two_pools_gets_its_demand_once(world: World) -> No
             time.sleep(0.2)
         assert seen[-1] in ([1, 0], [0, 1]), seen
         assert max(sum(s) for s in seen) == 1, seen
+        assert_placed_on_gpu_types(world, region, run)
+        assert_one_trainer_job(world, run)
+        # Narrowed to a type neither pool serves on: both lend it nothing, and the run
+        # says why, naming the field.
+        narrowed = [{"op": "replace", "path": "/spec/rollout/regions/0/gpuTypes", "value": [A10G]}]
+        world.fleet.kubectl(
+            HUB, "-n", world.ns, "patch", "rlrun", run, "--type=json", "-p", json.dumps(narrowed)
+        )
+        wait_for("the pools lend the run nothing", lambda: sum(lent()) == 0)
+        degraded = wait_for(
+            "the run told why", lambda: run_condition(world, run, "NoPoolOfGpuType")
+        )
+        assert f"spec.rollout.regions[{region}].gpuTypes {A10G}" in degraded["message"]
+        assert "NoPoolOfGpuType" in world.reasons(HUB, run)
     finally:
         world.fleet.kubectl(HUB, "-n", world.ns, "delete", "rlrun", run, "--wait=false")
         for name in pools:
             world.fleet.kubectl(region, "-n", world.ns, "delete", "inferencepool", name)
             world.fleet.kubectl(region, "-n", world.ns, "delete", "deployment", name)
+
+
+A10G = "NVIDIA-A10G"  # a GPU type no pool of the bed serves on
+
+
+def run_condition(world: World, run: str, reason: str) -> dict | None:
+    """The run's RolloutsDegraded condition, once it gives `reason`."""
+    conditions = world.get(HUB, "rlrun", run).get("status", {}).get("conditions", [])
+    found = next((c for c in conditions if c["type"] == "RolloutsDegraded"), None)
+    return found if found is not None and found["reason"] == reason else None
+
+
+def node_terms(pod: dict) -> list[dict]:
+    affinity = pod["spec"]["affinity"]["nodeAffinity"]
+    return affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+
+
+def assert_placed_on_gpu_types(world: World, region: str, run: str) -> None:
+    """The run's rollout pod may go only to its pool's GPU type (the region's GPUs are all
+    taken by now: it waits for one of those), its trainer pods run on the type it needs."""
+    rollout = wait_for(
+        "the run's rollout pod",
+        lambda: world.items(
+            region, "pods", "-l", f"rlfleet.io/run={run},rlfleet.io/component=rollout"
+        ),
+    )
+    for pod in rollout:
+        assert node_terms(pod) == [
+            {"matchExpressions": [{"key": GPU_TYPE_LABEL, "operator": "In", "values": [L4]}]}
+        ]
+    selector = f"rlfleet.io/run={run},rlfleet.io/component=trainer"
+    wait_for("two trainer pods running", lambda: world.running(HUB, selector) == 2)
+    for pod in world.items(HUB, "pods", "-l", selector):
+        node = world.fleet.kubectl(HUB, "get", "node", pod["spec"]["nodeName"], "-o", "json")
+        assert json.loads(node)["metadata"]["labels"][GPU_TYPE_LABEL] == H100
+        assert node_terms(pod)[0]["matchExpressions"][0]["values"] == [H100]
+
+
+def assert_one_trainer_job(world: World, run: str) -> None:
+    """`trainer.replicas: 2` is one StatefulSet whose two pods read ranks 0 and 1 of one
+    job (`Placement.from_env`, as the trainer does), meeting at pod 0 by its stable name."""
+    (statefulset,) = world.items(HUB, "statefulsets", "-l", f"rlfleet.io/run={run}")
+    assert statefulset["spec"]["replicas"] == 2
+    pods = world.items(HUB, "pods", "-l", f"rlfleet.io/run={run},rlfleet.io/component=trainer")
+    ranks = sorted(
+        (launch.Placement.from_env(kubelet_env(pod)).ranks for pod in pods),
+        key=lambda r: r.node_rank,
+    )
+    first = next(p for p in pods if p["metadata"]["name"].endswith("-0"))
+    master = f"{first['spec']['hostname']}.{first['spec']['subdomain']}.{world.ns}.svc"
+    assert [(r.node_rank, r.nodes, r.procs_per_node, r.master_addr) for r in ranks] == [
+        (0, 2, 4, master),
+        (1, 2, 4, master),
+    ]
+    assert first["spec"]["subdomain"] == statefulset["spec"]["serviceName"]
+    service = world.get(HUB, "service", statefulset["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None"
+
+
+def kubelet_env(pod: dict) -> dict[str, str]:
+    """The container's environment as the kubelet would give it: values, and the downward
+    API's labels of the pod (the StatefulSet controller labels each with its ordinal)."""
+    env = {}
+    for entry in pod["spec"]["containers"][0]["env"]:
+        path = entry.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath", "")
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+        elif path.startswith("metadata.labels['"):
+            env[entry["name"]] = pod["metadata"]["labels"].get(path[17:-2], "")
+    return env
 
 
 def test_the_operator_account_reads_secrets_only_in_its_namespace(world: World) -> None:

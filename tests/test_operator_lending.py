@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlfleet.api.inferencepool import OffPeakWindow
-from rlfleet.operator.lending import PoolState, RunDemand, decide, in_off_peak, lent_elsewhere
+from rlfleet.operator.lending import (
+    PoolState,
+    RunDemand,
+    decide,
+    in_off_peak,
+    lent_elsewhere,
+    unserved_gpu_types,
+)
 
 
 def pool(load: float | None, lent: dict[str, int] | None = None, **changes) -> PoolState:
@@ -112,6 +119,41 @@ def test_outside_the_off_peak_windows_everything_comes_back() -> None:
     assert decision.lent == {} and decision.reason == "OffPeakOver"
 
 
+def test_a_run_that_names_gpu_types_borrows_only_pools_of_those_types() -> None:
+    picky = [run("a", gpu_types=("NVIDIA-H100-80GB-HBM3",))]
+    assert decide(pool(load=0.0, gpu_type="NVIDIA-H100-80GB-HBM3"), picky).lent == {"a": 6}
+    assert decide(pool(load=0.0, gpu_type="NVIDIA-L4"), picky).lent == {}
+    # A pool that names no type is none of the run's: the run cannot know what it would get.
+    assert decide(pool(load=0.0), picky).lent == {}
+    # What was lent before the run narrowed its types comes back.
+    assert decide(pool(load=0.0, gpu_type="NVIDIA-L4", lent={"a": 3}), picky).lent == {}
+    # A run that names none takes any pool.
+    assert decide(pool(load=0.0, gpu_type="NVIDIA-L4"), [run("b")]).lent == {"b": 6}
+
+
+def test_among_equals_a_pool_lends_first_to_runs_that_named_its_type() -> None:
+    # "any" could borrow elsewhere; "l4" can only borrow pools of its type.
+    runs = [run("any"), run("l4", gpu_types=("NVIDIA-L4", "NVIDIA-A10G"))]
+    scarce = pool(load=0.0, gpu_type="NVIDIA-L4", max_lend_fraction=0.25)
+    assert decide(scarce, runs).lent == {"l4": 2}
+    # Priority still comes first.
+    first = [run("any", priority=1), runs[1]]
+    assert decide(scarce, first).lent == {"any": 2}
+
+
+def test_a_run_is_told_when_no_pool_it_names_serves_on_its_gpu_types() -> None:
+    demand = run("a", pools=("chat", "code"), gpu_types=("NVIDIA-L4", "NVIDIA-A10G"))
+    pools = {"chat": "NVIDIA-H100-80GB-HBM3", "code": None, "other": "NVIDIA-L4"}
+    assert unserved_gpu_types("region-a", demand, pools) == (
+        "spec.rollout.regions[region-a].gpuTypes NVIDIA-L4, NVIDIA-A10G: no pool of its "
+        "inferencePools serves on them (chat on NVIDIA-H100-80GB-HBM3, code on no named type)"
+    )
+    assert unserved_gpu_types("region-a", demand, pools | {"code": "NVIDIA-A10G"}) is None
+    # A run that names no type, or whose pools do not exist yet, has no GPU-type problem.
+    assert unserved_gpu_types("region-a", run("b", pools=("chat",)), pools) is None
+    assert unserved_gpu_types("region-a", demand, {"other": "NVIDIA-H100-80GB-HBM3"}) is None
+
+
 def test_a_region_plan_lends_each_run_its_demand_once_across_pools() -> None:
     # As the region operator decides: pool by pool, each seeing what the others lend.
     demands = [run("a", max_gpus=64, pools=("chat", "code"))]
@@ -128,6 +170,7 @@ pools_strategy = st.builds(
     replicas=st.integers(1, 16),
     min_serving=st.integers(0, 16),
     max_lend_fraction=st.floats(0, 1),
+    gpu_type=st.sampled_from([None, "H100", "L4"]),
 )
 runs_strategy = st.lists(
     st.builds(
@@ -137,6 +180,7 @@ runs_strategy = st.lists(
         priority=st.integers(-2, 2),
         min_gpus=st.integers(0, 64),
         active=st.booleans(),
+        gpu_types=st.lists(st.sampled_from(["H100", "L4", "A10G"]), unique=True).map(tuple),
     ),
     unique_by=lambda d: d.run,
     max_size=5,
@@ -154,6 +198,28 @@ def test_invariants_hold_for_any_input(state: PoolState, demands: list[RunDemand
     for name, replicas in decision.lent.items():
         assert replicas > 0 and by_run[name].active
         assert replicas * state.gpus_per_replica <= by_run[name].max_gpus
+        # Never a pool of a type the run did not name, when it named any.
+        assert by_run[name].accepts(state)
     # Deciding again from the decision changes nothing: no flapping.
     again = decide(PoolState(**(state.__dict__ | {"lent": decision.lent})), demands)
     assert again.lent == decision.lent
+
+
+@settings(max_examples=400, deadline=None)
+@given(pools_strategy, runs_strategy)
+def test_a_run_that_named_the_pools_type_is_not_left_short_for_one_that_did_not(
+    state: PoolState, demands: list[RunDemand]
+) -> None:
+    """Lending afresh, a run that named the pool's type and got less than its floor means
+    no run of its priority or lower that named no type got any of the pool."""
+    fresh = PoolState(**(state.__dict__ | {"lent": {}}))
+    decision = decide(fresh, demands)
+    for demand in demands:
+        floor = min(
+            -(-demand.min_gpus // state.gpus_per_replica), demand.max_gpus // state.gpus_per_replica
+        )
+        if not (demand.active and demand.named(state)) or decision.lent.get(demand.run, 0) >= floor:
+            continue
+        for other in demands:
+            if not other.gpu_types and other.priority <= demand.priority:
+                assert other.run not in decision.lent, (demand, other, decision)

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from rlfleet import launch
 from rlfleet.api.inferencepool import InferencePoolSpec
-from rlfleet.api.meta import COMPONENT_LABEL, GPU_RESOURCE
+from rlfleet.api.meta import COMPONENT_LABEL, GPU_RESOURCE, GPU_TYPE_LABEL
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.operator.config import Images, NatsAccess, OperatorConfig, Workloads
 from rlfleet.operator.workloads import hub_objects, mirror, rollout_deployment
@@ -97,6 +97,86 @@ def test_every_pod_serves_its_metrics_on_the_port_it_names_and_its_annotations_s
             "prometheus.io/port": "9555",
             "prometheus.io/path": "/metrics",
         }
-        env = {e["name"]: e.get("value") for e in container["env"]}
         # What the component reads back (`Placement.from_env`) and serves on.
+        env = resolved_env(template, ordinal=0)
         assert launch.Placement.from_env(env).metrics_port == 9555, component
+
+
+def resolved_env(template: dict, ordinal: int) -> dict[str, str]:
+    """The container environment of a workload's pod `ordinal` as the kubelet gives it:
+    values, and the downward API's labels of the pod, which a StatefulSet's controller
+    labels with its ordinal (the pod's name stays out: this reads ranks and places)."""
+    labels = template["metadata"]["labels"] | {"apps.kubernetes.io/pod-index": str(ordinal)}
+    pod = {"metadata": {"labels": labels}, "spec": template["spec"]}
+    env = {}
+    for entry in pod["spec"]["containers"][0]["env"]:
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+            continue
+        path = entry["valueFrom"]["fieldRef"]["fieldPath"]
+        if path.startswith("metadata.labels['"):
+            env[entry["name"]] = pod["metadata"]["labels"].get(path[17:-2], "")
+    return env
+
+
+def test_the_trainers_pods_are_the_nodes_of_one_job() -> None:
+    run = _run()
+    run["spec"]["trainer"] = {"replicas": 2, "gpusPerReplica": 4}
+    made = hub_objects(run, Images(), Workloads(), NATS)
+    (statefulset,) = [o for o in made if o["kind"] == "StatefulSet"]
+    service = next(o for o in made if o["kind"] == "Service")
+    template = statefulset["spec"]["template"]
+    ranks = [launch.Placement.from_env(resolved_env(template, i)).ranks for i in (0, 1)]
+    name, namespace = run["metadata"]["name"], run["metadata"]["namespace"]
+    # Rank 0's pod, by its stable name under the headless Service, on the named port.
+    master = f"{name}-trainer-0.{service['metadata']['name']}.{namespace}.svc"
+    assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert [(r.node_rank, r.nodes, r.procs_per_node, r.master_addr) for r in ranks] == [
+        (0, 2, 4, master),
+        (1, 2, 4, master),
+    ]
+    ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+    assert ranks[0].master_port == ranks[1].master_port == ports["rendezvous"]
+
+
+def node_affinity(template: dict) -> list[dict] | None:
+    """The node-selector terms a pod must match, if any."""
+    affinity = template["spec"].get("affinity")
+    if affinity is None:
+        return None
+    return affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+
+
+def test_rollout_and_trainer_pods_go_to_nodes_of_the_gpu_type_they_need() -> None:
+    run = _run()
+    copy = mirror(run, "hub", NATS)
+    copy["metadata"]["uid"] = "mirror-uid"
+    pool = yaml.safe_load((ROOT / "examples" / "inferencepool.yaml").read_text())
+    workloads = Workloads(gpu_type_label="example.com/gpu-kind")
+    untyped = InferencePoolSpec.model_validate(pool["spec"])
+    typed = untyped.model_copy(
+        update={"serving": untyped.serving.model_copy(update={"gpu_type": "NVIDIA-L4"})}
+    )
+    rollout = rollout_deployment(copy, "chat-prod", typed, 1, "img", workloads, "region-a")
+    want = [
+        {
+            "matchExpressions": [
+                {"key": "example.com/gpu-kind", "operator": "In", "values": ["NVIDIA-L4"]}
+            ]
+        }
+    ]
+    assert node_affinity(rollout["spec"]["template"]) == want
+    plain = rollout_deployment(copy, "chat-prod", untyped, 1, "img", workloads, "region-a")
+    assert node_affinity(plain["spec"]["template"]) is None
+
+    def trainer(spec: dict) -> dict:
+        made = hub_objects(run | {"spec": run["spec"] | spec}, Images(), workloads, NATS)
+        return next(o for o in made if o["kind"] == "StatefulSet")["spec"]["template"]
+
+    assert node_affinity(trainer({})) is None
+    assert node_affinity(trainer({"trainer": {"gpuType": "NVIDIA-L4"}})) == want
+    # The label's default has one home, which the chart's empty value leaves in place.
+    assert Workloads().gpu_type_label == GPU_TYPE_LABEL == "nvidia.com/gpu.product"

@@ -42,7 +42,13 @@ from rlfleet.local.processes import Supervisor, free_port
 from rlfleet.local.run import make_streams
 from rlfleet.models.tiny import init_model
 from rlfleet.operator.config import Images, NatsAccess, Workloads
-from rlfleet.operator.workloads import COMPONENT_LABEL, hub_objects, mirror, rollout_deployment
+from rlfleet.operator.workloads import (
+    COMPONENT_LABEL,
+    POD_INDEX_LABEL,
+    hub_objects,
+    mirror,
+    rollout_deployment,
+)
 from rlfleet.rollout.tasks import rules_suite, write_suite
 from rlfleet.weightsync import SyncConfig, WeightStream
 
@@ -76,8 +82,11 @@ def as_process(
     env = {e["name"]: e.get("value") for e in container["env"] if "value" in e}
     env[CREDENTIALS_ENV] = str(user)  # where the pod reads its mounted Secret
     for e in container["env"]:
-        if e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
+        path = e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        if path == "metadata.name":
             env[e["name"]] = pod
+        elif path == f"metadata.labels['{POD_INDEX_LABEL}']":
+            env[e["name"]] = pod.rsplit("-", 1)[1]  # the StatefulSet labels its ordinal
     (metrics,) = [p["containerPort"] for p in container["ports"] if p["name"] == "metrics"]
     assert env[METRICS_PORT_ENV] == str(metrics)
     return argv, env | {STATE_DIR_ENV: str(state), METRICS_PORT_ENV: str(free_port())} | CPU_ENV

@@ -10,7 +10,16 @@ from typing import Annotated
 
 from pydantic import ConfigDict, Field
 
-from rlfleet.api.meta import AGE, ApiModel, Conditions, PrinterColumn, ResourceKind, cel, map_list
+from rlfleet.api.meta import (
+    AGE,
+    ApiModel,
+    Conditions,
+    GpuType,
+    PrinterColumn,
+    ResourceKind,
+    cel,
+    map_list,
+)
 
 HHMM = r"^([01][0-9]|2[0-3]):[0-5][0-9]$"
 
@@ -28,6 +37,17 @@ class ServingWorkload(ApiModel):
         ),
     ]
     gpus_per_replica: Annotated[int, Field(ge=1, le=16)]
+    gpu_type: Annotated[
+        GpuType | None,
+        Field(
+            description=(
+                "The GPU type of the serving replicas: the value of the operator's GPU-type "
+                "node label on their nodes (nvidia.com/gpu.product by default). Rollout pods "
+                "on lent replicas are placed on nodes of this type; a run that names GPU "
+                "types borrows only from pools of one of them."
+            )
+        ),
+    ] = None
 
 
 class TrafficSignal(ApiModel):

@@ -13,6 +13,9 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 CATEGORY = "rlfleet"
 GPU_RESOURCE = "nvidia.com/gpu"
+# The node label whose value names a node's GPU type (NVIDIA's GPU feature discovery
+# sets it, e.g. NVIDIA-H100-80GB-HBM3): the operator's default, which its config may change.
+GPU_TYPE_LABEL = "nvidia.com/gpu.product"
 # Labels on every object the operator creates for a run: which run, which component.
 RUN_LABEL = f"{GROUP}/run"
 COMPONENT_LABEL = f"{GROUP}/component"
@@ -24,6 +27,10 @@ CONDITION_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 # A Kubernetes resource quantity such as 500m, 2Gi or 1.5.
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 Quantity = Annotated[str, Field(pattern=QUANTITY, max_length=64)]  # a resource quantity
+# A GPU type: a value of the GPU-type node label (a label value, never empty).
+GpuType = Annotated[
+    str, Field(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+]
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from rlfleet.api.meta import (
     AGE,
     DNS_LABEL,
     ApiModel,
     Conditions,
+    GpuType,
     PrinterColumn,
     Quantity,
     ResourceKind,
@@ -89,7 +90,28 @@ class CheckpointStorage(ApiModel):
     ] = None
 
 
+# A step's size when the spec names neither stepTokens nor stepGroups (both have to be
+# optional for the two to be exclusive): the trainer's `step_tokens` default.
+STEP_TOKENS = 4096
+STEP_SIZE_RULE = cel(
+    "!has(self.stepTokens) || !has(self.stepGroups)",
+    "stepTokens and stepGroups are exclusive: a step counts tokens or groups, not both",
+    ".stepGroups",
+)
+CLIP_RULE = cel(
+    "self.clipHigh >= self.clipLow",
+    "clipHigh must be at least clipLow: the upper clip may only be the wider (DAPO)",
+    ".clipHigh",
+)
+
+
 class TrainerSpec(ApiModel):
+    """The trainer's job, and the recipe it learns by (`rlfleet.launch.trainer_settings`)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [STEP_SIZE_RULE, CLIP_RULE]}
+    )
+
     replicas: Annotated[int, Field(ge=1, le=4096)] = 1
     gpus_per_replica: Annotated[int, Field(ge=0, le=16)] = 8
     image: Annotated[
@@ -104,6 +126,15 @@ class TrainerSpec(ApiModel):
                 "Keys the trainer sets itself (batch sizes, gradient accumulation and "
                 "clipping, zero_optimization.stage, optimizer and its offload, scheduler, "
                 "bf16, fp16) are refused; the file is read when a trainer pod starts."
+            )
+        ),
+    ] = None
+    gpu_type: Annotated[
+        GpuType | None,
+        Field(
+            description=(
+                "The GPU type every trainer pod needs: the value of the operator's GPU-type "
+                "node label (nvidia.com/gpu.product by default); any type when unset."
             )
         ),
     ] = None
@@ -126,6 +157,81 @@ class TrainerSpec(ApiModel):
             ),
         ),
     ] = 0.0
+    learning_rate: Annotated[
+        float, Field(gt=0, le=1, description="AdamW's learning rate, once warmed up.")
+    ] = 1e-5
+    learning_rate_warmup_steps: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=1_000_000,
+            description="Optimiser updates over which the learning rate ramps up from 0.",
+        ),
+    ] = 0
+    step_tokens: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=1 << 30,
+            description=(
+                "Each optimiser step trains on at least this many tokens of complete groups,"
+                f" and on up to twice as many when ready; {STEP_TOKENS} when neither this nor"
+                " stepGroups is set."
+            ),
+        ),
+    ] = None
+    step_groups: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=65536,
+            description=(
+                "Or each step trains on exactly this many groups (tasks): a batch the task "
+                "feed issues exactly, so a synchronous run wastes no rollout."
+            ),
+        ),
+    ] = None
+    updates_per_step: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=64,
+            description=(
+                "Optimiser passes over each step's batch (PPO epochs), each clipped against"
+                " the first pass's log-probs."
+            ),
+        ),
+    ] = 1
+    clip_low: Annotated[
+        float,
+        Field(
+            ge=0,
+            lt=1,
+            description="The policy ratio is clipped below at 1 - clipLow (PPO's epsilon).",
+        ),
+    ] = 0.2
+    clip_high: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=10,
+            description=(
+                "And above at 1 + clipHigh; wider than clipLow, it keeps low-probability "
+                "tokens learning (DAPO's clip-higher)."
+            ),
+        ),
+    ] = 0.28
+    importance_weight_cap: Annotated[
+        float,
+        Field(
+            ge=1,
+            le=1000,
+            description=(
+                "Truncated importance sampling: a token's weight, trainer over rollout "
+                "probability, is capped here, bounding what off-policy tokens can do."
+            ),
+        ),
+    ] = 2.0
     checkpoint_storage: Annotated[
         CheckpointStorage | None,
         Field(
@@ -144,6 +250,15 @@ class TrainerSpec(ApiModel):
             },
         ),
     ] = None
+
+    @model_validator(mode="after")
+    def _recipe_rules(self) -> TrainerSpec:
+        """The CEL rules, for a spec no API server checks (`rlfleet run`)."""
+        if self.step_tokens is not None and self.step_groups is not None:
+            raise ValueError(STEP_SIZE_RULE["message"])
+        if self.clip_high < self.clip_low:
+            raise ValueError(CLIP_RULE["message"])
+        return self
 
 
 class RegionDemand(ApiModel):
@@ -168,9 +283,36 @@ class RegionDemand(ApiModel):
             description="InferencePools in that region the run may borrow from.",
         ),
     ]
+    gpu_types: Annotated[
+        list[GpuType],
+        Field(
+            default_factory=list,
+            max_length=16,
+            json_schema_extra={"x-kubernetes-list-type": "set"},
+            description=(
+                "GPU types the rollouts can use there (InferencePool serving.gpuType): a pool "
+                "of another type, or of none named, lends the run nothing; any pool when empty."
+            ),
+        ),
+    ]
+
+
+# A window holds the task's prompt, a model turn and room to summarise (`rlfleet.rollout.session`).
+WINDOW_RULE = cel(
+    "self.turnTokens + self.summaryTokens < self.contextTokens",
+    "contextTokens must exceed turnTokens + summaryTokens: a window holds the task, a turn "
+    "and room to summarise",
+    ".contextTokens",
+)
+MAX_TOKENS = 1 << 24  # bounds a token budget of the spec
 
 
 class RolloutSpec(ApiModel):
+    """The rollouts' demand per region, and how their agent sessions run
+    (`rlfleet.launch.rollout_settings`)."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [WINDOW_RULE]})
+
     group_size: Annotated[
         int,
         Field(
@@ -218,6 +360,34 @@ class RolloutSpec(ApiModel):
             },
         ),
     ] = 1.0
+    max_turns: Annotated[
+        int,
+        Field(ge=1, le=10000, description="Model turns an agent session may take at most."),
+    ] = 50
+    turn_tokens: Annotated[
+        int, Field(ge=1, le=MAX_TOKENS, description="New tokens one model turn may take at most.")
+    ] = 256
+    context_tokens: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=MAX_TOKENS,
+            description=(
+                "A context window's budget: when the next turn would not fit, the model "
+                "summarises its progress and a new window starts from the task and summary."
+            ),
+        ),
+    ] = 4096
+    summary_tokens: Annotated[
+        int, Field(ge=1, le=MAX_TOKENS, description="New tokens a summary may take at most.")
+    ] = 256
+
+    @model_validator(mode="after")
+    def _window_rule(self) -> RolloutSpec:
+        """The CEL rule, for a spec no API server checks (`rlfleet run`)."""
+        if self.turn_tokens + self.summary_tokens >= self.context_tokens:
+            raise ValueError(WINDOW_RULE["message"])
+        return self
 
 
 class NatsEndpoint(ApiModel):
@@ -396,6 +566,15 @@ class RegionStatus(ApiModel):
     lent: Count = 0
     running: Count = 0
     last_seen: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = None
+    gpu_types_unserved: Annotated[
+        str | None,
+        Field(
+            description=(
+                "Why the run can borrow nothing there: none of the pools it names serves on "
+                "a GPU type its gpuTypes lists."
+            )
+        ),
+    ] = None
 
 
 class WeightSyncStatus(ApiModel):

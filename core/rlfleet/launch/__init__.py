@@ -16,17 +16,18 @@ import json
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.api.rlrun import STEP_TOKENS, RLRunSpec
 from rlfleet.launch.settings import (
     EvaluatorConfig,
     FeedConfig,
     JudgeConfig,
+    Ranks,
     RewardConfig,
     SessionConfig,
     SyncConfig,
@@ -60,6 +61,14 @@ STATE_DIR_ENV = "RLFLEET_STATE_DIR"
 # cannot disagree; processes sharing a host (`rlfleet run`) are each given their own.
 METRICS_PORT_ENV = "RLFLEET_METRICS_PORT"
 METRICS_PATH = "/metrics"  # where prometheus_client's server answers
+# A trainer pod's place in the run's DeepSpeed job (`rlfleet.launch.settings.Ranks`): its
+# ordinal in the StatefulSet (the downward API's `apps.kubernetes.io/pod-index` label),
+# the job's pods, processes per pod and rank 0's pod, as the operator sizes them.
+TRAINER_NODE_RANK_ENV = "RLFLEET_TRAINER_NODE_RANK"
+TRAINER_NODES_ENV = "RLFLEET_TRAINER_NODES"
+TRAINER_PROCS_PER_NODE_ENV = "RLFLEET_TRAINER_PROCS_PER_NODE"
+TRAINER_MASTER_ADDR_ENV = "RLFLEET_TRAINER_MASTER_ADDR"
+TRAINER_MASTER_PORT_ENV = "RLFLEET_TRAINER_MASTER_PORT"
 
 FILE_SCHEME = "file://"
 
@@ -67,8 +76,8 @@ FILE_SCHEME = "file://"
 @dataclass(frozen=True)
 class Placement:
     """Where one component runs: the NATS server it reaches, the JetStream domain of the
-    run's streams, for a rollout worker its region and pod, and the port it serves its
-    metrics on (none: it serves none)."""
+    run's streams, for a rollout worker its region and pod, the port it serves its
+    metrics on (none: it serves none), and for a trainer its place in the job."""
 
     nats_url: str
     jetstream_domain: str | None = None
@@ -76,6 +85,7 @@ class Placement:
     pod: str | None = None
     state_dir: str = STATE_DIR
     metrics_port: int | None = None
+    ranks: Ranks = field(default_factory=Ranks)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Placement:
@@ -88,7 +98,44 @@ class Placement:
             pod=env.get(POD_NAME_ENV) or None,
             state_dir=env.get(STATE_DIR_ENV) or STATE_DIR,
             metrics_port=_port(env, METRICS_PORT_ENV),
+            ranks=_ranks(env),
         )
+
+
+def _ranks(env: Mapping[str, str]) -> Ranks:
+    """A trainer pod's place in the job, as the operator tells it; a job of one process
+    when it tells none. A job of several pods needs each pod's rank: without it every pod
+    would be rank 0 of its own job."""
+    one = Ranks()
+    if not env.get(TRAINER_NODES_ENV):
+        return one
+    nodes = _count(env, TRAINER_NODES_ENV, least=1, default=one.nodes)
+    if not env.get(TRAINER_NODE_RANK_ENV):
+        raise ValueError(
+            f"{TRAINER_NODE_RANK_ENV} is not set: which of the {nodes} trainer pods is this "
+            "(its StatefulSet's apps.kubernetes.io/pod-index label)?"
+        )
+    rank = _count(env, TRAINER_NODE_RANK_ENV, least=0, default=one.node_rank)
+    if rank >= nodes:
+        raise ValueError(
+            f"{TRAINER_NODE_RANK_ENV}={rank}: expected below {TRAINER_NODES_ENV}={nodes}"
+        )
+    return Ranks(
+        node_rank=rank,
+        nodes=nodes,
+        procs_per_node=_count(env, TRAINER_PROCS_PER_NODE_ENV, least=1, default=one.procs_per_node),
+        master_addr=env.get(TRAINER_MASTER_ADDR_ENV) or one.master_addr,
+        master_port=_port(env, TRAINER_MASTER_PORT_ENV) or one.master_port,
+    )
+
+
+def _count(env: Mapping[str, str], name: str, least: int, default: int) -> int:
+    text = env.get(name)
+    if not text:
+        return default
+    if not text.isdigit() or int(text) < least:
+        raise ValueError(f"{name}={text!r}: expected a whole number, {least} or more")
+    return int(text)
 
 
 def _port(env: Mapping[str, str], name: str) -> int | None:
@@ -181,12 +228,21 @@ def trainer_settings(
         batch_invariant=spec.trainer.batch_invariant,
         router_replay=spec.trainer.router_replay,
         kl_coef=spec.trainer.kl_coef,
+        lr=spec.trainer.learning_rate,
+        lr_warmup_steps=spec.trainer.learning_rate_warmup_steps,
+        step_tokens=STEP_TOKENS if spec.trainer.step_tokens is None else spec.trainer.step_tokens,
+        step_groups=spec.trainer.step_groups,
+        updates_per_step=spec.trainer.updates_per_step,
+        clip_low=spec.trainer.clip_low,
+        clip_high=spec.trainer.clip_high,
+        is_cap=spec.trainer.importance_weight_cap,
         temperature=spec.rollout.temperature,
         max_staleness=spec.max_staleness,
         weight_mirrors=_weight_mirrors(spec, at),
         deepspeed=deepspeed or {},
         weightsync=_sync(spec),
         metrics_port=at.metrics_port,
+        ranks=at.ranks,
     )
 
 
@@ -226,7 +282,13 @@ def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> W
         model=model,
         name=f"{region}/{at.pod or 'rollout-0'}",
         group_size=spec.rollout.group_size,
-        session=SessionConfig(temperature=spec.rollout.temperature),
+        session=SessionConfig(
+            max_turns=spec.rollout.max_turns,
+            turn_tokens=spec.rollout.turn_tokens,
+            context_tokens=spec.rollout.context_tokens,
+            summary_tokens=spec.rollout.summary_tokens,
+            temperature=spec.rollout.temperature,
+        ),
         rewards=_rewards(spec),
         weightsync=_sync(spec),
         metrics_port=at.metrics_port,
@@ -234,7 +296,7 @@ def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> W
 
 
 def feed_settings(name: str, spec: RLRunSpec, at: Placement) -> FeedConfig:
-    return FeedConfig(
+    feed = FeedConfig(
         run=name,
         nats_url=at.nats_url,
         jetstream_domain=at.jetstream_domain,
@@ -244,6 +306,10 @@ def feed_settings(name: str, spec: RLRunSpec, at: Placement) -> FeedConfig:
         revisit_uniform=spec.rollout.uniform_group_revisit,
         metrics_port=at.metrics_port,
     )
+    # Steps of exactly `stepGroups` groups: the feed issues that many per version from the
+    # start, rather than guessing and learning the size from step reports.
+    groups = spec.trainer.step_groups
+    return feed if groups is None else msgspec.structs.replace(feed, groups_per_step=groups)
 
 
 def evaluator_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> EvaluatorConfig:

@@ -14,7 +14,14 @@ from typing import Annotated, Any, ClassVar, TypeVar
 import msgspec
 from pydantic import BaseModel
 
-from rlfleet.api.rlrun import EvaluationGate, RLRunSpec, RolloutSpec, TrainerSpec, WeightSyncSpec
+from rlfleet.api.rlrun import (
+    STEP_TOKENS,
+    EvaluationGate,
+    RLRunSpec,
+    RolloutSpec,
+    TrainerSpec,
+    WeightSyncSpec,
+)
 from rlfleet.api.wire import WEIGHT_CHUNK_BYTES
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -73,6 +80,31 @@ class SyncConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
 
 
+class Ranks(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where one trainer process sits in the run's one DeepSpeed job: pods of the trainer
+    StatefulSet are its nodes (`node_rank` the pod's ordinal), each running one process
+    per GPU it was given; rank 0 lives in pod 0, which the others reach through the
+    StatefulSet's headless Service. The defaults are a job of one process."""
+
+    node_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    nodes: Positive = 1  # the trainer's pods (spec.trainer.replicas)
+    procs_per_node: Positive = 1  # one rank per GPU in a pod (spec.trainer.gpusPerReplica)
+    master_addr: str = "127.0.0.1"  # where rank 0 listens for the rendezvous
+    master_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 29500
+
+    def __post_init__(self) -> None:
+        if self.node_rank >= self.nodes:
+            raise ValueError(f"node_rank {self.node_rank} is not below nodes {self.nodes}")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    def rank(self, local_rank: int) -> int:
+        """The global rank of this node's `local_rank`-th process."""
+        return self.node_rank * self.procs_per_node + local_rank
+
+
 class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     run: str
     nats_url: str
@@ -86,20 +118,24 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     batch_invariant: bool = spec_default(TrainerSpec, "batch_invariant")
     router_replay: bool = spec_default(TrainerSpec, "router_replay")
     max_staleness: Annotated[int, msgspec.Meta(ge=0)] = spec_default(RLRunSpec, "max_staleness")
-    step_tokens: Positive = 4096  # each optimiser step trains on at least this many tokens
+    step_tokens: Positive = STEP_TOKENS  # each optimiser step trains on at least this many tokens
     max_step_tokens: Positive | None = None  # and on more when ready, up to this (2x by default)
     # Or on exactly this many groups (tasks), ignoring the token budget: a batch the task
     # feed's staleness-aware admission can issue exactly, so nothing goes stale unused.
     step_groups: Positive | None = None
     micro_batch_tokens: Positive = 8192  # padded tokens per forward/backward
-    lr: float = 1e-5
-    lr_warmup_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # lr ramps up over these updates
-    updates_per_step: Positive = 1  # optimiser passes over each batch (PPO epochs)
+    lr: float = spec_default(TrainerSpec, "learning_rate")
+    # The lr ramps up from 0 over these optimiser updates.
+    lr_warmup_steps: Annotated[int, msgspec.Meta(ge=0)] = spec_default(
+        TrainerSpec, "learning_rate_warmup_steps"
+    )
+    # Optimiser passes over each batch (PPO epochs).
+    updates_per_step: Positive = spec_default(TrainerSpec, "updates_per_step")
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    is_cap: float = 2.0
+    clip_low: float = spec_default(TrainerSpec, "clip_low")
+    clip_high: float = spec_default(TrainerSpec, "clip_high")
+    is_cap: float = spec_default(TrainerSpec, "importance_weight_cap")
     kl_coef: float = spec_default(TrainerSpec, "kl_coef")
     # The user's DeepSpeed JSON (`spec.trainer.deepSpeedConfigMap`): the trainer merges it
     # under its own settings and refuses the keys it sets itself.
@@ -115,15 +151,17 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int = 0
     metrics_port: MetricsPort = None
     weightsync: SyncConfig = SyncConfig()
+    ranks: Ranks = Ranks()
 
 
 class SessionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One agent session's budget (`rlfleet.rollout.session`)."""
 
-    max_turns: int = 50
-    turn_tokens: int = 256  # most new tokens per model turn
-    context_tokens: int = 4096  # a window's budget; over it, the model summarises
-    summary_tokens: int = 256
+    max_turns: int = spec_default(RolloutSpec, "max_turns")
+    turn_tokens: int = spec_default(RolloutSpec, "turn_tokens")  # most new tokens per model turn
+    # A window's budget; over it, the model summarises.
+    context_tokens: int = spec_default(RolloutSpec, "context_tokens")
+    summary_tokens: int = spec_default(RolloutSpec, "summary_tokens")
     observation_chars: int = 4000  # longer tool output is cut in the middle
     temperature: float = spec_default(RolloutSpec, "temperature")
 

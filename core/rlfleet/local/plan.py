@@ -65,24 +65,15 @@ class Layout:
 
 @dataclass(frozen=True)
 class Tuning:
-    """Sizes for a tiny model on a few CPU cores; production sizes come from the images."""
+    """Sizes for a tiny model on a few CPU cores; production sizes come from the images.
+    What the run learns by (learning rate, step size, turns, ...) is the spec's, as in a
+    cluster (`examples/local.yaml` states `make demo`'s recipe)."""
 
-    # Eight groups (of 16 attempts at a bare question in the example: about 4,000 tokens)
-    # per step, a count the feed issues exactly: a synchronous run then wastes no rollout.
-    step_groups: int = 8
     # Supervised steps on the suite before RL (`bench/warmup.py`): 160 leave the model
     # right on 17% of attempts and some attempt right on 44% of tasks; 240 on about a
     # third and two thirds. RL turns "sometimes right" into "right", so the gap between
     # the two is what a run can gain; 280 already answers most tasks outright.
     warmup_steps: int = 240
-    lr: float = 5e-4  # 1e-3 collapses the tiny policy onto one answer per question
-    lr_warmup_steps: int = 50
-    # Optimiser passes over each batch. One: the rollout core delivers a step's groups
-    # every 0.45 s and a pass takes the trainer 0.26 s; a second pass (tried when the
-    # trainer idled more) reached less reward in the same minutes.
-    updates_per_step: int = 1
-    turn_tokens: int = 24
-    max_turns: int = 2
     max_model_len: int = 1024
     # Three groups at once per rollout worker. With one (16), a worker's engine idled while
     # a group's last attempts finished and ran small batches: the demo took 376 steps in
@@ -146,7 +137,7 @@ def processes(
     name: str, spec: RLRunSpec, layout: Layout, nats: NatsBed, tuning: Tuning
 ) -> list[Process]:
     """The components as local processes, with the settings pods get from the same spec
-    (`rlfleet.launch`) and this machine's tuning on top. Each connects to NATS as the
+    (`rlfleet.launch`) and this machine's sizes on top. Each connects to NATS as the
     run's own user (`layout.credentials`), as its pods would, and serves its metrics on
     a port of its own (`Process.metrics_url`)."""
     trainer_cores, rollout_cores = split_cores(sorted(os.sched_getaffinity(0)))
@@ -174,14 +165,7 @@ def processes(
         "trainer",
         launch.TRAINER,
         trainer_cores,
-        replace(
-            trainer,
-            zero_stage=min(trainer.zero_stage, 2),  # ZeRO-3 needs a GPU
-            step_groups=tuning.step_groups,
-            lr=tuning.lr,
-            lr_warmup_steps=tuning.lr_warmup_steps,
-            updates_per_step=tuning.updates_per_step,
-        ),
+        replace(trainer, zero_stage=min(trainer.zero_stage, 2)),  # ZeRO-3 needs a GPU
         threads,
     )
     rollout_env = {
@@ -207,9 +191,6 @@ def processes(
                 dtype=dtype,
                 max_sessions=tuning.max_sessions,
                 max_model_len=tuning.max_model_len,
-                session=replace(
-                    worker.session, turn_tokens=tuning.turn_tokens, max_turns=tuning.max_turns
-                ),
             ),
             rollout_env,
         )
@@ -218,7 +199,7 @@ def processes(
         "feed",
         launch.FEED,
         rollout_cores,
-        replace(feed, depth=tuning.queue_depth, groups_per_step=tuning.step_groups),
+        replace(feed, depth=tuning.queue_depth),
         {},
     )
     if spec.evaluation is not None:

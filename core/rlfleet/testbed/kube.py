@@ -1,6 +1,6 @@
 """Real Kubernetes clusters on one machine: one shared etcd (a key prefix per cluster) and,
 per cluster, kube-apiserver, kube-controller-manager, kube-scheduler and kwok, whose fake
-nodes advertise nvidia.com/gpu."""
+nodes advertise nvidia.com/gpu and name their GPU type."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from rlfleet.api.meta import GPU_RESOURCE
+from rlfleet.api.meta import GPU_RESOURCE, GPU_TYPE_LABEL
 from rlfleet.local.binaries import binary
 from rlfleet.local.files import write_secret
 from rlfleet.local.processes import Supervisor, free_port
@@ -25,6 +25,10 @@ GPU = GPU_RESOURCE
 REGION_LABEL = "rlfleet.io/region"
 KWOK_SELECTOR = ("type", "kwok")
 SERVICE_CIDR = "10.96.0.0/16"
+# Two GPU generations, as NVIDIA's feature discovery names them on GPU_TYPE_LABEL: the
+# hub trains on the first; a region serves on both, alternating node by node.
+H100 = "NVIDIA-H100-80GB-HBM3"
+L4 = "NVIDIA-L4"
 
 
 @dataclass(frozen=True)
@@ -33,13 +37,14 @@ class ClusterSpec:
     nodes: int
     gpus_per_node: int
     region: str
+    gpu_types: tuple[str, ...] = (H100,)  # node i has gpu_types[i % len(gpu_types)]
 
 
 DEFAULT_CLUSTERS = (
     ClusterSpec("hub", nodes=2, gpus_per_node=8, region="hub"),
-    ClusterSpec("region-a", nodes=4, gpus_per_node=8, region="region-a"),
-    ClusterSpec("region-b", nodes=4, gpus_per_node=8, region="region-b"),
-    ClusterSpec("region-c", nodes=4, gpus_per_node=8, region="region-c"),
+    ClusterSpec("region-a", nodes=4, gpus_per_node=8, region="region-a", gpu_types=(H100, L4)),
+    ClusterSpec("region-b", nodes=4, gpus_per_node=8, region="region-b", gpu_types=(H100, L4)),
+    ClusterSpec("region-c", nodes=4, gpus_per_node=8, region="region-c", gpu_types=(H100, L4)),
 )
 
 
@@ -219,6 +224,7 @@ def node_manifest(spec: ClusterSpec, index: int) -> dict:
                 "kubernetes.io/os": "linux",
                 "kubernetes.io/arch": "amd64",
                 "nvidia.com/gpu.present": "true",
+                GPU_TYPE_LABEL: spec.gpu_types[index % len(spec.gpu_types)],
             },
         },
         "status": {"capacity": capacity, "allocatable": capacity},

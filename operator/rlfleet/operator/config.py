@@ -9,7 +9,7 @@ import yaml
 from kubernetes.utils.quantity import parse_quantity
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rlfleet.api.meta import Quantity
+from rlfleet.api.meta import GPU_TYPE_LABEL, Quantity
 
 Name = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -110,6 +110,9 @@ class Workloads(BaseModel):
     # Each pod serves its Prometheus metrics here: its container's `metrics` port, its
     # `prometheus.io/port` annotation and the component's settings all take this number.
     metrics_port: Annotated[int, Field(ge=1, le=65535)] = 9400
+    # The node label whose value is a node's GPU type: rollout pods are placed by their
+    # pool's `serving.gpuType`, trainer pods by the run's `trainer.gpuType`, on its value.
+    gpu_type_label: Annotated[str, Field(min_length=1, max_length=316)] = GPU_TYPE_LABEL
 
     @model_validator(mode="before")
     @classmethod

@@ -7,6 +7,11 @@ per serving replica is below `lend_below` and gives replicas back only once it r
 `max_lend_fraction`; outside its off-peak windows a pool lends nothing. Runs with higher
 priority borrow first and give back last; a replica already lent stays with its run
 unless the pool must shrink, so the decision never moves GPUs between runs for nothing.
+
+A run that names GPU types borrows only from pools of one of them (a pool of no named
+type lends it nothing). Among runs of one priority, those that named the pool's type
+borrow first: a run that takes any type can be served by any pool, one that named a
+type only by pools of it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class PoolState:
     load: float | None  # the traffic signal summed over serving replicas; None: unknown
     in_window: bool = True
     lent: Mapping[str, int] = field(default_factory=dict)  # run -> replicas, the intent so far
+    gpu_type: str | None = None  # None: the pool names none
 
     @classmethod
     def of(
@@ -55,6 +61,7 @@ class PoolState:
             load=load,
             in_window=in_off_peak(spec.off_peak_windows, now),
             lent=dict(lent),
+            gpu_type=spec.serving.gpu_type,
         )
 
     @property
@@ -74,6 +81,15 @@ class RunDemand:
     max_gpus: int
     pools: tuple[str, ...]
     active: bool = True  # False while suspended or being deleted
+    gpu_types: tuple[str, ...] = ()  # the GPU types it can use; empty: any
+
+    def accepts(self, pool: PoolState) -> bool:
+        """Whether the run can use the pool's GPUs at all."""
+        return not self.gpu_types or pool.gpu_type in self.gpu_types
+
+    def named(self, pool: PoolState) -> bool:
+        """Whether the run asked for the pool's GPU type by name."""
+        return pool.gpu_type is not None and pool.gpu_type in self.gpu_types
 
 
 @dataclass(frozen=True)
@@ -124,7 +140,7 @@ def _target_total(pool: PoolState) -> tuple[int, str]:
 def _wants(demand: RunDemand, pool: PoolState, elsewhere: Mapping[str, int]) -> tuple[int, int]:
     """The replicas of this pool a run needs for its floor, and at most, given the GPUs
     other pools of the region already lend it."""
-    if not demand.active or pool.name not in demand.pools:
+    if not demand.active or pool.name not in demand.pools or not demand.accepts(pool):
         return 0, 0
     other = elsewhere.get(demand.run, 0)
     floor = max(0, math.ceil((demand.min_gpus - other) / pool.gpus_per_replica))
@@ -140,7 +156,7 @@ def decide(
     elsewhere = elsewhere or {}
     target, reason = _target_total(pool)
     wants = {d.run: _wants(d, pool, elsewhere) for d in demands}
-    by_priority = sorted(demands, key=lambda d: (-d.priority, d.run))
+    by_priority = sorted(demands, key=lambda d: (-d.priority, not d.named(pool), d.run))
     # Keep what is lent, within each run's demand; a run that is gone keeps nothing.
     lent = {run: min(n, wants[run][1]) for run, n in pool.lent.items() if run in wants}
     # Shrink: the lowest priority gives back first.
@@ -162,6 +178,24 @@ def decide(
     if not lent and reason == "Lend" and target > 0:
         reason = "NoDemand"
     return Decision(lent, reason)
+
+
+def unserved_gpu_types(
+    region: str, demand: RunDemand, pool_types: Mapping[str, str | None]
+) -> str | None:
+    """Why a run that names GPU types borrows nothing in the region, which a schema cannot
+    see: the pools it names there exist (`pool_types`: the region's pools, name -> GPU
+    type), but none serves on one of its types. None when that is not so."""
+    offered = {p: pool_types[p] for p in demand.pools if p in pool_types}
+    if not demand.gpu_types or not offered:
+        return None
+    if any(t in demand.gpu_types for t in offered.values()):
+        return None
+    seen = ", ".join(f"{p} on {t or 'no named type'}" for p, t in sorted(offered.items()))
+    return (
+        f"spec.rollout.regions[{region}].gpuTypes {', '.join(demand.gpu_types)}: no pool of its "
+        f"inferencePools serves on them ({seen})"
+    )
 
 
 def lent_elsewhere(by_pool: list[Mapping[str, int]]) -> dict[str, int]:

@@ -28,7 +28,14 @@ from rlfleet.api.rlrun import RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.operator import telemetry
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.kube import Kube, Ref
-from rlfleet.operator.lending import Decision, PoolState, RunDemand, decide, lent_elsewhere
+from rlfleet.operator.lending import (
+    Decision,
+    PoolState,
+    RunDemand,
+    decide,
+    lent_elsewhere,
+    unserved_gpu_types,
+)
 from rlfleet.operator.locks import KeyedLocks
 from rlfleet.operator.parallel import at_once
 from rlfleet.operator.status import Event, condition, find, now, parse_time, timestamp
@@ -247,6 +254,7 @@ class Region:
             min_gpus=here.min_gpus,
             max_gpus=here.max_gpus,
             pools=tuple(here.inference_pools),
+            gpu_types=tuple(here.gpu_types),
             active=not spec.suspend and not run["metadata"].get("deletionTimestamp"),
         )
 
@@ -282,11 +290,15 @@ class Region:
                 if p["metadata"]["labels"].get(POOL_LABEL) == pool["metadata"]["name"]
             ]
             running += len(here) * gpus
+        types = {p["metadata"]["name"]: p["spec"]["serving"].get("gpuType") for p in pools}
+        unserved = unserved_gpu_types(self.name, demand, types) if demand else None
         entry = RegionStatus(
             name=self.name,
             requested=demand.max_gpus if demand else 0,
             lent=lent,
             running=running,
+            # Set only when so: the hub folds this entry in whole, and a null is no value.
+            **({"gpu_types_unserved": unserved} if unserved else {}),
         )
         status = RLRunStatus(
             observed_generation=meta.get("generation", 0),

@@ -133,6 +133,19 @@ def lending_event(
     return Event("Normal", "GPUsLent", f"{lent} rollout GPUs lent ({detail})")
 
 
+def unserved_events(
+    previous: Mapping[str, RegionStatus], entries: Sequence[RegionStatus]
+) -> list[Event]:
+    """NoPoolOfGpuType when a region first finds none of the run's pools there serves on
+    the GPU types the run can use (or finds it for other reasons)."""
+    return [
+        Event("Warning", "NoPoolOfGpuType", f"region {e.name}: {e.gpu_types_unserved}")
+        for e in entries
+        if e.gpu_types_unserved
+        and e.gpu_types_unserved != getattr(previous.get(e.name), "gpu_types_unserved", None)
+    ]
+
+
 def phase(verdict: Verdict, spec: RLRunSpec, training: bool) -> str:
     if verdict.failed:
         return "Failed"
@@ -162,6 +175,7 @@ def decide(observed: Observed) -> Decision:
     ]
     events += [v.event for v in views if v.event is not None]
     entries = [v.entry for v in views]
+    events += unserved_events(previous, entries)
     entries += [previous[n].model_copy(update={"reachable": False}) for n in observed.leftover]
     lent_event = lending_event(entries, wanted, old.gpus_lent)
     events += [lent_event] if lent_event is not None else []
@@ -205,6 +219,7 @@ def degraded(
     """Why the rollouts are degraded (none: they are not), and the condition's reason."""
     lost = [f"{v.entry.name} unreachable for {v.silent_s:.0f}s" for v in views if v.lost]
     refused = [f"{v.entry.name}: {v.problem}" for v in views if v.refused]
+    unserved = [f"{e.name}: {e.gpu_types_unserved}" for e in reachable if e.gpu_types_unserved]
     below_floor = [
         f"{e.name} runs {e.running} of at least {d.min_gpus} GPUs"
         for d in spec.rollout.regions
@@ -216,11 +231,13 @@ def degraded(
         if lost
         else "RegionCredentialsInvalid"
         if refused
+        else "NoPoolOfGpuType"
+        if unserved
         else "BelowMinGpus"
         if below_floor
         else "AllRegionsServing"
     )
-    return lost + refused + below_floor, reason
+    return lost + refused + unserved + below_floor, reason
 
 
 def _conditions(

@@ -17,6 +17,7 @@ from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import API_VERSION, COMPONENT_LABEL, GPU_RESOURCE, GROUP, RUN_LABEL
 from rlfleet.api.rlrun import CheckpointStorage, RLRunSpec
 from rlfleet.bus.auth import CREDENTIALS_ENV
+from rlfleet.launch.settings import Ranks
 from rlfleet.operator.config import Images, NatsAccess, Resources, Workloads
 
 POOL_LABEL = f"{GROUP}/pool"
@@ -29,7 +30,9 @@ JETSTREAM_DOMAIN = f"{GROUP}/jetstream-domain"
 # its NATS has users (`NatsAccess.credentials_secret`); without it pods connect anonymously.
 NATS_USER = f"{GROUP}/nats-user"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "rlfleet-operator"}
-TRAINER_PORT = 29500  # torch.distributed rendezvous
+TRAINER_PORT = Ranks().master_port  # torch.distributed rendezvous, on rank 0's pod
+# The StatefulSet controller labels each pod with its ordinal: the pod's node rank.
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 METRICS_PORT_NAME = "metrics"  # the container port a component serves Prometheus metrics on
 
 
@@ -132,6 +135,22 @@ def _container(name: str, image: str, gpus: int, env: dict[str, str], workloads:
     }
 
 
+def _on_gpu_type(pod: dict, workloads: Workloads, gpu_type: str | None) -> dict:
+    """Places the pod on nodes whose GPU-type label says `gpu_type` (none: anywhere)."""
+    if gpu_type is not None:
+        term = {
+            "matchExpressions": [
+                {"key": workloads.gpu_type_label, "operator": "In", "values": [gpu_type]}
+            ]
+        }
+        pod["affinity"] = {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
+            }
+        }
+    return pod
+
+
 def mints_users(nats: NatsAccess | None) -> bool:
     """Whether the hub mints each run a NATS user: its NATS has users at all."""
     return nats is not None and nats.credentials_secret is not None
@@ -229,6 +248,8 @@ def hub_objects(
         "metadata": _meta(run, f"{name}-trainer", labels),
         "spec": {
             "clusterIP": "None",
+            # Ranks meet before any is ready: rank 0's name resolves once its pod exists.
+            "publishNotReadyAddresses": True,
             "selector": labels,
             "ports": [{"name": "rendezvous", "port": TRAINER_PORT}],
         },
@@ -257,17 +278,10 @@ def _trainer(
     stopped: bool,
     labels: dict[str, str],
 ) -> dict:
-    """The trainer's StatefulSet: one pod per rank, at zero while the run is stopped."""
+    """The trainer's StatefulSet: its pods are the nodes of one DeepSpeed job, at zero
+    while the run is stopped."""
     name = run["metadata"]["name"]
-    container = _container(
-        "trainer",
-        spec.trainer.image or images.trainer,
-        spec.trainer.gpus_per_replica,
-        _nats_env(nats),
-        workloads,
-    )
-    container["ports"].append({"name": "rendezvous", "containerPort": TRAINER_PORT})
-    container["volumeMounts"].append({"name": "state", "mountPath": launch.STATE_DIR})
+    container = _trainer_container(run, spec, images, workloads, nats)
     storage = spec.trainer.checkpoint_storage
     statefulset = {
         "apiVersion": "apps/v1",
@@ -299,9 +313,33 @@ def _trainer(
         },
     }
     _with_deepspeed(statefulset["spec"]["template"]["spec"], spec)
+    _on_gpu_type(statefulset["spec"]["template"]["spec"], workloads, spec.trainer.gpu_type)
     if storage is not None:
         statefulset["spec"] |= _checkpoint_claims(storage, labels)
     return statefulset
+
+
+def _trainer_container(
+    run: dict, spec: RLRunSpec, images: Images, workloads: Workloads, nats: NatsAccess | None
+) -> dict:
+    """A trainer pod's container, told its place in the job (`launch.Placement.from_env`
+    reads it into `Ranks`): its ordinal as node rank, the replicas as nodes, one process per
+    GPU (one on a GPU-less trainer), and pod 0 through the headless Service as rank 0."""
+    name, namespace = run["metadata"]["name"], run["metadata"]["namespace"]
+    gpus = spec.trainer.gpus_per_replica
+    ranks = {
+        launch.TRAINER_NODES_ENV: str(spec.trainer.replicas),
+        launch.TRAINER_PROCS_PER_NODE_ENV: str(max(gpus, 1)),
+        launch.TRAINER_MASTER_ADDR_ENV: f"{name}-trainer-0.{name}-trainer.{namespace}.svc",
+        launch.TRAINER_MASTER_PORT_ENV: str(TRAINER_PORT),
+    }
+    image = spec.trainer.image or images.trainer
+    container = _container("trainer", image, gpus, _nats_env(nats) | ranks, workloads)
+    index = {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}
+    container["env"].append({"name": launch.TRAINER_NODE_RANK_ENV, "valueFrom": index})
+    container["ports"].append({"name": "rendezvous", "containerPort": TRAINER_PORT})
+    container["volumeMounts"].append({"name": "state", "mountPath": launch.STATE_DIR})
+    return container
 
 
 def _checkpoint_claims(storage: CheckpointStorage, labels: dict[str, str]) -> dict:
@@ -409,6 +447,8 @@ def rollout_deployment(
         },
         spec,
     )
+    # On the pool's own kind of GPU: the lent replicas' nodes, none of another type.
+    pod = _on_gpu_type(pod, workloads, pool_spec.serving.gpu_type)
     pod = _with_nats(pod, name, NATS_USER in run["metadata"].get("annotations", {}))
     return _deployment(run, rollout_name(name, pool), labels, replicas, pod)
 
