@@ -182,11 +182,12 @@ def _micro_batches(segments: list, budget: int, share_prompts: bool = True) -> l
 
 
 def _seconds_per_step(policy, micro_batches) -> float:
-    policy.train_step(micro_batches)  # warm-up
+    tokens = sum(rows.tokens for rows in micro_batches)
+    policy.train_step(micro_batches, tokens)  # warm-up
     runs = []
     for _ in range(5):
         started = time.perf_counter()
-        policy.train_step(micro_batches)
+        policy.train_step(micro_batches, tokens)
         runs.append(time.perf_counter() - started)
     return statistics.median(runs)
 

@@ -51,6 +51,7 @@ def test_without_a_user_file_the_engine_gets_the_trainers_own_settings() -> None
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": 2},
         "zero_allow_untested_optimizer": True,
+        "checkpoint": {"use_node_local_storage": True},
         "steps_per_print": 1 << 30,
     }
 

@@ -1,14 +1,12 @@
-"""`python -m rlfleet.trainer CONFIG.json`, or `--rlrun [SPEC]` in a pod: run the trainer
-until stopped or max_steps."""
+"""`python -m rlfleet.trainer CONFIG.json`, or `--rlrun [SPEC]` in a pod: run this pod's
+trainer ranks (`config.ranks`) until stopped or max_steps."""
 
-import asyncio
 import logging
-import signal
 import sys
 
 from rlfleet import launch
 from rlfleet.trainer.deepspeed_config import deepspeed_config
-from rlfleet.trainer.loop import Trainer
+from rlfleet.trainer.ranks import launch as launch_ranks
 
 
 def main() -> None:
@@ -20,14 +18,7 @@ def main() -> None:
         deepspeed_config(config)  # a user's DeepSpeed file is refused before anything loads
     except ValueError as error:
         sys.exit(f"python -m rlfleet.trainer: {error}")
-    trainer = Trainer(config)
-
-    async def run() -> None:
-        # SIGTERM finishes the step under way (checkpoint, publish, ack) and exits.
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, trainer.stopping.set)
-        await trainer.run()
-
-    asyncio.run(run())
+    launch_ranks(config)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,9 @@ def own_settings(config: TrainerConfig) -> dict[str, Any]:
         "gradient_clipping": config.grad_clip,
         "zero_optimization": {"stage": config.zero_stage},
         "zero_allow_untested_optimizer": True,  # torch's AdamW
+        # Each trainer pod checkpoints to its own volume: the first process of every node,
+        # not only rank 0, writes the model states its ranks resume from.
+        "checkpoint": {"use_node_local_storage": True},
     }
 
 

@@ -1,5 +1,8 @@
 """The asynchronous training loop: trajectories in, policy versions out.
 
+Rank 0 runs the `Trainer`; the job's other ranks `follow` it (`rlfleet.trainer.distributed`
+says why one reader feeds them all).
+
 Per step: take full GRPO groups up to the token budget, one optimiser step, save a
 checkpoint that names the stream sequences it consumed, publish the new weights, and
 only then acknowledge those sequences. A trainer killed anywhere resumes from its last
@@ -25,6 +28,7 @@ from rlfleet.api.wire import (
     GroupOutcome,
     StepReport,
     Trajectory,
+    WeightManifest,
     decode_trajectory,
     encode,
     step_subject,
@@ -34,13 +38,14 @@ from rlfleet.api.wire import (
 from rlfleet.bus import auth
 from rlfleet.bus.streams import bind_stream, step_stream
 from rlfleet.launch.settings import TrainerConfig
-from rlfleet.trainer import metrics
+from rlfleet.trainer import distributed, metrics
+from rlfleet.trainer.distributed import Kind, Order
 from rlfleet.trainer.groups import GroupBuffer, Received, staleness
 from rlfleet.trainer.objective import group_advantages
-from rlfleet.trainer.policy import Policy
-from rlfleet.trainer.rows import make_rows, split_by_tokens
+from rlfleet.trainer.policy import Policy, StepResult
+from rlfleet.trainer.rows import Rows, make_rows, split_by_tokens
 from rlfleet.trainer.validation import problem
-from rlfleet.weightsync import Publisher, WeightStream
+from rlfleet.weightsync import Part, Publisher, WeightStream
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +79,9 @@ class Trainer:
         nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
         try:
             js = nc.jetstream(domain=config.jetstream_domain)
-            weights = WeightStream(nc, config.run, config.weightsync, config.jetstream_domain)
             for stream in (trajectory_stream(config.run), step_stream(config.run)):
                 await bind_stream(js, stream)
-            await weights.bind()
+            self.publisher = await rank_publisher(nc, config)
             subscription = await js.pull_subscribe(
                 trajectory_subject(config.run),
                 durable=CONSUMER,
@@ -88,16 +92,14 @@ class Trainer:
                     max_ack_pending=-1,
                 ),
             )
-            mirrors = [
-                WeightStream(nc, config.run, config.weightsync, domain)
-                for domain in config.weight_mirrors
-            ]
-            self.publisher = Publisher(weights, config.weightsync, mirrors)
             await self._publish_weights()
             self.ready_at = time.perf_counter()
             while not self.stopping.is_set() and not self._done():
                 await self._receive(subscription)
-                await self._maybe_step(js)
+                if not await self._maybe_step(js) and distributed.world() > 1:
+                    await asyncio.to_thread(self._order, Kind.IDLE)
+            if distributed.world() > 1:
+                await asyncio.to_thread(self._order, Kind.STOP)
         finally:
             await nc.close()
 
@@ -200,7 +202,20 @@ class Trainer:
             if msg is not None:
                 await msg.ack_sync()
 
-    async def _maybe_step(self, js) -> None:
+    def _order(self, kind: Kind) -> None:
+        distributed.send([Order(kind)] * distributed.world())
+
+    def _train(self, micro_batches: list[Rows], tokens: int) -> StepResult:
+        """Deals the step's micro-batches to the ranks and trains on rank 0's share."""
+        orders = [
+            Order(Kind.STEP, self.step + 1, share, tokens)
+            for share in distributed.share(micro_batches, distributed.world())
+        ]
+        mine = distributed.send(orders)
+        return self.policy.train_step(mine.micro_batches, tokens)
+
+    async def _maybe_step(self, js) -> bool:
+        """Trains one step if one is ready; returns whether it did."""
         now = time.monotonic()
         stale = self.buffer.drop_stale(self.version, self.config.max_staleness)
         expired = self.buffer.expire(now)
@@ -215,7 +230,7 @@ class Trainer:
             budget = self.config.step_tokens
             groups = self.buffer.take(budget, self.config.max_step_tokens or 2 * budget, now)
         if not groups:
-            return
+            return False
         started = time.perf_counter()
         waited = started - self.ready_at
         items = [item for group in groups for item in group]
@@ -231,7 +246,8 @@ class Trainer:
             make_rows([s for s, _ in chunk], [a for _, a in chunk], self.policy.pad_id)
             for chunk in split_by_tokens(segments, self.config.micro_batch_tokens)
         ]
-        result = await asyncio.to_thread(self.policy.train_step, micro_batches)
+        tokens = sum(rows.tokens for rows in micro_batches)
+        result = await asyncio.to_thread(self._train, micro_batches, tokens)
         lags = [staleness(i.trajectory, self.version) for i in items]
         report = StepReport(
             run=self.config.run,
@@ -304,13 +320,51 @@ class Trainer:
             result.mismatch.kl,
             report.step_seconds,
         )
+        return True
 
     async def _publish_weights(self) -> tuple[int, float]:
         """Publishes the current version; returns the bytes a follower fetches for it (the
         delta when there is one) and the seconds publishing took."""
         started = time.perf_counter()
-        tensors = await asyncio.to_thread(self.policy.weights)
-        manifests = await self.publisher.publish(tensors, self.version)
+        manifests = await publish(self.policy, self.publisher, self.version)
         metrics.policy_version.set(self.version)
         shipped = next((m for m in manifests if m.kind == "delta"), manifests[0])
         return sum(s.size for s in shipped.shards), time.perf_counter() - started
+
+
+async def rank_publisher(nc, config: TrainerConfig) -> Publisher:
+    """This rank's publisher of the run's one version stream: each rank puts the shards
+    of the tensors it owns (`Policy.weights`), rank 0 the manifest."""
+    weights = WeightStream(nc, config.run, config.weightsync, config.jetstream_domain)
+    await weights.bind()
+    mirrors = [
+        WeightStream(nc, config.run, config.weightsync, domain) for domain in config.weight_mirrors
+    ]
+    part = Part(distributed.rank(), distributed.world(), distributed.gather)
+    return Publisher(weights, config.weightsync, mirrors, part=part)
+
+
+async def publish(policy: Policy, publisher: Publisher, version: int) -> list[WeightManifest]:
+    """Collective: every rank gathers its part of the policy and publishes it as `version`."""
+    return await publisher.publish(await asyncio.to_thread(policy.weights), version)
+
+
+async def follow(config: TrainerConfig, local_rank: int) -> None:
+    """A rank other than 0: takes its part in every collective rank 0 starts (restoring,
+    training its share of each step, saving, publishing) until told to stop."""
+    policy = await asyncio.to_thread(Policy, config, local_rank)
+    state = await asyncio.to_thread(policy.load)
+    nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
+    try:
+        publisher = await rank_publisher(nc, config)
+        await publish(policy, publisher, state["step"] if state is not None else 0)
+        while (order := await asyncio.to_thread(distributed.receive)).kind is not Kind.STOP:
+            if order.kind is Kind.STEP:
+                await asyncio.to_thread(policy.train_step, order.micro_batches, order.tokens)
+                # Rank 0's client state is the one resumed from; this node's own checkpoint
+                # says which version it holds.
+                await asyncio.to_thread(policy.save, order.step, {"step": order.step})
+                await publish(policy, publisher, order.step)
+    finally:
+        await nc.close()
+    log.info("rank %d: stopped with rank 0", distributed.rank())

@@ -89,12 +89,30 @@ class Mismatch:
 
     @classmethod
     def of(cls, trainer: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> Mismatch:
-        picked = mask.bool()
-        if not picked.any():
+        return cls.of_sums(mismatch_sums(trainer, behaviour, mask))
+
+    @classmethod
+    def of_sums(cls, sums: torch.Tensor) -> Mismatch:
+        """From `mismatch_sums`, or their sum (max for the max) over parts of a batch."""
+        count, sum_abs, max_abs, sum_k3 = sums.tolist()
+        if not count:
             return cls(0.0, 0.0, 0.0)
-        delta = (trainer - behaviour)[picked]
-        return cls(
-            mean_abs=float(delta.abs().mean()),
-            max_abs=float(delta.abs().max()),
-            kl=float((torch.exp(delta) - 1 - delta).mean()),
-        )
+        return cls(mean_abs=sum_abs / count, max_abs=max_abs, kl=sum_k3 / count)
+
+
+def mismatch_sums(
+    trainer: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """[tokens, sum |delta|, max |delta|, sum k3] over the masked tokens, in float64: what
+    `Mismatch` is made of, summable over a batch split across ranks."""
+    delta = (trainer - behaviour)[mask.bool()].double()
+    if not delta.numel():
+        return torch.zeros(4, dtype=torch.float64)
+    return torch.stack(
+        [
+            torch.tensor(float(delta.numel()), dtype=torch.float64),
+            delta.abs().sum(),
+            delta.abs().max(),
+            (torch.exp(delta) - 1 - delta).sum(),
+        ]
+    )

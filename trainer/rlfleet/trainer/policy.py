@@ -4,25 +4,24 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import socket
 from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
 import torch
-from deepspeed.accelerator import get_accelerator
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
 from rlfleet.launch.settings import TrainerConfig
-from rlfleet.trainer import routing
+from rlfleet.trainer import distributed, routing
 from rlfleet.trainer.deepspeed_config import deepspeed_config
-from rlfleet.trainer.objective import Mismatch, ObjectiveConfig, policy_loss
+from rlfleet.trainer.objective import Mismatch, ObjectiveConfig, mismatch_sums, policy_loss
 from rlfleet.trainer.rows import Rows
 from rlfleet.trainer.scoring import prepare, token_logprobs
 from rlfleet.trainer.validation import ModelShape
+from rlfleet.weightsync import owned_names
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +34,10 @@ class StepResult:
     clipped_fraction: float
 
 
-def _init_distributed() -> None:
-    if not os.environ.get("MASTER_PORT"):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("WORLD_SIZE", "1")
-    # The CPU accelerator defaults to oneCCL; gloo needs nothing installed.
-    backend = "gloo" if get_accelerator().device_name() == "cpu" else None
-    deepspeed.init_distributed(dist_backend=backend)
-
-
 class Policy:
-    def __init__(self, config: TrainerConfig) -> None:
+    def __init__(self, config: TrainerConfig, local_rank: int = 0) -> None:
         self.config = config
+        self.local_rank = local_rank
         engine_config = deepspeed_config(config)  # a user's bad file fails before any load
         self.objective = ObjectiveConfig(
             clip_low=config.clip_low,
@@ -58,7 +45,7 @@ class Policy:
             is_cap=config.is_cap,
             kl_coef=config.kl_coef,
         )
-        _init_distributed()
+        distributed.init_distributed(config.ranks, local_rank)
         torch.manual_seed(config.seed)
         model_config = json.loads((config.model / "config.json").read_text())
         # Published weights keep the checkpoint's dtype, the one the inference engine serves.
@@ -106,24 +93,30 @@ class Policy:
             temperature=self.config.temperature,
         )
 
-    def train_step(self, micro_batches: list[Rows]) -> StepResult:
-        """`updates_per_step` optimiser steps over all `micro_batches`, each a mean over all
-        their tokens. The first pass's log-probs are the proximal policy: later passes are
-        clipped against it (PPO epochs), which is what makes reusing a batch safe."""
+    def train_step(self, micro_batches: list[Rows], tokens: int) -> StepResult:
+        """`updates_per_step` optimiser steps over the step's micro-batches, each a mean over
+        all the step's `tokens`. Each rank passes its own share of the micro-batches (as many
+        as every other rank); the result is the whole step's. The first pass's log-probs are
+        the proximal policy: later passes are clipped against it (PPO epochs), which is what
+        makes reusing a batch safe."""
         self.engine.train()
-        tokens = sum(rows.tokens for rows in micro_batches)
         references = [self._reference(rows) for rows in micro_batches]  # frozen: once
         loss, clipped, proximal = self._update(micro_batches, references, tokens, None)
         for _ in range(self.config.updates_per_step - 1):
             _, clipped, _ = self._update(micro_batches, references, tokens, proximal)
-        mismatch = Mismatch.of(
+        mismatch = mismatch_sums(
             torch.cat([lp.flatten() for lp in proximal]),
             torch.cat([rows.behaviour.flatten() for rows in micro_batches]),
             torch.cat([rows.mask.flatten() for rows in micro_batches]),
+        ).cpu()
+        totals = distributed.reduce(
+            torch.cat([torch.tensor([loss, clipped], dtype=torch.float64), mismatch]),
+            dist.ReduceOp.SUM,
         )
+        totals[4] = distributed.reduce(mismatch[2:3].clone(), dist.ReduceOp.MAX)[0]
         # The loss and mismatch are the first pass's: the batch as the engine sampled it. The
         # clipped fraction is the last pass's: how far the reuse pushed from the proximal.
-        return StepResult(loss, tokens, mismatch, clipped)
+        return StepResult(float(totals[0]), tokens, Mismatch.of_sums(totals[2:]), float(totals[1]))
 
     def _reference(self, rows: Rows) -> torch.Tensor | None:
         if self.reference is None:
@@ -156,33 +149,55 @@ class Policy:
                 reference,
                 tokens=tokens,
             )
-            self.engine.backward(result.loss, scale_wrt_gas=False)
+            # DeepSpeed averages gradients over the ranks; each rank's loss is its share of
+            # the step's mean, so scaling it by the ranks makes the average their sum.
+            self.engine.backward(result.loss * distributed.world(), scale_wrt_gas=False)
             total_loss += float(result.loss.detach())
             clipped += result.clipped_fraction * rows.tokens / tokens
         self.engine.step()
         return total_loss, clipped, logprobs_seen
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The policy's tensors under the checkpoint's names, in the serving dtype."""
+        """This rank's part of the policy under the checkpoint's names, in the serving dtype:
+        the module's tensors weightsync's `owned_names` gives this rank (by the module's
+        names, so that a fused tensor's owner alone converts it). Every rank calls it: under
+        ZeRO-3 parameters are gathered one at a time, collectively, and each rank keeps only
+        its own, so no rank ever holds the whole model."""
         module = self.engine.module
-        with deepspeed.zero.GatheredParameters(
-            list(module.parameters()), enabled=self.config.zero_stage == 3
-        ):
-            state = {k: v.detach().to(self.serve_dtype) for k, v in module.state_dict().items()}
+        tensors = module.state_dict(keep_vars=True)
+        sizes = {name: getattr(t, "ds_numel", t.numel()) for name, t in tensors.items()}
+        owned = owned_names(sizes, distributed.rank(), distributed.world())
+        state = {}
+        for name, tensor in tensors.items():
+            partitioned = hasattr(tensor, "ds_id")  # a ZeRO-3 parameter: gather it
+            with deepspeed.zero.GatheredParameters([tensor], enabled=partitioned):
+                if name in owned:
+                    # A copy: the gathered storage goes back to its partitions on exit.
+                    state[name] = tensor.detach().to(self.serve_dtype, copy=partitioned)
         return revert_weight_conversion(module, state)
 
     def save(self, step: int, client_state: dict[str, Any]) -> None:
+        """Collective: every rank saves its part, into its node's `checkpoint_dir` (a volume
+        per pod); rank 0's `client_state` is the one resumed from."""
         directory = self.config.checkpoint_dir
         tag = f"step-{step:08d}"
         self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state)
-        tags = sorted(p for p in directory.glob("step-*") if p.is_dir())
-        for old in tags[: -self.config.keep_checkpoints]:
-            shutil.rmtree(old)
+        if self.local_rank == 0:  # once every rank has written (the save ends in a barrier)
+            tags = sorted(p for p in directory.glob("step-*") if p.is_dir())
+            for old in tags[: -self.config.keep_checkpoints]:
+                shutil.rmtree(old)
 
     def load(self) -> dict[str, Any] | None:
-        """The client state of the newest checkpoint after restoring it, or None to start fresh."""
-        if not (self.config.checkpoint_dir / "latest").exists():
+        """Collective: restores on every rank the step rank 0's newest checkpoint holds and
+        returns its client state, or None to start fresh."""
+        latest = self.config.checkpoint_dir / "latest"
+        tag = [latest.read_text().strip() if latest.exists() else None]
+        if distributed.world() > 1:
+            dist.broadcast_object_list(tag, src=0)  # all ranks resume from one step
+        if tag[0] is None:
             return None
-        path, client_state = self.engine.load_checkpoint(str(self.config.checkpoint_dir))
+        path, client_state = self.engine.load_checkpoint(
+            str(self.config.checkpoint_dir), tag=tag[0]
+        )
         log.info("resumed from %s", path)
         return client_state

@@ -51,6 +51,12 @@ def make_rows(segments: Sequence[Segment], advantages: Sequence[float], pad_id: 
     return Rows(batch, behaviour * mask, mask, adv * mask)
 
 
+def idle_rows(rows: Rows) -> Rows:
+    """`rows` with no target to train on: its loss and gradient are zero, its passes real."""
+    nothing = torch.zeros_like(rows.mask)
+    return Rows(rows.batch, nothing, nothing, nothing)
+
+
 def split_by_tokens(
     items: Sequence[tuple[Segment, float]], padded_budget: int
 ) -> list[list[tuple[Segment, float]]]:
