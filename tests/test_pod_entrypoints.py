@@ -98,6 +98,8 @@ def the_run(model: Path, bed: NatsBed, evaluation_suite: Path) -> dict:
     spec = run["spec"]
     spec["model"] |= {"uri": f"file://{model}", "volumeClaimName": "models"}
     spec["rollout"]["taskSuite"] = "rules"  # bare questions: no sandbox per attempt
+    # This host has no GPU: a trainer pod of one process, not one rank per GPU it lacks.
+    spec.setdefault("trainer", {})["gpusPerReplica"] = 0
     # A few tasks, scored once: the first version the evaluator sees.
     spec["evaluation"] = {"suite": str(evaluation_suite), "everyVersions": 1000}
     spec["weightSync"]["endpoints"] = [{"region": REGION, "url": bed.leaves[REGION].url}]
