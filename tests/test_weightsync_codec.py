@@ -6,6 +6,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,7 +14,7 @@ from rlfleet.weightsync import codec, positions
 from rlfleet.weightsync.bits import as_bits, uint_for
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.errors import CorruptShard, DigestMismatch, UnknownBase
-from rlfleet.weightsync.shards import apply_version, encode_version
+from rlfleet.weightsync.shards import apply_version, encode_version, parse_shard
 from rlfleet.weightsync.state import WeightState
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn]
@@ -34,7 +35,7 @@ def tensor_pairs(draw):
     dtype = draw(st.sampled_from(DTYPES))
     size = draw(st.integers(0, 3000))
     seed = draw(st.integers(0, 2**32 - 1))
-    fraction = draw(st.sampled_from([0.0, 0.0005, 0.01, 0.04, 0.3, 0.9, 1.0]))
+    fraction = draw(st.sampled_from([0.0, 0.0005, 0.01, 0.04, 0.08, 0.15, 0.3, 0.45, 0.9, 1.0]))
     rng = np.random.default_rng(seed)
     uint = uint_for(dtype)
     old = rng.integers(0, np.iinfo(uint).max, size, dtype=uint, endpoint=True)
@@ -70,8 +71,83 @@ def test_delta_round_trip_is_bit_exact(pair, dense_from):
 @given(st.lists(st.integers(0, 2**40), unique=True, max_size=400))
 def test_positions_round_trip_including_long_gaps(values):
     where = np.array(sorted(values), dtype=np.int64)
-    decoded = positions.decode(memoryview(positions.encode(where)), 2**40 + 1)
+    coded = positions.encode(where)
+    decoded = positions.decode(memoryview(coded), 2**40 + 1)
     assert np.array_equal(decoded, where)
+    # The price given before building is the exact size: the chooser relies on it.
+    assert positions.encode(where, within=len(coded)) == coded
+    assert positions.encode(where, within=len(coded) - 1) is None
+
+
+def _ulp_steps(size: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """bf16-like bit patterns, `fraction` of them moved one unit in the last place."""
+    rng = np.random.default_rng(seed)
+    old = (rng.normal(0, 0.02, size).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    new = old.copy()
+    where = rng.choice(size, round(size * fraction), replace=False)
+    new[where] += rng.choice(np.array([1, 0xFFFF], dtype=np.uint16), where.size)
+    return old, new
+
+
+def test_the_cheaper_position_code_is_chosen_and_both_are_used():
+    chosen = set()
+    for fraction in (0.01, 0.04, 0.06, 0.1, 0.2, 0.3, 0.45):
+        old, new = _ulp_steps(1 << 16, fraction, seed=int(fraction * 1000))
+        encoding, sections = codec.encode_delta(new, old, 3, 1.0)
+        changed = new != old
+        rice = len(positions.encode(np.flatnonzero(changed)))
+        bitmap = len(
+            zstandard.ZstdCompressor(level=3).compress(np.packbits(changed, bitorder="little"))
+        )
+        if fraction < codec.BITMAP_FROM_FRACTION:
+            assert encoding == "sparse"  # the bitmap is not even priced down there
+        else:
+            assert encoding == ("bitmap" if bitmap < rice else "sparse"), fraction
+        assert len(sections[0]) == (rice if encoding == "sparse" else bitmap)
+        chosen.add(encoding)
+        piece = codec.Piece("t", "x", (new.size,), 0, new.size, encoding, tuple(map(len, sections)))
+        target = old.copy()
+        codec.apply(piece, [memoryview(s) for s in sections], target)
+        assert np.array_equal(target, new)
+        codec.apply(piece, [memoryview(s) for s in sections], target, undo=True)
+        assert np.array_equal(target, old)
+    assert chosen == {"sparse", "bitmap"}
+
+
+def test_a_chain_through_both_position_codes_is_exact_and_rolls_back():
+    gen = torch.Generator().manual_seed(5)
+    master = {f"w{i}": torch.randn(128, 256, generator=gen) * 0.02 for i in range(3)}
+    sender = receiver = None
+    used = set()
+    for version, lr in enumerate([0, 2e-6, 2e-5, 5e-6, 4e-5, 1e-6]):
+        for tensor in master.values():
+            tensor += lr * torch.randn(tensor.shape, generator=gen).sign()
+        current = {n: t.to(torch.bfloat16) for n, t in master.items()}
+        encoded = encode_version("run", version, current, sender, SMALL)
+        used |= {
+            piece.encoding
+            for ref, data in zip(encoded.manifest.shards, encoded.shards, strict=True)
+            for piece, _ in parse_shard(encoded.manifest, ref, data)
+        }
+        if version == 0:
+            receiver = WeightState()
+        _receive(receiver, encoded)
+        assert _same(receiver, current) and receiver.digest() == encoded.manifest.state_digest
+        sender = WeightState.copy_of(current, version)
+    assert {"sparse", "bitmap"} <= used
+    # A version whose digest does not match is taken back out, bitmap pieces included.
+    for tensor in master.values():
+        tensor += 2e-5 * torch.randn(tensor.shape, generator=gen).sign()
+    encoded = encode_version(
+        "run", 6, {n: t.to(torch.bfloat16) for n, t in master.items()}, sender, SMALL
+    )
+    with pytest.raises(DigestMismatch):
+        apply_version(
+            receiver,
+            msgspec.structs.replace(encoded.manifest, state_digest="0" * 32),
+            encoded.shards,
+        )
+    assert receiver.version == 5 and _same(receiver, current)
 
 
 def _model(seed: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:

@@ -1,10 +1,13 @@
 """The delta codec: one piece (a tensor, or a range of a large one) at a time.
 
-A piece is encoded against the receiver's copy of the same range in one of three ways,
+A piece is encoded against the receiver's copy of the same range in one of four ways,
 whichever is smallest:
 
 - ``sparse``: the changed positions (Rice-coded gaps) and each changed element's step,
   as byte planes under zstd. What an RL step usually needs.
+- ``bitmap``: the same steps, the positions as one bit per element under zstd. Where a
+  good part of the piece changed it costs about what Rice does, and takes a fraction of
+  the time to code and decode, being a few whole-array operations over n/8 bytes.
 - ``dense``: the step of every element as byte planes under zstd, for ranges where
   much changed.
 - ``raw``: the new bits as byte planes under zstd, for snapshots and for tensors that are
@@ -33,7 +36,12 @@ from rlfleet.weightsync import positions
 from rlfleet.weightsync.bits import from_planes, to_planes
 from rlfleet.weightsync.errors import CorruptShard
 
-Encoding = Literal["raw", "sparse", "dense"]
+Encoding = Literal["raw", "sparse", "bitmap", "dense"]
+
+# Below this fraction of changed elements the bitmap is not even priced: on changes
+# spread at random it measured 13 % (at 0.1) to 75 % (at 0.01) dearer than Rice coding,
+# the two costing the same from about 0.19 up.
+BITMAP_FROM_FRACTION = 0.1
 
 
 class Piece(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
@@ -51,7 +59,7 @@ class Piece(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=
 _local = threading.local()
 
 
-def _compress(data: bytes, level: int) -> bytes:
+def _compress(data: bytes | np.ndarray, level: int) -> bytes:
     # zstd contexts are not thread safe and are costly to make: one per thread and level.
     cache = _local.__dict__.setdefault("compressors", {})
     if level not in cache:
@@ -90,14 +98,23 @@ def encode_delta(
     new: np.ndarray, old: np.ndarray, level: int, dense_from_fraction: float
 ) -> tuple[Encoding, list[bytes]] | None:
     """The smallest encoding of `new` against `old`, or None when nothing changed."""
-    where = np.flatnonzero(np.not_equal(new, old))
-    if where.size == 0:
+    changed = np.not_equal(new, old)
+    count = int(np.count_nonzero(changed))
+    if count == 0:
         return None
     options: list[tuple[Encoding, list[bytes]]] = []
-    fraction = where.size / new.size
+    fraction = count / new.size
     if fraction < 0.5:
-        steps = _steps(new[where], old[where])
-        options.append(("sparse", [positions.encode(where), _compress(to_planes(steps), level)]))
+        where = np.flatnonzero(changed)
+        steps = _compress(to_planes(_steps(new[where], old[where])), level)
+        bitmap = None
+        if fraction >= BITMAP_FROM_FRACTION:
+            bitmap = _compress(np.packbits(changed, bitorder="little"), level)
+            options.append(("bitmap", [bitmap, steps]))
+        # Rice is priced before it is built: built only where it is the cheaper code.
+        rice = positions.encode(where, within=None if bitmap is None else len(bitmap) - 1)
+        if rice is not None:
+            options.append(("sparse", [rice, steps]))
     if fraction >= min(dense_from_fraction, 0.5):
         options.append(("dense", [_compress(to_planes(_steps(new, old)), level)]))
     return min(options, key=lambda option: sum(map(len, option[1])))
@@ -110,7 +127,7 @@ def apply(piece: Piece, sections: list[memoryview], target: np.ndarray, undo: bo
     """
     if target.size != piece.count:
         raise CorruptShard(f"{piece.tensor}: piece of {piece.count} elements for {target.size}")
-    expected_sections = 2 if piece.encoding == "sparse" else 1
+    expected_sections = 2 if piece.encoding in ("sparse", "bitmap") else 1
     if len(sections) != expected_sections:
         raise CorruptShard(f"{piece.tensor}: {piece.encoding} piece with {len(sections)} sections")
     width = target.dtype.itemsize
@@ -118,12 +135,20 @@ def apply(piece: Piece, sections: list[memoryview], target: np.ndarray, undo: bo
         if undo:
             raise ValueError("raw pieces are staged, never undone in place")
         raw = _decompress(sections[0], piece.count * width)
-        target[:] = from_planes(raw, target.dtype, target.size)
+        from_planes(raw, target.dtype, target.size, out=target)
         return
     if piece.encoding == "dense":
         where: np.ndarray | slice = slice(None)
         count = piece.count
         data = sections[0]
+    elif piece.encoding == "bitmap":
+        packed = np.frombuffer(_decompress(sections[0], -(-piece.count // 8)), np.uint8)
+        mask = np.unpackbits(packed, count=piece.count, bitorder="little").view(bool)
+        # Integer positions index faster than a boolean mask; numpy finds them in a bool
+        # array several times faster than in a uint8 one.
+        where = np.flatnonzero(mask)
+        count = where.size
+        data = sections[1]
     else:
         where = positions.decode(sections[0], piece.count)
         count = where.size

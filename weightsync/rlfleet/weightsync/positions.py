@@ -20,26 +20,32 @@ ESCAPE = 32
 _HEADER = struct.Struct("<IBIQI")  # count, rice bits, escapes, quotient bits, remainder bytes
 
 
-def _best_rice_bits(gaps: np.ndarray) -> int:
-    """The Rice parameter that codes these gaps in the fewest bits.
+def _best_rice_bits(gaps: np.ndarray, total: int) -> tuple[int, int, int]:
+    """The Rice parameter that codes these gaps in the fewest bits, with the length of
+    the unary part and the number of escapes it then has.
 
     For geometric gaps the optimum is near log2(mean * ln 2); one histogram of the gaps
     shifted by the smallest candidate prices every candidate exactly, since
-    (g >> a) >> b == g >> (a + b).
+    (g >> a) >> b == g >> (a + b). `total` is the gaps' sum, known without a pass.
     """
-    guess = int(np.log2(max(float(gaps.mean()) * np.log(2), 1.0)))
+    guess = int(np.log2(max(total / gaps.size * np.log(2), 1.0)))
     low = max(guess - 1, 0)
     spread = 3
     histogram = np.bincount(np.minimum(gaps >> low, ESCAPE << spread))
     buckets = np.arange(histogram.size)
 
-    def cost(extra: int) -> int:
+    def parts(extra: int) -> tuple[int, int]:
         q = buckets >> extra
         escaped = int(histogram[q >= ESCAPE].sum())
-        unary = int((np.minimum(q, ESCAPE) * histogram).sum()) + gaps.size
+        return int((np.minimum(q, ESCAPE) * histogram).sum()) + gaps.size, escaped
+
+    def cost(extra: int) -> int:
+        unary, escaped = priced[extra]
         return unary + (gaps.size - escaped) * (low + extra) + escaped * 64
 
-    return low + min(range(spread), key=cost)
+    priced = [parts(extra) for extra in range(spread)]
+    extra = min(range(spread), key=cost)
+    return low + extra, *priced[extra]
 
 
 def _pack_low_bits(values: np.ndarray, bits: int) -> bytes:
@@ -80,21 +86,32 @@ def _unpack_low_bits(data: memoryview, count: int, bits: int) -> np.ndarray:
     return values.view(np.int64)
 
 
-def encode(positions: np.ndarray) -> bytes:
-    """Code strictly increasing non-negative positions."""
-    gaps = np.diff(positions.astype(np.int64, copy=False), prepend=-1) - 1
-    if gaps.size == 0:
-        return _HEADER.pack(0, 0, 0, 0, 0)
-    r = _best_rice_bits(gaps)
+def encode(positions: np.ndarray, within: int | None = None) -> bytes | None:
+    """Code strictly increasing non-negative positions; None when that takes more than
+    `within` bytes. The price is known before the costly part is built, so a caller with
+    a cheaper code at hand skips it."""
+    if positions.size == 0:
+        return _HEADER.pack(0, 0, 0, 0, 0) if within is None or _HEADER.size <= within else None
+    positions = positions.astype(np.int64, copy=False)
+    gaps = np.empty_like(positions)
+    gaps[0] = positions[0]
+    np.subtract(positions[1:], positions[:-1], out=gaps[1:])
+    gaps[1:] -= 1
+    r, unary_bits, n_escaped = _best_rice_bits(gaps, int(positions[-1]) + 1 - gaps.size)
+    remainder_bytes = _low_bits_size(gaps.size - n_escaped, r)
+    size = _HEADER.size + (unary_bits + 7) // 8 + remainder_bytes + 8 * n_escaped
+    if within is not None and size > within:
+        return None
     q = gaps >> r
     escaped = q >= ESCAPE
     unary_lengths = np.minimum(q, ESCAPE) + 1
-    unary = np.ones(int(unary_lengths.sum()), dtype=np.uint8)
+    unary = np.ones(unary_bits, dtype=np.uint8)
     unary[np.cumsum(unary_lengths) - 1] = 0
     unary_bytes = np.packbits(unary).tobytes()
-    remainders = _pack_low_bits(gaps[~escaped] & ((1 << r) - 1), r)
-    escapes = gaps[escaped].astype("<u8").tobytes()
-    header = _HEADER.pack(gaps.size, r, int(escaped.sum()), unary.size, len(remainders))
+    plain = gaps[~escaped] if n_escaped else gaps
+    remainders = _pack_low_bits(plain & ((1 << r) - 1), r)
+    escapes = gaps[escaped].astype("<u8").tobytes() if n_escaped else b""
+    header = _HEADER.pack(gaps.size, r, n_escaped, unary_bits, remainder_bytes)
     return b"".join((header, unary_bytes, remainders, escapes))
 
 
