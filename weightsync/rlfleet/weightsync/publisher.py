@@ -152,26 +152,27 @@ class Publisher:
 
         async def put(ref: ShardRef, data: bytes) -> None:
             try:
-                await self.stream.put_shard(version, kind, ref, data)
+                await self.stream.put_shard(version, kind, ref, data, connection)
             finally:
                 window.release()
 
-        try:
-            while (item := await asyncio.to_thread(next, shards, None)) is not None:
-                refs.append(item[0])
-                await window.acquire()
-                for task in [t for t in puts if t.done()]:
-                    puts.discard(task)
-                    task.result()  # the first failed put ends the version here
-                puts.add(asyncio.create_task(put(*item)))
-            await asyncio.gather(*puts)
-        finally:
-            for task in puts:
-                task.cancel()
-            await asyncio.gather(*puts, return_exceptions=True)
-            # Still running in its thread if this task was cancelled: it ends with it.
-            with contextlib.suppress(ValueError):
-                shards.close()
+        async with self.stream.connection() as connection:
+            try:
+                while (item := await asyncio.to_thread(next, shards, None)) is not None:
+                    refs.append(item[0])
+                    await window.acquire()
+                    for task in [t for t in puts if t.done()]:
+                        puts.discard(task)
+                        task.result()  # the first failed put ends the version here
+                    puts.add(asyncio.create_task(put(*item)))
+                await asyncio.gather(*puts)
+            finally:
+                for task in puts:
+                    task.cancel()
+                await asyncio.gather(*puts, return_exceptions=True)
+                # Still running in its thread if this task was cancelled: it ends with it.
+                with contextlib.suppress(ValueError):
+                    shards.close()
         metrics.PUBLISHED_BYTES.labels(kind).inc(sum(ref.size for ref in refs))
         removed = sorted(set(base.tensors) - set(tensors)) if base is not None else []
         return RankEncoding(refs, tensor_entries(tensors, digests), removed)

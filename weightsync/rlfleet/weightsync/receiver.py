@@ -21,6 +21,7 @@ from nats.js.api import DeliverPolicy
 
 from rlfleet.api.wire import WeightManifest, decode_manifest
 from rlfleet.weightsync import metrics
+from rlfleet.weightsync.direct import ShardConnection
 from rlfleet.weightsync.errors import CorruptShard, NotOurs, UnknownBase, WeightsyncError
 from rlfleet.weightsync.plan import Key, plan
 from rlfleet.weightsync.shards import apply_version, checksum
@@ -155,11 +156,26 @@ class Receiver:
         return None
 
     async def _walk(self, steps: list[Key]) -> bool:
-        """Apply the steps in order; False if one was refused and a new plan is needed."""
-        for key in steps:
+        """Apply the steps in order; False if one was refused and a new plan is needed.
+
+        The next step's shards are fetched while a step is applied (a joining receiver's
+        deltas arrive during its snapshot's decoding): two steps' shards are held at most.
+        """
+        upcoming = [asyncio.ensure_future(self.fetch(self.known[steps[0]]))] if steps else []
+        try:
+            return await self._walk_fetched(steps, upcoming)
+        finally:
+            for fetch in upcoming:
+                fetch.cancel()
+            await asyncio.gather(*upcoming, return_exceptions=True)
+
+    async def _walk_fetched(self, steps: list[Key], upcoming: list[asyncio.Future]) -> bool:
+        for step, key in enumerate(steps):
             manifest = self.known[key]
             try:
-                shards = await self.fetch(manifest)
+                shards = await upcoming.pop()
+                if step + 1 < len(steps):
+                    upcoming.append(asyncio.ensure_future(self.fetch(self.known[steps[step + 1]])))
                 changed = await asyncio.to_thread(self._apply, manifest, shards)
             except TRANSIENT as error:
                 log.warning("version %d (%s) stalled: %s; will retry", key[0], key[1], error)
@@ -181,7 +197,7 @@ class Receiver:
                 await self.on_version(manifest, changed)
         return True
 
-    def _apply(self, manifest: WeightManifest, shards: list[bytes]) -> set[str]:
+    def _apply(self, manifest: WeightManifest, shards: list[bytearray]) -> set[str]:
         with self.state_lock:
             changed = apply_version(self.state, manifest, shards)
             self._changed |= changed if manifest.kind == "delta" else set(self.state.tensors)
@@ -192,15 +208,23 @@ class Receiver:
         changed, self._changed = self._changed, set()
         return changed
 
-    async def fetch(self, manifest: WeightManifest) -> list[bytes]:
+    async def fetch(self, manifest: WeightManifest) -> list[bytearray]:
         """Every shard of the version; a bad shard is fetched again alone.
 
+        At most `parallel_fetches` shards are requested at once, over one connection, and
+        only their buffers are held besides the shards already fetched.
         Raises CorruptShard when a shard stays bad, TimeoutError when the stream stays
         unreachable (transient: the version is not refused for it).
         """
+        async with self.stream.connection() as connection:
+            return await self._fetch(manifest, connection)
+
+    async def _fetch(
+        self, manifest: WeightManifest, connection: ShardConnection
+    ) -> list[bytearray]:
         window = asyncio.Semaphore(self.stream.config.parallel_fetches)
 
-        async def one(index: int) -> bytes:
+        async def one(index: int) -> bytearray:
             ref = manifest.shards[index]
             where = f"version {manifest.version} shard {index}"
             last_problem = ""
@@ -208,14 +232,14 @@ class Receiver:
                 async with window:
                     try:
                         async with asyncio.timeout(self.fetch_timeout):
-                            data = await self.stream.fetch_shard(manifest, ref)
+                            data = await self.stream.fetch_shard(manifest, ref, connection)
                     except TimeoutError:
                         log.warning(
                             "%s, attempt %d: no answer in %.0fs", where, attempt, self.fetch_timeout
                         )
                         continue
                     except CorruptShard as error:
-                        data, problem = b"", str(error)
+                        data, problem = bytearray(), str(error)
                     else:
                         problem = (
                             "" if checksum(data) == ref.checksum else f"{where}: checksum mismatch"

@@ -11,36 +11,39 @@ Subjects, under ``rlfleet.weights.<run>.<version>``:
 Shards are fetched with JetStream's batched direct get: one request per shard returns
 all its chunks, served by whichever server holds the stream (the region's mirror, when
 the receiver's JetStream context points at its region), so a version crosses the WAN
-once per region however many receivers it has. A bounded number of shard requests is
-in flight at once; that window, not the server, sets how much a receiver buffers.
+once per region however many receivers it has. The requests go over a connection of
+their own (`rlfleet.weightsync.direct`), which receives chunks in place. A bounded
+number of shard requests is in flight at once; that window, not the server, sets how
+much a receiver buffers. Shards go up over such a connection too, a bounded number of
+them awaiting the stream's acks at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import nats.js.errors
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from rlfleet.api.wire import ShardRef, WeightManifest, weights_prefix, weights_stream
 from rlfleet.api.wire import encode as encode_message
 from rlfleet.bus.streams import bind_stream
 from rlfleet.weightsync.config import SyncConfig
-from rlfleet.weightsync.errors import CorruptShard
+from rlfleet.weightsync.direct import CHUNK_HEADER, ShardConnection
 from rlfleet.weightsync.shards import EncodedVersion
 
 log = logging.getLogger(__name__)
 
-CHUNK_HEADER = "Rlfleet-Chunk"
 # Shards a publisher has awaiting the stream's acks at once: with shards of up to 8 MiB in
 # 1 MiB chunks, about 64 messages in flight, and a bounded amount of memory.
 SHARDS_IN_FLIGHT = 8
-_END_OF_BATCH = "204"
+# How long a chunk's publish waits for the stream's ack, as nats-py's JetStream publish.
+ACK_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -87,18 +90,25 @@ class WeightStream:
         `StreamMissing`, naming it, when it is not there."""
         await bind_stream(self.js, self.subjects.stream)
 
-    async def put_shard(self, version: int, kind: str, ref: ShardRef, data: bytes) -> None:
+    async def put_shard(
+        self, version: int, kind: str, ref: ShardRef, data: bytes, connection: ShardConnection
+    ) -> None:
         """One shard, as its chunks, all acknowledged by the stream."""
         subject = self.subjects.shard(version, kind, ref.index)
         chunk = self.config.chunk_bytes
         count = max(1, -(-len(data) // chunk))
+        view = memoryview(data)
         await asyncio.gather(
             *(
-                self.js.publish(
+                connection.publish(
                     subject,
-                    data[i * chunk : (i + 1) * chunk],
-                    headers={CHUNK_HEADER: f"{i}/{count}", "Nats-Msg-Id": f"{subject}.{i}"},
-                    stream=self.subjects.stream,
+                    view[i * chunk : (i + 1) * chunk],
+                    {
+                        CHUNK_HEADER: f"{i}/{count}",
+                        "Nats-Msg-Id": f"{subject}.{i}",
+                        "Nats-Expected-Stream": self.subjects.stream,
+                    },
+                    ACK_TIMEOUT_S,
                 )
                 for i in range(count)
             )
@@ -118,51 +128,40 @@ class WeightStream:
         manifest = version.manifest
         window = asyncio.Semaphore(SHARDS_IN_FLIGHT)
 
-        async def put(ref: ShardRef, data: bytes) -> None:
-            async with window:
-                await self.put_shard(manifest.version, manifest.kind, ref, data)
+        async with self.connection() as connection:
 
-        await asyncio.gather(
-            *(put(ref, data) for ref, data in zip(manifest.shards, version.shards, strict=True))
-        )
+            async def put(ref: ShardRef, data: bytes) -> None:
+                async with window:
+                    await self.put_shard(manifest.version, manifest.kind, ref, data, connection)
+
+            await asyncio.gather(
+                *(put(ref, data) for ref, data in zip(manifest.shards, version.shards, strict=True))
+            )
         await self.put_manifest(manifest)
 
-    async def fetch_shard(self, manifest: WeightManifest, ref: ShardRef) -> bytes:
-        """One shard's bytes, all chunks in order, or CorruptShard if any is off.
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[ShardConnection]:
+        """A connection for `put_shard` and `fetch_shard`, to the server this stream's
+        client is on, as its user."""
+        connection = await ShardConnection.open(self.nc)
+        try:
+            yield connection
+        finally:
+            connection.close()
+
+    async def fetch_shard(
+        self, manifest: WeightManifest, ref: ShardRef, connection: ShardConnection
+    ) -> bytearray:
+        """One shard's bytes, all chunks in place, or CorruptShard if any is off.
 
         Callers bound the wait (`asyncio.timeout`); a cancelled fetch leaves nothing behind.
         """
         subject = self.subjects.shard(manifest.version, manifest.kind, ref.index)
         count = max(1, -(-ref.size // self.config.chunk_bytes))
-        inbox = self.nc.new_inbox()
-        chunks: dict[int, bytes] = {}
-        done = asyncio.get_running_loop().create_future()
-
-        async def collect(msg: Msg) -> None:
-            status = msg.headers.get("Status") if msg.headers else None
-            if status == _END_OF_BATCH or status is not None:
-                if not done.done():
-                    done.set_result(status)
-                return
-            index = int(msg.headers.get(CHUNK_HEADER, "-1/0").split("/", 1)[0])
-            chunks.setdefault(index, msg.data)
-
-        sub = await self.nc.subscribe(
-            inbox, cb=collect, pending_bytes_limit=2 * ref.size + (1 << 20)
+        request = {"seq": 1, "batch": count, "next_by_subj": subject}
+        return await connection.get(
+            self._direct_get, request, ref.size, self.config.chunk_bytes, subject
         )
-        try:
-            request = {"seq": 1, "batch": count, "next_by_subj": subject}
-            await self.nc.publish(self._direct_get, json.dumps(request).encode(), reply=inbox)
-            status = await done
-        finally:
-            await sub.unsubscribe()
-        data = b"".join(chunks[i] for i in range(count) if i in chunks)
-        if status != _END_OF_BATCH or sorted(chunks) != list(range(count)) or len(data) != ref.size:
-            raise CorruptShard(
-                f"{subject}: got {len(chunks)} of {count} chunks, {len(data)} of {ref.size} bytes"
-                f" (status {status})"
-            )
-        return data
 
     async def retire_before(self, version: int) -> None:
         """Drop every message of versions before `version` from this domain's stream."""

@@ -1,0 +1,176 @@
+"""Shards fetched over weightsync's own direct-get connection, against real NATS servers:
+through a leaf node to the hub's stream, chunks checked, the window of requests kept."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import msgspec
+import nats.js.errors
+import pytest
+import torch
+
+from rlfleet.bus.streams import ensure_run_streams
+from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
+from rlfleet.weightsync.config import SyncConfig
+from rlfleet.weightsync.direct import CHUNK_HEADER
+from rlfleet.weightsync.errors import CorruptShard
+from rlfleet.weightsync.receiver import Receiver
+from rlfleet.weightsync.shards import encode_version
+from rlfleet.weightsync.state import WeightState
+from rlfleet.weightsync.transport import WeightStream
+
+pytestmark = pytest.mark.nats
+
+# Small chunks, so that every shard is several messages; two shards requested at once.
+CONFIG = SyncConfig(shard_bytes=64 << 10, chunk_bytes=4 << 10, parallel_fetches=2)
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        f"layers.{i}.w": (torch.randn(160, 160, generator=generator) * 0.02).bfloat16()
+        for i in range(6)
+    }
+
+
+def _run() -> str:
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+async def _published(servers: StandaloneNats, run: str, tensors: dict[str, torch.Tensor]):
+    hub = await servers.bed.hub.connect()
+    await ensure_run_streams(hub, run, HUB_DOMAIN)
+    encoded = encode_version(run, 0, tensors, None, CONFIG)
+    await WeightStream(hub, run, CONFIG).put_version(encoded)
+    return hub, encoded
+
+
+def test_a_version_fetched_at_a_leaf_is_the_published_state(
+    nats_servers: StandaloneNats,
+) -> None:
+    run, tensors = _run(), _model(0)
+
+    async def scenario() -> None:
+        hub, encoded = await _published(nats_servers, run, tensors)
+        leaf = await nats_servers.bed.leaves[nats_servers.region].connect()
+        try:
+            stream = WeightStream(leaf, run, CONFIG, domain=HUB_DOMAIN)
+            assert len(encoded.manifest.shards) > CONFIG.parallel_fetches
+            assert [bytes(s) for s in await Receiver(stream).fetch(encoded.manifest)] == [
+                bytes(s) for s in encoded.shards
+            ]
+            receiver = Receiver(stream)
+            assert await receiver.sync() == 0
+            assert receiver.state.digest() == WeightState.copy_of(tensors, 0).digest()
+        finally:
+            await leaf.close()
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_shard_with_a_chunk_missing_or_misnamed_is_corrupt(
+    nats_servers: StandaloneNats,
+) -> None:
+    run = _run()
+
+    async def scenario() -> None:
+        hub, encoded = await _published(nats_servers, run, _model(1))
+        try:
+            stream = WeightStream(hub, run, CONFIG)
+            ref = encoded.manifest.shards[0]
+            # Shard 0 of version 1: its middle chunk never sent, its last named twice.
+            subject = stream.subjects.shard(1, "full", 0)
+            chunk, data = CONFIG.chunk_bytes, encoded.shards[0]
+            count = -(-len(data) // chunk)
+            for index in (0, count - 1, count - 1):
+                await hub.publish(
+                    subject,
+                    data[index * chunk : (index + 1) * chunk],
+                    headers={CHUNK_HEADER: f"{index}/{count}"},
+                )
+            # A shard whose chunks claim another count.
+            other = stream.subjects.shard(1, "full", 1)
+            await hub.publish(other, data[:chunk], headers={CHUNK_HEADER: "0/1"})
+            await hub.flush()
+            manifest = encoded.manifest
+            version_1 = msgspec.structs.replace(manifest, version=1)
+            async with stream.connection() as gets:
+                with pytest.raises(CorruptShard, match=f"got 2 of {count} chunks"):
+                    await stream.fetch_shard(version_1, ref, gets)
+                with pytest.raises(CorruptShard, match="expected"):
+                    await stream.fetch_shard(version_1, msgspec.structs.replace(ref, index=1), gets)
+                # The connection goes on serving the intact version.
+                assert await stream.fetch_shard(manifest, ref, gets) == data
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_window_bounds_requests_and_a_cancelled_one_leaves_the_connection_sound(
+    nats_servers: StandaloneNats,
+) -> None:
+    run = _run()
+
+    async def scenario() -> None:
+        hub, encoded = await _published(nats_servers, run, _model(2))
+        try:
+            stream = WeightStream(hub, run, CONFIG)
+            in_flight, most = 0, 0
+            fetch = stream.fetch_shard
+
+            async def counted(*args):
+                nonlocal in_flight, most
+                in_flight += 1
+                most = max(most, in_flight)
+                try:
+                    return await fetch(*args)
+                finally:
+                    in_flight -= 1
+
+            stream.fetch_shard = counted
+            assert len(await Receiver(stream).fetch(encoded.manifest)) == len(encoded.shards)
+            assert most == CONFIG.parallel_fetches
+            # A request given up at once: its chunks still arrive and are read past.
+            manifest, refs = encoded.manifest, encoded.manifest.shards
+            async with stream.connection() as gets:
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0):
+                        await fetch(manifest, refs[0], gets)
+                assert [await fetch(manifest, ref, gets) for ref in refs] == encoded.shards
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_chunk_no_stream_takes_fails_its_put(nats_servers: StandaloneNats) -> None:
+    run = _run()
+
+    async def scenario() -> None:
+        hub, _ = await _published(nats_servers, run, _model(3))
+        try:
+            stream = WeightStream(hub, run, CONFIG)
+            async with stream.connection() as connection:
+                with pytest.raises(nats.js.errors.NoStreamResponseError):
+                    await connection.publish(f"nowhere.{run}", b"chunk", {}, 5.0)
+                with pytest.raises(nats.js.errors.APIError, match="expected stream"):
+                    await connection.publish(
+                        stream.subjects.shard(1, "full", 0),
+                        b"chunk",
+                        {"Nats-Expected-Stream": "ANOTHER"},
+                        5.0,
+                    )
+                # The connection goes on putting: the stream holds what was acknowledged.
+                await connection.publish(stream.subjects.shard(1, "full", 0), b"chunk", {}, 5.0)
+            message = await hub.jetstream().get_last_msg(
+                stream.subjects.stream, stream.subjects.shard(1, "full", 0)
+            )
+            assert message.data == b"chunk"
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
