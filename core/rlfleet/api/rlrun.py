@@ -49,7 +49,14 @@ class ModelSource(ApiModel):
                     "!has(self.volumeClaimName) || self.uri.startsWith('file:///')",
                     "volumeClaimName needs a file:/// uri: the folder it is mounted at",
                     ".volumeClaimName",
-                )
+                ),
+                # What pods (`launch.model_dir`) and `rlfleet run` (`local.plan`) can read.
+                cel(
+                    "self.uri.startsWith('file:///') || self.uri.startsWith('tiny://')",
+                    "uri must be file:///FOLDER, as the pods see it, or tiny://KIND "
+                    "(rlfleet run only)",
+                    ".uri",
+                ),
             ]
         }
     )

@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, time
-from zoneinfo import ZoneInfo
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from rlfleet.api.inferencepool import InferencePoolSpec, OffPeakWindow
 
@@ -102,12 +102,35 @@ class Decision:
         return sum(self.lent.values())
 
 
+def _zone(name: str) -> ZoneInfo | None:
+    """The IANA time zone of this name; None for a name that is none (a directory such as
+    `America` and a path such as `../x` included)."""
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        return None
+
+
+def unknown_time_zones(windows: list[OffPeakWindow]) -> list[str]:
+    """The windows whose time zone is no IANA name, each as `field: why` (the schema
+    cannot tell: it knows no zone names)."""
+    return [
+        f"spec.offPeakWindows[{index}].timeZone: no time zone is named {window.time_zone!r}"
+        for index, window in enumerate(windows)
+        if _zone(window.time_zone) is None
+    ]
+
+
 def in_off_peak(windows: list[OffPeakWindow], now: datetime) -> bool:
-    """Whether now is inside one of the windows; no windows means always."""
+    """Whether now is inside one of the windows; no windows means always. A window in an
+    unknown time zone is never open: the pool lends nothing it cannot place in time."""
     if not windows:
         return True
     for window in windows:
-        local = now.astimezone(ZoneInfo(window.time_zone)).time()
+        zone = _zone(window.time_zone)
+        if zone is None:
+            continue
+        local = now.astimezone(zone).time()
         start, end = time.fromisoformat(window.start), time.fromisoformat(window.end)
         inside = start <= local < end if start <= end else (local >= start or local < end)
         if inside:

@@ -34,11 +34,20 @@ from rlfleet.operator.lending import (
     RunDemand,
     decide,
     lent_elsewhere,
+    unknown_time_zones,
     unserved_gpu_types,
 )
 from rlfleet.operator.locks import KeyedLocks
 from rlfleet.operator.parallel import at_once
-from rlfleet.operator.status import Event, condition, find, now, parse_time, timestamp
+from rlfleet.operator.status import (
+    Event,
+    condition,
+    find,
+    invalid_spec,
+    now,
+    parse_time,
+    timestamp,
+)
 from rlfleet.operator.traffic import TrafficUnknown, read_load
 from rlfleet.operator.workloads import (
     COMPONENT_LABEL,
@@ -351,6 +360,13 @@ class Region:
             events += forced_events(self._force(namespace, name), spec)
         seen = PoolSeen(load, traffic_problem, len(serving_pods), len(_running(serving_pods)))
         status = pool_status(spec, old, generation, seen, decision, reclaiming, clock.started)
+        # A window in an unknown zone never opens (`lending.in_off_peak`); the pool says so.
+        problems = unknown_time_zones(spec.off_peak_windows)
+        if problems:
+            ready, told = invalid_spec(old.conditions, problems, generation)
+            conditions = [ready if c.type == "Ready" else c for c in status.conditions]
+            status = status.model_copy(update={"conditions": conditions})
+            events += told
         self.local.write_status(pool, status)
         return events, decision.total * spec.serving.gpus_per_replica
 

@@ -57,6 +57,18 @@ def condition(
     )
 
 
+def invalid_spec(
+    previous: Sequence[Condition], problems: Sequence[str], generation: int
+) -> tuple[Condition, list[Event]]:
+    """`Ready` False for spec fields the schema cannot check (each problem names its field),
+    and a Warning event when the problems are new: said at once, not every resync."""
+    message = "; ".join(problems)
+    ready = condition(previous, "Ready", False, "InvalidSpec", message, generation)
+    was = find(previous, "Ready")
+    told = was is not None and was.reason == "InvalidSpec" and was.message == message
+    return ready, [] if told else [Event("Warning", "InvalidSpec", message)]
+
+
 def find(conditions: Sequence[Condition], kind: str) -> Condition | None:
     return next((c for c in conditions if c.type == kind), None)
 

@@ -34,6 +34,14 @@ TRAINER_PORT = Ranks().master_port  # torch.distributed rendezvous, on rank 0's 
 # The StatefulSet controller labels each pod with its ordinal: the pod's node rank.
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 METRICS_PORT_NAME = "metrics"  # the container port a component serves Prometheus metrics on
+# The user (and group) each image runs as: `USER` in images/trainer.Dockerfile and
+# images/rollout.Dockerfile, and nobody in an EnvPool's sandbox (images/env-sandbox.Dockerfile).
+WORKLOAD_USER = 1000
+SANDBOX_USER = 65534
+# Where a component with a read-only root writes: an emptyDir at /tmp, also its $HOME, so
+# the caches torch, Triton, vLLM, DeepSpeed and Hugging Face keep under ~/.cache, ~/.triton
+# and /tmp land in it.
+SCRATCH_DIR = "/tmp"
 
 
 def owner(body: dict) -> dict:
@@ -100,6 +108,38 @@ def _deployment(owner_body: dict, name: str, labels: dict, replicas: int, pod: d
             "template": _template(labels, pod),
         },
     }
+
+
+def _least_privilege(pod: dict, user: int, read_only_root: bool = True) -> dict:
+    """Every pod the operator makes, as the Pod Security Standards' `restricted` profile
+    wants it: its containers run as `user`, never root, with no capability, no privilege
+    escalation and the runtime's default seccomp profile, and without a ServiceAccount
+    token (none of them calls the API server). With a `read_only_root`, they write only
+    to their volumes and the SCRATCH_DIR emptyDir. Volumes are writable by `user`'s group
+    (fsGroup), changed only when their root's owner differs (a large claim mounts fast)."""
+    pod["automountServiceAccountToken"] = False
+    pod["securityContext"] = {
+        "runAsNonRoot": True,
+        "runAsUser": user,
+        "runAsGroup": user,
+        "fsGroup": user,
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    if read_only_root:
+        pod.setdefault("volumes", []).append({"name": "scratch", "emptyDir": {}})
+    for container in pod["containers"]:
+        container["securityContext"] = {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": read_only_root,
+        }
+        if read_only_root:
+            container.setdefault("volumeMounts", []).append(
+                {"name": "scratch", "mountPath": SCRATCH_DIR}
+            )
+            container.setdefault("env", []).append({"name": "HOME", "value": SCRATCH_DIR})
+    return pod
 
 
 def _resources(sized: Resources, gpus: int) -> dict:
@@ -312,8 +352,10 @@ def _trainer(
             ),
         },
     }
-    _with_deepspeed(statefulset["spec"]["template"]["spec"], spec)
-    _on_gpu_type(statefulset["spec"]["template"]["spec"], workloads, spec.trainer.gpu_type)
+    pod = statefulset["spec"]["template"]["spec"]
+    _with_deepspeed(pod, spec)
+    _on_gpu_type(pod, workloads, spec.trainer.gpu_type)
+    _least_privilege(pod, WORKLOAD_USER)
     if storage is not None:
         statefulset["spec"] |= _checkpoint_claims(storage, labels)
     return statefulset
@@ -383,7 +425,7 @@ def _hub_component(
     pod = {"containers": [container], "volumes": [_spec_volume(name)]}
     if component == "evaluator":
         pod = _with_model(pod, spec)
-    pod = _with_nats(pod, name, mints_users(nats))
+    pod = _least_privilege(_with_nats(pod, name, mints_users(nats)), WORKLOAD_USER)
     deployment = _deployment(run, f"{name}-{component}", labels, 0 if stopped else 1, pod)
     deployment["spec"]["strategy"] = {"type": "Recreate"}
     return deployment
@@ -450,6 +492,9 @@ def rollout_deployment(
     # On the pool's own kind of GPU: the lent replicas' nodes, none of another type.
     pod = _on_gpu_type(pod, workloads, pool_spec.serving.gpu_type)
     pod = _with_nats(pod, name, NATS_USER in run["metadata"].get("annotations", {}))
+    # Tool calls in local sandboxes (`rlfleet.rollout.sandbox`, namespaces by unshare) need
+    # CAP_SYS_ADMIN, which the image's non-root user never had: here tools need EnvPools.
+    pod = _least_privilege(pod, WORKLOAD_USER)
     return _deployment(run, rollout_name(name, pool), labels, replicas, pod)
 
 
@@ -465,7 +510,6 @@ def envpool_objects(envpool: dict, replicas: int) -> list[dict]:
         "ephemeral-storage": spec.limits.ephemeral_storage,
     }
     pod: dict[str, Any] = {
-        "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "containers": [
             {
@@ -476,15 +520,12 @@ def envpool_objects(envpool: dict, replicas: int) -> list[dict]:
                 "env": [
                     {"name": "RLFLEET_SANDBOX_TIMEOUT_S", "value": str(spec.limits.timeout_seconds)}
                 ],
-                "securityContext": {
-                    "allowPrivilegeEscalation": False,
-                    "runAsNonRoot": True,
-                    "runAsUser": 65534,
-                    "capabilities": {"drop": ["ALL"]},
-                },
             }
         ],
     }
+    # Agents write anywhere in their sandbox (its working tree /work is the image's), within
+    # its ephemeral-storage limit: its root stays writable.
+    _least_privilege(pod, SANDBOX_USER, read_only_root=False)
     if spec.template.runtime_class_name:
         pod["runtimeClassName"] = spec.template.runtime_class_name
     objects = [_deployment(envpool, f"{name}-sandbox", labels, replicas, pod)]
