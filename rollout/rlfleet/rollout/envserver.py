@@ -8,9 +8,11 @@ line on stdout:
     {"tool": "read", "path": "a.py"} -> {"ok": true, "output": "..."}
     {"tool": "write", "path": "a.py", "content": "..."} -> {"ok": true, "output": "wrote 3 bytes"}
     {"tool": "archive"} -> {"ok": true, "files": {"a.py": "<base64>"}}
+    {"tool": "ping"} -> {"ok": true}
 
-`archive` is the harness's own tool, never offered to the model: it returns every regular
-file of the working tree (symlinks skipped) so the final tree can be graded elsewhere.
+`archive` and `ping` are the harness's own tools, never offered to the model: `archive`
+returns every regular file of the working tree (symlinks skipped) so the final tree can be
+graded elsewhere; `ping` is the session server's check that a new sandbox is up.
 
 Failures are replies too (`{"ok": false, "error": "..."}`): the model sees them as
 observations. Paths are relative to the working directory and may not leave it.
@@ -106,6 +108,8 @@ def handle(request: dict, root: Path) -> dict:
         return {"ok": True, "output": f"wrote {len(data)} bytes to {request['path']}"}
     if tool == "archive":
         return _archive(root)
+    if tool == "ping":
+        return {"ok": True}
     return {"ok": False, "error": f"unknown tool {tool!r}"}
 
 

@@ -39,6 +39,13 @@ def main() -> None:
         work.mkdir()
     server = Path(root) / "envserver.py"
     shutil.copyfile(settings["server"], server)
+    # Shared scratch directories (/tmp, /dev/shm) would let sessions pass files to each
+    # other: the session server has each covered (once the start is in) by a private one.
+    for index, shared in enumerate(settings.get("private_dirs", [])):
+        scratch = Path(root) / f"scratch{index}"
+        scratch.mkdir()
+        scratch.chmod(0o1777)
+        subprocess.run(["mount", "--bind", str(scratch), shared], check=True)
     for directory, _, files in os.walk(work):
         os.chown(directory, uid, uid)
         for name in files:

@@ -1,0 +1,554 @@
+"""The environment session server: many agents' sandboxes behind one authenticated HTTP port.
+
+Standard library only, started with `python -I` (the sandbox image installs nothing), with
+its settings as one JSON object in argv[1] (`envclient.ServerConfig` writes it); once it
+listens it prints `{"port": N}` on stdout. HTTP rather than NATS request/reply: an EnvPool
+pod is reached only by its run's rollout pods (a NetworkPolicy on one port), answers a
+kubelet readiness probe, needs no broker in its path and no client library in its image,
+and the rollout workers already speak HTTP.
+
+Each session is its own namespace sandbox: `sandbox_init.py` as PID 1 of fresh network,
+PID, mount, IPC and UTS namespaces, a private size-limited tmpfs, a uid no other live
+session has, and rlimits; inside it `envserver.py` runs the tools, and this server speaks
+JSON lines to it over a pipe. So a session has no network (not even this server's port),
+sees neither this server's processes nor another session's files, and its uid owns
+nothing else. Making namespaces needs root: on one machine the server runs as root, in a
+pod as root inside the pod's VM-grade sandbox (gVisor or Kata).
+
+Every call but the probe carries `Authorization: Bearer <token>`; `tokens_file` maps each
+run to the token the operator minted for it (a Secret's file, re-read when it changes).
+A session belongs to the run that created it. Errors are `{"error": {"message", "type",
+"param"}}`, `param` naming the offending field.
+
+    GET    /healthz                -> 200 {"sessions": n}
+    POST   /v1/sessions            {"files": {path: base64}} or {"snapshot": name}, and
+                                   optionally "limits" (each at most the server's)
+                                   -> 201 {"id": ..., "limits": {...}}
+    POST   /v1/sessions/{id}/call  an envserver request -> 200 its reply
+    DELETE /v1/sessions/{id}       -> 200 {"id": ...}
+
+A session destroyed (by DELETE, at its deadline, or because its sandbox died) answers 410
+saying why; another run's token gets 403; an unknown session 404.
+"""
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hmac
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+log = logging.getLogger("envsessions")
+
+_HERE = Path(__file__).parent
+LIMIT_FIELDS = (
+    "cpu_seconds",
+    "memory_bytes",
+    "file_bytes",
+    "disk_bytes",
+    "processes",
+    "open_files",
+    "wall_seconds",
+    "call_seconds",
+)
+# What `sandbox_init.py` sets as rlimits.
+RLIMIT_FIELDS = ("cpu_seconds", "memory_bytes", "file_bytes", "processes", "open_files")
+CONFIG_FIELDS = {
+    "host",
+    "port",
+    "tokens_file",
+    "snapshots_dir",
+    "limits",
+    "max_sessions",
+    "max_body_bytes",
+    "max_header_bytes",
+    "idle_seconds",
+    "remembered",
+    "uid_base",
+    "sandbox_python",
+    "reply_grace_seconds",
+    "mounts_dir",
+    "private_dirs",
+}
+# The tools a session runs, each with its fields: (type, required).
+TOOLS = {
+    "run": {"command": (str, True), "timeout": ((int, float), False)},
+    "read": {"path": (str, True)},
+    "write": {"path": (str, True), "content": (str, True)},
+    "archive": {},
+}
+_SNAPSHOT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SESSION = re.compile(r"/v1/sessions/([A-Za-z0-9_-]{1,64})(/call)?")
+_REASONS = {
+    200: "OK",
+    201: "Created",
+    400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    410: "Gone",
+    413: "Content Too Large",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param}}
+
+
+def _invalid(message: str, param: str | None) -> HttpError:
+    return HttpError(400, message, "invalid_request_error", param)
+
+
+class Session:
+    """One sandbox and the pipe to its envserver; calls take turns."""
+
+    def __init__(self, id, run, process, host_dir, staging, limits, slot, grace):
+        self.id, self.run, self.process = id, run, process
+        self.host_dir, self.staging, self.limits, self.slot = host_dir, staging, limits, slot
+        self.grace = grace
+        self.deadline = time.monotonic() + limits["wall_seconds"]
+        self.lock = asyncio.Lock()
+        self.stopped: str | None = None  # why the sandbox stopped, once it has
+
+    async def call(self, request: dict) -> dict:
+        """The envserver's reply; on any failure the sandbox is stopped and `stopped` says why."""
+        async with self.lock:
+            remaining = self.deadline - time.monotonic()
+            if self.stopped is None and remaining <= 0:
+                await self.stop("it reached its deadline")
+            if self.stopped is not None:
+                return {}
+            seconds = self.limits["call_seconds"]
+            if request["tool"] == "run":
+                seconds = min(request.get("timeout", seconds), remaining)
+                request = request | {"timeout": seconds}
+            try:
+                self.process.stdin.write(json.dumps(request).encode() + b"\n")
+                await self.process.stdin.drain()
+                # The envserver times commands out itself; this bounds one that hangs.
+                line = await asyncio.wait_for(
+                    self.process.stdout.readline(), min(seconds + self.grace, remaining)
+                )
+                reply = json.loads(line) if line else None
+            except TimeoutError:
+                await self.stop("a call outlived its timeout or the session its deadline")
+                return {}
+            except (OSError, ValueError) as error:  # a broken pipe, an overlong or bad line
+                await self.stop(f"its server failed: {type(error).__name__}")
+                return {}
+            if not isinstance(reply, dict):
+                await self.stop("its server misspoke" if line else "its server exited")
+                return {}
+            return reply
+
+    async def stop(self, reason: str) -> None:
+        if self.stopped is None:
+            self.stopped = reason
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            await self.process.wait()
+        # The tmpfs lived in the sandbox's mount namespace: only the empty mountpoint is here.
+        shutil.rmtree(self.host_dir, ignore_errors=True)
+        if self.staging is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+
+class Server:
+    def __init__(self, config: dict):
+        unknown, missing = set(config) - CONFIG_FIELDS, CONFIG_FIELDS - set(config)
+        if unknown or missing:
+            raise ValueError(f"config: unknown {sorted(unknown)}, missing {sorted(missing)}")
+        self.config = config
+        self.limits = config["limits"]
+        self.sessions: dict[str, Session] = {}
+        self.gone: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (run, why)
+        self.free_slots = list(range(config["max_sessions"]))
+        self.state = Path(tempfile.mkdtemp(prefix="rlfleet-envsessions-"))  # 0700: root's
+        self._tokens_seen: tuple | None = None
+        self.tokens: dict[str, bytes] = {}
+        self._load_tokens(strict=True)
+        # Out of every private directory, which hide what is below them.
+        self.mounts = Path(config["mounts_dir"])
+        self.mounts.mkdir(mode=0o711, parents=True, exist_ok=True)
+        self.private_dirs = [path for path in config["private_dirs"] if Path(path).is_dir()]
+        for path in self.private_dirs:
+            if self.mounts.resolve().is_relative_to(Path(path).resolve()):
+                raise ValueError(f"config: mounts_dir is inside private directory {path}")
+
+    # --- authentication
+
+    def _load_tokens(self, strict: bool = False) -> None:
+        path = Path(self.config["tokens_file"])
+        try:
+            info = path.stat()
+            seen = (info.st_ino, info.st_mtime_ns, info.st_size)
+            if seen == self._tokens_seen:
+                return
+            tokens = json.loads(path.read_text())
+            if not isinstance(tokens, dict) or not all(
+                isinstance(run, str) and isinstance(token, str) and len(token) >= 16
+                for run, token in tokens.items()
+            ):
+                raise ValueError("not a JSON object of run names to tokens of 16+ characters")
+        except (OSError, ValueError) as error:
+            if strict:
+                raise
+            log.warning("kept the previous tokens: %s: %s", path, error)
+            return
+        self.tokens = {run: token.encode() for run, token in tokens.items()}
+        self._tokens_seen = seen
+
+    def _authenticate(self, headers: dict[str, str]) -> str:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise HttpError(
+                401, "a bearer token is required", "authentication_error", "Authorization"
+            )
+        self._load_tokens()
+        given = token.strip().encode(errors="replace")
+        # Every token is compared, each in constant time: which run matched does not show.
+        found = [run for run, known in self.tokens.items() if hmac.compare_digest(given, known)]
+        if not found:
+            raise HttpError(401, "the token is not valid", "authentication_error", "Authorization")
+        return found[0]
+
+    # --- requests
+
+    async def dispatch(self, method: str, target: str, headers: dict, body: bytes):
+        path = target.split("?", 1)[0]
+        if path == "/healthz":
+            if method != "GET":
+                raise HttpError(405, f"{method} {path} is not served", "invalid_request_error")
+            return 200, {"sessions": len(self.sessions)}
+        run = self._authenticate(headers)
+        if path == "/v1/sessions":
+            if method != "POST":
+                raise HttpError(405, f"{method} {path} is not served", "invalid_request_error")
+            return 201, await self._create(run, _json_object(body))
+        match = _SESSION.fullmatch(path)
+        if match is None:
+            raise HttpError(404, f"no route {path}", "not_found_error")
+        session = self._session(run, match[1])
+        if match[2] and method == "POST":
+            reply = await session.call(_tool_request(_json_object(body)))
+            if session.stopped is not None:
+                self._forget(session)
+                self._session(run, session.id)  # raises 410 with the reason
+            return 200, reply
+        if not match[2] and method == "DELETE":
+            await session.stop("it was destroyed")
+            self._forget(session)
+            return 200, {"id": session.id}
+        raise HttpError(405, f"{method} {path} is not served", "invalid_request_error")
+
+    def _session(self, run: str, id: str) -> Session:
+        session = self.sessions.get(id)
+        owner, why = (session.run, None) if session else self.gone.get(id, (None, None))
+        if owner is None:
+            raise HttpError(404, f"no session {id}", "not_found_error", "id")
+        if owner != run:
+            raise HttpError(403, f"session {id} belongs to another run", "permission_error", "id")
+        if session is None:
+            raise HttpError(410, f"session {id} is gone: {why}", "session_gone", "id")
+        return session
+
+    def _forget(self, session: Session) -> None:
+        if self.sessions.pop(session.id, None) is not None:
+            self.free_slots.append(session.slot)
+        self.gone[session.id] = (session.run, session.stopped or "it stopped")
+        while len(self.gone) > self.config["remembered"]:
+            self.gone.popitem(last=False)
+
+    async def _create(self, run: str, body: dict) -> dict:
+        _no_unknown(body, {"files", "snapshot", "limits"}, "")
+        limits = self._session_limits(body.get("limits", {}))
+        if "files" in body and "snapshot" in body:
+            raise _invalid("give files or a snapshot, not both", "snapshot")
+        files = _files(body.get("files", {}), limits["disk_bytes"])
+        start = None
+        if "snapshot" in body:
+            start = self._snapshot(body["snapshot"])
+        if not self.free_slots:
+            raise HttpError(
+                503, f"the server holds its most sessions ({len(self.sessions)})", "capacity_error"
+            )
+        id = secrets.token_urlsafe(18)
+        staging = None
+        if files:
+            staging = start = self.state / id
+            for relative, data in files.items():
+                target = staging / relative
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+        slot = self.free_slots.pop()
+        session = None
+        try:
+            session = await self._start(id, run, start, staging, limits, slot)
+            self.sessions[id] = session
+            reply = await session.call({"tool": "ping"})
+        finally:
+            if session is None:
+                self.free_slots.append(slot)
+                if staging is not None:
+                    shutil.rmtree(staging, ignore_errors=True)
+        if reply != {"ok": True}:
+            await session.stop(session.stopped or "it did not answer its first call")
+            self._forget(session)
+            raise HttpError(500, f"the sandbox did not start: {session.stopped}", "server_error")
+        return {"id": id, "limits": limits}
+
+    def _session_limits(self, asked) -> dict:
+        if not isinstance(asked, dict):
+            raise _invalid("limits must be an object", "limits")
+        _no_unknown(asked, set(LIMIT_FIELDS), "limits.")
+        limits = dict(self.limits)
+        for name, value in asked.items():
+            if not _number(value) or value <= 0 or value > self.limits[name]:
+                raise _invalid(f"must be a number in (0, {self.limits[name]}]", f"limits.{name}")
+            limits[name] = value
+        return limits
+
+    def _snapshot(self, name) -> Path:
+        if not isinstance(name, str) or not _SNAPSHOT.fullmatch(name):
+            raise _invalid("a snapshot is named by letters, digits, '.', '_' and '-'", "snapshot")
+        root = self.config["snapshots_dir"]
+        if root is None or not (Path(root) / name).is_dir():
+            raise _invalid(f"no snapshot named {name!r}", "snapshot")
+        return Path(root) / name
+
+    async def _start(self, id, run, start, staging, limits, slot) -> Session:
+        host_dir = _mountpoint(self.mounts)
+        settings = {
+            "root": str(host_dir),
+            "start": str(start) if start else None,
+            "uid": self.config["uid_base"] + slot,
+            "disk_bytes": int(limits["disk_bytes"]),
+            "server": str(_HERE / "envserver.py"),
+            "python": self.config["sandbox_python"],
+            "private_dirs": self.private_dirs,
+            "limits": {name: math.ceil(limits[name]) for name in RLIMIT_FIELDS},
+        }
+        process = await asyncio.create_subprocess_exec(
+            *("unshare", "--net", "--pid", "--mount", "--ipc", "--uts"),
+            *("--fork", "--kill-child", "--mount-proc"),
+            *(sys.executable, "-I", str(_HERE / "sandbox_init.py"), json.dumps(settings)),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+            limit=self.config["max_body_bytes"],  # one reply line: an archive is the largest
+        )
+        grace = self.config["reply_grace_seconds"]
+        return Session(id, run, process, host_dir, staging, limits, slot, grace)
+
+    async def reap(self) -> None:
+        """Stops sessions past their deadline or whose sandbox died, even if nobody calls."""
+        while True:
+            await asyncio.sleep(1)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if session.lock.locked():
+                    continue  # a call is under way and bounds itself
+                if session.deadline <= now:
+                    await session.stop("it reached its deadline")
+                elif session.process.returncode is not None:
+                    await session.stop("its sandbox exited")
+                else:
+                    continue
+                self._forget(session)
+
+    async def close(self) -> None:
+        for session in list(self.sessions.values()):
+            await session.stop("the server stopped")
+            self._forget(session)
+        shutil.rmtree(self.state, ignore_errors=True)
+
+    # --- HTTP/1.1, just enough: keep-alive, Content-Length bodies, bounds everywhere
+
+    async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        try:
+            while True:
+                request = None
+                try:
+                    request = await self._read(reader)
+                    if request is None:
+                        return
+                    method, target, headers, body, keep = request
+                    status, reply = await self.dispatch(method, target, headers, body)
+                except HttpError as error:
+                    # After a request that could not be read, the stream is out of step.
+                    status, reply = error.status, error.body()
+                    keep = request is not None and request[4] and error.status < 500
+                except Exception:  # nothing a client sends may take the server down
+                    log.exception("a request failed")
+                    status, keep = 500, False
+                    reply = {"error": {"message": "internal error", "type": "server_error"}}
+                data = json.dumps(reply).encode()
+                head = (
+                    f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+                    f"Connection: {'keep-alive' if keep else 'close'}\r\n\r\n"
+                )
+                writer.write(head.encode() + data)
+                await writer.drain()
+                if not keep:
+                    return
+        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
+            return
+        finally:
+            writer.close()
+
+    async def _read(self, reader: asyncio.StreamReader):
+        idle = self.config["idle_seconds"]
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), idle)
+        except asyncio.IncompleteReadError as error:
+            if error.partial.strip():
+                raise _invalid("the request ended inside its header", None) from None
+            return None
+        except asyncio.LimitOverrunError:
+            raise HttpError(
+                431, "the request header is too large", "invalid_request_error"
+            ) from None
+        except TimeoutError:
+            return None
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            raise _invalid("malformed request line", None)
+        method, target, version = parts
+        headers = {}
+        for line in lines[1:]:
+            if line:
+                name, colon, value = line.partition(":")
+                if not colon:
+                    raise _invalid("malformed header line", None)
+                headers[name.strip().lower()] = value.strip()
+        if "transfer-encoding" in headers:
+            raise _invalid("send a Content-Length body, not chunks", "Transfer-Encoding")
+        length = headers.get("content-length", "0")
+        if not length.isdigit():
+            raise _invalid("must be a non-negative integer", "Content-Length")
+        if int(length) > self.config["max_body_bytes"]:
+            raise HttpError(
+                413,
+                f"the body is over {self.config['max_body_bytes']} bytes",
+                "invalid_request_error",
+                "Content-Length",
+            )
+        try:
+            body = await asyncio.wait_for(reader.readexactly(int(length)), idle)
+        except (asyncio.IncompleteReadError, TimeoutError):
+            raise _invalid("the body is shorter than its length", "Content-Length") from None
+        keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
+        return method, target, headers, body, keep
+
+
+def _mountpoint(parent: Path) -> Path:
+    # Only an empty directory here: the sandbox mounts its tmpfs over it privately.
+    path = Path(tempfile.mkdtemp(prefix="sandbox-", dir=parent))
+    path.chmod(0o755)
+    return path
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _json_object(body: bytes) -> dict:
+    try:
+        value = json.loads(body or b"{}")
+    except (ValueError, RecursionError):
+        raise _invalid("the body is not valid JSON", "body") from None
+    if not isinstance(value, dict):
+        raise _invalid("the body must be a JSON object", "body")
+    return value
+
+
+def _no_unknown(value: dict, known: set, prefix: str) -> None:
+    for name in value:
+        if name not in known:
+            raise _invalid(f"unknown field {name!r}", f"{prefix}{name}")
+
+
+def _tool_request(body: dict) -> dict:
+    tool = body.get("tool")
+    if tool not in TOOLS:
+        raise _invalid(f"tool must be one of {sorted(TOOLS)}", "tool")
+    fields = TOOLS[tool]
+    _no_unknown(body, {"tool", *fields}, "")
+    for name, (kind, required) in fields.items():
+        if name not in body:
+            if required:
+                raise _invalid(f"{tool} needs {name}", name)
+        elif not isinstance(body[name], kind) or isinstance(body[name], bool):
+            raise _invalid(f"{name} has the wrong type", name)
+    if "timeout" in body and not (_number(body["timeout"]) and body["timeout"] > 0):
+        raise _invalid("timeout must be a positive number of seconds", "timeout")
+    return body
+
+
+def _files(files, disk_bytes: int) -> dict[str, bytes]:
+    """A task's starting files, decoded; paths are relative and stay inside the tree."""
+    if not isinstance(files, dict):
+        raise _invalid("files must map relative paths to base64", "files")
+    decoded, total = {}, 0
+    for path, content in files.items():
+        parts = path.split("/")
+        if path.startswith("/") or "\0" in path or any(p in ("", ".", "..") for p in parts):
+            raise _invalid("a file's path must be relative and plain", f"files.{path}")
+        try:
+            decoded[path] = base64.b64decode(content, validate=True)
+        except (binascii.Error, TypeError, ValueError):
+            raise _invalid("not base64", f"files.{path}") from None
+        total += len(decoded[path])
+    if total > disk_bytes:
+        raise _invalid(f"the files are over the session's {disk_bytes} bytes of disk", "files")
+    return decoded
+
+
+async def serve(config: dict) -> None:
+    server = Server(config)
+    listener = await asyncio.start_server(
+        server.connection, config["host"], config["port"], limit=config["max_header_bytes"]
+    )
+    port = listener.sockets[0].getsockname()[1]
+    sys.stdout.write(json.dumps({"port": port}) + "\n")
+    sys.stdout.flush()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+    reaper = asyncio.create_task(server.reap())
+    try:
+        await stop.wait()
+    finally:
+        reaper.cancel()
+        listener.close()
+        await server.close()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="envsessions %(levelname)s %(message)s")
+    asyncio.run(serve(json.loads(sys.argv[1])))
