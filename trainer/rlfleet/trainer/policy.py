@@ -153,7 +153,7 @@ class Policy:
             # the step's mean, so scaling it by the ranks makes the average their sum.
             self.engine.backward(result.loss * distributed.world(), scale_wrt_gas=False)
             total_loss += float(result.loss.detach())
-            clipped += result.clipped_fraction * rows.tokens / tokens
+            clipped += result.clipped_fraction  # already a share of the step's `tokens`
         self.engine.step()
         return total_loss, clipped, logprobs_seen
 
