@@ -12,6 +12,10 @@ Prints one JSON object. Every ratio compares two numbers measured in this same r
   k times the empirical entropy of the XOR symbols of the changed elements.
 - Speeds are model bytes per second of one process (threads included), next to this
   machine's memcpy bandwidth; transfer is hub to leaf node next to raw loopback TCP.
+  Encode and apply use every core; their `_per_core` figures are bytes per CPU second.
+- `publish_gbps`: encoded shards put on the hub's stream (encoding not included);
+  `join_s`: a fresh receiver process at a leaf, from its start with nothing held to the
+  newest version of a 1 GiB model (a snapshot and the deltas after it), verified.
 """
 
 from __future__ import annotations
@@ -32,10 +36,11 @@ import numpy as np
 import torch
 import zstandard
 
+from rlfleet.launch.caches import own_temporary_caches
 from rlfleet.weightsync.bits import as_bits
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.shards import apply_version, encode_version
-from rlfleet.weightsync.state import WeightState
+from rlfleet.weightsync.state import WORKERS, WeightState
 
 CONFIG = SyncConfig()
 SYNTHETIC_PARAMS = 512 << 20  # 1 GiB of bf16
@@ -44,6 +49,9 @@ LEARNING_RATES = (1e-6, 1e-5)
 STEPS = 3
 CHAIN = 1000
 TRANSFER_BYTES = 256 << 20
+TRANSFER_ROUNDS = 3
+JOIN_BYTES = 1 << 30
+JOIN_DELTAS = 3
 
 
 def _entropy(p: float) -> float:
@@ -72,14 +80,14 @@ def _changed_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
 
 def _delta_stats(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict:
     base = WeightState.copy_of(old, 0)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     encoded = encode_version("bench", 1, new, base, CONFIG)
-    encode_s = time.perf_counter() - started
+    encode_s, encode_cpu_s = time.perf_counter() - started, time.process_time() - cpu
     size = sum(ref.size for ref in encoded.manifest.shards)
     model_bytes = encoded.manifest.state_bytes
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     apply_version(base, encoded.manifest, encoded.shards)
-    decode_s = time.perf_counter() - started
+    apply_s, apply_cpu_s = time.perf_counter() - started, time.process_time() - cpu
     assert base.digest() == encoded.manifest.state_digest
     return {
         "changed_fraction": _changed_fraction(old, new),
@@ -87,7 +95,11 @@ def _delta_stats(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> 
         "ratio_vs_full": model_bytes / size,
         "size_vs_bound": size / _bound_bytes(old, new),
         "encode_gbps": model_bytes / encode_s / 1e9,
-        "decode_gbps": model_bytes / decode_s / 1e9,
+        "apply_gbps": model_bytes / apply_s / 1e9,
+        # Encode and apply run on every core (`WORKERS` threads); per core is per CPU
+        # second they used, so total over per core is how many cores they kept busy.
+        "encode_gbps_per_core": model_bytes / encode_cpu_s / 1e9,
+        "apply_gbps_per_core": model_bytes / apply_cpu_s / 1e9,
     }
 
 
@@ -218,8 +230,21 @@ def loopback_gbps(nbytes: int = 1 << 30) -> float:
     return received / elapsed / 1e9
 
 
-def transfer(nbytes: int) -> dict:
-    """A full version of incompressible bits published at the hub, fetched at a leaf."""
+def _cpu_s(process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def transfer(nbytes: int, rounds: int = TRANSFER_ROUNDS) -> dict:
+    """A full version of incompressible bits published at the hub, fetched at a leaf
+    (the median of `rounds` fetches). `transfer_cpu_s_per_gb`: CPU seconds that the hub
+    server, the leaf node and the receiver each spend per GB fetched; the three share
+    this machine's cores, so `transfer_cpu_bound_gbps` (cores over their sum) is the
+    fastest their work allows here."""
+    import statistics
+
+    import psutil
+
     from rlfleet.bus.streams import ensure_run_streams
     from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
     from rlfleet.weightsync.receiver import Receiver
@@ -233,14 +258,16 @@ def transfer(nbytes: int) -> dict:
         for i in range(16)
     }
 
-    async def scenario(hub_server: NatsServer, leaf_server: NatsServer) -> dict:
+    async def scenario(hub_server: NatsServer, leaf_server: NatsServer, processes) -> dict:
         hub = await hub_server.connect()
         leaf = await leaf_server.connect()
         try:
             await ensure_run_streams(hub, "bench", HUB_DOMAIN)
             stream = WeightStream(hub, "bench", CONFIG)
+            # Encoding is timed on its own (`encode_gbps`): this is the stream's part.
+            encoded = encode_version("bench", 0, tensors, None, CONFIG)
             started = time.perf_counter()
-            await stream.put_version(encode_version("bench", 0, tensors, None, CONFIG))
+            await stream.put_version(encoded)
             put_s = time.perf_counter() - started
             receiver = Receiver(WeightStream(leaf, "bench", CONFIG, domain=HUB_DOMAIN))
             started = time.perf_counter()
@@ -248,13 +275,21 @@ def transfer(nbytes: int) -> dict:
             sync_s = time.perf_counter() - started
             (manifest,) = receiver.known.values()
             fetched = sum(ref.size for ref in manifest.shards)
-            started = time.perf_counter()
-            await receiver.fetch(manifest)
-            fetch_s = time.perf_counter() - started
+            fetches, cpu = [], dict.fromkeys(processes, 0.0)
+            for _ in range(rounds):
+                before = {name: _cpu_s(p) for name, p in processes.items()}
+                started = time.perf_counter()
+                await receiver.fetch(manifest)
+                fetches.append(time.perf_counter() - started)
+                for name, p in processes.items():
+                    cpu[name] += _cpu_s(p) - before[name]
+            cpu_per_gb = {name: s / (rounds * fetched / 1e9) for name, s in cpu.items()}
             return {
                 "publish_gbps": fetched / put_s / 1e9,
-                "transfer_gbps": fetched / fetch_s / 1e9,
+                "transfer_gbps": fetched / statistics.median(fetches) / 1e9,
                 "receive_and_apply_gbps": fetched / sync_s / 1e9,
+                "transfer_cpu_s_per_gb": cpu_per_gb,
+                "transfer_cpu_bound_gbps": psutil.cpu_count() / sum(cpu_per_gb.values()),
             }
         finally:
             await hub.close()
@@ -264,13 +299,139 @@ def transfer(nbytes: int) -> dict:
         servers = StandaloneNats(Path(root))
         try:
             leaf = servers.bed.leaves[servers.region]
-            return asyncio.run(scenario(servers.bed.hub, leaf))
+            pids = {m.name: m.process.pid for m in servers.supervisor.processes}
+            processes = {
+                "hub": psutil.Process(pids["nats-hub"]),
+                "leaf": psutil.Process(pids[f"nats-{servers.region}"]),
+                "receiver": psutil.Process(),
+            }
+            return asyncio.run(scenario(servers.bed.hub, leaf, processes))
         finally:
             servers.stop()
 
 
+def _join_receiver(url: str, credentials: str, run: str, started: float, out) -> None:
+    """A rollout replica starting cold: from an empty host copy to the newest version."""
+    from rlfleet.local.nats import HUB_DOMAIN, NatsServer
+    from rlfleet.weightsync.receiver import Receiver
+    from rlfleet.weightsync.transport import WeightStream
+
+    split = {"fetch_s": 0.0, "apply_s": 0.0}
+
+    async def scenario() -> dict:
+        nc = await NatsServer("leaf", url, "", credentials).connect()
+        try:
+            receiver = Receiver(WeightStream(nc, run, CONFIG, domain=HUB_DOMAIN))
+            fetch, apply = receiver.fetch, receiver._apply
+
+            async def timed_fetch(manifest):
+                begun = time.perf_counter()
+                shards = await fetch(manifest)
+                split["fetch_s"] += time.perf_counter() - begun
+                return shards
+
+            def timed_apply(manifest, shards):
+                begun = time.perf_counter()
+                changed = apply(manifest, shards)
+                split["apply_s"] += time.perf_counter() - begun
+                return changed
+
+            receiver.fetch, receiver._apply = timed_fetch, timed_apply
+            ready = time.time()
+            version = await receiver.sync()
+            return split | {
+                "version": version,
+                "digest": receiver.state.digest(),
+                "start_s": ready - started,
+            }
+        finally:
+            await nc.close()
+
+    out.send(asyncio.run(scenario()) | {"join_s": time.time() - started})
+
+
+def join(nbytes: int, deltas: int = JOIN_DELTAS) -> dict:
+    """`join_s`: a fresh receiver process, from its start with nothing held, to holding
+    the newest of a snapshot and `deltas` deltas after it (each 1% of the elements moved
+    by one unit in the last place) of a model of `nbytes` bf16, fetched at a leaf node."""
+    import multiprocessing
+    import multiprocessing.connection
+
+    from rlfleet.bus.streams import ensure_run_streams
+    from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
+    from rlfleet.weightsync.publisher import Publisher
+    from rlfleet.weightsync.transport import WeightStream
+
+    generator = torch.Generator().manual_seed(5)
+    count = nbytes // 2 // math.prod(SYNTHETIC_SHAPE)
+    tensors = {
+        f"layers.{i}.weight": (torch.randn(SYNTHETIC_SHAPE, generator=generator) * 0.02).bfloat16()
+        for i in range(count)
+    }
+
+    async def publish(hub_server) -> tuple[str, int]:
+        hub = await hub_server.connect()
+        try:
+            await ensure_run_streams(hub, "join", HUB_DOMAIN)
+            publisher = Publisher(WeightStream(hub, "join", CONFIG), CONFIG)
+            fetched = 0  # what a joining receiver fetches: the snapshot and the deltas
+            for version in range(deltas + 1):
+                if version:
+                    for tensor in tensors.values():
+                        bits = tensor.view(-1).view(torch.int16)
+                        where = torch.randint(0, bits.numel(), (bits.numel() // 100,))
+                        bits[where] += 1
+                manifests = await publisher.publish(tensors, version)
+                fetched += sum(ref.size for m in manifests for ref in m.shards)
+            return manifests[0].state_digest, fetched
+        finally:
+            await hub.close()
+
+    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-join-") as root:
+        servers = StandaloneNats(Path(root))
+        try:
+            digest, fetched = asyncio.run(publish(servers.bed.hub))
+            leaf = servers.bed.leaves[servers.region]
+            context = multiprocessing.get_context("spawn")
+            theirs, ours = context.Pipe(duplex=False)
+            started = time.time()
+            child = context.Process(
+                target=_join_receiver,
+                args=(leaf.url, leaf.credentials, "join", started, ours),
+            )
+            child.start()
+            if not multiprocessing.connection.wait([theirs, child.sentinel], 600) or (
+                not theirs.poll()
+            ):
+                child.kill()
+                raise RuntimeError(f"the joining receiver gave no answer ({child.exitcode})")
+            joined = theirs.recv()
+            child.join()
+        finally:
+            servers.stop()
+    return {
+        "join_s": joined["join_s"],
+        "join_process_start_s": joined["start_s"],
+        "join_fetch_s": joined["fetch_s"],
+        "join_apply_s": joined["apply_s"],
+        "join_model_bytes": count * math.prod(SYNTHETIC_SHAPE) * 2,
+        "join_fetched_bytes": fetched,
+        "join_deltas": deltas,
+        "join_verified": joined["digest"] == digest and joined["version"] == deltas,
+    }
+
+
+# The deltas' rounds: None: no request runs; "drain": requests run and the update waits for
+# them (the old way); "inflight": the update lands while they run.
+VLLM_ROUNDS = (None, None, None, "drain", "inflight", "inflight")
+
+
 def vllm_apply_pause() -> dict:
-    """Tiny MoE in vLLM (CPU): the pause to write a real AdamW step's delta in place."""
+    """Tiny MoE in vLLM (CPU): the pause to write a real AdamW step's delta in place, with
+    no request running, and with requests running across it (`inflight_pause_ms`, and
+    `drain_wait_ms`: how long a held version waited for them, against
+    `drain_wait_ms_before`, when updates waited for running requests to finish)."""
+    from rlfleet.bus.streams import ensure_run_streams
     from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
     from rlfleet.local.processes import run_in_session
     from rlfleet.models.tiny import init_model, train_step
@@ -280,14 +441,27 @@ def vllm_apply_pause() -> dict:
         root_path = Path(root)
         v0 = init_model("tiny-moe", root_path / "v0")
         versions = [v0]
-        for step in range(1, 4):
+        for step in range(1, 1 + len(VLLM_ROUNDS)):
             versions.append(train_step(versions[-1], root_path / f"v{step}", lr=1e-5, seed=step))
         servers = StandaloneNats(root_path / "nats")
         try:
             leaf = servers.bed.leaves[servers.region]
+
+            async def streams() -> None:
+                hub = await servers.bed.hub.connect()
+                try:
+                    await ensure_run_streams(hub, "bench", HUB_DOMAIN)
+                finally:
+                    await hub.close()
+
+            asyncio.run(streams())
             args = {
                 "checkpoint": str(v0),
-                "rounds": [{"version": v, "publish": str(d)} for v, d in enumerate(versions)],
+                "rounds": [{"version": 0, "publish": str(v0)}]
+                + [
+                    {"version": v, "publish": str(versions[v]), "requests": requests}
+                    for v, requests in enumerate(VLLM_ROUNDS, 1)
+                ],
                 "hub_url": servers.bed.hub.url,
                 "leaf_url": leaf.url,
                 "run": "bench",
@@ -315,15 +489,31 @@ def vllm_apply_pause() -> dict:
         if done.returncode != 0:
             raise RuntimeError(f"vLLM probe failed:\n{(done.stdout + done.stderr)[-4000:]}")
         rounds = json.loads((root_path / "out.json").read_text())["rounds"]
-    deltas = rounds[1:]  # round 0 loads the first snapshot whole
+    # Round 0 loads the first snapshot whole; the others write deltas.
+    by_kind: dict[str | None, list[dict]] = {kind: [] for kind in VLLM_ROUNDS}
+    for r, kind in zip(rounds[1:], VLLM_ROUNDS, strict=True):
+        by_kind[kind].append(r)
+
+    def mean(kind: str | None, key: str) -> float:
+        return sum(r[key] for r in by_kind[kind]) / len(by_kind[kind])
+
     return {
-        "apply_pause_ms": sum(r["pause_ms"] for r in deltas) / len(deltas),
+        "apply_pause_ms": mean(None, "pause_ms"),
         "first_load_pause_ms": rounds[0]["pause_ms"],
+        "inflight_pause_ms": mean("inflight", "pause_ms"),
+        "drain_wait_ms": mean("inflight", "drain_wait_ms"),
+        "drain_wait_ms_before": mean("drain", "drain_wait_ms"),
+        "inflight_versions_exact": all(
+            [s[0] for s in long["spans"]] == [str(r["version"] - 1), str(r["version"])]
+            for r in by_kind["inflight"]
+            for long in r["long"]
+        ),
         "digest_verified": all(r["digest"] == r["published_digest"] for r in rounds),
     }
 
 
 def main() -> None:
+    own_temporary_caches("rlfleet-bench-weightsync-caches-")  # this invocation's, removed after
     torch.set_num_threads(2)
     result: dict = {"bench": "weightsync"}
     workloads: dict[str, dict] = {}
@@ -348,12 +538,18 @@ def main() -> None:
         "ratio_at_1pct": workloads["controlled_1pct"]["ratio_vs_full"],
         "size_vs_bound": max(w["size_vs_bound"] for w in workloads.values()),
         "encode_gbps": headline["encode_gbps"],
-        "decode_gbps": headline["decode_gbps"],
+        "apply_gbps": headline["apply_gbps"],
+        "encode_gbps_per_core": headline["encode_gbps_per_core"],
+        "apply_gbps_per_core": headline["apply_gbps_per_core"],
+        "encode_gbps_at_lr1e-5": workloads["synthetic_1gib_lr1e-05"]["encode_gbps"],
+        "apply_gbps_at_lr1e-5": workloads["synthetic_1gib_lr1e-05"]["apply_gbps"],
+        "cores": WORKERS,
         "memcpy_gbps": memcpy_gbps(),
     }
     result |= transfer(TRANSFER_BYTES)
     result["loopback_gbps"] = loopback_gbps()
     result["transfer_vs_loopback"] = result["transfer_gbps"] / result["loopback_gbps"]
+    result |= join(JOIN_BYTES)
     result |= vllm_apply_pause()
     result["bit_exact"] = chain_is_bit_exact(CHAIN)
     result["chain_length"] = CHAIN

@@ -1,4 +1,5 @@
-"""Weightsync inside real vLLM (CPU): updates in place equal a fresh start from the checkpoint."""
+"""Weightsync inside real vLLM (CPU): updates in place equal a fresh start from the checkpoint,
+also for requests that run across the update."""
 
 from __future__ import annotations
 
@@ -57,7 +58,10 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
     updated = _probe(
         {
             "checkpoint": str(v0),
-            "rounds": [{"version": 0, "publish": str(v0)}, {"version": 1, "publish": str(v1)}],
+            "rounds": [
+                {"version": 0, "publish": str(v0)},
+                {"version": 1, "publish": str(v1), "requests": "inflight"},
+            ],
             "hub_url": nats_servers.bed.hub.url,
             "leaf_url": leaf.url,
             "run": run,
@@ -68,9 +72,35 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
         "updated",
         leaf.client_env(),
     )
-    fresh = _probe({"checkpoint": str(v1)}, tmp_path, "fresh")
-
     before, after = updated["rounds"]
+    # Requests running across the update: the tokens sampled before it carry version 0,
+    # those after it version 1, and none fails.
+    switches = []
+    for long in after["long"]:
+        (old, start, switch), (new, resume, end) = long["spans"]
+        assert (old, start, new, resume, end) == ("0", 0, "1", switch, len(long["token_ids"]))
+        assert 0 < switch < end and long["finish_reason"] == "length"
+        switches.append(switch)
+    fresh = _probe(
+        {
+            "checkpoint": str(v1),
+            "continue": [
+                {
+                    "prompt_token_ids": long["prompt_token_ids"] + long["token_ids"][:switch],
+                    "max_tokens": len(long["token_ids"]) - switch,
+                }
+                for long, switch in zip(after["long"], switches, strict=True)
+            ],
+        },
+        tmp_path,
+        "fresh",
+    )
+    # After the switch they go on exactly as an engine started on version 1 continues
+    # them: the same tokens with bitwise the same log-probs.
+    assert [
+        {"token_ids": long["token_ids"][switch:], "logprobs": long["logprobs"][switch:]}
+        for long, switch in zip(after["long"], switches, strict=True)
+    ] == [{k: c[k] for k in ("token_ids", "logprobs")} for c in fresh["continued"]]
     assert (before["version"], after["version"]) == (0, 1)
     assert (before["kinds"], after["kinds"]) == (["full"], ["delta"])
     # The worker holds exactly the published state, and says so.

@@ -1,15 +1,20 @@
 """vLLM generating before and after weightsync updates; argv: ARGS_JSON OUT_JSON.
 
-ARGS_JSON: {"checkpoint", and for updates "rounds": [{"version", "publish": DIR}],
-"hub_url", "leaf_url", "run", "domain", "config"}. Each round publishes DIR's weights
-as the version (playing the trainer), updates vLLM to it through the region's leaf
-node, and generates. Without "rounds" it only generates from the checkpoint. Greedy
-decoding with log-probs, so two engines on the same weights agree exactly.
+ARGS_JSON: {"checkpoint", and for updates "rounds": [{"version", "publish": DIR,
+"requests"?}], "hub_url", "leaf_url", "run", "domain", "config"}. Each round publishes
+DIR's weights as the version (playing the trainer), updates vLLM to it through the
+region's leaf node, and generates. With "requests": "inflight", long requests are
+running (and have sampled tokens) once every worker holds the version, and the update
+happens at once; with "drain", it waits until they finish, as rollout workers used to.
+Without "rounds" it only generates from the checkpoint, and "continue":
+[{"prompt_token_ids", "max_tokens"}] generates those too. Greedy decoding with
+log-probs, so two engines on the same weights agree exactly.
 """
 
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 PROMPTS = [
@@ -17,25 +22,57 @@ PROMPTS = [
     "<|im_start|>user\nreverse abc<|im_end|>\n<|im_start|>assistant\n",
 ]
 MAX_TOKENS = 12
+LONG_TOKENS = 48  # long enough to still run when the update comes
+SEEN_TOKENS = 2  # each long request has sampled this many before the version is offered
 
 
-def generate(llm) -> list[dict]:
+def _params(tokens: int):
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=0, temperature=0)
-    samples = []
-    for request in llm.generate(PROMPTS, params, use_tqdm=False):
-        out = request.outputs[0]
-        samples.append(
-            {
-                "token_ids": list(out.token_ids),
-                "logprobs": [
-                    e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True)
-                ],
-                "weight_versions": sorted({span.version for span in out.weight_versions or []}),
-            }
+    return SamplingParams(max_tokens=tokens, min_tokens=tokens, logprobs=0, temperature=0)
+
+
+def _sample(request) -> dict:
+    out = request.outputs[0]
+    return {
+        "prompt_token_ids": list(request.prompt_token_ids),
+        "token_ids": list(out.token_ids),
+        "logprobs": [e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True)],
+        "weight_versions": sorted({span.version for span in out.weight_versions or []}),
+        "spans": [[s.version, s.start, s.end] for s in out.weight_versions or []],
+        "finish_reason": out.finish_reason,
+    }
+
+
+def generate(llm, prompts=PROMPTS, params=None) -> list[dict]:
+    params = params or _params(MAX_TOKENS)
+    return [_sample(r) for r in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def start_long(llm) -> None:
+    """Long requests, stepped until each has sampled a few tokens (they keep running)."""
+    engine, tokenizer = llm.llm_engine, llm.get_tokenizer()
+    for index, prompt in enumerate(PROMPTS):
+        engine.add_request(
+            f"long{index}", {"prompt_token_ids": tokenizer.encode(prompt)}, _params(LONG_TOKENS)
         )
-    return samples
+    seen: dict[str, int] = {}
+    while len(seen) < len(PROMPTS) or min(seen.values()) < SEEN_TOKENS:
+        for out in engine.step():
+            seen[out.request_id] = len(out.outputs[0].token_ids)
+
+
+def held_by_all(llm) -> int:
+    from rlfleet.weightsync import vllm_status
+
+    return min(-1 if s["held"] is None else s["held"] for s in vllm_status(llm))
+
+
+def finish_long(llm) -> list[dict]:
+    engine, done = llm.llm_engine, {}
+    while engine.has_unfinished_requests():
+        done |= {out.request_id: _sample(out) for out in engine.step() if out.finished}
+    return [done[key] for key in sorted(done)]
 
 
 def main() -> None:
@@ -50,6 +87,7 @@ def main() -> None:
         vllm_options,
         vllm_start,
         vllm_update,
+        wait_for_version,
     )
 
     args = json.loads(Path(sys.argv[1]).read_text())
@@ -66,6 +104,10 @@ def main() -> None:
     report: dict = {"rounds": []}
     if not rounds:
         report["rounds"].append({"samples": generate(llm)})
+        if "continue" in args:
+            prompts = [{"prompt_token_ids": c["prompt_token_ids"]} for c in args["continue"]]
+            params = [_params(c["max_tokens"]) for c in args["continue"]]
+            report["continued"] = generate(llm, prompts, params)
     else:
         config = SyncConfig(**args["config"])
         loop = asyncio.new_event_loop()
@@ -75,9 +117,23 @@ def main() -> None:
         for step in rounds:
             weights = read_weights(Path(step["publish"]))
             manifests = loop.run_until_complete(publisher.publish(weights, step["version"]))
+            requests, long, drain_wait_s = step.get("requests"), [], 0.0
+            if requests:
+                wait_for_version(
+                    lambda: held_by_all(llm), step["version"], 300.0, what="vLLM's workers"
+                )
+                start_long(llm)
+                offered = time.perf_counter()
+                if requests == "drain":
+                    long = finish_long(llm)
+                drain_wait_s = time.perf_counter() - offered
             update = vllm_update(llm, step["version"])
+            if requests == "inflight":
+                long = finish_long(llm)
             report["rounds"].append(
                 {
+                    "long": long,
+                    "drain_wait_ms": drain_wait_s * 1000,
                     "version": update.version,
                     "kinds": [m.kind for m in manifests],
                     "published_digest": manifests[0].state_digest,

@@ -79,7 +79,6 @@ class Engine:
         self._running: dict[str, _Pending] = {}
         self._work = asyncio.Event()
         self._next_poll = 0.0
-        self._target: int | None = None  # a newer version held, waiting for requests to drain
         self._driver: asyncio.Task | None = None
         # vLLM's client talks to its engine over ZeroMQ sockets, which must not be used
         # from two threads at once: every call into vLLM runs on this one thread.
@@ -131,7 +130,7 @@ class Engine:
         try:
             while True:
                 await self._maybe_update()
-                if self._queue and self._target is None:
+                if self._queue:
                     queued, self._queue = self._queue, []
                     await self.call(self._admit, queued)
                 if not self._running:
@@ -160,24 +159,14 @@ class Engine:
             self._running[request_id] = pending
 
     async def _maybe_update(self) -> None:
-        """Load a newer version once the requests running now have finished.
-
-        vLLM reloads weights layer by layer through meta tensors, so no step may run
-        while it does: new requests wait (in `_queue`) until the running ones drain.
-        """
-        if not self.follow_weights:
+        """Load a newer version as soon as every worker holds it, running requests or not."""
+        if not self.follow_weights or time.monotonic() < self._next_poll:
             return
-        if self._target is None:
-            if time.monotonic() < self._next_poll:
-                return
-            self._next_poll = time.monotonic() + self.poll_s
-            held = [s["held"] for s in await self.call(vllm_status, self.llm)]
-            if all(h is not None for h in held) and min(held) > self.version:
-                self._target = min(held)  # every worker holds it
-        if self._target is None or self._running:
+        self._next_poll = time.monotonic() + self.poll_s
+        held = [s["held"] for s in await self.call(vllm_status, self.llm)]
+        if any(h is None for h in held) or min(held) <= self.version:
             return
-        update = await self.call(vllm_update, self.llm, self._target)
-        self._target = None
+        update = await self.call(vllm_update, self.llm, min(held))
         self.version = update.version
         self.stats.updates.append((update.version, update.pause_s))
         metrics.policy_version.set(update.version)

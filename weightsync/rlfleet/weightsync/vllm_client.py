@@ -13,6 +13,7 @@ from rlfleet.weightsync.versions import wait_for_version
 
 ENGINE_NAME = "rlfleet-weightsync"
 _STATUS = "rlfleet_weightsync_status"
+_UPDATE = "rlfleet_weightsync_update"
 
 
 def llm_options(
@@ -59,20 +60,29 @@ def _held_by_all(llm) -> int | None:
 def update(llm, version: int | None = None, timeout_s: float = 300.0) -> Update:
     """Switch the model to `version` (or the newest held) once every worker holds it.
 
-    Waiting happens between generation steps; only the write into the model pauses it.
-    Samples generated afterwards carry the version in `CompletionOutput.weight_versions`.
+    Requests may be running: vLLM's engine core steps them on its own between our calls,
+    and a step while a layer is being reloaded (meta tensors) kills the engine, so the
+    scheduler is paused around the write, keeping every request where it is. Tokens
+    sampled before the pause carry the old version in `CompletionOutput.weight_versions`,
+    those after it the new one. Running requests then recompute their context under the
+    new weights, so what they sample next is the new policy's alone, as a fresh engine
+    on that version would sample it. Waiting for the version happens before the pause.
+    If the write fails, the engine stays paused (the model's weights are unknown) and a
+    later `update` reloads every tensor and resumes it.
     """
     if version is not None:
         wait_for_version(lambda: _held_by_all(llm), version, timeout_s, what="vLLM's workers")
     started = time.perf_counter()
-    llm.start_weight_update()
-    llm.update_weights({"update_info": {"version": version, "timeout_s": timeout_s}})
-    loaded = status(llm)
-    tag = str(loaded[0]["loaded"])
-    llm.finish_weight_update(weight_version=tag)
-    llm.reset_prefix_cache()
-    pause_s = time.perf_counter() - started
+    llm.sleep(level=0, mode="keep")
+    loaded = llm.collective_rpc(
+        _UPDATE, kwargs={"update_info": {"version": version, "timeout_s": timeout_s}}
+    )
     versions = {s["loaded"] for s in loaded}
     if len(versions) != 1:
         raise RuntimeError(f"workers disagree on the loaded version: {sorted(map(str, versions))}")
-    return Update(loaded[0]["loaded"], loaded[0]["digest"], pause_s)
+    llm.update_weight_version(str(loaded[0]["loaded"]))
+    # Drops the KV the old weights computed: the prefix cache, and the running requests'
+    # (they go back to the queue and recompute it).
+    llm.reset_prefix_cache(reset_running_requests=True)
+    llm.wake_up(tags=["scheduling"])
+    return Update(loaded[0]["loaded"], loaded[0]["digest"], time.perf_counter() - started)

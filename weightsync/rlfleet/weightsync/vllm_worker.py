@@ -9,3 +9,10 @@ class WeightsyncWorker:
     def rlfleet_weightsync_status(self) -> dict[str, Any]:
         """The version the worker holds verified, the one its model runs, and the digest."""
         return self.weight_transfer_engine.status()
+
+    def rlfleet_weightsync_update(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's three update calls in one RPC, then the status: one round trip per pause."""
+        self.start_weight_update()
+        self.update_weights(update_info)
+        self.finish_weight_update()
+        return self.weight_transfer_engine.status()
