@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from rlfleet.api.wire import StepReport
+from rlfleet.launch.caches import own_temporary_caches
 from rlfleet.local import plan, report
 from rlfleet.local.run import load, make_model, train
 
@@ -46,6 +47,7 @@ def measure(name: str, reports: list[StepReport]) -> dict:
 
 
 def main() -> None:
+    own_temporary_caches("rlfleet-bench-pipeline-caches-")  # this invocation's, removed after
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=4.0, help="training budget per run")
     parser.add_argument("--warmup-steps", type=int, default=plan.Tuning.warmup_steps)

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlfleet.launch.caches import own_temporary_caches
 from rlfleet.rollout.session import user_turn_text
 
 SESSIONS = 64
@@ -148,6 +149,7 @@ async def sandbox_latency() -> dict:
 
 
 def main() -> None:
+    own_temporary_caches("rlfleet-bench-rollout-caches-")  # this invocation's, removed after
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from rlfleet.models.tiny import init_model

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import trainer_ranks  # bench/ is this script's folder, so first on sys.path
 
+from rlfleet.launch.caches import own_temporary_caches
 from rlfleet.weightsync import SyncConfig, owned_names
 
 MIB = 1 << 20
@@ -197,6 +198,7 @@ def _publish_with(ranks: int, hub, run: str) -> list[dict]:
 
 
 def main() -> None:
+    own_temporary_caches("rlfleet-bench-scaleout-caches-")  # this invocation's, removed after
     from rlfleet.bus.streams import ensure_run_streams
     from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from rlfleet.launch.caches import own_temporary_caches
+
 SAMPLE_PROMPTS = 16
 SAMPLE_N = 4
 SAMPLE_TOKENS = 48
@@ -231,6 +233,7 @@ def step_timing(model_dir: Path, work: Path) -> dict[str, float]:
 
 
 def main() -> None:
+    own_temporary_caches("rlfleet-bench-trainer-caches-")  # this invocation's, removed after
     from rlfleet.models.tiny import init_model
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -30,6 +30,7 @@ import numpy as np
 
 from rlfleet.api.wire import Segment, Trajectory, encode_trajectory, trajectory_subject
 from rlfleet.bus.streams import ensure_run_streams
+from rlfleet.launch.caches import own_temporary_caches
 from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.models.tiny import init_model
 
@@ -156,6 +157,7 @@ def step_seconds_by_ranks() -> dict[str, float]:
 
 
 def main() -> None:
+    own_temporary_caches("rlfleet-bench-trainer-ranks-caches-")  # this invocation's, removed after
     step_s = step_seconds_by_ranks()
     print(
         json.dumps(

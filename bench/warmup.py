@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from rlfleet.api.wire import Task
+from rlfleet.launch.caches import own_temporary_caches
 from rlfleet.local import plan
 from rlfleet.models.tiny import init_model
 from rlfleet.rollout.evaluation import evaluate
@@ -38,6 +39,7 @@ def sampled(directory: Path, tasks: list[Task]) -> dict[str, float]:
 
 
 def main() -> None:
+    own_temporary_caches("rlfleet-bench-warmup-caches-")  # this invocation's, removed after
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="rules")
     default = plan.Tuning.warmup_steps

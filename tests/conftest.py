@@ -3,6 +3,7 @@ and a NATS hub with one leaf node alone, for tests that restart servers."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -17,12 +18,24 @@ import images
 from rlfleet.api.schema import KINDS
 from rlfleet.api.wire import EvaluationReport, StepReport
 from rlfleet.bus.streams import run_stream_configs
+from rlfleet.launch.caches import CACHE_ROOT_ENV, own_caches
 from rlfleet.local.binaries import binary
 from rlfleet.local.nats import StandaloneNats
 from rlfleet.testbed.bed import Bed, BedInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTERS = ("hub", "region-a", "region-b", "region-c")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_caches(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's compile caches, under a folder it owns (`rlfleet.launch.caches`): every
+    process a test starts inherits them, and nothing is read from, or left in, the user's
+    shared defaults. A test that must own a root of its own drops `CACHE_ROOT_ENV`."""
+    root = tmp_path_factory.mktemp("caches")
+    os.environ.pop(CACHE_ROOT_ENV, None)  # the session owns its root whoever started it
+    own_caches(root)
+    return root
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +60,14 @@ def nats_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalon
 @pytest.fixture(scope="session")
 def image_environments(tmp_path_factory: pytest.TempPathFactory) -> images.Environments:
     return images.Environments(tmp_path_factory.mktemp("images"))
+
+
+def rules_suite(path: Path, tasks: int) -> Path:
+    """The first `tasks` of the shipped rules suite, written to `path`: a suite a run's
+    whole-suite evaluations get through in seconds."""
+    rules = ROOT / "rollout" / "rlfleet" / "rollout" / "suites" / "rules.jsonl"
+    path.write_text("".join(rules.read_text().splitlines(keepends=True)[:tasks]))
+    return path
 
 
 def run_streams(key: str) -> list[str]:

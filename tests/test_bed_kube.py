@@ -12,6 +12,8 @@ import pytest
 import yaml
 from conftest import CLUSTERS, ROOT, Kubectl, wait_for
 
+from rlfleet.operator.config import Images, Workloads
+from rlfleet.operator.workloads import hub_objects
 from rlfleet.testbed.kube import H100, L4
 
 pytestmark = pytest.mark.bed
@@ -295,34 +297,26 @@ def test_gpu_pods_schedule_until_the_gpus_run_out(kubectl: Kubectl, namespace: s
     assert "Insufficient nvidia.com/gpu" in events
 
 
-def test_garbage_collector_deletes_owned_children(kubectl: Kubectl, namespace: str) -> None:
-    kubectl.run("region-b", "-n", namespace, "create", "configmap", "owner")
-    owner = json.loads(
-        kubectl.run("region-b", "-n", namespace, "get", "configmap", "owner", "-o", "json").stdout
+@pytest.mark.usefixtures("crds_installed")
+def test_deleting_an_rlrun_takes_the_objects_the_operator_made_for_it(
+    kubectl: Kubectl, namespace: str
+) -> None:
+    kubectl.run("hub", "-n", namespace, "apply", "-f", str(ROOT / "examples" / "rlrun.yaml"))
+    run = json.loads(
+        kubectl.run("hub", "-n", namespace, "get", "rlrun", "tiny-moe-arith", "-o", "json").stdout
     )
-    child = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {
-            "name": "child",
-            "ownerReferences": [
-                {
-                    "apiVersion": "v1",
-                    "kind": "ConfigMap",
-                    "name": "owner",
-                    "uid": owner["metadata"]["uid"],
-                }
-            ],
-        },
-    }
-    kubectl.run("region-b", "-n", namespace, "apply", "-f", "-", stdin=json.dumps(child))
-    kubectl.run("region-b", "-n", namespace, "delete", "configmap", "owner", "--cascade=background")
-    wait_for(
-        "the garbage collector to delete the child",
-        lambda: (
-            kubectl.run(
-                "region-b", "-n", namespace, "get", "configmap", "child", check=False
-            ).returncode
-            != 0
-        ),
-    )
+    # What the hub operator applies for the run, with the owner references it sets: the
+    # cluster's garbage collector alone removes them once the run is deleted.
+    made = hub_objects(run, Images(), Workloads(), None)
+    assert {o["kind"] for o in made} >= {"ConfigMap", "StatefulSet", "Deployment", "Service"}
+    listed = {"apiVersion": "v1", "kind": "List", "items": made}
+    kubectl.run("hub", "-n", namespace, "apply", "-f", "-", stdin=json.dumps(listed))
+    names = [f"{o['kind'].lower()}/{o['metadata']['name']}" for o in made]
+
+    def left() -> list[str]:
+        found = kubectl.run("hub", "-n", namespace, "get", *names, "--ignore-not-found", "-o=name")
+        return found.stdout.split()
+
+    assert len(left()) == len(made)
+    kubectl.run("hub", "-n", namespace, "delete", "rlrun", "tiny-moe-arith", "--wait=false")
+    wait_for("the garbage collector to delete the run's objects", lambda: not left())

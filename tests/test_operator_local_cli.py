@@ -16,7 +16,7 @@ import sys
 import nats.js.errors
 import pytest
 import yaml
-from conftest import ROOT, run_streams
+from conftest import ROOT, rules_suite, run_streams
 
 from rlfleet.launch import run_key
 from rlfleet.local.binaries import binary
@@ -33,8 +33,13 @@ def test_a_run_through_the_operators_loses_and_regains_a_regions_worker_in_a_spi
 ) -> None:
     # `test_operator_local.py` ran this example on the bed too: a run of the same name in
     # another namespace is another run, with streams of its own.
-    example = ROOT / "examples" / "local.yaml"
-    name = yaml.safe_load(example.read_text())["metadata"]["name"]
+    document = yaml.safe_load((ROOT / "examples" / "local.yaml").read_text())
+    name = document["metadata"]["name"]
+    # Flow, not learning, is under test: sixteen tasks make the whole-suite evaluations
+    # of the starting model and the last version quick.
+    document["spec"]["rollout"]["taskSuite"] = str(rules_suite(tmp_path / "rules-16.jsonl", 16))
+    example = tmp_path / "local.yaml"
+    example.write_text(yaml.safe_dump(document))
     run = tmp_path / "run"
     done = subprocess.run(
         [

@@ -23,6 +23,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from rlfleet.api.rlrun import STEP_TOKENS, RLRunSpec
+from rlfleet.launch.caches import own_caches
 from rlfleet.launch.settings import (
     EvaluatorConfig,
     FeedConfig,
@@ -390,6 +391,7 @@ def component_settings(argv: list[str], component: Component[S]) -> S:
         "--rlrun", nargs="?", const=SPEC_FILE, type=Path, help="the run's mounted spec"
     )
     args = parser.parse_args(argv)
+    own_caches(None)  # a pod's under the root the operator mounts; a local tree's as set
     if args.config:
         return component.read(args.config)
     try:

@@ -62,6 +62,11 @@ class Layout:
     def report(self) -> Path:
         return self.root / "report"
 
+    @property
+    def caches(self) -> Path:
+        """The run's compile caches (`rlfleet.launch.caches`), kept for re-runs."""
+        return self.root / "cache"
+
 
 @dataclass(frozen=True)
 class Tuning:

@@ -46,6 +46,7 @@ from rlfleet.api.wire import (
 from rlfleet.bus import auth
 from rlfleet.bus.streams import ensure_run_streams, step_stream
 from rlfleet.launch import EVALUATION, WARMUP
+from rlfleet.launch.caches import own_caches
 from rlfleet.launch.settings import to_json
 from rlfleet.local import plan, report
 from rlfleet.local.files import write_secret
@@ -376,6 +377,7 @@ def run(
     """Trains the run; exits 1 when its evaluation gate failed it."""
     name, spec = load(path)
     layout = plan.Layout(root or Path(".rlfleet") / "runs" / name)
+    own_caches(layout.caches)  # here, unless whoever started the run gave it a root
     tuning = plan.Tuning()
     make_model(spec, layout, warmup_steps or tuning.warmup_steps)
     start = layout.report / EVALUATION_START

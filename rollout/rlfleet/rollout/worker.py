@@ -77,6 +77,21 @@ def make_llm(config: WorkerConfig):
     )
 
 
+def start_failure(error: BaseException) -> str:
+    """Why an engine did not start, in one line: a compiler's `error:` line anywhere in the
+    exception's chain (torch inductor's C++ build), else the innermost cause's message."""
+    chain = [error]
+    while (inner := chain[-1].__cause__ or chain[-1].__context__) and inner not in chain:
+        chain.append(inner)
+    for found in chain:
+        for line in str(found).splitlines():
+            if "error:" in line:
+                return f"{type(found).__name__}: {line.strip()}"
+    innermost = chain[-1]
+    first = next((line.strip() for line in str(innermost).splitlines() if line.strip()), "")
+    return f"{type(innermost).__name__}: {first}"
+
+
 def groups_to_take(running: int, max_sessions: int, group_size: int) -> int:
     """How many groups to fetch with `running` sessions under way. A group is never split,
     so one larger than `max_sessions` runs alone rather than never."""
@@ -129,7 +144,13 @@ class Worker:
 
     async def run(self) -> None:
         config = self.config
-        llm = await asyncio.to_thread(make_llm, config)
+        try:
+            llm = await asyncio.to_thread(make_llm, config)
+        except Exception as error:
+            log.exception("the vLLM engine failed to start")
+            # vLLM's own last words only point above; the log's last line says why.
+            log.error("vLLM engine did not start: %s", start_failure(error))
+            raise SystemExit(1) from None
         self.engine = engine = Engine(llm, follow_weights=config.follow_weights)
         nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
         try:

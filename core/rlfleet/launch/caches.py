@@ -1,0 +1,65 @@
+"""Where a process tree keeps its compile caches: under a root of its own.
+
+By default torch inductor compiles into `/tmp/torchinductor_$USER`, Triton into
+`~/.triton/cache`, vLLM (its torch.compile cache too) into `~/.cache/vllm`, DeepSpeed's op
+builds into `~/.cache/torch_extensions`, CUDA's JIT into `~/.nv/ComputeCache` and
+matplotlib its font list into `~/.cache/matplotlib`: folders every process of the user
+shares, whatever torch build or CPU wrote them. So the tree's `TMPDIR` is its own too. A vLLM engine
+once died at start-up reading a kernel another build had left there (issue #34: C++
+"`at::vec` has not been declared"). So whoever starts a tree (`rlfleet run`, the test
+session, a benchmark, a pod) names a root it owns in `CACHE_ROOT_ENV`, and every process
+in it derives the caches' folders from that one variable. The Hugging Face hub cache is
+left alone: rlfleet downloads nothing, and that cache is content-addressed and locked.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+# The root a process tree's caches live under: a pod's is set by the operator (a folder
+# of its writable scratch emptyDir); a local tree's by whoever started it.
+CACHE_ROOT_ENV = "RLFLEET_CACHE_DIR"
+
+# Each library's variable, and its folder under the root.
+CACHE_FOLDERS = {
+    "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+    "TRITON_CACHE_DIR": "triton",
+    "VLLM_CACHE_ROOT": "vllm",
+    "TORCH_EXTENSIONS_DIR": "torch_extensions",
+    "CUDA_CACHE_PATH": "cuda",
+    "MPLCONFIGDIR": "matplotlib",  # its font cache, made by a run's report
+    # Inductor keeps its precompiled C++ headers in `$TMPDIR/torchinductor_$USER` whatever
+    # its cache folder: a header another torch build or CPU left there breaks every kernel.
+    "TMPDIR": "tmp",
+}
+
+
+def cache_env(root: Path) -> dict[str, str]:
+    """The environment that puts every compile cache under `root`."""
+    return {CACHE_ROOT_ENV: str(root)} | {var: str(root / f) for var, f in CACHE_FOLDERS.items()}
+
+
+def own_caches(default_root: Path | None) -> Path | None:
+    """Puts this process's (and its children's) compile caches under the root the tree
+    already has (`CACHE_ROOT_ENV`, set by whoever started it), else under `default_root`;
+    with neither, changes nothing. Returns the root."""
+    inherited = os.environ.get(CACHE_ROOT_ENV)
+    root = Path(inherited) if inherited else default_root
+    if root is not None:
+        os.environ.update(cache_env(root.absolute()))
+        (root / CACHE_FOLDERS["TMPDIR"]).mkdir(parents=True, exist_ok=True)  # else /tmp
+    return root
+
+
+def own_temporary_caches(prefix: str) -> None:
+    """`own_caches` under a fresh temporary folder, removed when this process exits, unless
+    the tree has a root already: for a command (a benchmark) that keeps nothing."""
+    root = None
+    if not os.environ.get(CACHE_ROOT_ENV):
+        root = Path(tempfile.mkdtemp(prefix=prefix))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+    own_caches(root)

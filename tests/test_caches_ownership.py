@@ -1,0 +1,53 @@
+"""Every process tree rlfleet starts compiles into caches it owns, never into the user's
+shared defaults (issue #34: a kernel another build left in torch's shared cache killed
+vLLM at start-up), and an engine that dies at start-up says why in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from rlfleet.launch.caches import CACHE_FOLDERS, CACHE_ROOT_ENV
+from rlfleet.launch.settings import WorkerConfig, to_json
+
+COMPILE = "import torch; torch.compile(lambda x: x.sin() * 2)(torch.ones(8))"
+
+
+def test_a_test_sessions_processes_compile_into_the_sessions_caches(
+    session_caches: Path, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    env = os.environ | {"HOME": str(home)}
+    env.pop("XDG_CACHE_HOME", None)
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Nothing in the user's home, and the kernels and inductor's precompiled headers (kept
+    # under $TMPDIR whatever its cache folder) under the session's root.
+    assert sorted(home.rglob("*")) == []
+    assert any((session_caches / CACHE_FOLDERS["TORCHINDUCTOR_CACHE_DIR"]).rglob("*.so"))
+    owned = session_caches / CACHE_FOLDERS["TMPDIR"]
+    assert any(owned.glob("torchinductor_*/precompiled_headers/*.gch"))
+    assert os.environ[CACHE_ROOT_ENV] == str(session_caches)
+
+
+def test_an_engine_that_cannot_start_says_why_in_its_last_log_line(tmp_path: Path) -> None:
+    config = tmp_path / "worker.json"
+    missing = tmp_path / "no-model"
+    config.write_bytes(
+        to_json(WorkerConfig(run="r", nats_url="nats://127.0.0.1:1", model=str(missing)))
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "rlfleet.rollout", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert "vLLM engine did not start: " in last and str(missing) in last, done.stderr[-3000:]
