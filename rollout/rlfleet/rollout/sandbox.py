@@ -33,11 +33,14 @@ _HERE = Path(__file__).parent
 SANDBOX_PYTHON = "/usr/bin/python3"
 _UID_BASE = 200_000 + (os.getpid() % 500) * 1000
 DEFAULT_LIMITS = Limits()
+MOUNTPOINTS = "/tmp"
 
 
 def _mountpoint() -> Path:
     # Only an empty directory on the host: the sandbox mounts its tmpfs over it privately.
-    path = Path(tempfile.mkdtemp(prefix="rlfleet-sandbox-"))
+    # In the system's /tmp, not under $TMPDIR: a process tree's TMPDIR may be a folder of
+    # its own (`rlfleet.launch.caches`) that the sandbox's uid cannot traverse.
+    path = Path(tempfile.mkdtemp(prefix="rlfleet-sandbox-", dir=MOUNTPOINTS))
     path.chmod(0o755)
     return path
 
