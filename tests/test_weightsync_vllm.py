@@ -39,8 +39,11 @@ def _probe(args: dict, tmp_path: Path, name: str, env: dict[str, str] | None = N
     return json.loads((tmp_path / f"{name}.json").read_text())
 
 
+# One worker, and two: a tensor-parallel engine whose workers each follow the weights and
+# load their own shard of every changed tensor (vLLM's CPU backend, one core each).
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
 def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
-    nats_servers, tmp_path: Path
+    nats_servers, tmp_path: Path, tensor_parallel: int
 ) -> None:
     v0 = init_model("tiny-moe", tmp_path / "v0")
     v1 = train_step(v0, tmp_path / "v1", lr=1e-2)
@@ -58,6 +61,7 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
     updated = _probe(
         {
             "checkpoint": str(v0),
+            "tensor_parallel": tensor_parallel,
             "rounds": [
                 {"version": 0, "publish": str(v0)},
                 {"version": 1, "publish": str(v1), "requests": "inflight"},
@@ -84,6 +88,7 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
     fresh = _probe(
         {
             "checkpoint": str(v1),
+            "tensor_parallel": tensor_parallel,
             "continue": [
                 {
                     "prompt_token_ids": long["prompt_token_ids"] + long["token_ids"][:switch],
@@ -103,8 +108,9 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
     ] == [{k: c[k] for k in ("token_ids", "logprobs")} for c in fresh["continued"]]
     assert (before["version"], after["version"]) == (0, 1)
     assert (before["kinds"], after["kinds"]) == (["full"], ["delta"])
-    # The worker holds exactly the published state, and says so.
+    # Every worker holds exactly the published state, and says so.
     assert after["digest"] == after["published_digest"]
+    assert after["worker_digests"] == [after["published_digest"]] * tensor_parallel
     # Every sample reports the version it was produced under.
     assert all(s["weight_versions"] == ["0"] for s in before["samples"])
     assert all(s["weight_versions"] == ["1"] for s in after["samples"])

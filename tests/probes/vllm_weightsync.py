@@ -1,7 +1,8 @@
 """vLLM generating before and after weightsync updates; argv: ARGS_JSON OUT_JSON.
 
-ARGS_JSON: {"checkpoint", and for updates "rounds": [{"version", "publish": DIR,
-"requests"?}], "hub_url", "leaf_url", "run", "domain", "config"}. Each round publishes
+ARGS_JSON: {"checkpoint", "tensor_parallel"? (workers of the engine), and for updates
+"rounds": [{"version", "publish": DIR, "requests"?}], "hub_url", "leaf_url", "run",
+"domain", "config"}. Each round publishes
 DIR's weights as the version (playing the trainer), updates vLLM to it through the
 region's leaf node, and generates. With "requests": "inflight", long requests are
 running (and have sampled tokens) once every worker holds the version, and the update
@@ -80,12 +81,14 @@ def main() -> None:
 
     from rlfleet.bus import auth
     from rlfleet.models.tiny import read_weights
+    from rlfleet.rollout.worker import parallel_options
     from rlfleet.weightsync import (
         Publisher,
         SyncConfig,
         WeightStream,
         vllm_options,
         vllm_start,
+        vllm_status,
         vllm_update,
         wait_for_version,
     )
@@ -99,6 +102,7 @@ def main() -> None:
         max_model_len=256,
         enforce_eager=True,
         seed=0,
+        **parallel_options(args.get("tensor_parallel", 1)),
         **options,
     )
     report: dict = {"rounds": []}
@@ -138,6 +142,7 @@ def main() -> None:
                     "kinds": [m.kind for m in manifests],
                     "published_digest": manifests[0].state_digest,
                     "digest": update.digest,
+                    "worker_digests": [s["digest"] for s in vllm_status(llm)],
                     "pause_ms": update.pause_s * 1000,
                     "samples": generate(llm),
                 }

@@ -215,6 +215,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     group_size: Positive = spec_default(RolloutSpec, "group_size")
     max_model_len: Positive = 4096
     dtype: str = "bfloat16"
+    # Devices per vLLM engine; None: chosen from the model's size and the GPUs the worker
+    # sees (`rlfleet.rollout.layout`). On the CPU backend each worker gets its own cores.
+    tensor_parallel: Positive | None = None
     prefix_caching: bool = True
     follow_weights: bool = True  # apply the trainer's versions as they arrive
     start_version: int | None = 0  # take no task before this version is loaded

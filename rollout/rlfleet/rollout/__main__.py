@@ -1,15 +1,19 @@
 """`python -m rlfleet.rollout CONFIG.json`, or `--rlrun [SPEC]` in a pod: run a rollout
-worker until SIGTERM."""
+worker until SIGTERM; one per engine where the pod's GPUs hold several (`layout`)."""
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 
 import prometheus_client
 
 from rlfleet import launch
-from rlfleet.rollout.worker import Worker
+from rlfleet.rollout import engines
+from rlfleet.rollout.worker import Worker, engine_layout
+
+log = logging.getLogger("rlfleet.rollout")
 
 
 def main() -> None:
@@ -17,9 +21,20 @@ def main() -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = launch.component_settings(sys.argv[1:], launch.ROLLOUT)
+    try:
+        chosen = engine_layout(config)
+    except (OSError, ValueError) as error:  # no model to read, or a tensor_parallel that can't be
+        sys.exit(f"python -m rlfleet.rollout: {error}")
+    if chosen.engines > 1:
+        log.info(
+            "%d engines of %d workers: %s", chosen.engines, chosen.tensor_parallel, chosen.reason
+        )
+        sys.exit(engines.run(chosen, [sys.executable, "-m", "rlfleet.rollout", *sys.argv[1:]]))
+    if engines.ENGINE in os.environ:
+        config = engines.engine_config(config, int(os.environ[engines.ENGINE]))
     if config.metrics_port is not None:
         prometheus_client.start_http_server(config.metrics_port)
-    worker = Worker(config)
+    worker = Worker(config, chosen)
 
     async def run() -> None:
         # SIGTERM stops taking tasks and finishes (and publishes) the groups under way.

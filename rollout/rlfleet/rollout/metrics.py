@@ -15,6 +15,9 @@ sandbox_start = Histogram(
     "Time to start an attempt's sandbox",
     buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
 )
+engine_workers = Gauge(
+    "rlfleet_rollout_engine_workers", "Devices (vLLM workers) of this process's engine"
+)
 policy_version = Gauge("rlfleet_rollout_policy_version", "Policy version the engine runs")
 generated_tokens = Counter("rlfleet_rollout_generated_tokens_total", "Tokens sampled")
 awaiting_version = Gauge(

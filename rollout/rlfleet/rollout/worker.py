@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import tempfile
 import time
 import zlib
@@ -35,8 +37,9 @@ from rlfleet.api.wire import (
 from rlfleet.bus import auth
 from rlfleet.bus.streams import bind_stream
 from rlfleet.launch.settings import RewardConfig, WorkerConfig
-from rlfleet.rollout import metrics, rewards
+from rlfleet.rollout import layout, metrics, rewards
 from rlfleet.rollout.engine import Engine
+from rlfleet.rollout.layout import Layout
 from rlfleet.rollout.sandbox import Limits, Sandbox, SandboxClosed
 from rlfleet.rollout.session import Episode, Session
 from rlfleet.rollout.tasks import write_start_state
@@ -63,7 +66,33 @@ def engine_options() -> dict:
     return {"logprobs_mode": "processed_logprobs", **vllm_options(worker_extension=EXTENSION)}
 
 
-def make_llm(config: WorkerConfig):
+def engine_layout(config: WorkerConfig) -> Layout:
+    """The layout for this worker's model on the devices this process sees."""
+    from vllm.platforms import current_platform
+
+    model = Path(config.model)
+    weight_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    heads = json.loads((model / "config.json").read_text())["num_attention_heads"]
+    gpus = current_platform.device_count() if current_platform.is_cuda_alike() else 0
+    gpu_bytes = current_platform.get_device_total_memory(0) if gpus else 0
+    return layout.choose(weight_bytes, gpus, gpu_bytes, heads, config.tensor_parallel)
+
+
+def parallel_options(tensor_parallel: int) -> dict:
+    """`vllm.LLM` arguments for an engine over `tensor_parallel` workers. On the CPU backend
+    each worker is bound to its own share of this process's cores (vLLM would want a NUMA
+    node per worker), unless VLLM_CPU_OMP_THREADS_BIND already says where."""
+    from vllm.platforms import current_platform
+
+    if tensor_parallel == 1:
+        return {}
+    if current_platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        binds = layout.cpu_binds(sorted(os.sched_getaffinity(0)), tensor_parallel)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binds  # read by the engine's processes
+    return {"tensor_parallel_size": tensor_parallel, "distributed_executor_backend": "mp"}
+
+
+def make_llm(config: WorkerConfig, tensor_parallel: int = 1):
     from vllm import LLM
 
     return LLM(
@@ -73,6 +102,7 @@ def make_llm(config: WorkerConfig):
         enforce_eager=True,
         seed=config.seed,
         enable_prefix_caching=config.prefix_caching,
+        **parallel_options(tensor_parallel),
         **engine_options(),
     )
 
@@ -135,8 +165,9 @@ def scorer_for(task: Task, config: RewardConfig, limits: Limits) -> rewards.Scor
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, layout: Layout) -> None:
         self.config = config
+        self.layout = layout  # of this worker's one engine (`layout.engines` is 1)
         self.stopping = asyncio.Event()
         self.engine: Engine | None = None
         self.sessions = 0  # running now
@@ -144,8 +175,11 @@ class Worker:
 
     async def run(self) -> None:
         config = self.config
+        tensor_parallel = self.layout.tensor_parallel
+        log.info("vLLM engine over %d workers: %s", tensor_parallel, self.layout.reason)
+        metrics.engine_workers.set(tensor_parallel)
         try:
-            llm = await asyncio.to_thread(make_llm, config)
+            llm = await asyncio.to_thread(make_llm, config, tensor_parallel)
         except Exception as error:
             log.exception("the vLLM engine failed to start")
             # vLLM's own last words only point above; the log's last line says why.

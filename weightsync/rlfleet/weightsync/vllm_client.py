@@ -14,6 +14,7 @@ from rlfleet.weightsync.versions import wait_for_version
 ENGINE_NAME = "rlfleet-weightsync"
 _STATUS = "rlfleet_weightsync_status"
 _UPDATE = "rlfleet_weightsync_update"
+_CATCH_UP = 3  # rounds for workers that loaded different versions (parallel engines)
 
 
 def llm_options(
@@ -57,6 +58,17 @@ def _held_by_all(llm) -> int | None:
     return None if None in held else min(held)
 
 
+def disagree(workers: list[dict[str, Any]]) -> None:
+    """Raise unless every worker loaded the same version with the same digest. Each worker
+    (one per device of a parallel engine) follows the weights on its own and verifies the
+    whole state's digest; each then loads its own shard of every changed tensor, so one
+    whose state differs would make the engine compute with mismatched shards."""
+    loaded = {(s["loaded"], s["digest"]) for s in workers}
+    if len(loaded) != 1:
+        found = ", ".join(f"worker {i}: {s['loaded']} {s['digest']}" for i, s in enumerate(workers))
+        raise RuntimeError(f"workers disagree on the loaded version and digest: {found}")
+
+
 def update(llm, version: int | None = None, timeout_s: float = 300.0) -> Update:
     """Switch the model to `version` (or the newest held) once every worker holds it.
 
@@ -74,12 +86,20 @@ def update(llm, version: int | None = None, timeout_s: float = 300.0) -> Update:
         wait_for_version(lambda: _held_by_all(llm), version, timeout_s, what="vLLM's workers")
     started = time.perf_counter()
     llm.sleep(level=0, mode="keep")
-    loaded = llm.collective_rpc(
-        _UPDATE, kwargs={"update_info": {"version": version, "timeout_s": timeout_s}}
-    )
-    versions = {s["loaded"] for s in loaded}
-    if len(versions) != 1:
-        raise RuntimeError(f"workers disagree on the loaded version: {sorted(map(str, versions))}")
+
+    def write(version: int | None) -> list[dict[str, Any]]:
+        info = {"version": version, "timeout_s": timeout_s}
+        return llm.collective_rpc(_UPDATE, kwargs={"update_info": info})
+
+    loaded = write(version)
+    for _ in range(_CATCH_UP):
+        versions = {s["loaded"] for s in loaded if s["loaded"] is not None}
+        if len(versions) < 2:
+            break
+        # A worker's receiver took a newer version meanwhile, and each loads the newest it
+        # holds: the others catch up to it.
+        loaded = write(max(versions))
+    disagree(loaded)
     llm.update_weight_version(str(loaded[0]["loaded"]))
     # Drops the KV the old weights computed: the prefix cache, and the running requests'
     # (they go back to the queue and recompute it).
