@@ -63,10 +63,11 @@ def start_long(llm) -> None:
             seen[out.request_id] = len(out.outputs[0].token_ids)
 
 
-def held_by_all(llm) -> int:
-    from rlfleet.weightsync import vllm_status
+def held(llm) -> int:
+    from rlfleet.weightsync import vllm_held
 
-    return min(-1 if s["held"] is None else s["held"] for s in vllm_status(llm))
+    version = vllm_held(llm)
+    return -1 if version is None else version
 
 
 def finish_long(llm) -> list[dict]:
@@ -123,9 +124,7 @@ def main() -> None:
             manifests = loop.run_until_complete(publisher.publish(weights, step["version"]))
             requests, long, drain_wait_s = step.get("requests"), [], 0.0
             if requests:
-                wait_for_version(
-                    lambda: held_by_all(llm), step["version"], 300.0, what="vLLM's workers"
-                )
+                wait_for_version(lambda: held(llm), step["version"], 300.0, what="vLLM's workers")
                 start_long(llm)
                 offered = time.perf_counter()
                 if requests == "drain":

@@ -28,7 +28,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from rlfleet.rollout import metrics, vllm_experts
-from rlfleet.weightsync import vllm_status, vllm_update, wait_for_version_async
+from rlfleet.weightsync import vllm_held, vllm_update, wait_for_version_async
 
 log = logging.getLogger(__name__)
 
@@ -159,14 +159,14 @@ class Engine:
             self._running[request_id] = pending
 
     async def _maybe_update(self) -> None:
-        """Load a newer version as soon as every worker holds it, running requests or not."""
+        """Load a newer version as soon as the engine holds it, running requests or not."""
         if not self.follow_weights or time.monotonic() < self._next_poll:
             return
         self._next_poll = time.monotonic() + self.poll_s
-        held = [s["held"] for s in await self.call(vllm_status, self.llm)]
-        if any(h is None for h in held) or min(held) <= self.version:
+        held = await self.call(vllm_held, self.llm)
+        if held is None or held <= self.version:
             return
-        update = await self.call(vllm_update, self.llm, min(held))
+        update = await self.call(vllm_update, self.llm, held)
         self.version = update.version
         self.stats.updates.append((update.version, update.pause_s))
         metrics.policy_version.set(update.version)

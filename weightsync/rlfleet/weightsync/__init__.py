@@ -3,10 +3,10 @@
 This is the public API; other components import from here, never from the modules.
 Trainers publish (`Publisher`; ranks that each hold part of the model pass their `Part`
 and publish the tensors `owned_names` gives them), rollout workers receive (`Receiver`)
-or let vLLM's workers receive (`vllm_options`, `vllm_start`, `vllm_update`). A component
-that adds its own methods to vLLM's workers subclasses `WeightsyncWorker` and names its
-class in `vllm_options(worker_extension=...)`. `wait_for_version` (and its async twin) waits until
-an engine serves a version.
+or let vLLM's workers receive (`vllm_options`, `vllm_start`, `vllm_held`,
+`vllm_update`). A component that adds its own methods to vLLM's workers subclasses
+`WeightsyncWorker` and names its class in `vllm_options(worker_extension=...)`.
+`wait_for_version` (and its async twin) waits until an engine serves a version.
 """
 
 from rlfleet.weightsync.config import SyncConfig
@@ -17,6 +17,7 @@ from rlfleet.weightsync.state import WeightState
 from rlfleet.weightsync.transport import WeightStream
 from rlfleet.weightsync.versions import wait_for_version, wait_for_version_async
 from rlfleet.weightsync.vllm_client import Update as VllmUpdate
+from rlfleet.weightsync.vllm_client import held as vllm_held
 from rlfleet.weightsync.vllm_client import llm_options as vllm_options
 from rlfleet.weightsync.vllm_client import start as vllm_start
 from rlfleet.weightsync.vllm_client import status as vllm_status
@@ -34,6 +35,7 @@ __all__ = [
     "WeightStream",
     "WeightsyncWorker",
     "owned_names",
+    "vllm_held",
     "vllm_options",
     "vllm_start",
     "vllm_status",

@@ -14,7 +14,6 @@ from rlfleet.weightsync.versions import wait_for_version
 ENGINE_NAME = "rlfleet-weightsync"
 _STATUS = "rlfleet_weightsync_status"
 _UPDATE = "rlfleet_weightsync_update"
-_CATCH_UP = 3  # rounds for workers that loaded different versions (parallel engines)
 
 
 def llm_options(
@@ -52,17 +51,17 @@ def status(llm) -> list[dict[str, Any]]:
     return llm.collective_rpc(_STATUS)
 
 
-def _held_by_all(llm) -> int | None:
-    """The newest version every worker holds; None while one holds none."""
-    held = [s["held"] for s in status(llm)]
-    return None if None in held else min(held)
+def held(llm) -> int | None:
+    """The newest version the engine can load: what its leading worker holds verified
+    (the others take each version from it); None while it holds none."""
+    versions = [s["held"] for s in status(llm) if s["leads"]]
+    return None if None in versions else min(versions)
 
 
 def disagree(workers: list[dict[str, Any]]) -> None:
-    """Raise unless every worker loaded the same version with the same digest. Each worker
-    (one per device of a parallel engine) follows the weights on its own and verifies the
-    whole state's digest; each then loads its own shard of every changed tensor, so one
-    whose state differs would make the engine compute with mismatched shards."""
+    """Raise unless every worker (one per device of a parallel engine) says it loaded the
+    same version with the same digest: a worker left behind would compute with shards
+    of another version."""
     loaded = {(s["loaded"], s["digest"]) for s in workers}
     if len(loaded) != 1:
         found = ", ".join(f"worker {i}: {s['loaded']} {s['digest']}" for i, s in enumerate(workers))
@@ -70,7 +69,7 @@ def disagree(workers: list[dict[str, Any]]) -> None:
 
 
 def update(llm, version: int | None = None, timeout_s: float = 300.0) -> Update:
-    """Switch the model to `version` (or the newest held) once every worker holds it.
+    """Switch the model to `version` (or the newest held) once the engine holds it.
 
     Requests may be running: vLLM's engine core steps them on its own between our calls,
     and a step while a layer is being reloaded (meta tensors) kills the engine, so the
@@ -83,22 +82,11 @@ def update(llm, version: int | None = None, timeout_s: float = 300.0) -> Update:
     later `update` reloads every tensor and resumes it.
     """
     if version is not None:
-        wait_for_version(lambda: _held_by_all(llm), version, timeout_s, what="vLLM's workers")
+        wait_for_version(lambda: held(llm), version, timeout_s, what="vLLM's workers")
     started = time.perf_counter()
     llm.sleep(level=0, mode="keep")
-
-    def write(version: int | None) -> list[dict[str, Any]]:
-        info = {"version": version, "timeout_s": timeout_s}
-        return llm.collective_rpc(_UPDATE, kwargs={"update_info": info})
-
-    loaded = write(version)
-    for _ in range(_CATCH_UP):
-        versions = {s["loaded"] for s in loaded if s["loaded"] is not None}
-        if len(versions) < 2:
-            break
-        # A worker's receiver took a newer version meanwhile, and each loads the newest it
-        # holds: the others catch up to it.
-        loaded = write(max(versions))
+    info = {"version": version, "timeout_s": timeout_s}
+    loaded = llm.collective_rpc(_UPDATE, kwargs={"update_info": info})
     disagree(loaded)
     llm.update_weight_version(str(loaded[0]["loaded"]))
     # Drops the KV the old weights computed: the prefix cache, and the running requests'

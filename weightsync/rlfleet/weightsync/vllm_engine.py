@@ -1,11 +1,18 @@
 """Weightsync inside vLLM: a weight-transfer engine that runs in each worker process.
 
 vLLM loads it through the `vllm.general_plugins` entry point (`register`), in every
-process it starts. In the worker, the engine follows the run's versions on NATS from a
-background thread: shards are fetched, decoded and verified against the state digest
-there, into a host copy of the weights, while the model keeps generating. Only
-`update_weights` touches the model, copying in the tensors changed since the last
-update, so generation pauses just for that copy.
+process it starts. In the first worker of an engine (tensor-parallel rank 0, the
+leader), the engine follows the run's versions on NATS from a background thread: shards
+are fetched, decoded and verified against the state digest there, into a host copy of
+the weights, while the model keeps generating. Only `update_weights` touches the model,
+copying in the tensors changed since the last update, so generation pauses just for
+that copy.
+
+An engine over several devices keeps one host copy and fetches each version once: the
+leader broadcasts the version, its digest and each changed tensor, one at a time, over
+the engine's own tensor-parallel group (NVLink on a GPU node), and every worker loads
+its own shard of it (vLLM's weight loaders slice the whole tensor). Followers hold no
+copy, so host memory and the region's NATS traffic do not grow with the devices.
 
 vLLM rebuilds a whole module from what it is given (fused QKV, all experts of a layer),
 so every tensor of a decoder layer goes in when any of them changed.
@@ -81,9 +88,16 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
     supports_draft_weight_update = False
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
+        from vllm.distributed.parallel_state import get_tp_group
+
         _log_with_vllm()
         self.loaded_version: int | None = None
+        self.loaded_digest: str | None = None
         self._stashed_kernels: list[tuple[Any, Any]] = []
+        self._group = get_tp_group()
+        self.leads = self._group.rank_in_group == 0
+        if not self.leads:
+            return  # takes each version from the leader (`receive_weights`)
         self._loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()
         self._thread = threading.Thread(
@@ -124,6 +138,9 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
+        if not self.leads:
+            self._load({})
+            return
         receiver = self.receiver
         if update_info.version is not None:
             wait_for_version(
@@ -139,13 +156,42 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             if self.loaded_version is None:
                 changed = set(tensors)  # the first update replaces whatever vLLM loaded
             names = module_groups(changed, list(tensors))
-            try:
-                self.model.load_weights((name, tensors[name]) for name in names)
-            except BaseException:
-                self.loaded_version = None  # what the model holds is unknown: reload it all
-                raise
-            self.loaded_version = receiver.version
-        log.info("weightsync: wrote %d tensors of version %s", len(names), self.loaded_version)
+            self._load(
+                {name: tensors[name] for name in names},
+                receiver.version,
+                receiver.state.digest(),
+            )
+
+    def _load(
+        self, tensors: dict[str, Any], version: int | None = None, digest: str | None = None
+    ) -> None:
+        """Write `tensors` (the leader's; empty on followers) into every worker's model:
+        the leader sends what changed, tensor by tensor, and each worker loads its shard."""
+        import torch
+
+        shapes = [(name, t.shape, t.dtype) for name, t in tensors.items()]
+        version, digest, shapes = self._group.broadcast_object((version, digest, shapes))
+
+        def sent():
+            for name, shape, dtype in shapes:
+                if self.leads:
+                    tensor = tensors[name]
+                    if self._group.world_size > 1:
+                        tensor = tensor.to(self.device)  # NCCL sends from the device
+                        self._group.broadcast(tensor.view(-1).view(torch.uint8))
+                else:
+                    size = shape.numel() * dtype.itemsize
+                    raw = torch.empty(size, dtype=torch.uint8, device=self.device)
+                    tensor = self._group.broadcast(raw).view(dtype).view(shape)
+                yield name, tensor
+
+        try:
+            self.model.load_weights(sent())
+        except BaseException:
+            self.loaded_version = None  # what the model holds is unknown: reload it all
+            raise
+        self.loaded_version, self.loaded_digest = version, digest
+        log.info("weightsync: wrote %d tensors of version %s", len(shapes), version)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -157,10 +203,14 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._stashed_kernels = []
 
     def status(self) -> dict[str, Any]:
+        """`held`: the version the leader holds verified (None on followers, which hold
+        none); `loaded` and `digest`: what this worker's model runs."""
+        loaded = {"loaded": self.loaded_version, "digest": self.loaded_digest}
+        if not self.leads:
+            return {"held": None, "leads": False, **loaded}
         receiver = self.receiver
         with receiver.state_lock:
-            digest = receiver.state.digest() if receiver.version is not None else None
-            return {"held": receiver.version, "loaded": self.loaded_version, "digest": digest}
+            return {"held": receiver.version, "leads": True, **loaded}
 
     def shutdown(self) -> None:
         if getattr(self, "_loop", None) is None:
