@@ -77,3 +77,12 @@ def test_a_bad_rank_environment_is_refused_naming_the_variable(
 ) -> None:
     with pytest.raises(ValueError, match=error):
         launch.Placement.from_env(JOB | changes)
+
+
+def test_a_pod_with_fewer_gpus_than_ranks_is_refused_naming_the_field() -> None:
+    from rlfleet.trainer.ranks import too_few_gpus
+
+    why = too_few_gpus(procs=8, gpus=4)
+    assert why is not None and "spec.trainer.gpusPerReplica" in why and "sees 4 GPUs" in why
+    assert too_few_gpus(procs=8, gpus=8) is None
+    assert too_few_gpus(procs=2, gpus=0) is None  # CPU ranks over gloo

@@ -4,9 +4,12 @@ trainer ranks (`config.ranks`) until stopped or max_steps."""
 import logging
 import sys
 
+import torch
+
 from rlfleet import launch
 from rlfleet.trainer.deepspeed_config import deepspeed_config
 from rlfleet.trainer.ranks import launch as launch_ranks
+from rlfleet.trainer.ranks import too_few_gpus
 
 
 def main() -> None:
@@ -18,6 +21,8 @@ def main() -> None:
         deepspeed_config(config)  # a user's DeepSpeed file is refused before anything loads
     except ValueError as error:
         sys.exit(f"python -m rlfleet.trainer: {error}")
+    if (why := too_few_gpus(config.ranks.procs_per_node, torch.cuda.device_count())) is not None:
+        sys.exit(f"python -m rlfleet.trainer: {why}")
     launch_ranks(config)
 
 

@@ -14,6 +14,18 @@ from rlfleet.launch.settings import TrainerConfig
 from rlfleet.trainer.loop import Trainer, follow
 
 
+def too_few_gpus(procs: int, gpus: int) -> str | None:
+    """Why a pod that sees `gpus` CUDA devices cannot run `procs` ranks, or None. A pod
+    with none runs its ranks on the CPU (gloo), as this project's tests do; one with
+    fewer GPUs than ranks would put two ranks on a GPU, and NCCL refuses that mid-job."""
+    if 0 < gpus < procs:
+        return (
+            f"{procs} ranks per pod (spec.trainer.gpusPerReplica) but this pod sees {gpus} "
+            "GPUs: the node gave fewer than requested, or CUDA_VISIBLE_DEVICES hides some"
+        )
+    return None
+
+
 def launch(config: TrainerConfig) -> None:
     """Runs this pod's ranks until the job stops; raises if one of them fails (the others
     are then stopped too, so the pod restarts whole)."""
