@@ -11,7 +11,7 @@ import prometheus_client
 
 from rlfleet import launch
 from rlfleet.rollout import engines
-from rlfleet.rollout.worker import Worker, engine_layout
+from rlfleet.rollout.worker import Worker, engine_layout, start_failure
 
 log = logging.getLogger("rlfleet.rollout")
 
@@ -24,7 +24,8 @@ def main() -> None:
     try:
         chosen = engine_layout(config)
     except (OSError, ValueError) as error:  # no model to read, or a tensor_parallel that can't be
-        sys.exit(f"python -m rlfleet.rollout: {error}")
+        log.error("vLLM engine did not start: %s", start_failure(error))  # as Worker.run says it
+        sys.exit(1)
     if chosen.engines > 1:
         log.info(
             "%d engines of %d workers: %s", chosen.engines, chosen.tensor_parallel, chosen.reason
