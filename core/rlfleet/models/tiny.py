@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -85,9 +86,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def init_model(
-    kind: Kind, directory: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+    kind: Kind,
+    directory: Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    sizes: Mapping[str, int] | None = None,
 ) -> Path:
-    """Writes a Hugging Face checkpoint (config, safetensors, tokenizer) into directory."""
+    """Writes a Hugging Face checkpoint (config, safetensors, tokenizer) into directory.
+    `sizes` overrides the kind's config fields (`hidden_size`, ...): a larger model of the
+    same architecture, for benchmarks that need bytes to move."""
     if kind not in KINDS:
         raise ValueError(f"unknown model kind {kind!r}; choose one of {', '.join(KINDS)}")
     directory.mkdir(parents=True, exist_ok=True)
@@ -95,6 +103,7 @@ def init_model(
     eos = tokenizer.convert_tokens_to_ids(END_TURN)
     pad = tokenizer.convert_tokens_to_ids(END_TEXT)
     config = model_config(kind, eos, pad)
+    config.update(dict(sizes or {}))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.eos_token_id = eos
