@@ -1,13 +1,16 @@
 """Benchmark: the environment session server on one machine. Prints one JSON object.
 
 A real server (root, one namespace sandbox per session) with a task of a few files:
-`create_ms_*` is a session made from scratch (copy the tree in, start the sandbox, first
-answer), the stand-in for a claim until the operator keeps warm pools to claim from;
+`claim_ms_*` a claim from the warm pool (the tree written in, the server started, its
+first answer), the pool refilled between claims; `burst_claim_ms_p99` claims twice as
+many as are warm at once (the rest start cold); `setup_ms_p50` an environment set up in
+a session from scratch (a virtualenv with pip, offline, and a package of `--files`
+modules, byte-compiled),
+`fork_ms_p50` a claim forking the same environment built once as a snapshot;
 `tool_call_ms_p50` a no-op `run` over HTTP; `sessions_concurrent` how many idle sessions
 the server held at once, each answering afterwards, with what one costs in memory and how
 many the machine's available memory would hold; then every escape attempt of the tests
-(`tests/envpool_escapes.py`). Keys the issue asks for that nothing measures yet are null,
-with the reason under `null_because`.
+(`tests/envpool_escapes.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -41,17 +45,60 @@ def _ms(seconds: list[float], q: float) -> float:
     return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
 
 
+SETUP = (
+    "python3 -m venv .venv && mkdir -p pkg && for i in $(seq {files}); do "
+    "printf 'def f(x):\\n    return x + %s\\n' $i > pkg/m$i.py; done && "
+    ".venv/bin/python -m compileall -q pkg"
+)
+
+
+async def _warm(env: EnvClient, count: int) -> None:
+    """Until the pool holds `count` ready sandboxes (within ten seconds)."""
+    for _ in range(1000):
+        if (await env.health())["ready"] >= count:
+            return
+        await asyncio.sleep(0.01)
+
+
+async def _timed(claim) -> float:
+    started = time.perf_counter()
+    session = await claim
+    seconds = time.perf_counter() - started
+    await session.close()
+    return seconds
+
+
+async def environments(env: EnvClient, task: Path, args) -> dict:
+    setup = SETUP.format(files=args.files)
+    setups = []
+    for _ in range(3):
+        started = time.perf_counter()
+        async with await env.create(task) as session:
+            reply = await session.call({"tool": "run", "command": setup}, 600)
+            assert reply.get("exit_code") == 0, reply
+        setups.append(time.perf_counter() - started)
+    await env.build_snapshot("env", task, setup)
+    forks = []
+    for _ in range(args.claims // 2):
+        await _warm(env, args.warm)
+        forks.append(await _timed(env.create(None, snapshot="env")))
+    return {"setup_ms_p50": _ms(setups, 0.5), "fork_ms_p50": _ms(forks, 0.5)}
+
+
 async def measure(server: LocalServer, task: Path, args, tokens_file: Path) -> dict:
     result: dict = {}
     async with EnvClient(server.url, TOKENS["bench"]) as env:
-        created = []
-        for _ in range(args.creates):
-            started = time.perf_counter()
-            session = await env.create(task)
-            created.append(time.perf_counter() - started)
-            await session.close()
-        result["create_ms_p50"] = _ms(created, 0.5)
-        result["create_ms_p99"] = _ms(created, 0.99)
+        claims = []
+        for _ in range(args.claims):
+            await _warm(env, args.warm)
+            claims.append(await _timed(env.create(task)))
+        result["claim_ms_p50"] = _ms(claims, 0.5)
+        result["claim_ms_p99"] = _ms(claims, 0.99)
+        await _warm(env, args.warm)
+        burst = await asyncio.gather(*(_timed(env.create(task)) for _ in range(2 * args.warm)))
+        result["burst_claim_ms_p99"] = _ms(burst, 0.99)
+        result |= await environments(env, task, args)
+        result["fork_over_setup"] = round(result["fork_ms_p50"] / result["setup_ms_p50"], 4)
 
         async with await env.create(task) as session:
             calls = []
@@ -101,7 +148,9 @@ async def measure(server: LocalServer, task: Path, args, tokens_file: Path) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--creates", type=int, default=50)
+    parser.add_argument("--claims", type=int, default=100)
+    parser.add_argument("--warm", type=int, default=8)
+    parser.add_argument("--files", type=int, default=2000, help="modules the set-up writes")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--sessions", type=int, default=200)
     args = parser.parse_args()
@@ -114,24 +163,20 @@ def main() -> None:
         (task / "README.md").write_text("fix add()\n")
         (task / "src" / "add.py").write_text("def add(a, b):\n    return a - b\n")
         (task / "tests.py").write_text("from src.add import add\nassert add(2, 2) == 4\n")
+        snapshots = Path(tempfile.mkdtemp(prefix="bench-snapshots-", dir="/run/rlfleet"))
         config = ServerConfig(
-            tokens_file=str(tokens_file), max_sessions=args.sessions + 8, uid_base=820_000
+            tokens_file=str(tokens_file),
+            snapshots_dir=str(snapshots),
+            max_sessions=args.sessions + 8,
+            warm=args.warm,
+            uid_base=820_000,
         )
-        with LocalServer(config) as server:
-            result = asyncio.run(measure(server, task, args, tokens_file))
-    result |= {
-        "claim_ms_p50": None,
-        "claim_ms_p99": None,
-        "fork_ms_p50": None,
-        "setup_ms_p50": None,
-        "create_over_claim_target_p99": round(result["create_ms_p99"] / 100, 2),
-        "null_because": {
-            "claim_ms": "no warm pool to claim from yet (the operator's claims come next): "
-            "create_ms_* is a session made from scratch",
-            "fork_ms_p50": "no environment snapshots forked from a set-up session yet",
-            "setup_ms_p50": "no environment set-up step (install, build) to time yet",
-        },
-    }
+        try:
+            with LocalServer(config) as server:
+                result = asyncio.run(measure(server, task, args, tokens_file))
+        finally:
+            shutil.rmtree(snapshots)
+    result["claim_over_target_p99"] = round(result["claim_ms_p99"] / 100, 2)
     print(json.dumps(result))
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from rlfleet.api.wire import Task
 from rlfleet.models.tiny import Example, fine_tune
 from rlfleet.rollout import tools
-from rlfleet.rollout.sandbox import Limits, Sandbox
+from rlfleet.rollout.envclient import local_pool
+from rlfleet.rollout.sandbox import Limits
 from rlfleet.rollout.session import (
     END_TURN,
     SUMMARY_REQUEST,
@@ -109,7 +110,7 @@ class Scripted:
 async def _observations(turns: list[str], config: SessionConfig) -> list[str]:
     """What the harness shows after each turn but the last, from a real sandbox."""
     shown = []
-    async with await Sandbox.start(None, LIMITS) as sandbox:
+    async with local_pool(LIMITS, max_sessions=1) as pool, await pool.create(None) as sandbox:
         for turn in turns[:-1]:
             parsed = tools.parse(turn)
             if isinstance(parsed, tools.ToolError):

@@ -9,7 +9,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +26,13 @@ from msgspec.structs import replace
 
 from rlfleet.launch.settings import Limits
 from rlfleet.rollout import tools
-from rlfleet.rollout.envclient import EnvClient, EnvServerError, LocalServer, ServerConfig
+from rlfleet.rollout.envclient import (
+    ClaimTimeout,
+    EnvClient,
+    EnvServerError,
+    LocalServer,
+    ServerConfig,
+)
 from rlfleet.rollout.sandbox import SandboxClosed
 
 LIMITS = Limits(
@@ -32,6 +43,7 @@ LIMITS = Limits(
     call_seconds=5,
     wall_seconds=120,
 )
+SNAPSHOTS_PARENT = "/run/rlfleet"  # beside the server's mounts_dir
 TOKENS = {"run-a": "a" * 8 + "-token-of-run-a", "run-b": "b" * 8 + "-token-of-run-b"}
 
 
@@ -52,22 +64,27 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tokens_file = root / "tokens.json"
     tokens_file.write_text(json.dumps(TOKENS))
     tokens_file.chmod(0o600)
-    (root / "snapshots" / "hello").mkdir(parents=True)
-    (root / "snapshots" / "hello" / "greeting.txt").write_text("hello from a snapshot\n")
+    # Outside /tmp: sandboxes fork snapshots once their private /tmp covers the host's.
+    snapshots = Path(tempfile.mkdtemp(prefix="snapshots-", dir=SNAPSHOTS_PARENT))
+    (snapshots / "hello").mkdir()
+    (snapshots / "hello" / "greeting.txt").write_text("hello from a snapshot\n")
     task = root / "task"
     (task / "src").mkdir(parents=True)
     (task / "notes.txt").write_text("the answer is 42\n")
     (task / "src" / "add.py").write_text("print(40 + 2)\n")
     config = ServerConfig(
         tokens_file=str(tokens_file),
-        snapshots_dir=str(root / "snapshots"),
+        snapshots_dir=str(snapshots),
         limits=LIMITS,
         max_sessions=16,
         max_body_bytes=1 << 20,
         uid_base=810_000,
     )
-    with LocalServer(config) as server:
-        yield Served(server, tokens_file, task)
+    try:
+        with LocalServer(config) as server:
+            yield Served(server, tokens_file, task)
+    finally:
+        shutil.rmtree(snapshots)
 
 
 def client(served: Served, run: str = "run-a") -> EnvClient:
@@ -197,7 +214,8 @@ def test_a_malformed_call_is_refused_naming_the_field(
         ({"files": {"/etc/passwd": "eA=="}}, "files./etc/passwd"),
         ({"files": {"a.txt": "not base64!"}}, "files.a.txt"),
         ({"files": {"big": base64.b64encode(bytes(900 << 10)).decode()}}, None),
-        ({"files": {}, "snapshot": "hello"}, "snapshot"),
+        ({"wait_seconds": -1}, "wait_seconds"),
+        ({"wait_seconds": "5"}, "wait_seconds"),
         ({"snapshot": "../etc"}, "snapshot"),
         ({"image": "x"}, "image"),
     ],
@@ -261,3 +279,159 @@ def test_an_escape_from_inside_a_session_fails(served: Served, name: str) -> Non
                 return await envpool_escapes.attempt(name, target, bystander)
 
     assert asyncio.run(escape()) is None
+
+
+# --- claims: a small pool of its own, with short leases
+
+
+@pytest.fixture(scope="module")
+def small(served: Served) -> Iterator[Served]:
+    """Two sessions at most, one kept warm, leases of two seconds."""
+    config = ServerConfig(
+        tokens_file=str(served.tokens_file),
+        snapshots_dir=tempfile.mkdtemp(prefix="snapshots-", dir=SNAPSHOTS_PARENT),
+        limits=LIMITS,
+        max_sessions=2,
+        warm=1,
+        lease_seconds=2.0,
+        claim_wait_seconds=20.0,
+        uid_base=820_000,
+    )
+    try:
+        with LocalServer(config) as server:
+            yield Served(server, served.tokens_file, served.task)
+    finally:
+        shutil.rmtree(config.snapshots_dir)
+
+
+def health(served: Served) -> dict:
+    return raw(served, "GET", "/healthz", token=None).json()
+
+
+def settled(served: Served, **expected: int) -> dict:
+    """The server's health once it shows `expected` (the reaper runs each second)."""
+    for _ in range(100):
+        seen = health(served)
+        if all(seen[key] == value for key, value in expected.items()):
+            return seen
+        time.sleep(0.1)
+    raise AssertionError(f"{seen} never showed {expected}")
+
+
+def test_claims_come_from_the_warm_pool_and_it_refills(small: Served) -> None:
+    before = settled(small, ready=1, sessions=0)
+
+    async def claim() -> None:
+        async with client(small) as env, await env.create(small.task) as sandbox:
+            reply = await sandbox.call({"tool": "run", "command": "cat notes.txt"})
+            assert reply["output"] == "the answer is 42\n"
+            # The pool warms another behind the claim, within the server's two.
+            settled(small, ready=1, sessions=1)
+
+    asyncio.run(claim())
+    after = settled(small, ready=1, sessions=0)
+    assert after["claims"] == before["claims"] + 1
+    assert after["cold_claims"] == before["cold_claims"]
+
+
+def test_a_claim_waits_for_capacity_until_its_deadline(small: Served) -> None:
+    async def claims() -> None:
+        async with client(small) as env:
+            held = [await env.create(None), await env.create(None)]
+            env.claim_seconds = 0.5
+            with pytest.raises(ClaimTimeout, match=r"no sandbox came free within 0\.5 s"):
+                await env.create(None)
+            # A claim that may wait gets the first sandbox given back.
+            env.claim_seconds = 15
+            waiting = asyncio.create_task(env.create(None))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()
+            await held.pop().close()
+            sandbox = await asyncio.wait_for(waiting, 15)
+            assert (await sandbox.call({"tool": "run", "command": "true"}))["exit_code"] == 0
+            for each in (sandbox, *held):
+                await each.close()
+
+    asyncio.run(claims())
+
+
+HOLDER = """
+import asyncio, sys
+from rlfleet.rollout.envclient import EnvClient
+
+async def main():
+    env = EnvClient(sys.argv[1], sys.argv[2])
+    for _ in range(2):
+        sandbox = await env.create(None)
+        await sandbox.call({"tool": "write", "path": "left.txt", "content": "from before"})
+        print(sandbox.id, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_a_client_killed_with_claims_held_lets_them_lapse(small: Served) -> None:
+    settled(small, sessions=0)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, small.url, TOKENS["run-a"]],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None
+    ids = [holder.stdout.readline().strip() for _ in range(2)]
+    expired = health(small)["expired"]
+    time.sleep(5)  # over two leases: the living client renews them
+    assert health(small)["sessions"] == 2
+    holder.kill()
+    holder.wait()
+    seen = settled(small, sessions=0, ready=1)
+    assert seen["expired"] == expired + 2
+    for id in ids:
+        gone = raw(small, "POST", f"/v1/sessions/{id}/call", json={"tool": "archive"})
+        assert gone.status_code == 410 and "lease lapsed" in gone.json()["error"]["message"]
+
+    async def fresh() -> None:
+        async with client(small) as env, await env.create(None) as sandbox:
+            archive = await sandbox.call({"tool": "archive"})
+            assert archive["files"] == {}  # a sandbox is never handed on
+
+    asyncio.run(fresh())
+
+
+SETUP = "mkdir -p lib && python3 -c 'print(6 * 7)' > lib/built.txt && cat seed.txt >> lib/built.txt"
+
+
+def test_a_snapshot_is_built_once_and_forked_per_session(small: Served, tmp_path: Path) -> None:
+    (tmp_path / "seed.txt").write_text("seeded\n")
+
+    async def forks() -> None:
+        async with client(small) as env, client(small, "run-b") as other:
+            assert await env.build_snapshot("repo", tmp_path, SETUP)
+            assert not await env.build_snapshot("repo", tmp_path, "exit 1")  # built already
+            overlays = health(small)["overlay"]
+            async with (
+                await env.create(small.task, snapshot="repo") as a,
+                await env.create(None, snapshot="repo") as b,
+            ):
+                built = await a.call({"tool": "read", "path": "lib/built.txt"})
+                assert built["output"] == "42\nseeded\n"
+                # The task's files lie over the fork; each fork's writes are its own.
+                notes = await a.call({"tool": "read", "path": "notes.txt"})
+                assert notes["output"] == "the answer is 42\n"
+                edit = "echo changed > lib/built.txt && rm seed.txt && id -u"
+                changed = await a.call({"tool": "run", "command": edit})
+                assert changed["exit_code"] == 0, changed
+                still = await b.call({"tool": "run", "command": "cat lib/built.txt seed.txt"})
+                assert still["output"] == "42\nseeded\nseeded\n"
+            assert health(small)["overlay"] == overlays + 2
+            # Another run neither sees this run's snapshot nor can build over it.
+            with pytest.raises(EnvServerError) as missing:
+                await other.create(None, snapshot="repo")
+            assert missing.value.param == "snapshot"
+            with pytest.raises(EnvServerError) as failed:
+                await other.build_snapshot("repo", tmp_path, "echo no such set-up; exit 3")
+            assert failed.value.status == 422 and failed.value.param == "setup"
+            assert "exit 3" in str(failed.value)
+
+    asyncio.run(forks())

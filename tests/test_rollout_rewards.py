@@ -1,14 +1,15 @@
-"""Tasks, rewards and cheat detection, graded in real local sandboxes and against a real
-HTTP judge endpoint served by the test."""
+"""Tasks, rewards and cheat detection, graded in sandboxes of a real session server and
+against a real HTTP judge endpoint served by the test."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 from rlfleet.api.wire import Task
 from rlfleet.rollout.cheats import detect_cheats
+from rlfleet.rollout.envclient import EnvClient, local_server
 from rlfleet.rollout.rewards import (
     Combined,
     ExactAnswer,
@@ -30,7 +32,8 @@ from rlfleet.rollout.sandbox import Limits, Sandbox
 from rlfleet.rollout.tasks import SUITES, load_suite, rules_suite, toy_suite, write_start_state
 
 LIMITS = Limits(disk_bytes=8 << 20, file_bytes=4 << 20, call_seconds=10, processes=32)
-GRADER = HiddenTests(limits=LIMITS, seconds=30)
+POOL: tuple[str, str]  # the session server's URL and token, from the fixture `pool`
+ROOMY = Limits(disk_bytes=32 << 20, file_bytes=16 << 20, call_seconds=30, processes=32)
 CODING = {task.id: task for task in load_suite(SUITES / "coding.jsonl")}
 
 # The honest fix for each coding task: what a good attempt leaves behind.
@@ -71,8 +74,35 @@ FIXES: dict[str, dict[str, str]] = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def pool() -> Iterator[None]:
+    """One real session server for the module, as a worker's own."""
+    global POOL  # a module's own fixture: every helper below claims from it
+    with local_server(ROOMY, max_sessions=8, warm=2) as POOL:
+        yield
+
+
 def run(coroutine):
     return asyncio.run(coroutine)
+
+
+@contextlib.asynccontextmanager
+async def claimed(start: Path | None, limits: Limits = LIMITS) -> AsyncIterator[Sandbox]:
+    async with EnvClient(*POOL) as client, await client.create(start, limits) as sandbox:
+        yield sandbox
+
+
+def graded(task: Task, outcome: Outcome, *, tests_alone: bool = False) -> Reward:
+    """`grade`, hidden tests in a sandbox from the pool; or the hidden tests alone."""
+
+    async def grading() -> Reward:
+        async with EnvClient(*POOL) as client:
+            grader = HiddenTests(client, LIMITS, seconds=30)
+            return await (
+                grader.score(task, outcome) if tests_alone else grade(task, outcome, grader)
+            )
+
+    return run(grading())
 
 
 def attempt(
@@ -83,7 +113,7 @@ def attempt(
     write_start_state(task, directory)
 
     async def session() -> tuple[Outcome, list[dict]]:
-        async with await Sandbox.start(directory, LIMITS) as sandbox:
+        async with claimed(directory) as sandbox:
             for path, content in writes.items():
                 reply = await sandbox.call({"tool": "write", "path": path, "content": content})
                 assert reply["ok"], reply
@@ -101,7 +131,7 @@ def test_archive_returns_every_regular_file_and_skips_symlinks(tmp_path: Path) -
     (start / "blob.bin").write_bytes(bytes(range(256)))
 
     async def session() -> dict[str, bytes]:
-        async with await Sandbox.start(start, LIMITS) as sandbox:
+        async with claimed(start) as sandbox:
             await sandbox.call({"tool": "write", "path": "new/notes.txt", "content": "hé\n"})
             await sandbox.call({"tool": "run", "command": "ln -s /etc/passwd link; mkdir empty"})
             return await archive(sandbox)
@@ -115,8 +145,7 @@ def test_archive_returns_every_regular_file_and_skips_symlinks(tmp_path: Path) -
 
 def test_an_archive_too_large_is_a_clear_error_and_the_sandbox_goes_on(tmp_path: Path) -> None:
     async def session() -> None:
-        roomy = Limits(disk_bytes=32 << 20, file_bytes=16 << 20)
-        async with await Sandbox.start(None, roomy) as sandbox:
+        async with claimed(None, ROOMY) as sandbox:
             await sandbox.call({"tool": "run", "command": "head -c 13000000 /dev/zero > big"})
             reply = await sandbox.call({"tool": "archive"})
             assert not reply["ok"] and "too large to archive" in reply["error"]
@@ -150,7 +179,7 @@ def test_hidden_tests_never_reach_the_agent_and_the_untouched_repo_fails(
     for hidden in task.hidden_tests:
         assert Path(hidden).name not in replies[0]["output"]
     assert replies[1]["exit_code"] != 0  # the visible tests fail before the fix
-    reward = run(grade(task, outcome, GRADER))
+    reward = graded(task, outcome)
     assert reward.value == 0.0 and "hidden tests failed" in reward.reason
 
 
@@ -164,7 +193,7 @@ def test_the_honest_fix_passes_and_is_not_flagged(task_id: str, tmp_path: Path) 
     assert replies[0]["exit_code"] == 0, replies[0]["output"]
     assert any(path.endswith(".pyc") for path in outcome.files)
     assert detect_cheats(task, outcome.files) is None
-    assert run(grade(task, outcome, GRADER)) == Reward(1.0, {"cheat": 0.0, "hidden_tests": 1.0})
+    assert graded(task, outcome) == Reward(1.0, {"cheat": 0.0, "hidden_tests": 1.0})
 
 
 CALC = CODING["coding-calc"].files["calc.py"]
@@ -269,7 +298,7 @@ def test_a_cheat_scores_zero_with_a_reason_that_names_it(
 ) -> None:
     task = CODING[task_id]
     outcome, _ = attempt(task, tmp_path / "agent", writes, commands)
-    reward = run(grade(task, outcome, GRADER))
+    reward = graded(task, outcome)
     assert reward.value == 0.0 and reward.breakdown == {"cheat": 1.0}
     assert reward.reason.startswith("cheat: ") and reason in reward.reason
 
@@ -283,8 +312,8 @@ def test_tampering_fools_the_tests_alone_which_is_why_grade_checks_first(
 ) -> None:
     task = CODING["coding-calc"]
     outcome, _ = attempt(task, tmp_path / "agent", writes)
-    assert run(GRADER.score(task, outcome)).value == 1.0
-    assert run(grade(task, outcome, GRADER)).value == 0.0
+    assert graded(task, outcome, tests_alone=True).value == 1.0
+    assert graded(task, outcome).value == 0.0
 
 
 def test_what_honest_attempts_do_besides_the_fix_is_not_flagged() -> None:

@@ -1,16 +1,35 @@
-"""Real local sandboxes (namespaces, tmpfs, rlimits, own uid) and the tool protocol."""
+"""Sandboxes (namespaces, tmpfs, rlimits, own uid) claimed from a real session server, as a
+worker's own pool, and the tool protocol."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
 
 from rlfleet.rollout import tools
+from rlfleet.rollout.envclient import EnvClient, local_server
 from rlfleet.rollout.sandbox import Limits, Sandbox, SandboxClosed
 
 LIMITS = Limits(disk_bytes=8 << 20, file_bytes=4 << 20, call_seconds=5, processes=32)
+POOL: tuple[str, str]  # the session server's URL and token, from the fixture `pool`
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pool() -> Iterator[None]:
+    global POOL  # a module's own fixture: `claimed` claims from it
+    with local_server(replace(LIMITS, call_seconds=30), 8, warm=2) as POOL:
+        yield
+
+
+@contextlib.asynccontextmanager
+async def claimed(start: Path | None, limits: Limits = LIMITS) -> AsyncIterator[Sandbox]:
+    async with EnvClient(*POOL) as client, await client.create(start, limits) as sandbox:
+        yield sandbox
 
 
 @pytest.fixture
@@ -27,7 +46,7 @@ def run(coroutine):
 
 def test_a_session_writes_a_file_runs_a_command_and_reads_back(task: Path) -> None:
     async def session() -> None:
-        async with await Sandbox.start(task, LIMITS) as sandbox:
+        async with claimed(task) as sandbox:
             turns = [
                 '<tool>{"name": "write", "arguments": {"path": "src/add.py", '
                 '"content": "print(40 + 2)"}}</tool>',
@@ -47,9 +66,9 @@ def test_a_session_writes_a_file_runs_a_command_and_reads_back(task: Path) -> No
 
 def test_each_attempt_gets_a_fresh_copy(task: Path) -> None:
     async def attempts() -> None:
-        async with await Sandbox.start(task, LIMITS) as first:
+        async with claimed(task) as first:
             await first.call({"tool": "run", "command": "rm notes.txt"})
-        async with await Sandbox.start(task, LIMITS) as second:
+        async with claimed(task) as second:
             assert (await second.call({"tool": "read", "path": "notes.txt"}))["output"].startswith(
                 "the answer"
             )
@@ -79,7 +98,7 @@ def test_each_attempt_gets_a_fresh_copy(task: Path) -> None:
 )
 def test_a_sandbox_keeps_its_abuse_to_itself(task: Path, command: str, expect: str) -> None:
     async def abuse() -> None:
-        async with await Sandbox.start(task, LIMITS) as sandbox:
+        async with claimed(task) as sandbox:
             reply = await sandbox.call({"tool": "run", "command": command})
             assert expect in reply["output"] or expect in reply.get("error", "")
             assert (await sandbox.call({"tool": "run", "command": "echo fine"}))[
@@ -91,7 +110,7 @@ def test_a_sandbox_keeps_its_abuse_to_itself(task: Path, command: str, expect: s
 
 def test_a_fork_bomb_is_contained_and_cleaned_up(task: Path) -> None:
     async def bomb() -> None:
-        async with await Sandbox.start(task, LIMITS) as sandbox:
+        async with claimed(task) as sandbox:
             # `wait` is a builtin: once the bomb holds the process limit the shell needs no fork.
             command = "sleep 60 & b(){ b|b& }; b 2>/dev/null; wait"
             reply = await sandbox.call({"tool": "run", "command": command}, 3)
@@ -107,16 +126,17 @@ def test_a_command_that_runs_forever_is_stopped_and_so_is_a_sandbox_past_its_dea
     task: Path,
 ) -> None:
     async def forever() -> None:
-        async with await Sandbox.start(task, LIMITS) as sandbox:
+        async with claimed(task) as sandbox:
             reply = await sandbox.call({"tool": "run", "command": "sleep 1000"}, 1)
             assert reply["error"] == "timed out after 1s" or "timed out" in reply["error"]
-        short = Limits(wall_seconds=2, call_seconds=30)
-        async with await Sandbox.start(task, short) as sandbox:
+        short = replace(LIMITS, wall_seconds=2, call_seconds=30)
+        async with claimed(task, short) as sandbox:
             with pytest.raises(SandboxClosed):
                 await sandbox.call({"tool": "run", "command": "sleep 1000"})
-            assert sandbox.process.returncode is not None
+            with pytest.raises(SandboxClosed, match="deadline"):
+                await sandbox.call({"tool": "run", "command": "true"})
         # And the next sandbox works.
-        async with await Sandbox.start(task, LIMITS) as sandbox:
+        async with claimed(task) as sandbox:
             assert (await sandbox.call({"tool": "run", "command": "echo ok"}))["output"] == "ok\n"
 
     run(forever())
@@ -124,7 +144,7 @@ def test_a_command_that_runs_forever_is_stopped_and_so_is_a_sandbox_past_its_dea
 
 def test_paths_may_not_leave_the_working_directory(task: Path) -> None:
     async def escape() -> None:
-        async with await Sandbox.start(task, LIMITS) as sandbox:
+        async with claimed(task) as sandbox:
             reply = await sandbox.call({"tool": "write", "path": "../../x", "content": "x"})
             assert not reply["ok"] and "leaves the working directory" in reply["error"]
 

@@ -242,7 +242,10 @@ def test_a_weight_update_mid_run_is_recorded_per_token(worker: WorkerUnderTest) 
     worker.publish_tasks(*toy)
     early = worker.collect(1)
     worker.publish_weights(nudged(worker), 1)
-    rest = worker.collect(2 * len(toy) - 1)
+    # Tasks that need the new version: the first batch may all finish before it lands
+    # (sandboxes come warm from the pool, so attempts are quick).
+    worker.publish_tasks(*toy[:2], min_policy_version=1)
+    rest = worker.collect(2 * len(toy) + 3)
     versions = []
     for trajectory in early + rest:
         assert problem(trajectory, SHAPE, worker.run, needs_experts=True) is None
@@ -284,7 +287,7 @@ def test_a_bare_question_is_asked_without_the_tool_protocol_or_a_sandbox(
     worker: WorkerUnderTest,
 ) -> None:
     [question] = load_suite(SUITES / "rules.jsonl")[:1]
-    sandboxes = worker.metric("rlfleet_rollout_sandbox_start_seconds_count")
+    sandboxes = worker.metric("rlfleet_rollout_sandbox_claim_seconds_count")
     worker.publish_tasks(question)
     for trajectory in worker.collect(2):
         [segment] = trajectory.segments  # one turn: its text is the answer
@@ -292,7 +295,7 @@ def test_a_bare_question_is_asked_without_the_tool_protocol_or_a_sandbox(
         assert prompt == window_text(question.prompt, tools=False)
         assert "<|im_start|>system" not in prompt and "<tool>" not in prompt
         assert "exact" in trajectory.reward_breakdown  # graded against the task's answer
-    assert worker.metric("rlfleet_rollout_sandbox_start_seconds_count") == sandboxes
+    assert worker.metric("rlfleet_rollout_sandbox_claim_seconds_count") == sandboxes
 
 
 def test_a_malformed_task_is_rejected_and_counted(worker: WorkerUnderTest) -> None:

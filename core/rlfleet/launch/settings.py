@@ -167,7 +167,7 @@ class SessionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A local sandbox's limits (`rlfleet.rollout.sandbox`)."""
+    """A sandbox's limits (`rlfleet.rollout.envsessions`)."""
 
     cpu_seconds: int = 60  # per process
     memory_bytes: int = 1 << 30  # address space per process
@@ -177,6 +177,15 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     open_files: int = 256
     wall_seconds: float = 600.0  # the sandbox's whole life
     call_seconds: float = 30.0  # one tool call
+
+
+class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a worker claims its sandboxes: an EnvPool's session server
+    (`rlfleet.rollout.envsessions`)."""
+
+    url: str
+    token_file: str  # the run's bearer token for the pool, from a Secret's file
+    claim_seconds: float = 30.0  # an attempt that gets no sandbox this soon fails
 
 
 class JudgeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -223,6 +232,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     start_version: int | None = 0  # take no task before this version is loaded
     session: SessionConfig = SessionConfig()
     limits: Limits = Limits()
+    # None: a session server of the worker's own, making namespace sandboxes as root.
+    envpool: PoolConfig | None = None
     rewards: RewardConfig = RewardConfig()
     ack_wait_s: float = 600.0  # a task whose worker died is redelivered after this
     seed: int = 0

@@ -1,27 +1,37 @@
 """The client of the environment session server (`envsessions`), and a local one to run.
 
-`EnvClient.create` and `RemoteSandbox.call` mirror `Sandbox.start` and `Sandbox.call`:
-the same requests, the same replies, `SandboxClosed` when the session is gone. So a
-rollout worker switches from local sandboxes to an EnvPool by swapping one for the other.
+`EnvClient.create` claims a sandbox (`rlfleet.rollout.sandbox.Sandbox`); `pool` is the
+one a worker uses: its EnvPool's server when configured, else a server of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
+import logging
 import os
+import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import msgspec
 
-from rlfleet.launch.settings import MIB, Limits
+from rlfleet.launch.settings import MIB, Limits, PoolConfig
 from rlfleet.rollout.sandbox import DEFAULT_LIMITS, SANDBOX_PYTHON, SandboxClosed
 
+log = logging.getLogger(__name__)
+
 _SERVER = Path(__file__).with_name("envsessions.py")
+# Local pools' own folders (tokens, snapshots): outside the /tmp that sandboxes cover.
+LOCAL_POOLS = "/run/rlfleet/pools"
+_LOCAL_UIDS, _UID_STRIDE = 1_000_000, 4096  # each local pool's uids, by its process id
 
 
 class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -30,19 +40,25 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tokens_file: str  # JSON {run: token}, re-read when it changes
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port, printed when listening
-    snapshots_dir: str | None = None  # one directory per named environment snapshot
+    # One folder per named environment snapshot the image provides; each run's own builds
+    # go under it too. Outside private_dirs: sandboxes fork from it once those are covered.
+    snapshots_dir: str = "/var/lib/rlfleet/snapshots"
     limits: Limits = DEFAULT_LIMITS  # a session's, and the most a session may ask for
     max_sessions: int = 256
     max_body_bytes: int = 32 * MIB  # a request's body, and an envserver reply line
     max_header_bytes: int = 16 << 10
     idle_seconds: float = 60.0  # a keep-alive connection with no request is closed
     remembered: int = 4096  # destroyed sessions that still answer 410 rather than 404
-    uid_base: int = 800_000  # session i runs as uid_base + i: above `sandbox.py`'s uids
+    uid_base: int = 800_000  # session i runs as uid_base + i
     sandbox_python: str = SANDBOX_PYTHON
     reply_grace_seconds: float = 5.0  # beyond a call's timeout, for the envserver to answer
     mounts_dir: str = "/run/rlfleet/sandboxes"  # sessions' mountpoints: outside private_dirs
     # Directories anyone may write to: each session gets private ones, so none passes files.
     private_dirs: tuple[str, ...] = ("/tmp", "/var/tmp", "/run/lock", "/dev/shm")
+    warm: int = 8  # sandboxes kept ready for claims (namespaces and tmpfs made)
+    lease_seconds: float = 60.0  # a claim no request renews for this long is destroyed
+    claim_wait_seconds: float = 300.0  # the longest a claim may wait for capacity
+    setup_seconds: float = 1800.0  # a snapshot's set-up command
 
 
 class EnvServerError(RuntimeError):
@@ -51,7 +67,18 @@ class EnvServerError(RuntimeError):
     def __init__(self, status: int, error: dict):
         where = f" ({error['param']})" if error.get("param") else ""
         super().__init__(f"{status} {error.get('type')}: {error.get('message')}{where}")
-        self.status, self.param = status, error.get("param")
+        self.status, self.param, self.kind = status, error.get("param"), error.get("type")
+
+
+class ClaimTimeout(EnvServerError):
+    """No sandbox came free within the claim's deadline."""
+
+
+def _raise(response: httpx.Response) -> None:
+    error = _error(response)
+    if response.status_code == 503 and error.get("type") == "capacity_error":
+        raise ClaimTimeout(response.status_code, error)
+    raise EnvServerError(response.status_code, error)
 
 
 def _error(response: httpx.Response) -> dict:
@@ -73,17 +100,26 @@ def _start_files(start: Path) -> dict[str, str]:
 
 
 class EnvClient:
-    """A run's connection to one session server."""
+    """A run's connection to one session server. It renews the leases of the sessions it
+    holds while it lives: a client that dies lets them lapse, and the server frees them."""
 
     def __init__(
-        self, url: str, token: str, connect_seconds: float = 10.0, create_seconds: float = 60.0
+        self,
+        url: str,
+        token: str,
+        connect_seconds: float = 10.0,
+        create_seconds: float = 60.0,
+        claim_seconds: float = 30.0,
     ):
-        self.create_seconds = create_seconds  # copying a tree in and starting its sandbox
+        self.create_seconds = create_seconds  # writing a tree in and starting its server
+        self.claim_seconds = claim_seconds  # the longest a claim waits for capacity
         self._http = httpx.AsyncClient(
             base_url=url,
             headers={"Authorization": f"Bearer {token}"},
             timeout=httpx.Timeout(None, connect=connect_seconds),
         )
+        self.held: dict[str, RemoteSandbox] = {}
+        self._renewing: asyncio.Task | None = None
 
     async def create(
         self,
@@ -92,23 +128,53 @@ class EnvClient:
         *,
         snapshot: str | None = None,
     ) -> RemoteSandbox:
-        """A fresh session holding a copy of `start` (or of the server's `snapshot`), with
-        `limits` (each at most the server's) or else the server's own."""
-        body: dict = {} if limits is None else {"limits": msgspec.to_builtins(limits)}
+        """A claim: a fresh session holding a copy of `start` (over a fork of `snapshot`,
+        if named), with `limits` (each at most the server's) or else the server's own.
+        `ClaimTimeout` if none comes free within `claim_seconds`."""
+        body: dict = {"wait_seconds": self.claim_seconds}
+        if limits is not None:
+            body["limits"] = msgspec.to_builtins(limits)
         if start is not None:
             body["files"] = _start_files(start)
         if snapshot is not None:
             body["snapshot"] = snapshot
-        response = await self._http.post("/v1/sessions", json=body, timeout=self.create_seconds)
+        seconds = self.create_seconds + self.claim_seconds
+        response = await self._http.post("/v1/sessions", json=body, timeout=seconds)
         if response.status_code != 201:
-            raise EnvServerError(response.status_code, _error(response))
+            _raise(response)
         reply = response.json()
-        return RemoteSandbox(self, reply["id"], msgspec.convert(reply["limits"], Limits))
+        sandbox = RemoteSandbox(self, reply["id"], msgspec.convert(reply["limits"], Limits))
+        self.held[sandbox.id] = sandbox
+        if self._renewing is None or self._renewing.done():
+            self._renewing = asyncio.create_task(self._renew(reply["lease_seconds"] / 3))
+        return sandbox
+
+    async def build_snapshot(self, name: str, start: Path, setup: str) -> bool:
+        """The run's environment `name` (the tree `start`, then the command `setup`) built
+        on the server unless it was already: True if this call built it."""
+        body = {"files": _start_files(start), "setup": setup}
+        response = await self._http.put(f"/v1/snapshots/{name}", json=body, timeout=None)
+        if response.status_code not in (200, 201):
+            _raise(response)
+        return response.status_code == 201
+
+    async def health(self) -> dict:
+        response = await self._http.get("/healthz", timeout=10)
+        response.raise_for_status()
+        return response.json()
+
+    async def _renew(self, every: float) -> None:
+        while self.held:
+            await asyncio.sleep(every)
+            with contextlib.suppress(httpx.TransportError):
+                await self._http.post("/v1/leases", json={"ids": list(self.held)}, timeout=every)
 
     async def request(self, method: str, path: str, body: dict | None, seconds: float):
         return await self._http.request(method, path, json=body, timeout=seconds)
 
     async def aclose(self) -> None:
+        if self._renewing is not None:
+            self._renewing.cancel()
         await self._http.aclose()
 
     async def __aenter__(self) -> EnvClient:
@@ -135,19 +201,21 @@ class RemoteSandbox:
         except httpx.TransportError as error:
             raise SandboxClosed(f"the environment server is unreachable: {error!r}") from error
         if response.status_code in (404, 410):
+            self.client.held.pop(self.id, None)
             raise SandboxClosed(_error(response).get("message", "the session is gone"))
         if response.status_code != 200:
-            raise EnvServerError(response.status_code, _error(response))
+            _raise(response)
         return response.json()
 
     async def close(self) -> None:
         """Destroys the session; one already gone, or a server away, is not an error."""
+        self.client.held.pop(self.id, None)
         with contextlib.suppress(httpx.TransportError):
             response = await self.client.request(
                 "DELETE", f"/v1/sessions/{self.id}", None, self.grace
             )
             if response.status_code not in (200, 404, 410):
-                raise EnvServerError(response.status_code, _error(response))
+                _raise(response)
 
     async def __aenter__(self) -> RemoteSandbox:
         return self
@@ -193,3 +261,74 @@ class LocalServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _read_token(path: str) -> str:
+    return Path(path).read_text().strip()
+
+
+class NoPool(RuntimeError):
+    """No environment pool: none configured, and this process cannot run sandboxes."""
+
+
+@contextlib.contextmanager
+def local_server(
+    limits: Limits = DEFAULT_LIMITS, max_sessions: int = 64, warm: int = 8
+) -> Iterator[tuple[str, str]]:
+    """A session server of this process's own and a token minted for it (its URL and the
+    token): the pool where none is configured (a local run, a test). It makes
+    namespaces, so it needs root."""
+    if os.geteuid() != 0:
+        raise NoPool("sandboxes on this machine need root; configure an EnvPool instead")
+    Path(LOCAL_POOLS).mkdir(mode=0o700, parents=True, exist_ok=True)
+    home = Path(tempfile.mkdtemp(prefix="pool-", dir=LOCAL_POOLS))
+    token = secrets.token_urlsafe(24)
+    tokens = home / "tokens.json"
+    tokens.write_text(json.dumps({"local": token}))
+    tokens.chmod(0o600)
+    if max_sessions > _UID_STRIDE:
+        raise ValueError(f"a local pool holds at most {_UID_STRIDE} sessions")
+    config = ServerConfig(
+        tokens_file=str(tokens),
+        snapshots_dir=str(home / "snapshots"),
+        limits=limits,
+        max_sessions=max_sessions,
+        warm=min(warm, max_sessions),
+        # Uids of their own: a process limit counts a uid's processes in every sandbox.
+        uid_base=_LOCAL_UIDS + (os.getpid() % 1000) * _UID_STRIDE,
+    )
+    try:
+        with LocalServer(config) as server:
+            yield server.url, token
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def local_pool(
+    limits: Limits = DEFAULT_LIMITS, max_sessions: int = 64, warm: int = 8
+) -> AsyncIterator[EnvClient]:
+    """`local_server`'s client."""
+    with local_server(limits, max_sessions, warm) as (url, token):
+        async with EnvClient(url, token) as client:
+            yield client
+
+
+@contextlib.asynccontextmanager
+async def pool(
+    config: PoolConfig | None, limits: Limits, max_sessions: int
+) -> AsyncIterator[EnvClient | None]:
+    """The pool a worker claims sandboxes from: `config`'s, else its own (room for each
+    session and its grading), else None, and tools fail their attempts saying why."""
+    if config is not None:
+        token = _read_token(config.token_file)
+        async with EnvClient(config.url, token, claim_seconds=config.claim_seconds) as client:
+            yield client
+        return
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            own = await stack.enter_async_context(local_pool(limits, 2 * max_sessions))
+        except NoPool as error:
+            log.warning("no environment pool: attempts that use tools will fail: %s", error)
+            own = None
+        yield own

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 OUTPUT_LIMIT = 16 << 10  # characters of output the model gets back per call
-# A reply is one line, and the harness reads lines of at most 1 MiB (`sandbox.py`).
+# A reply is one line, and the session server reads lines of at most its max_body_bytes.
 ARCHIVE_LIMIT = 16 << 20  # characters of encoded files in an archive reply
 
 

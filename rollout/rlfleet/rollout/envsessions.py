@@ -20,15 +20,32 @@ run to the token the operator minted for it (a Secret's file, re-read when it ch
 A session belongs to the run that created it. Errors are `{"error": {"message", "type",
 "param"}}`, `param` naming the offending field.
 
-    GET    /healthz                -> 200 {"sessions": n}
-    POST   /v1/sessions            {"files": {path: base64}} or {"snapshot": name}, and
-                                   optionally "limits" (each at most the server's)
-                                   -> 201 {"id": ..., "limits": {...}}
+    GET    /healthz                -> 200 {"sessions": n, "ready": n, "warming": n, ...}
+    POST   /v1/sessions            a claim: {"files": {path: base64}} and/or {"snapshot":
+                                   name}, optionally "limits" (each at most the server's)
+                                   and "wait_seconds" (for capacity; the server's
+                                   claim_wait_seconds at most)
+                                   -> 201 {"id", "limits", "lease_seconds"}
     POST   /v1/sessions/{id}/call  an envserver request -> 200 its reply
     DELETE /v1/sessions/{id}       -> 200 {"id": ...}
+    POST   /v1/leases              {"ids": [...]} -> 200 {"renewed": [...], "gone": [...]}
+    PUT    /v1/snapshots/{name}    {"files": {...}, "setup": command} -> 201 built, 200 had
 
-A session destroyed (by DELETE, at its deadline, or because its sandbox died) answers 410
-saying why; another run's token gets 403; an unknown session 404.
+Claims come from a warm pool: `warm` sandboxes wait, namespaces and tmpfs made, for the
+claim that gives them their tree, uid and limits (`sandbox_init.py`); the pool refills
+behind each claim. A claim with no capacity waits up to its `wait_seconds`, then gets 503.
+A session is never handed on: destroyed, its sandbox goes, and a fresh one warms.
+
+A claimed session holds a lease of `lease_seconds`, renewed by every request naming it
+and by `/v1/leases`: a client that dies stops renewing, and its sessions are destroyed.
+
+A snapshot is a named environment set-up, built once per run (its files, then `setup`
+run in a session) and forked by every session that names it, as an overlay (see
+`sandbox_init.py`). The run's own snapshots shadow the pool's shared ones, which the
+image provides under `snapshots_dir`.
+
+A session destroyed (by DELETE, at its deadline, when its lease lapsed, or because its
+sandbox died) answers 410 saying why; another run's token gets 403; an unknown one 404.
 """
 
 import asyncio
@@ -81,6 +98,10 @@ CONFIG_FIELDS = {
     "reply_grace_seconds",
     "mounts_dir",
     "private_dirs",
+    "warm",
+    "lease_seconds",
+    "claim_wait_seconds",
+    "setup_seconds",
 }
 # The tools a session runs, each with its fields: (type, required).
 TOOLS = {
@@ -91,6 +112,8 @@ TOOLS = {
 }
 _SNAPSHOT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SESSION = re.compile(r"/v1/sessions/([A-Za-z0-9_-]{1,64})(/call)?")
+_SNAPSHOT_PATH = re.compile(r"/v1/snapshots/([^/]{1,200})")
+_RUN_SNAPSHOTS = ".runs"  # under snapshots_dir: each run's own builds, root's alone
 _REASONS = {
     200: "OK",
     201: "Created",
@@ -100,6 +123,7 @@ _REASONS = {
     404: "Not Found",
     405: "Method Not Allowed",
     410: "Gone",
+    422: "Unprocessable Content",
     413: "Content Too Large",
     431: "Request Header Fields Too Large",
     500: "Internal Server Error",
@@ -120,16 +144,49 @@ def _invalid(message: str, param: str | None) -> HttpError:
     return HttpError(400, message, "invalid_request_error", param)
 
 
-class Session:
-    """One sandbox and the pipe to its envserver; calls take turns."""
+class Sandbox:
+    """A sandbox process (`sandbox_init.py`): warm until claimed, then a session's."""
 
-    def __init__(self, id, run, process, host_dir, staging, limits, slot, grace):
-        self.id, self.run, self.process = id, run, process
-        self.host_dir, self.staging, self.limits, self.slot = host_dir, staging, limits, slot
-        self.grace = grace
+    def __init__(self, process, host_dir: Path):
+        self.process, self.host_dir = process, host_dir
+
+    async def line(self, seconds: float):
+        """The next JSON line it prints, or None if it exited or took too long."""
+        try:
+            line = await asyncio.wait_for(self.process.stdout.readline(), seconds)
+            return json.loads(line) if line else None
+        except (TimeoutError, ValueError, OSError):
+            return None
+
+    async def kill(self) -> None:
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            await self.process.wait()
+        # The tmpfs lived in the sandbox's mount namespace: only the empty mountpoint is here.
+        shutil.rmtree(self.host_dir, ignore_errors=True)
+
+    @property
+    def work(self) -> Path:
+        """Its working tree as this server sees it: through its mount namespace."""
+        return Path(f"/proc/{self.process.pid}/root") / self.host_dir.relative_to("/") / "work"
+
+
+class Session:
+    """One claimed sandbox and the pipe to its envserver; calls take turns."""
+
+    def __init__(self, id, run, sandbox: Sandbox, limits, slot, grace, lease_seconds):
+        self.id, self.run, self.sandbox = id, run, sandbox
+        self.process = sandbox.process
+        self.limits, self.slot, self.grace = limits, slot, grace
         self.deadline = time.monotonic() + limits["wall_seconds"]
+        self.lease_seconds = lease_seconds
+        self.renew()
         self.lock = asyncio.Lock()
         self.stopped: str | None = None  # why the sandbox stopped, once it has
+
+    def renew(self) -> None:
+        self.lease_until = time.monotonic() + self.lease_seconds
 
     async def call(self, request: dict) -> dict:
         """The envserver's reply; on any failure the sandbox is stopped and `stopped` says why."""
@@ -157,6 +214,8 @@ class Session:
             except (OSError, ValueError) as error:  # a broken pipe, an overlong or bad line
                 await self.stop(f"its server failed: {type(error).__name__}")
                 return {}
+            finally:
+                self.renew()  # a long call is not a lapsed lease
             if not isinstance(reply, dict):
                 await self.stop("its server misspoke" if line else "its server exited")
                 return {}
@@ -165,14 +224,7 @@ class Session:
     async def stop(self, reason: str) -> None:
         if self.stopped is None:
             self.stopped = reason
-        if self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            await self.process.wait()
-        # The tmpfs lived in the sandbox's mount namespace: only the empty mountpoint is here.
-        shutil.rmtree(self.host_dir, ignore_errors=True)
-        if self.staging is not None:
-            shutil.rmtree(self.staging, ignore_errors=True)
+        await self.sandbox.kill()
 
 
 class Server:
@@ -185,17 +237,24 @@ class Server:
         self.sessions: dict[str, Session] = {}
         self.gone: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (run, why)
         self.free_slots = list(range(config["max_sessions"]))
-        self.state = Path(tempfile.mkdtemp(prefix="rlfleet-envsessions-"))  # 0700: root's
+        self.capacity = asyncio.Semaphore(config["max_sessions"])  # one per free slot
+        self.ready: list[Sandbox] = []  # warm, waiting for a claim
+        self.warming = 0
+        self.counts = {"claims": 0, "cold_claims": 0, "overlay": 0, "copy": 0, "expired": 0}
+        self.builds: dict[tuple[str, str], asyncio.Lock] = {}
         self._tokens_seen: tuple | None = None
         self.tokens: dict[str, bytes] = {}
         self._load_tokens(strict=True)
         # Out of every private directory, which hide what is below them.
         self.mounts = Path(config["mounts_dir"])
         self.mounts.mkdir(mode=0o711, parents=True, exist_ok=True)
+        self.snapshots = Path(config["snapshots_dir"])
+        (self.snapshots / _RUN_SNAPSHOTS).mkdir(mode=0o700, parents=True, exist_ok=True)
         self.private_dirs = [path for path in config["private_dirs"] if Path(path).is_dir()]
         for path in self.private_dirs:
-            if self.mounts.resolve().is_relative_to(Path(path).resolve()):
-                raise ValueError(f"config: mounts_dir is inside private directory {path}")
+            for own in ("mounts_dir", "snapshots_dir"):
+                if Path(config[own]).resolve().is_relative_to(Path(path).resolve()):
+                    raise ValueError(f"config: {own} is inside private directory {path}")
 
     # --- authentication
 
@@ -236,17 +295,30 @@ class Server:
 
     # --- requests
 
+    def health(self) -> dict:
+        return {
+            "sessions": len(self.sessions),
+            "ready": len(self.ready),
+            "warming": self.warming,
+            "max_sessions": self.config["max_sessions"],
+            **self.counts,
+        }
+
     async def dispatch(self, method: str, target: str, headers: dict, body: bytes):
         path = target.split("?", 1)[0]
         if path == "/healthz":
-            if method != "GET":
-                raise HttpError(405, f"{method} {path} is not served", "invalid_request_error")
-            return 200, {"sessions": len(self.sessions)}
+            _only(method, "GET", path)
+            return 200, self.health()
         run = self._authenticate(headers)
         if path == "/v1/sessions":
-            if method != "POST":
-                raise HttpError(405, f"{method} {path} is not served", "invalid_request_error")
+            _only(method, "POST", path)
             return 201, await self._create(run, _json_object(body))
+        if path == "/v1/leases":
+            _only(method, "POST", path)
+            return 200, self._renew(run, _json_object(body))
+        if match := _SNAPSHOT_PATH.fullmatch(path):
+            _only(method, "PUT", path)
+            return await self._build(run, match[1], _json_object(body))
         match = _SESSION.fullmatch(path)
         if match is None:
             raise HttpError(404, f"no route {path}", "not_found_error")
@@ -272,52 +344,140 @@ class Server:
             raise HttpError(403, f"session {id} belongs to another run", "permission_error", "id")
         if session is None:
             raise HttpError(410, f"session {id} is gone: {why}", "session_gone", "id")
+        session.renew()
         return session
+
+    def _renew(self, run: str, body: dict) -> dict:
+        _no_unknown(body, {"ids"}, "")
+        ids = body.get("ids")
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise _invalid("ids must be a list of session ids", "ids")
+        if len(ids) > self.config["max_sessions"]:
+            raise _invalid(f"at most {self.config['max_sessions']} ids", "ids")
+        renewed, gone = [], []
+        for id in ids:
+            session = self.sessions.get(id)
+            if session is not None and session.run == run:
+                session.renew()
+                renewed.append(id)
+            else:
+                gone.append(id)  # another run's looks as unknown as a destroyed one
+        return {"renewed": renewed, "gone": gone}
 
     def _forget(self, session: Session) -> None:
         if self.sessions.pop(session.id, None) is not None:
             self.free_slots.append(session.slot)
+            self.capacity.release()
+            self._refill()
         self.gone[session.id] = (session.run, session.stopped or "it stopped")
         while len(self.gone) > self.config["remembered"]:
             self.gone.popitem(last=False)
 
+    # --- claims
+
     async def _create(self, run: str, body: dict) -> dict:
-        _no_unknown(body, {"files", "snapshot", "limits"}, "")
+        _no_unknown(body, {"files", "snapshot", "limits", "wait_seconds"}, "")
         limits = self._session_limits(body.get("limits", {}))
-        if "files" in body and "snapshot" in body:
-            raise _invalid("give files or a snapshot, not both", "snapshot")
         files = _files(body.get("files", {}), limits["disk_bytes"])
-        start = None
-        if "snapshot" in body:
-            start = self._snapshot(body["snapshot"])
-        if not self.free_slots:
-            raise HttpError(
-                503, f"the server holds its most sessions ({len(self.sessions)})", "capacity_error"
-            )
-        id = secrets.token_urlsafe(18)
-        staging = None
-        if files:
-            staging = start = self.state / id
-            for relative, data in files.items():
-                target = staging / relative
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(data)
-        slot = self.free_slots.pop()
-        session = None
+        snapshot = self._snapshot(run, body["snapshot"]) if "snapshot" in body else None
+        wait = body.get("wait_seconds", 0)
+        if not _number(wait) or wait < 0:
+            raise _invalid("must be a non-negative number of seconds", "wait_seconds")
+        wait = min(wait, self.config["claim_wait_seconds"])  # the server's bound wins
+        session = await self._claim(run, limits, files, snapshot, wait)
+        lease = self.config["lease_seconds"]
+        return {"id": session.id, "limits": limits, "lease_seconds": lease}
+
+    async def _claim(self, run, limits, files, snapshot, wait) -> Session:
         try:
-            session = await self._start(id, run, start, staging, limits, slot)
-            self.sessions[id] = session
-            reply = await session.call({"tool": "ping"})
-        finally:
-            if session is None:
-                self.free_slots.append(slot)
-                if staging is not None:
-                    shutil.rmtree(staging, ignore_errors=True)
+            await asyncio.wait_for(self.capacity.acquire(), wait or 1e-6)
+        except TimeoutError:
+            raise HttpError(
+                503,
+                f"no sandbox came free within {wait} s: the server holds its most sessions "
+                f"({len(self.sessions)})",
+                "capacity_error",
+            ) from None
+        slot = self.free_slots.pop()
+        sandbox = self.ready.pop() if self.ready else None
+        self.counts["claims"] += 1
+        if sandbox is None:
+            self.counts["cold_claims"] += 1
+            sandbox = await self._warm_one(counted=False)
+        if sandbox is None:
+            self.free_slots.append(slot)
+            self.capacity.release()
+            raise HttpError(500, "the sandbox did not start", "server_error")
+        self._refill()
+        claim = {
+            "uid": self.config["uid_base"] + slot,
+            "limits": {name: math.ceil(limits[name]) for name in RLIMIT_FIELDS},
+            "disk_bytes": int(limits["disk_bytes"]),
+            "snapshot": str(snapshot) if snapshot else None,
+            "files": {path: base64.b64encode(data).decode() for path, data in files.items()},
+        }
+        id = secrets.token_urlsafe(18)
+        grace = self.config["reply_grace_seconds"]
+        session = Session(id, run, sandbox, limits, slot, grace, self.config["lease_seconds"])
+        self.sessions[id] = session
+        started = None
+        with contextlib.suppress(OSError):
+            sandbox.process.stdin.write(json.dumps(claim).encode() + b"\n")
+            await sandbox.process.stdin.drain()
+            started = await sandbox.line(max(30.0, limits["call_seconds"]))
+        if started and started.get("fork") in ("overlay", "copy"):
+            self.counts[started["fork"]] += 1
+        reply = await session.call({"tool": "ping"}) if started else None
         if reply != {"ok": True}:
-            await session.stop(session.stopped or "it did not answer its first call")
+            await session.stop(session.stopped or "it did not start")
             self._forget(session)
             raise HttpError(500, f"the sandbox did not start: {session.stopped}", "server_error")
-        return {"id": id, "limits": limits}
+        return session
+
+    def _refill(self) -> None:
+        """Warms sandboxes until `warm` wait, within `max_sessions` held in all."""
+        held = len(self.sessions) + len(self.ready) + self.warming
+        for _ in range(
+            min(
+                self.config["warm"] - len(self.ready) - self.warming,
+                self.config["max_sessions"] - held,
+            )
+        ):
+            asyncio.get_running_loop().create_task(self._warm_one())
+
+    async def _warm_one(self, counted: bool = True) -> Sandbox | None:
+        """A sandbox prepared and waiting; into the pool unless a claim is waiting on it."""
+        self.warming += counted
+        host_dir = _mountpoint(self.mounts)
+        settings = {
+            "root": str(host_dir),
+            "disk_bytes": int(self.limits["disk_bytes"]),
+            "server": str(_HERE / "envserver.py"),
+            "python": self.config["sandbox_python"],
+            "private_dirs": self.private_dirs,
+        }
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *("unshare", "--net", "--pid", "--mount", "--ipc", "--uts"),
+                *("--fork", "--kill-child", "--mount-proc"),
+                *(sys.executable, "-I", str(_HERE / "sandbox_init.py"), json.dumps(settings)),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+                limit=self.config["max_body_bytes"],  # one reply line: an archive the largest
+            )
+            sandbox = Sandbox(process, host_dir)
+            if await sandbox.line(30.0) != {"ready": True}:
+                await sandbox.kill()
+                log.warning("a sandbox did not get ready")
+                return None
+        finally:
+            self.warming -= counted
+        if not counted:
+            return sandbox
+        self.ready.append(sandbox)
+        return None
 
     def _session_limits(self, asked) -> dict:
         if not isinstance(asked, dict):
@@ -330,41 +490,46 @@ class Server:
             limits[name] = value
         return limits
 
-    def _snapshot(self, name) -> Path:
-        if not isinstance(name, str) or not _SNAPSHOT.fullmatch(name):
-            raise _invalid("a snapshot is named by letters, digits, '.', '_' and '-'", "snapshot")
-        root = self.config["snapshots_dir"]
-        if root is None or not (Path(root) / name).is_dir():
-            raise _invalid(f"no snapshot named {name!r}", "snapshot")
-        return Path(root) / name
+    def _snapshot(self, run: str, name) -> Path:
+        """The run's own build of `name`, else the pool's shared one."""
+        _snapshot_name(name)
+        for path in (self.snapshots / _RUN_SNAPSHOTS / _run_dir(run) / name, self.snapshots / name):
+            if path.is_dir():
+                return path
+        raise _invalid(f"no snapshot named {name!r}", "snapshot")
 
-    async def _start(self, id, run, start, staging, limits, slot) -> Session:
-        host_dir = _mountpoint(self.mounts)
-        settings = {
-            "root": str(host_dir),
-            "start": str(start) if start else None,
-            "uid": self.config["uid_base"] + slot,
-            "disk_bytes": int(limits["disk_bytes"]),
-            "server": str(_HERE / "envserver.py"),
-            "python": self.config["sandbox_python"],
-            "private_dirs": self.private_dirs,
-            "limits": {name: math.ceil(limits[name]) for name in RLIMIT_FIELDS},
-        }
-        process = await asyncio.create_subprocess_exec(
-            *("unshare", "--net", "--pid", "--mount", "--ipc", "--uts"),
-            *("--fork", "--kill-child", "--mount-proc"),
-            *(sys.executable, "-I", str(_HERE / "sandbox_init.py"), json.dumps(settings)),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-            start_new_session=True,
-            limit=self.config["max_body_bytes"],  # one reply line: an archive is the largest
-        )
-        grace = self.config["reply_grace_seconds"]
-        return Session(id, run, process, host_dir, staging, limits, slot, grace)
+    async def _build(self, run: str, name: str, body: dict):
+        """Builds the run's snapshot `name` once: its files, then its set-up command."""
+        _snapshot_name(name)
+        _no_unknown(body, {"files", "setup"}, "")
+        if not isinstance(body.get("setup"), str):
+            raise _invalid("setup must be a command", "setup")
+        target = self.snapshots / _RUN_SNAPSHOTS / _run_dir(run) / name
+        files = _files(body.get("files", {}), self.limits["disk_bytes"])
+        async with self.builds.setdefault((run, name), asyncio.Lock()):
+            if target.is_dir():
+                return 200, {"name": name, "built_seconds": None}
+            started = time.monotonic()
+            setup = self.config["setup_seconds"]
+            limits = self.limits | {"wall_seconds": setup + 60, "call_seconds": setup}
+            session = await self._claim(run, limits, files, None, self.config["claim_wait_seconds"])
+            try:
+                reply = await session.call({"tool": "run", "command": body["setup"]})
+                if reply.get("ok") and reply.get("exit_code") == 0:
+                    await _copy_tree(session.sandbox.work, target)
+            finally:
+                await session.stop("its snapshot was taken")
+                self._forget(session)
+            if not target.is_dir():
+                why = reply.get("error") or f"exit {reply.get('exit_code')}"
+                tail = (reply.get("output") or "")[-2000:]
+                raise HttpError(422, f"the set-up failed ({why}): {tail}", "setup_failed", "setup")
+            return 201, {"name": name, "built_seconds": round(time.monotonic() - started, 3)}
 
     async def reap(self) -> None:
-        """Stops sessions past their deadline or whose sandbox died, even if nobody calls."""
+        """Stops sessions past their deadline or lease, or whose sandbox died, even if
+        nobody calls; and keeps the warm pool full."""
+        self._refill()
         while True:
             await asyncio.sleep(1)
             now = time.monotonic()
@@ -373,17 +538,26 @@ class Server:
                     continue  # a call is under way and bounds itself
                 if session.deadline <= now:
                     await session.stop("it reached its deadline")
+                elif session.lease_until <= now:
+                    self.counts["expired"] += 1
+                    await session.stop("its lease lapsed: its client stopped renewing it")
                 elif session.process.returncode is not None:
                     await session.stop("its sandbox exited")
                 else:
                     continue
                 self._forget(session)
+            for sandbox in [s for s in self.ready if s.process.returncode is not None]:
+                self.ready.remove(sandbox)
+                await sandbox.kill()
+            self._refill()
 
     async def close(self) -> None:
         for session in list(self.sessions.values()):
             await session.stop("the server stopped")
             self._forget(session)
-        shutil.rmtree(self.state, ignore_errors=True)
+        self.config = self.config | {"warm": 0}
+        for sandbox in self.ready:
+            await sandbox.kill()
 
     # --- HTTP/1.1, just enough: keep-alive, Content-Length bodies, bounds everywhere
 
@@ -471,6 +645,38 @@ def _mountpoint(parent: Path) -> Path:
     path = Path(tempfile.mkdtemp(prefix="sandbox-", dir=parent))
     path.chmod(0o755)
     return path
+
+
+def _only(method: str, allowed: str, path: str) -> None:
+    if method != allowed:
+        raise HttpError(405, f"{method} {path} is not served", "invalid_request_error")
+
+
+def _snapshot_name(name) -> None:
+    if not isinstance(name, str) or not _SNAPSHOT.fullmatch(name):
+        raise _invalid("a snapshot is named by letters, digits, '.', '_' and '-'", "snapshot")
+
+
+def _run_dir(run: str) -> str:
+    """A run's folder name: runs are named by the operator, but never trusted as paths."""
+    return base64.urlsafe_b64encode(run.encode()).decode()
+
+
+def _publish(building: Path, target: Path) -> None:
+    building.chmod(0o755)
+    building.rename(target)
+
+
+async def _copy_tree(source: Path, target: Path) -> None:
+    """`source` to `target` (made whole, then renamed into place), owned by root."""
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    process = await asyncio.create_subprocess_exec("cp", "-a", "--", f"{source}/.", str(building))
+    if await process.wait() == 0:
+        await (await asyncio.create_subprocess_exec("chown", "-R", "0:0", str(building))).wait()
+        _publish(building, target)
+    else:
+        shutil.rmtree(building, ignore_errors=True)
 
 
 def _number(value) -> bool:

@@ -10,10 +10,14 @@ sessions = Counter(
 )
 cheats = Counter("rlfleet_rollout_cheats_total", "Attempts scored zero as cheating")
 tasks_rejected = Counter("rlfleet_rollout_tasks_rejected_total", "Malformed task messages")
-sandbox_start = Histogram(
-    "rlfleet_rollout_sandbox_start_seconds",
-    "Time to start an attempt's sandbox",
-    buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
+sandbox_claim = Histogram(
+    "rlfleet_rollout_sandbox_claim_seconds",
+    "Time to claim an attempt's sandbox from the environment pool, its tree written in",
+    buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 30),
+)
+claim_timeouts = Counter(
+    "rlfleet_rollout_claim_timeouts_total",
+    "Attempts failed because no sandbox came free within the claim deadline",
 )
 engine_workers = Gauge(
     "rlfleet_rollout_engine_workers", "Devices (vLLM workers) of this process's engine"

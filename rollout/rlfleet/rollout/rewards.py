@@ -22,6 +22,7 @@ import msgspec
 
 from rlfleet.api.wire import Task, check_relative_path
 from rlfleet.rollout.cheats import changed, detect_cheats, is_bytecode, overlaps
+from rlfleet.rollout.envclient import EnvClient, NoPool
 from rlfleet.rollout.sandbox import Limits, Sandbox, SandboxClosed
 
 
@@ -103,11 +104,13 @@ def _write_tree(directory: Path, files: dict[str, bytes]) -> None:
 
 @dataclass(frozen=True)
 class HiddenTests:
-    """1 if the task's test command passes in a fresh sandbox holding the grading tree."""
+    """1 if the task's test command passes in a fresh sandbox holding the grading tree,
+    claimed from the pool the attempt's came from."""
 
-    name: str = "hidden_tests"
+    pool: EnvClient | None  # None: no pool to grade in, so grading fails, saying so
     limits: Limits = field(default_factory=Limits)
     seconds: float = 60.0  # for the test command
+    name: str = "hidden_tests"
 
     def _failed(self, reason: str) -> Reward:
         return Reward(0.0, {self.name: 0.0}, reason)
@@ -115,11 +118,12 @@ class HiddenTests:
     async def score(self, task: Task, outcome: Outcome) -> Reward:
         if task.test_command is None:
             raise ValueError(f"task {task.id} has no test_command")
-        # The start state must outlive the sandbox: it is copied in after `start` returns.
+        if self.pool is None:
+            raise NoPool(f"task {task.id} is graded by hidden tests, and there is no pool")
         with tempfile.TemporaryDirectory(prefix="rlfleet-grading-") as start:
             _write_tree(Path(start), _grading_tree(task, outcome.files))
             try:
-                async with await Sandbox.start(Path(start), self.limits) as sandbox:
+                async with await self.pool.create(Path(start), self.limits) as sandbox:
                     command = {"tool": "run", "command": task.test_command}
                     reply = await sandbox.call(command, self.seconds)
             except SandboxClosed as error:

@@ -1,13 +1,22 @@
-"""PID 1 of a local sandbox: prepares it as root, runs the environment server unprivileged.
+"""PID 1 of a sandbox: prepares it as root, then runs the environment server unprivileged.
 
-Standard library only. Started by `rlfleet.rollout.sandbox` inside fresh network, PID,
-mount, IPC and UTS namespaces; argv[1] is a JSON object with the settings. It mounts a
-size-limited tmpfs (the disk limit), copies the attempt's starting state into it, then
-forks the server under the sandbox's own uid (so the process limit counts only this
-sandbox) with resource limits, and reaps every orphan until the server exits. When it
-exits the kernel kills everything left in the PID namespace.
+Standard library only. Started by the session server (`envsessions`) inside fresh
+network, PID, mount, IPC and UTS namespaces; argv[1] is a JSON object with the settings.
+It starts in two steps, so that a pool can keep sandboxes warm:
+
+1. At once: a size-limited tmpfs (the disk limit) and a private, empty scratch directory
+   over each shared one (/tmp, /dev/shm: else sessions could pass files). Then it prints
+   `{"ready": true}` and waits.
+2. On the claim, one JSON line on stdin: the uid, the rlimits, the disk size, and the
+   starting tree: a snapshot to fork and/or files. A snapshot is forked as an overlay
+   (the snapshot the read-only lower layer, the sandbox's tmpfs the upper one, with
+   `metacopy` so that handing the tree to the sandbox's uid copies no data), or copied
+   where the kernel offers no overlay. Then it forks the server under that uid (so the
+   process limit counts only this sandbox) with its limits, and reaps every orphan until
+   the server exits. When it exits the kernel kills everything left in the PID namespace.
 """
 
+import base64
 import json
 import os
 import resource
@@ -25,41 +34,75 @@ LIMITS = {
 }
 
 
-def main() -> None:
-    settings = json.loads(sys.argv[1])
-    root, uid = settings["root"], settings["uid"]
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={settings['disk_bytes']},mode=755", "tmpfs", root],
-        check=True,
-    )
-    work = Path(root) / "work"
-    if settings["start"]:
-        shutil.copytree(settings["start"], work, symlinks=True)
-    else:
-        work.mkdir()
-    server = Path(root) / "envserver.py"
-    shutil.copyfile(settings["server"], server)
-    # Shared scratch directories (/tmp, /dev/shm) would let sessions pass files to each
-    # other: the session server has each covered (once the start is in) by a private one.
-    for index, shared in enumerate(settings.get("private_dirs", [])):
-        scratch = Path(root) / f"scratch{index}"
+def _mount(*args: str) -> bool:
+    return subprocess.run(["mount", *args], stderr=subprocess.DEVNULL).returncode == 0
+
+
+def prepare(settings: dict) -> Path:
+    root = Path(settings["root"])
+    size = f"size={settings['disk_bytes']},mode=755"
+    if not _mount("-t", "tmpfs", "-o", size, "tmpfs", str(root)):
+        raise SystemExit("could not mount the sandbox's tmpfs")
+    shutil.copyfile(settings["server"], root / "envserver.py")
+    for index, shared in enumerate(settings["private_dirs"]):
+        scratch = root / f"scratch{index}"
         scratch.mkdir()
         scratch.chmod(0o1777)
-        subprocess.run(["mount", "--bind", str(scratch), shared], check=True)
-    for directory, _, files in os.walk(work):
-        os.chown(directory, uid, uid)
-        for name in files:
-            os.chown(Path(directory) / name, uid, uid, follow_symlinks=False)
+        if not _mount("--bind", str(scratch), shared):
+            raise SystemExit(f"could not cover {shared}")
+    return root
+
+
+def fork_snapshot(snapshot: str, root: Path, work: Path) -> str:
+    """The snapshot under `work`, as an overlay if the kernel offers one, else a copy."""
+    upper, scratch = root / "upper", root / "overlay-work"
+    upper.mkdir()
+    scratch.mkdir()
+    options = f"lowerdir={snapshot},upperdir={upper},workdir={scratch},metacopy=on"
+    if _mount("-t", "overlay", "overlay", "-o", options, str(work)):
+        return "overlay"
+    shutil.copytree(snapshot, work, symlinks=True, dirs_exist_ok=True)
+    return "copy"
+
+
+def start(claim: dict, settings: dict, root: Path) -> str:
+    work = root / "work"
+    work.mkdir()
+    fork = fork_snapshot(claim["snapshot"], root, work) if claim.get("snapshot") else "none"
+    for relative, content in claim.get("files", {}).items():
+        target = work / relative  # paths checked by the session server
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(base64.b64decode(content))
+    uid = claim["uid"]
+    # On an overlay, a change of owner copies the inode's metadata up, never its data.
+    subprocess.run(["chown", "-R", "--no-dereference", f"{uid}:{uid}", str(work)], check=True)
+    if claim["disk_bytes"] != settings["disk_bytes"]:
+        _mount("-o", f"remount,size={claim['disk_bytes']}", str(root))
+    return fork
+
+
+def main() -> None:
+    settings = json.loads(sys.argv[1])
+    root = prepare(settings)
+    print(json.dumps({"ready": True}), flush=True)
+    line = sys.stdin.readline()
+    if not line:
+        return  # the pool let it go unclaimed
+    claim = json.loads(line)
+    fork = start(claim, settings, root)
+    print(json.dumps({"started": True, "fork": fork}), flush=True)
+    uid = claim["uid"]
     child = os.fork()
     if child == 0:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
         for name, limit in LIMITS.items():
-            resource.setrlimit(limit, (settings["limits"][name], settings["limits"][name]))
+            resource.setrlimit(limit, (claim["limits"][name], claim["limits"][name]))
+        work = root / "work"
         os.chdir(work)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": work, "LANG": "C.UTF-8"}
-        os.execve(settings["python"], [settings["python"], "-I", server], env)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8"}
+        os.execve(settings["python"], [settings["python"], "-I", str(root / "envserver.py")], env)
     while True:
         pid, status = os.wait()
         if pid == child:

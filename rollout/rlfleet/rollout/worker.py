@@ -1,7 +1,8 @@
 """The rollout worker: tasks from a JetStream work queue in, trajectories out.
 
 Each task becomes a group of attempts (GRPO), each attempt a session in a fresh sandbox
-holding its own copy of the task's starting state, all driven through one vLLM engine.
+holding its own copy of the task's starting state, claimed from the worker's environment
+pool (`envclient.pool`), all driven through one vLLM engine.
 A task message is acknowledged only once its whole group is published, so a worker
 that dies loses nothing: the task is redelivered and run again; the trajectories'
 message ids (group and attempt) let JetStream drop copies published twice.
@@ -37,8 +38,9 @@ from rlfleet.api.wire import (
 from rlfleet.bus import auth
 from rlfleet.bus.streams import bind_stream
 from rlfleet.launch.settings import RewardConfig, WorkerConfig
-from rlfleet.rollout import layout, metrics, rewards
+from rlfleet.rollout import envclient, layout, metrics, rewards
 from rlfleet.rollout.engine import Engine
+from rlfleet.rollout.envclient import ClaimTimeout, EnvClient, RemoteSandbox
 from rlfleet.rollout.layout import Layout
 from rlfleet.rollout.sandbox import Limits, Sandbox, SandboxClosed
 from rlfleet.rollout.session import Episode, Session
@@ -139,13 +141,15 @@ class _Group:
     size: int
 
 
-def scorer_for(task: Task, config: RewardConfig, limits: Limits) -> rewards.Scorer:
+def scorer_for(
+    task: Task, config: RewardConfig, limits: Limits, pool: EnvClient | None
+) -> rewards.Scorer:
     """The weighted parts of the reward that apply to `task`; ValueError if none does."""
     parts: list[tuple[float, rewards.Scorer]] = []
     if task.answer is not None and config.exact > 0:
         parts.append((config.exact, rewards.ExactAnswer()))
     if task.test_command is not None and config.tests > 0:
-        parts.append((config.tests, rewards.HiddenTests(limits=limits)))
+        parts.append((config.tests, rewards.HiddenTests(pool, limits)))
     if task.rubric and config.judge > 0 and (judge := config.judge_endpoint) is not None:
         parts.append(
             (
@@ -170,6 +174,7 @@ class Worker:
         self.layout = layout  # of this worker's one engine (`layout.engines` is 1)
         self.stopping = asyncio.Event()
         self.engine: Engine | None = None
+        self.pool: EnvClient | None = None  # where attempts claim sandboxes
         self.sessions = 0  # running now
         self._groups: set[asyncio.Task] = set()
 
@@ -185,7 +190,13 @@ class Worker:
             # vLLM's own last words only point above; the log's last line says why.
             log.error("vLLM engine did not start: %s", start_failure(error))
             raise SystemExit(1) from None
-        self.engine = engine = Engine(llm, follow_weights=config.follow_weights)
+        self.engine = Engine(llm, follow_weights=config.follow_weights)
+        async with envclient.pool(config.envpool, config.limits, config.max_sessions) as pool:
+            self.pool = pool
+            await self._serve(llm, self.engine)
+
+    async def _serve(self, llm, engine: Engine) -> None:
+        config = self.config
         nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
         try:
             js = nc.jetstream(domain=config.jetstream_domain)
@@ -249,7 +260,7 @@ class Worker:
             task = decode_task_message(message.data)
             if task.run != self.config.run:
                 raise ValueError(f"task for run {task.run!r}, not {self.config.run!r}")
-            scorer = scorer_for(task.task, self.config.rewards, self.config.limits)
+            scorer = scorer_for(task.task, self.config.rewards, self.config.limits, self.pool)
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as error:
             log.warning("rejected task message %s: %s", message.metadata.sequence.stream, error)
             metrics.tasks_rejected.inc()
@@ -308,12 +319,9 @@ class Worker:
     async def _attempt(self, group: _Group, attempt: int) -> Trajectory:
         task, group_id = group.task, group.id
         assert self.engine is not None
-        started = time.perf_counter()
         # A bare question has no tools, so nothing for a sandbox to run.
-        sandbox = await Sandbox.start(group.start, self.config.limits) if task.tools else None
+        sandbox = await self._claim(group.start) if task.tools else None
         async with sandbox or contextlib.nullcontext():
-            if sandbox is not None:
-                metrics.sandbox_start.observe(time.perf_counter() - started)
             seed = zlib.crc32(f"{self.config.seed}/{group_id}/{attempt}".encode())
             episode = await Session(self.engine, task, sandbox, self.config.session, seed).run()
             reward = await self._grade(task, group.scorer, episode, sandbox)
@@ -334,6 +342,20 @@ class Worker:
             worker=self.config.name,
             created_at=time.time(),
         )
+
+    async def _claim(self, start: Path) -> RemoteSandbox:
+        """A sandbox from the pool holding a copy of `start`. Raises if there is no pool or
+        none comes free in time: the attempt fails, and its group goes back to the queue."""
+        if self.pool is None:
+            raise envclient.NoPool("a task uses tools, and this worker has no environment pool")
+        started = time.perf_counter()
+        try:
+            sandbox = await self.pool.create(start, self.config.limits)
+        except ClaimTimeout:
+            metrics.claim_timeouts.inc()
+            raise
+        metrics.sandbox_claim.observe(time.perf_counter() - started)
+        return sandbox
 
     async def _grade(
         self, task: Task, scorer: rewards.Scorer, episode: Episode, sandbox: Sandbox | None
