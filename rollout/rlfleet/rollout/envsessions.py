@@ -242,6 +242,7 @@ class Server:
         self.warming = 0
         self.counts = {"claims": 0, "cold_claims": 0, "overlay": 0, "copy": 0, "expired": 0}
         self.builds: dict[tuple[str, str], asyncio.Lock] = {}
+        self._warmers: set[asyncio.Task] = set()  # held: the loop keeps only weak references
         self._tokens_seen: tuple | None = None
         self.tokens: dict[str, bytes] = {}
         self._load_tokens(strict=True)
@@ -399,7 +400,12 @@ class Server:
                 "capacity_error",
             ) from None
         slot = self.free_slots.pop()
-        sandbox = self.ready.pop() if self.ready else None
+        sandbox = None
+        while self.ready and sandbox is None:
+            sandbox = self.ready.pop()
+            if sandbox.process.returncode is not None:  # died since the reaper looked
+                await sandbox.kill()
+                sandbox = None
         self.counts["claims"] += 1
         if sandbox is None:
             self.counts["cold_claims"] += 1
@@ -443,11 +449,14 @@ class Server:
                 self.config["max_sessions"] - held,
             )
         ):
-            asyncio.get_running_loop().create_task(self._warm_one())
+            self.warming += 1  # now, not when the task starts: a second refill counts it
+            warmer = asyncio.get_running_loop().create_task(self._warm_one())
+            self._warmers.add(warmer)
+            warmer.add_done_callback(self._warmers.discard)
 
     async def _warm_one(self, counted: bool = True) -> Sandbox | None:
-        """A sandbox prepared and waiting; into the pool unless a claim is waiting on it."""
-        self.warming += counted
+        """A sandbox prepared and waiting: into the pool if `counted` (among `warming`, by
+        `_refill`), else for the claim that waits on it."""
         host_dir = _mountpoint(self.mounts)
         settings = {
             "root": str(host_dir),
