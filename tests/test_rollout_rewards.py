@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.api.wire import Task
+from rlfleet.api.wire import Environment, Task
 from rlfleet.rollout.cheats import detect_cheats
 from rlfleet.rollout.envclient import EnvClient, local_server
 from rlfleet.rollout.rewards import (
@@ -337,6 +337,21 @@ def test_what_honest_attempts_do_besides_the_fix_is_not_flagged() -> None:
         ('{"id": "a", "suite": "s", "prompt": "p", "files": {"../x": ""}}', "must be relative"),
         ('{"id": "a", "suite": "s", "prompt": "p", "hidden_tests": {"t.py": ""}}', "test_command"),
         ('{"id": "ok", "suite": "s", "prompt": "p"}', "duplicate task id 'ok'"),
+        (
+            '{"id": "a", "suite": "s", "prompt": "p", '
+            '"environment": {"name": "../x", "setup": ""}}',
+            "Expected `str` matching regex",
+        ),
+        (
+            '{"id": "a", "suite": "s", "prompt": "p", "environment": {"name": "e", "setup": "", '
+            '"files": {"/etc/x": ""}}}',
+            "must be relative",
+        ),
+        (
+            '{"id": "a", "suite": "s", "prompt": "p", "tools": false, '
+            '"environment": {"name": "e", "setup": "true"}}',
+            "no sandbox to set an environment up in",
+        ),
     ],
 )
 def test_load_suite_names_the_bad_line(line: str, problem: str, tmp_path: Path) -> None:
@@ -512,3 +527,50 @@ def test_combined_is_the_weighted_mean_and_keeps_every_part(judge: JudgeEndpoint
         Combined([(1.0, ExactAnswer()), (1.0, ExactAnswer())])
     with pytest.raises(ValueError, match="positive weight"):
         Combined([(0.0, ExactAnswer())])
+
+
+# A library the set-up builds (as an install would) that the task's code and its hidden
+# tests import: present only in a fork of the environment.
+LIBRARY = Environment(
+    name="mathlib",
+    files={"vendor/src/mathlib.py": "def double(x):\n    return 2 * x\n"},
+    setup="mkdir -p lib && cp vendor/src/mathlib.py lib/ && python3 -m compileall -q lib",
+)
+WITH_LIBRARY = Task(
+    id="env-task",
+    suite="s",
+    prompt="Make quad() return four times its argument.",
+    files={
+        "quad.py": "import sys\nsys.path.insert(0, 'lib')\nfrom mathlib import double\n\n"
+        "def quad(x):\n    return double(x)\n"
+    },
+    hidden_tests={"test_quad.py": "from quad import quad\nassert quad(3) == 12\n"},
+    test_command="python3 test_quad.py",
+    environment=LIBRARY,
+)
+
+
+def test_attempts_and_grading_fork_the_tasks_environment(tmp_path: Path) -> None:
+    fixed = WITH_LIBRARY.files["quad.py"].replace("return double(x)", "return double(double(x))")
+
+    async def session() -> tuple[Outcome, dict]:
+        async with EnvClient(*POOL) as client:
+            snapshot = await client.environment(LIBRARY)
+            assert snapshot == await client.environment(LIBRARY)  # built once
+            start = tmp_path / "start"
+            start.mkdir()
+            write_start_state(WITH_LIBRARY, start)
+            async with await client.create(start, LIMITS, snapshot=snapshot) as sandbox:
+                listed = await sandbox.call({"tool": "run", "command": "ls lib"})
+                await sandbox.call({"tool": "write", "path": "quad.py", "content": fixed})
+                files = await archive(sandbox)
+        return Outcome(answer=None, files=files, transcript=""), listed
+
+    outcome, listed = run(session())
+    assert "mathlib.py" in listed["output"]
+    # The archive holds the agent's work, not the environment it forked.
+    assert set(outcome.files) == {"quad.py"}
+    assert graded(WITH_LIBRARY, outcome, tests_alone=True).value == 1.0
+    unfixed = Outcome(None, {"quad.py": WITH_LIBRARY.files["quad.py"].encode()}, "")
+    failed = graded(WITH_LIBRARY, unfixed, tests_alone=True)
+    assert failed.value == 0.0 and "hidden tests failed" in failed.reason

@@ -7,6 +7,7 @@ the reader counts and logs instead of acting on it.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import PurePosixPath
 from typing import Annotated, Literal
@@ -131,6 +132,27 @@ def check_relative_path(path: str) -> None:
         raise ValueError(f"path {path!r} must be relative and stay inside the working tree")
 
 
+class Environment(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """What tasks start from besides their own files, set up once per run and pool: a tree,
+    then a command run in it (a repository's dependencies installed, a build). Every
+    attempt at a task naming it, and its grading, starts from a fork of the result."""
+
+    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+    setup: str  # run by /bin/sh in the tree, with no network; exit 0 or the set-up failed
+    files: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        for path in self.files:
+            check_relative_path(path)
+
+    @property
+    def snapshot(self) -> str:
+        """The pool's name for it: its name and a digest of what it is, so a changed
+        set-up is a new snapshot, never a stale one."""
+        digest = hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
+        return f"{self.name}-{digest}"
+
+
 class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """A task as data: what the model is asked, what it starts from, how it is graded."""
 
@@ -144,8 +166,11 @@ class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
     protected: list[str] = []  # may be read, never changed or deleted (visible tests)
     rubric: dict[str, str] = {}  # judge dimension -> what it means
     tools: bool = True  # False: a bare question, asked without the tool protocol
+    environment: Environment | None = None  # forked under `files` in each sandbox
 
     def __post_init__(self) -> None:
+        if self.environment is not None and not self.tools:
+            raise ValueError("a bare question has no sandbox to set an environment up in")
         for path in [*self.files, *self.hidden_tests]:
             check_relative_path(path)
         if clash := sorted(set(self.files) & set(self.hidden_tests)):

@@ -17,12 +17,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 
 import httpx
 import msgspec
 
+from rlfleet.api.wire import Environment
 from rlfleet.launch.settings import MIB, Limits, PoolConfig
 from rlfleet.rollout.sandbox import DEFAULT_LIMITS, SANDBOX_PYTHON, SandboxClosed
 
@@ -88,8 +89,10 @@ def _error(response: httpx.Response) -> dict:
         return {"message": response.text[:300]}
 
 
-def _start_files(start: Path) -> dict[str, str]:
+def _start_files(start: Path | Mapping[str, bytes]) -> dict[str, str]:
     """A starting tree as the server takes it: every regular file, base64 (links skipped)."""
+    if isinstance(start, Mapping):
+        return {path: base64.b64encode(data).decode() for path, data in start.items()}
     files = {}
     for directory, _, names in os.walk(start):
         for name in names:
@@ -120,6 +123,8 @@ class EnvClient:
         )
         self.held: dict[str, RemoteSandbox] = {}
         self._renewing: asyncio.Task | None = None
+        self._built: dict[str, asyncio.Lock] = {}  # environments, each built once
+        self._ready: set[str] = set()
 
     async def create(
         self,
@@ -149,7 +154,22 @@ class EnvClient:
             self._renewing = asyncio.create_task(self._renew(reply["lease_seconds"] / 3))
         return sandbox
 
-    async def build_snapshot(self, name: str, start: Path, setup: str) -> bool:
+    async def environment(self, environment: Environment | None) -> str | None:
+        """The snapshot to fork for `environment` (None for none), built on the server the
+        first time."""
+        if environment is None:
+            return None
+        name = environment.snapshot
+        async with self._built.setdefault(name, asyncio.Lock()):
+            if name not in self._ready:
+                files = {path: content.encode() for path, content in environment.files.items()}
+                await self.build_snapshot(name, files, environment.setup)
+                self._ready.add(name)
+        return name
+
+    async def build_snapshot(
+        self, name: str, start: Path | Mapping[str, bytes], setup: str
+    ) -> bool:
         """The run's environment `name` (the tree `start`, then the command `setup`) built
         on the server unless it was already: True if this call built it."""
         body = {"files": _start_files(start), "setup": setup}

@@ -11,8 +11,9 @@ line on stdout:
     {"tool": "ping"} -> {"ok": true}
 
 `archive` and `ping` are the harness's own tools, never offered to the model: `archive`
-returns every regular file of the working tree (symlinks skipped) so the final tree can be
-graded elsewhere; `ping` is the session server's check that a new sandbox is up.
+returns every regular file of the working tree (symlinks skipped, and in a tree forked
+from an environment the files it left as they were) so the final tree can be graded
+elsewhere; `ping` is the session server's check that a new sandbox is up.
 
 Failures are replies too (`{"ok": false, "error": "..."}`): the model sees them as
 observations. Paths are relative to the working directory and may not leave it.
@@ -67,18 +68,32 @@ def _run(command: str, timeout: float) -> dict:
     }
 
 
+def _snapshot_files(root: Path) -> dict:
+    """The files of the environment this tree was forked from (`sandbox_init.MANIFEST`)."""
+    try:
+        return json.loads((root.parent / "snapshot-files.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def _archive(root: Path) -> dict:
     files: dict[str, str] = {}
     size = 0
+    # A file as the environment left it is not the agent's work: grading forks the same
+    # environment. (Disguising an edit as unchanged only loses the edit.)
+    unchanged = _snapshot_files(root)
     for directory, _, names in os.walk(root):
         for name in names:
             path = Path(directory) / name
             if path.is_symlink() or not path.is_file():
                 continue
             relative = str(path.relative_to(root))
+            info = path.stat()
+            if unchanged.get(relative) == [info.st_size, info.st_mtime_ns]:
+                continue
             # Counted before reading, so a huge file is never loaded; one still growing is
             # read up to the size counted.
-            length = path.stat().st_size
+            length = info.st_size
             size += 4 * -(-length // 3) + len(json.dumps(relative)) + 4
             if size > ARCHIVE_LIMIT:
                 return {

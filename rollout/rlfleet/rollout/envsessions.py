@@ -251,6 +251,11 @@ class Server:
         self.mounts.mkdir(mode=0o711, parents=True, exist_ok=True)
         self.snapshots = Path(config["snapshots_dir"])
         (self.snapshots / _RUN_SNAPSHOTS).mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Each snapshot's list of files, made once: this server's, root's alone.
+        self.manifests_dir = Path(
+            tempfile.mkdtemp(prefix=".manifests-", dir=self.snapshots / _RUN_SNAPSHOTS)
+        )
+        self.manifests: dict[Path, Path] = {}
         self.private_dirs = [path for path in config["private_dirs"] if Path(path).is_dir()]
         for path in self.private_dirs:
             for own in ("mounts_dir", "snapshots_dir"):
@@ -420,6 +425,7 @@ class Server:
             "limits": {name: math.ceil(limits[name]) for name in RLIMIT_FIELDS},
             "disk_bytes": int(limits["disk_bytes"]),
             "snapshot": str(snapshot) if snapshot else None,
+            "manifest": str(await self._manifest(snapshot)) if snapshot else None,
             "files": {path: base64.b64encode(data).decode() for path, data in files.items()},
         }
         id = secrets.token_urlsafe(18)
@@ -487,6 +493,14 @@ class Server:
             return sandbox
         self.ready.append(sandbox)
         return None
+
+    async def _manifest(self, snapshot: Path) -> Path:
+        """The snapshot's files with their sizes and times, listed on its first fork."""
+        if snapshot not in self.manifests:
+            target = self.manifests_dir / f"{len(self.manifests)}.json"
+            await asyncio.to_thread(_write_manifest, snapshot, target)
+            self.manifests[snapshot] = target
+        return self.manifests[snapshot]
 
     def _session_limits(self, asked) -> dict:
         if not isinstance(asked, dict):
@@ -567,6 +581,7 @@ class Server:
         self.config = self.config | {"warm": 0}
         for sandbox in self.ready:
             await sandbox.kill()
+        shutil.rmtree(self.manifests_dir, ignore_errors=True)
 
     # --- HTTP/1.1, just enough: keep-alive, Content-Length bodies, bounds everywhere
 
@@ -669,6 +684,22 @@ def _snapshot_name(name) -> None:
 def _run_dir(run: str) -> str:
     """A run's folder name: runs are named by the operator, but never trusted as paths."""
     return base64.urlsafe_b64encode(run.encode()).decode()
+
+
+def _write_manifest(snapshot: Path, target: Path) -> None:
+    """Each regular file under `snapshot`: its size and modification time, as JSON."""
+    files = {}
+    pending = [snapshot]
+    while pending:
+        with os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(Path(entry.path))
+                elif entry.is_file(follow_symlinks=False):
+                    info = entry.stat(follow_symlinks=False)
+                    relative = str(Path(entry.path).relative_to(snapshot))
+                    files[relative] = [info.st_size, info.st_mtime_ns]
+    target.write_text(json.dumps(files))
 
 
 def _publish(building: Path, target: Path) -> None:

@@ -123,7 +123,9 @@ class HiddenTests:
         with tempfile.TemporaryDirectory(prefix="rlfleet-grading-") as start:
             _write_tree(Path(start), _grading_tree(task, outcome.files))
             try:
-                async with await self.pool.create(Path(start), self.limits) as sandbox:
+                environment = await self.pool.environment(task.environment)
+                grading = await self.pool.create(Path(start), self.limits, snapshot=environment)
+                async with grading as sandbox:
                     command = {"tool": "run", "command": task.test_command}
                     reply = await sandbox.call(command, self.seconds)
             except SandboxClosed as error:

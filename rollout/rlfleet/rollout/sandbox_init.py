@@ -53,22 +53,30 @@ def prepare(settings: dict) -> Path:
     return root
 
 
-def fork_snapshot(snapshot: str, root: Path, work: Path) -> str:
-    """The snapshot under `work`, as an overlay if the kernel offers one, else a copy."""
+MANIFEST = "snapshot-files.json"  # beside the working tree: see `envserver._archive`
+
+
+def fork_snapshot(snapshot: str, manifest: str, root: Path, work: Path) -> str:
+    """The snapshot under `work`, as an overlay if the kernel offers one, else a copy; and
+    beside it the list of the snapshot's files (the session server's), so an archive can
+    leave them out."""
+    shutil.copyfile(manifest, root / MANIFEST)
     upper, scratch = root / "upper", root / "overlay-work"
     upper.mkdir()
     scratch.mkdir()
     options = f"lowerdir={snapshot},upperdir={upper},workdir={scratch},metacopy=on"
     if _mount("-t", "overlay", "overlay", "-o", options, str(work)):
         return "overlay"
-    shutil.copytree(snapshot, work, symlinks=True, dirs_exist_ok=True)
+    shutil.copytree(snapshot, work, symlinks=True, dirs_exist_ok=True)  # keeps mtimes
     return "copy"
 
 
 def start(claim: dict, settings: dict, root: Path) -> str:
     work = root / "work"
     work.mkdir()
-    fork = fork_snapshot(claim["snapshot"], root, work) if claim.get("snapshot") else "none"
+    fork = "none"
+    if claim["snapshot"]:
+        fork = fork_snapshot(claim["snapshot"], claim["manifest"], root, work)
     for relative, content in claim.get("files", {}).items():
         target = work / relative  # paths checked by the session server
         target.parent.mkdir(parents=True, exist_ok=True)

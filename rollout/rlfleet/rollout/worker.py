@@ -320,7 +320,7 @@ class Worker:
         task, group_id = group.task, group.id
         assert self.engine is not None
         # A bare question has no tools, so nothing for a sandbox to run.
-        sandbox = await self._claim(group.start) if task.tools else None
+        sandbox = await self._claim(task, group.start) if task.tools else None
         async with sandbox or contextlib.nullcontext():
             seed = zlib.crc32(f"{self.config.seed}/{group_id}/{attempt}".encode())
             episode = await Session(self.engine, task, sandbox, self.config.session, seed).run()
@@ -343,14 +343,16 @@ class Worker:
             created_at=time.time(),
         )
 
-    async def _claim(self, start: Path) -> RemoteSandbox:
-        """A sandbox from the pool holding a copy of `start`. Raises if there is no pool or
-        none comes free in time: the attempt fails, and its group goes back to the queue."""
+    async def _claim(self, task: Task, start: Path) -> RemoteSandbox:
+        """A sandbox from the pool holding a copy of `start` over a fork of the task's
+        environment. Raises if there is no pool, the environment's set-up fails, or no
+        sandbox comes free in time: the attempt fails, and its group goes back to the queue."""
         if self.pool is None:
             raise envclient.NoPool("a task uses tools, and this worker has no environment pool")
+        environment = await self.pool.environment(task.environment)
         started = time.perf_counter()
         try:
-            sandbox = await self.pool.create(start, self.config.limits)
+            sandbox = await self.pool.create(start, self.config.limits, snapshot=environment)
         except ClaimTimeout:
             metrics.claim_timeouts.inc()
             raise
