@@ -85,7 +85,9 @@ async def environments(env: EnvClient, task: Path, args) -> dict:
     return {"setup_ms_p50": _ms(setups, 0.5), "fork_ms_p50": _ms(forks, 0.5)}
 
 
-async def measure(server: LocalServer, task: Path, args, tokens_file: Path) -> dict:
+async def measure(
+    server: LocalServer, task: Path, args, tokens_file: Path, snapshots: Path
+) -> dict:
     result: dict = {}
     async with EnvClient(server.url, TOKENS["bench"]) as env:
         claims = []
@@ -133,6 +135,7 @@ async def measure(server: LocalServer, task: Path, args, tokens_file: Path) -> d
                 client=env,
                 other=other,
                 disk_bytes=DEFAULT_LIMITS.disk_bytes,
+                snapshots_dir=snapshots,
             )
             escaped = {}
             async with await envpool_escapes.bystander(other) as bystander:
@@ -173,7 +176,7 @@ def main() -> None:
         )
         try:
             with LocalServer(config) as server:
-                result = asyncio.run(measure(server, task, args, tokens_file))
+                result = asyncio.run(measure(server, task, args, tokens_file, snapshots))
         finally:
             shutil.rmtree(snapshots)
     result["claim_over_target_p99"] = round(result["claim_ms_p99"] / 100, 2)

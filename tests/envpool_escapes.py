@@ -9,6 +9,7 @@ still works: taking the server down is an escape too.
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ class Target:
     client: EnvClient  # the attacker's run
     other: EnvClient  # the other run
     disk_bytes: int
+    snapshots_dir: Path  # where the server keeps environments, the other run's among them
 
 
 async def _run(session: RemoteSandbox, command: str, seconds: float = 5) -> str:
@@ -89,6 +91,25 @@ async def other_session_files(target: Target, session: RemoteSandbox) -> str | N
             "ls -la /run/rlfleet/sandboxes/*/ 2>&1",
         )
     return f"read another session's files: {output}" if secret in output else None
+
+
+async def other_run_environment(target: Target, session: RemoteSandbox) -> str | None:
+    secret = "ENVIRONMENT-OF-THE-OTHER-RUN"
+    with tempfile.TemporaryDirectory() as tree:
+        (Path(tree) / "secret.txt").write_text(secret)
+        await target.other.build_snapshot("private", Path(tree), "chmod 644 secret.txt")
+    root = target.snapshots_dir
+    output = await _run(
+        session,
+        f"cat {root}/.runs/*/*/secret.txt {root}/*/secret.txt 2>&1; ls -laR {root} 2>&1; "
+        f"find / -name secret.txt -exec cat {{}} + 2>/dev/null; "
+        f"echo x > {root}/.runs/planted 2>&1",
+    )
+    if secret in output:
+        return f"read another run's environment: {output[:300]}"
+    if (root / ".runs" / "planted").exists():
+        return "wrote into the server's environments"
+    return None
 
 
 async def server_token(target: Target, session: RemoteSandbox) -> str | None:
@@ -163,6 +184,7 @@ ATTEMPTS: dict[str, Attempt] = {
         network_server_port,
         network_external,
         other_session_files,
+        other_run_environment,
         server_token,
         host_processes,
         fill_memory,

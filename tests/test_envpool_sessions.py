@@ -52,6 +52,7 @@ class Served:
     server: LocalServer
     tokens_file: Path
     task: Path
+    snapshots_dir: Path
 
     @property
     def url(self) -> str:
@@ -66,6 +67,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tokens_file.chmod(0o600)
     # Outside /tmp: sandboxes fork snapshots once their private /tmp covers the host's.
     snapshots = Path(tempfile.mkdtemp(prefix="snapshots-", dir=SNAPSHOTS_PARENT))
+    snapshots.chmod(0o755)  # as an image's: anyone may read the shared environments
     (snapshots / "hello").mkdir()
     (snapshots / "hello" / "greeting.txt").write_text("hello from a snapshot\n")
     task = root / "task"
@@ -82,7 +84,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     )
     try:
         with LocalServer(config) as server:
-            yield Served(server, tokens_file, task)
+            yield Served(server, tokens_file, task, snapshots)
     finally:
         shutil.rmtree(snapshots)
 
@@ -274,6 +276,7 @@ def test_an_escape_from_inside_a_session_fails(served: Served, name: str) -> Non
                 client=own,
                 other=other,
                 disk_bytes=LIMITS.disk_bytes,
+                snapshots_dir=served.snapshots_dir,
             )
             async with await envpool_escapes.bystander(other) as bystander:
                 return await envpool_escapes.attempt(name, target, bystander)
@@ -299,7 +302,7 @@ def small(served: Served) -> Iterator[Served]:
     )
     try:
         with LocalServer(config) as server:
-            yield Served(server, served.tokens_file, served.task)
+            yield Served(server, served.tokens_file, served.task, Path(config.snapshots_dir))
     finally:
         shutil.rmtree(config.snapshots_dir)
 
