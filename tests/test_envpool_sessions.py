@@ -24,6 +24,7 @@ import httpx
 import pytest
 from msgspec.structs import replace
 
+from rlfleet.api.wire import Environment
 from rlfleet.launch.settings import Limits
 from rlfleet.rollout import tools
 from rlfleet.rollout.envclient import (
@@ -289,7 +290,7 @@ def test_an_escape_from_inside_a_session_fails(served: Served, name: str) -> Non
 
 @pytest.fixture(scope="module")
 def small(served: Served) -> Iterator[Served]:
-    """Two sessions at most, one kept warm, leases of two seconds."""
+    """Two sessions at most, one kept warm, leases of two seconds, two environments a run."""
     config = ServerConfig(
         tokens_file=str(served.tokens_file),
         snapshots_dir=tempfile.mkdtemp(prefix="snapshots-", dir=SNAPSHOTS_PARENT),
@@ -299,6 +300,7 @@ def small(served: Served) -> Iterator[Served]:
         lease_seconds=2.0,
         claim_wait_seconds=20.0,
         uid_base=820_000,
+        max_snapshots=2,
     )
     try:
         with LocalServer(config) as server:
@@ -438,3 +440,37 @@ def test_a_snapshot_is_built_once_and_forked_per_session(small: Served, tmp_path
             assert "exit 3" in str(failed.value)
 
     asyncio.run(forks())
+
+
+def test_a_run_keeps_its_most_environments_and_the_idle_ones_go_first(
+    small: Served, tmp_path: Path
+) -> None:
+    def environment(name: str) -> Environment:
+        return Environment(name=name, setup=f"echo {name} > which.txt")
+
+    async def evictions() -> None:
+        async with client(small, "run-b") as env:
+            first, second = environment("first"), environment("second")
+            await env.environment(first)
+            await env.environment(second)
+            evicted = health(small)["evicted"]
+            async with await env.create(None, snapshot=await env.environment(second)) as held:
+                # A third goes in place of the one not forked now, though forked longer ago.
+                await env.environment(environment("third"))
+                assert health(small)["evicted"] == evicted + 1
+                with pytest.raises(EnvServerError) as gone:
+                    await env.create(None, snapshot=first.snapshot)
+                assert gone.value.param == "snapshot"
+                reply = await held.call({"tool": "run", "command": "cat which.txt"})
+                assert reply["output"] == "second\n"  # its lower layer is still there
+                # Every one kept is forked, or the newest: the next refuses, naming why.
+                async with await env.create(None, snapshot=environment("third").snapshot):
+                    with pytest.raises(EnvServerError) as full:
+                        await env.environment(environment("fourth"))
+                    assert full.value.status == 409 and full.value.param == "name"
+            # The client forgot the evicted one: naming it again builds it again.
+            async with await env.create(None, snapshot=await env.environment(first)) as again:
+                reply = await again.call({"tool": "run", "command": "cat which.txt"})
+                assert reply["output"] == "first\n"
+
+    asyncio.run(evictions())

@@ -60,6 +60,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lease_seconds: float = 60.0  # a claim no request renews for this long is destroyed
     claim_wait_seconds: float = 300.0  # the longest a claim may wait for capacity
     setup_seconds: float = 1800.0  # a snapshot's set-up command
+    max_snapshots: int = 16  # a run's built environments kept: the least recently forked go
 
 
 class EnvServerError(RuntimeError):
@@ -146,6 +147,8 @@ class EnvClient:
         seconds = self.create_seconds + self.claim_seconds
         response = await self._http.post("/v1/sessions", json=body, timeout=seconds)
         if response.status_code != 201:
+            if _error(response).get("param") == "snapshot":
+                self._ready.discard(snapshot)  # evicted: the next `environment` rebuilds it
             _raise(response)
         reply = response.json()
         sandbox = RemoteSandbox(self, reply["id"], msgspec.convert(reply["limits"], Limits))

@@ -41,8 +41,10 @@ and by `/v1/leases`: a client that dies stops renewing, and its sessions are des
 
 A snapshot is a named environment set-up, built once per run (its files, then `setup`
 run in a session) and forked by every session that names it, as an overlay (see
-`sandbox_init.py`). The run's own snapshots shadow the pool's shared ones, which the
-image provides under `snapshots_dir`.
+`sandbox_init.py`). A run keeps at most `max_snapshots`: building one more removes its
+least recently forked one that no live session forks (409 if every one is). The run's
+own snapshots shadow the pool's shared ones, which the image provides under
+`snapshots_dir`.
 
 A session destroyed (by DELETE, at its deadline, when its lease lapsed, or because its
 sandbox died) answers 410 saying why; another run's token gets 403; an unknown one 404.
@@ -64,7 +66,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 log = logging.getLogger("envsessions")
@@ -102,6 +104,7 @@ CONFIG_FIELDS = {
     "lease_seconds",
     "claim_wait_seconds",
     "setup_seconds",
+    "max_snapshots",
 }
 # The tools a session runs, each with its fields: (type, required).
 TOOLS = {
@@ -184,6 +187,7 @@ class Session:
         self.renew()
         self.lock = asyncio.Lock()
         self.stopped: str | None = None  # why the sandbox stopped, once it has
+        self.snapshot: Path | None = None  # the environment it forked, if any
 
     def renew(self) -> None:
         self.lease_until = time.monotonic() + self.lease_seconds
@@ -240,7 +244,18 @@ class Server:
         self.capacity = asyncio.Semaphore(config["max_sessions"])  # one per free slot
         self.ready: list[Sandbox] = []  # warm, waiting for a claim
         self.warming = 0
-        self.counts = {"claims": 0, "cold_claims": 0, "overlay": 0, "copy": 0, "expired": 0}
+        self.counts = {
+            "claims": 0,
+            "cold_claims": 0,
+            "overlay": 0,
+            "copy": 0,
+            "expired": 0,
+            "evicted": 0,
+        }
+        # Live sessions forking each snapshot (an overlay's lower layer must stay), and
+        # when each was last forked: the least recent idle one goes first.
+        self.forking: Counter[Path] = Counter()
+        self.last_fork: dict[Path, float] = {}
         self.builds: dict[tuple[str, str], asyncio.Lock] = {}
         self._warmers: set[asyncio.Task] = set()  # held: the loop keeps only weak references
         self._tokens_seen: tuple | None = None
@@ -374,6 +389,8 @@ class Server:
         if self.sessions.pop(session.id, None) is not None:
             self.free_slots.append(session.slot)
             self.capacity.release()
+            if session.snapshot is not None:
+                self.forking[session.snapshot] -= 1
             self._refill()
         self.gone[session.id] = (session.run, session.stopped or "it stopped")
         while len(self.gone) > self.config["remembered"]:
@@ -390,7 +407,16 @@ class Server:
         if not _number(wait) or wait < 0:
             raise _invalid("must be a non-negative number of seconds", "wait_seconds")
         wait = min(wait, self.config["claim_wait_seconds"])  # the server's bound wins
-        session = await self._claim(run, limits, files, snapshot, wait)
+        if snapshot is not None:  # before any wait: no eviction may take it meanwhile
+            self.forking[snapshot] += 1
+            self.last_fork[snapshot] = time.monotonic()
+        try:
+            session = await self._claim(run, limits, files, snapshot, wait)
+        except BaseException:
+            if snapshot is not None:
+                self.forking[snapshot] -= 1
+            raise
+        session.snapshot = snapshot
         lease = self.config["lease_seconds"]
         return {"id": session.id, "limits": limits, "lease_seconds": lease}
 
@@ -532,6 +558,7 @@ class Server:
         async with self.builds.setdefault((run, name), asyncio.Lock()):
             if target.is_dir():
                 return 200, {"name": name, "built_seconds": None}
+            await self._make_room(target.parent)
             started = time.monotonic()
             setup = self.config["setup_seconds"]
             limits = self.limits | {"wall_seconds": setup + 60, "call_seconds": setup}
@@ -548,6 +575,27 @@ class Server:
                 tail = (reply.get("output") or "")[-2000:]
                 raise HttpError(422, f"the set-up failed ({why}): {tail}", "setup_failed", "setup")
             return 201, {"name": name, "built_seconds": round(time.monotonic() - started, 3)}
+
+    async def _make_room(self, run_dir: Path) -> None:
+        """Below `max_snapshots` environments for the run: its least recently forked ones
+        that no live session forks go."""
+        held = _built(run_dir)
+        over = len(held) - self.config["max_snapshots"] + 1
+        if over <= 0:
+            return
+        idle = [p for p in held if not self.forking[p]]
+        if len(idle) < over:
+            raise HttpError(
+                409,
+                f"the run holds its most environments ({len(held)}), each forked by a live session",
+                "snapshot_limit",
+                "name",
+            )
+        for path in sorted(idle, key=lambda p: self.last_fork.get(p, 0.0))[:over]:
+            await asyncio.to_thread(shutil.rmtree, path, True)
+            self.manifests.pop(path, None)
+            self.last_fork.pop(path, None)
+            self.counts["evicted"] += 1
 
     async def reap(self) -> None:
         """Stops sessions past their deadline or lease, or whose sandbox died, even if
@@ -684,6 +732,13 @@ def _snapshot_name(name) -> None:
 def _run_dir(run: str) -> str:
     """A run's folder name: runs are named by the operator, but never trusted as paths."""
     return base64.urlsafe_b64encode(run.encode()).decode()
+
+
+def _built(run_dir: Path) -> list[Path]:
+    """The environments a run has built (not those being built: their names start '.')."""
+    if not run_dir.is_dir():
+        return []
+    return [p for p in run_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
 
 
 def _write_manifest(snapshot: Path, target: Path) -> None:
