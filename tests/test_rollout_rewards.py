@@ -29,7 +29,7 @@ from rlfleet.rollout.rewards import (
     grade,
 )
 from rlfleet.rollout.sandbox import Limits, Sandbox
-from rlfleet.rollout.tasks import SUITES, load_suite, rules_suite, toy_suite, write_start_state
+from rlfleet.rollout.tasks import SUITES, load_suite, rules_suite, start_files, toy_suite
 
 LIMITS = Limits(disk_bytes=8 << 20, file_bytes=4 << 20, call_seconds=10, processes=32)
 POOL: tuple[str, str]  # the session server's URL and token, from the fixture `pool`
@@ -87,7 +87,9 @@ def run(coroutine):
 
 
 @contextlib.asynccontextmanager
-async def claimed(start: Path | None, limits: Limits = LIMITS) -> AsyncIterator[Sandbox]:
+async def claimed(
+    start: Path | dict[str, bytes] | None, limits: Limits = LIMITS
+) -> AsyncIterator[Sandbox]:
     async with EnvClient(*POOL) as client, await client.create(start, limits) as sandbox:
         yield sandbox
 
@@ -106,14 +108,12 @@ def graded(task: Task, outcome: Outcome, *, tests_alone: bool = False) -> Reward
 
 
 def attempt(
-    task: Task, directory: Path, writes: dict[str, str], commands: tuple[str, ...] = ()
+    task: Task, writes: dict[str, str], commands: tuple[str, ...] = ()
 ) -> tuple[Outcome, list[dict]]:
     """An agent's session in a real sandbox: its writes and commands, then its final tree."""
-    directory.mkdir()
-    write_start_state(task, directory)
 
     async def session() -> tuple[Outcome, list[dict]]:
-        async with claimed(directory) as sandbox:
+        async with claimed(start_files(task)) as sandbox:
             for path, content in writes.items():
                 reply = await sandbox.call({"tool": "write", "path": path, "content": content})
                 assert reply["ok"], reply
@@ -143,7 +143,7 @@ def test_archive_returns_every_regular_file_and_skips_symlinks(tmp_path: Path) -
     }
 
 
-def test_an_archive_too_large_is_a_clear_error_and_the_sandbox_goes_on(tmp_path: Path) -> None:
+def test_an_archive_too_large_is_a_clear_error_and_the_sandbox_goes_on() -> None:
     async def session() -> None:
         async with claimed(None, ROOMY) as sandbox:
             await sandbox.call({"tool": "run", "command": "head -c 13000000 /dev/zero > big"})
@@ -171,10 +171,10 @@ def test_exact_answer(submitted: str | None, value: float, reason: str) -> None:
 
 @pytest.mark.parametrize("task_id", sorted(CODING))
 def test_hidden_tests_never_reach_the_agent_and_the_untouched_repo_fails(
-    task_id: str, tmp_path: Path
+    task_id: str,
 ) -> None:
     task = CODING[task_id]
-    outcome, replies = attempt(task, tmp_path / "agent", {}, ("ls -aR", "python3 -m unittest -q"))
+    outcome, replies = attempt(task, {}, ("ls -aR", "python3 -m unittest -q"))
     assert {path for path in outcome.files if "__pycache__" not in path} == set(task.files)
     for hidden in task.hidden_tests:
         assert Path(hidden).name not in replies[0]["output"]
@@ -184,12 +184,10 @@ def test_hidden_tests_never_reach_the_agent_and_the_untouched_repo_fails(
 
 
 @pytest.mark.parametrize("task_id", sorted(CODING))
-def test_the_honest_fix_passes_and_is_not_flagged(task_id: str, tmp_path: Path) -> None:
+def test_the_honest_fix_passes_and_is_not_flagged(task_id: str) -> None:
     task = CODING[task_id]
     # Running the visible tests leaves bytecode behind, as a real attempt does.
-    outcome, replies = attempt(
-        task, tmp_path / "agent", FIXES[task_id], ("python3 -m unittest -q",)
-    )
+    outcome, replies = attempt(task, FIXES[task_id], ("python3 -m unittest -q",))
     assert replies[0]["exit_code"] == 0, replies[0]["output"]
     assert any(path.endswith(".pyc") for path in outcome.files)
     assert detect_cheats(task, outcome.files) is None
@@ -294,10 +292,10 @@ CHEATS = [
     ("task_id", "writes", "commands", "reason"), CHEATS, ids=[c[3] for c in CHEATS]
 )
 def test_a_cheat_scores_zero_with_a_reason_that_names_it(
-    task_id: str, writes: dict[str, str], commands: tuple[str, ...], reason: str, tmp_path: Path
+    task_id: str, writes: dict[str, str], commands: tuple[str, ...], reason: str
 ) -> None:
     task = CODING[task_id]
-    outcome, _ = attempt(task, tmp_path / "agent", writes, commands)
+    outcome, _ = attempt(task, writes, commands)
     reward = graded(task, outcome)
     assert reward.value == 0.0 and reward.breakdown == {"cheat": 1.0}
     assert reward.reason.startswith("cheat: ") and reason in reward.reason
@@ -308,10 +306,10 @@ def test_a_cheat_scores_zero_with_a_reason_that_names_it(
     [SHADOWED_UNITTEST, {"calc.py": "import os\n\nos._exit(0)\n"}],
 )
 def test_tampering_fools_the_tests_alone_which_is_why_grade_checks_first(
-    writes: dict[str, str], tmp_path: Path
+    writes: dict[str, str],
 ) -> None:
     task = CODING["coding-calc"]
-    outcome, _ = attempt(task, tmp_path / "agent", writes)
+    outcome, _ = attempt(task, writes)
     assert graded(task, outcome, tests_alone=True).value == 1.0
     assert graded(task, outcome).value == 0.0
 
@@ -550,16 +548,14 @@ WITH_LIBRARY = Task(
 )
 
 
-def test_attempts_and_grading_fork_the_tasks_environment(tmp_path: Path) -> None:
+def test_attempts_and_grading_fork_the_tasks_environment() -> None:
     fixed = WITH_LIBRARY.files["quad.py"].replace("return double(x)", "return double(double(x))")
 
     async def session() -> tuple[Outcome, dict]:
         async with EnvClient(*POOL) as client:
             snapshot = await client.environment(LIBRARY)
             assert snapshot == await client.environment(LIBRARY)  # built once
-            start = tmp_path / "start"
-            start.mkdir()
-            write_start_state(WITH_LIBRARY, start)
+            start = start_files(WITH_LIBRARY)
             async with await client.create(start, LIMITS, snapshot=snapshot) as sandbox:
                 listed = await sandbox.call({"tool": "run", "command": "ls lib"})
                 await sandbox.call({"tool": "write", "path": "quad.py", "content": fixed})

@@ -69,7 +69,7 @@ class EnvServerError(RuntimeError):
     def __init__(self, status: int, error: dict):
         where = f" ({error['param']})" if error.get("param") else ""
         super().__init__(f"{status} {error.get('type')}: {error.get('message')}{where}")
-        self.status, self.param, self.kind = status, error.get("param"), error.get("type")
+        self.status, self.param = status, error.get("param")
 
 
 class ClaimTimeout(EnvServerError):
@@ -122,21 +122,22 @@ class EnvClient:
             headers={"Authorization": f"Bearer {token}"},
             timeout=httpx.Timeout(None, connect=connect_seconds),
         )
-        self.held: dict[str, RemoteSandbox] = {}
+        self.held: set[str] = set()  # the sessions whose leases it renews
         self._renewing: asyncio.Task | None = None
         self._built: dict[str, asyncio.Lock] = {}  # environments, each built once
         self._ready: set[str] = set()
 
     async def create(
         self,
-        start: Path | None = None,
+        start: Path | Mapping[str, bytes] | None = None,
         limits: Limits | None = None,
         *,
         snapshot: str | None = None,
     ) -> RemoteSandbox:
-        """A claim: a fresh session holding a copy of `start` (over a fork of `snapshot`,
-        if named), with `limits` (each at most the server's) or else the server's own.
-        `ClaimTimeout` if none comes free within `claim_seconds`."""
+        """A claim: a fresh session holding a copy of `start` (a folder, or its files by
+        relative path) over a fork of `snapshot`, if named, with `limits` (each at most
+        the server's) or else the server's own. `ClaimTimeout` if none comes free within
+        `claim_seconds`."""
         body: dict = {"wait_seconds": self.claim_seconds}
         if limits is not None:
             body["limits"] = msgspec.to_builtins(limits)
@@ -152,7 +153,7 @@ class EnvClient:
             _raise(response)
         reply = response.json()
         sandbox = RemoteSandbox(self, reply["id"], msgspec.convert(reply["limits"], Limits))
-        self.held[sandbox.id] = sandbox
+        self.held.add(sandbox.id)
         if self._renewing is None or self._renewing.done():
             self._renewing = asyncio.create_task(self._renew(reply["lease_seconds"] / 3))
         return sandbox
@@ -224,7 +225,7 @@ class RemoteSandbox:
         except httpx.TransportError as error:
             raise SandboxClosed(f"the environment server is unreachable: {error!r}") from error
         if response.status_code in (404, 410):
-            self.client.held.pop(self.id, None)
+            self.client.held.discard(self.id)
             raise SandboxClosed(_error(response).get("message", "the session is gone"))
         if response.status_code != 200:
             _raise(response)
@@ -232,7 +233,7 @@ class RemoteSandbox:
 
     async def close(self) -> None:
         """Destroys the session; one already gone, or a server away, is not an error."""
-        self.client.held.pop(self.id, None)
+        self.client.held.discard(self.id)
         with contextlib.suppress(httpx.TransportError):
             response = await self.client.request(
                 "DELETE", f"/v1/sessions/{self.id}", None, self.grace
@@ -303,14 +304,14 @@ def local_server(
     namespaces, so it needs root."""
     if os.geteuid() != 0:
         raise NoPool("sandboxes on this machine need root; configure an EnvPool instead")
+    if max_sessions > _UID_STRIDE:
+        raise ValueError(f"a local pool holds at most {_UID_STRIDE} sessions")
     Path(LOCAL_POOLS).mkdir(mode=0o700, parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="pool-", dir=LOCAL_POOLS))
     token = secrets.token_urlsafe(24)
     tokens = home / "tokens.json"
     tokens.write_text(json.dumps({"local": token}))
     tokens.chmod(0o600)
-    if max_sessions > _UID_STRIDE:
-        raise ValueError(f"a local pool holds at most {_UID_STRIDE} sessions")
     config = ServerConfig(
         tokens_file=str(tokens),
         snapshots_dir=str(home / "snapshots"),

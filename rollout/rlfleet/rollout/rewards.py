@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import re
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
@@ -95,13 +93,6 @@ def _grading_tree(task: Task, files: dict[str, bytes]) -> dict[str, bytes]:
     return kept | overrides
 
 
-def _write_tree(directory: Path, files: dict[str, bytes]) -> None:
-    for relative, content in files.items():
-        target = directory / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(content)
-
-
 @dataclass(frozen=True)
 class HiddenTests:
     """1 if the task's test command passes in a fresh sandbox holding the grading tree,
@@ -120,16 +111,14 @@ class HiddenTests:
             raise ValueError(f"task {task.id} has no test_command")
         if self.pool is None:
             raise NoPool(f"task {task.id} is graded by hidden tests, and there is no pool")
-        with tempfile.TemporaryDirectory(prefix="rlfleet-grading-") as start:
-            _write_tree(Path(start), _grading_tree(task, outcome.files))
-            try:
-                environment = await self.pool.environment(task.environment)
-                grading = await self.pool.create(Path(start), self.limits, snapshot=environment)
-                async with grading as sandbox:
-                    command = {"tool": "run", "command": task.test_command}
-                    reply = await sandbox.call(command, self.seconds)
-            except SandboxClosed as error:
-                return self._failed(f"the grading sandbox stopped: {error}")
+        tree = _grading_tree(task, outcome.files)
+        try:
+            environment = await self.pool.environment(task.environment)
+            async with await self.pool.create(tree, self.limits, snapshot=environment) as sandbox:
+                command = {"tool": "run", "command": task.test_command}
+                reply = await sandbox.call(command, self.seconds)
+        except SandboxClosed as error:
+            return self._failed(f"the grading sandbox stopped: {error}")
         if not reply["ok"]:
             return self._failed(f"hidden tests did not finish: {reply['error']}")
         if reply["exit_code"] != 0:

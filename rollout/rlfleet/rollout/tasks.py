@@ -56,12 +56,9 @@ def write_suite(tasks: list[Task], path: Path) -> None:
     path.write_bytes(b"".join(msgspec.json.encode(task) + b"\n" for task in tasks))
 
 
-def write_start_state(task: Task, directory: Path) -> None:
+def start_files(task: Task) -> dict[str, bytes]:
     """The agent's starting tree: the task's files, and never its hidden tests."""
-    for relative, content in task.files.items():
-        target = directory / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(content.encode())
+    return {relative: content.encode() for relative, content in task.files.items()}
 
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"

@@ -15,7 +15,6 @@ import contextlib
 import json
 import logging
 import os
-import tempfile
 import time
 import zlib
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from rlfleet.rollout.envclient import ClaimTimeout, EnvClient, RemoteSandbox
 from rlfleet.rollout.layout import Layout
 from rlfleet.rollout.sandbox import Limits, Sandbox, SandboxClosed
 from rlfleet.rollout.session import Episode, Session
-from rlfleet.rollout.tasks import write_start_state
+from rlfleet.rollout.tasks import start_files
 from rlfleet.weightsync import WeightStream, vllm_options, vllm_start
 
 log = logging.getLogger(__name__)
@@ -136,7 +135,7 @@ def groups_to_take(running: int, max_sessions: int, group_size: int) -> int:
 class _Group:
     task: Task
     scorer: rewards.Scorer
-    start: Path  # the task's starting tree, copied into each attempt's sandbox
+    start: dict[str, bytes]  # the task's starting tree, copied into each attempt's sandbox
     id: str
     size: int
 
@@ -308,13 +307,11 @@ class Worker:
     async def _attempts(
         self, task: Task, scorer: rewards.Scorer, group_id: str, size: int
     ) -> list[Trajectory]:
-        with tempfile.TemporaryDirectory(prefix="rlfleet-task-") as start:
-            write_start_state(task, Path(start))
-            group = _Group(task, scorer, Path(start), group_id, size)
-            # One attempt failing cancels the others: the group is retried as a whole.
-            async with asyncio.TaskGroup() as attempts:
-                running = [attempts.create_task(self._attempt(group, i)) for i in range(size)]
-            return [attempt.result() for attempt in running]
+        group = _Group(task, scorer, start_files(task), group_id, size)
+        # One attempt failing cancels the others: the group is retried as a whole.
+        async with asyncio.TaskGroup() as attempts:
+            running = [attempts.create_task(self._attempt(group, i)) for i in range(size)]
+        return [attempt.result() for attempt in running]
 
     async def _attempt(self, group: _Group, attempt: int) -> Trajectory:
         task, group_id = group.task, group.id
@@ -343,7 +340,7 @@ class Worker:
             created_at=time.time(),
         )
 
-    async def _claim(self, task: Task, start: Path) -> RemoteSandbox:
+    async def _claim(self, task: Task, start: dict[str, bytes]) -> RemoteSandbox:
         """A sandbox from the pool holding a copy of `start` over a fork of the task's
         environment. Raises if there is no pool, the environment's set-up fails, or no
         sandbox comes free in time: the attempt fails, and its group goes back to the queue."""
