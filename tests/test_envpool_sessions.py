@@ -21,20 +21,17 @@ from pathlib import Path
 
 import envpool_escapes
 import httpx
+import msgspec
 import pytest
 from msgspec.structs import replace
 
 from rlfleet.api.wire import Environment
-from rlfleet.launch.settings import Limits
-from rlfleet.rollout import tools
-from rlfleet.rollout.envclient import (
-    ClaimTimeout,
-    EnvClient,
-    EnvServerError,
-    LocalServer,
-    ServerConfig,
-)
+from rlfleet.launch.settings import Limits, ServerConfig
+from rlfleet.local.processes import free_port
+from rlfleet.rollout import envsessions, tools
+from rlfleet.rollout.envclient import ClaimTimeout, EnvClient, EnvServerError, LocalServer
 from rlfleet.rollout.sandbox import SandboxClosed
+from rlfleet.testbed.sandboxes import Relay
 
 LIMITS = Limits(
     disk_bytes=8 << 20,
@@ -139,7 +136,7 @@ def test_a_session_starts_from_a_named_snapshot(served: Served) -> None:
             assert reply["output"] == "hello from a snapshot\n"
             with pytest.raises(EnvServerError) as missing:
                 await env.create(snapshot="nope")
-            assert missing.value.status == 400 and missing.value.param == "snapshot"
+            assert missing.value.status == 404 and missing.value.param == "snapshot"
 
     asyncio.run(session())
 
@@ -407,6 +404,75 @@ def test_a_client_killed_with_claims_held_lets_them_lapse(small: Served) -> None
 SETUP = "mkdir -p lib && python3 -c 'print(6 * 7)' > lib/built.txt && cat seed.txt >> lib/built.txt"
 
 
+def test_a_server_whose_sandboxes_could_not_reach_their_trees_refuses_to_start(
+    served: Served,
+) -> None:
+    """A folder above `mounts_dir` that other uids may not pass would make every claim
+    fail with "its server exited"; the server says so at start, naming the folder."""
+    home = Path(tempfile.mkdtemp(dir=SNAPSHOTS_PARENT))  # 0700, as mkdtemp makes it
+    config = ServerConfig(
+        tokens_file=str(served.tokens_file),
+        snapshots_dir=str(home / "snapshots"),
+        mounts_dir=str(home / "sandboxes"),
+    )
+    try:
+        with pytest.raises(ValueError, match=rf"mounts_dir: .* may not pass {home} \(mode 700\)"):
+            envsessions.Server(msgspec.to_builtins(config))
+    finally:
+        shutil.rmtree(home)
+
+
+def test_behind_one_service_claims_spread_and_each_session_stays_with_its_server(
+    served: Served,
+) -> None:
+    """An EnvPool's servers behind one address, as its Service puts them (here a relay
+    that sends each connection to the next, as kube-proxy does): claims land on both,
+    each session's calls go to the server holding it (another knows no such session),
+    and an environment is built on each server a claim of it lands on."""
+    homes = [tempfile.mkdtemp(prefix="snapshots-", dir=SNAPSHOTS_PARENT) for _ in range(2)]
+    ports = [free_port(), free_port()]
+    configs = [
+        ServerConfig(
+            tokens_file=str(served.tokens_file),
+            snapshots_dir=home,
+            limits=LIMITS,
+            port=port,
+            max_sessions=2,
+            warm=1,
+            uid_base=830_000 + 100 * i,
+            advertise=f"http://127.0.0.1:{port}",
+        )
+        for i, (home, port) in enumerate(zip(homes, ports, strict=True))
+    ]
+    relay = Relay(lambda: [("127.0.0.1", port) for port in ports])
+    environment = Environment(name="counted", setup="echo built > built.txt")
+
+    async def claims() -> None:
+        async with EnvClient(f"http://127.0.0.1:{relay.port}", TOKENS["run-a"]) as env:
+            snapshot = await env.environment(environment)
+            held = [await env.create(None, snapshot=snapshot) for _ in range(4)]
+            assert {sandbox.url.split("/v1/")[0] for sandbox in held} == {
+                c.advertise for c in configs
+            }
+            for sandbox in held:
+                reply = await sandbox.call({"tool": "run", "command": "cat built.txt"})
+                assert reply["output"] == "built\n"
+            # Both full: a claim asks again each second, then fails at its deadline.
+            env.claim_seconds = 1.5
+            with pytest.raises(ClaimTimeout, match=r"within 1\.5 s"):
+                await env.create(None)
+            for sandbox in held:
+                await sandbox.close()
+
+    try:
+        with LocalServer(configs[0]), LocalServer(configs[1]):
+            asyncio.run(claims())
+    finally:
+        relay.close()
+        for home in homes:
+            shutil.rmtree(home)
+
+
 def test_a_snapshot_is_built_once_and_forked_per_session(small: Served, tmp_path: Path) -> None:
     (tmp_path / "seed.txt").write_text("seeded\n")
 
@@ -458,9 +524,10 @@ def test_a_run_keeps_its_most_environments_and_the_idle_ones_go_first(
                 # A third goes in place of the one not forked now, though forked longer ago.
                 await env.environment(environment("third"))
                 assert health(small)["evicted"] == evicted + 1
-                with pytest.raises(EnvServerError) as gone:
-                    await env.create(None, snapshot=first.snapshot)
-                assert gone.value.param == "snapshot"
+                async with client(small, "run-b") as stranger:  # knows no definition
+                    with pytest.raises(EnvServerError) as gone:
+                        await stranger.create(None, snapshot=first.snapshot)
+                assert gone.value.status == 404 and gone.value.param == "snapshot"
                 reply = await held.call({"tool": "run", "command": "cat which.txt"})
                 assert reply["output"] == "second\n"  # its lower layer is still there
                 # Every one kept is forked, or the newest: the next refuses, naming why.
@@ -468,7 +535,7 @@ def test_a_run_keeps_its_most_environments_and_the_idle_ones_go_first(
                     with pytest.raises(EnvServerError) as full:
                         await env.environment(environment("fourth"))
                     assert full.value.status == 409 and full.value.param == "name"
-            # The client forgot the evicted one: naming it again builds it again.
+            # A claim of the evicted one finds it missing: the client builds it again.
             async with await env.create(None, snapshot=await env.environment(first)) as again:
                 reply = await again.call({"tool": "run", "command": "cat which.txt"})
                 assert reply["output"] == "first\n"

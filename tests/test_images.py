@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
+import tempfile
 import tomllib
 from pathlib import Path
 
+import httpx
+import msgspec
 import pytest
+import yaml
 
 import images
+from rlfleet.api.envpool import EnvPoolSpec
+from rlfleet.operator.workloads import envpool_server
 
 HEAVY = ("torch", "vllm", "deepspeed", "transformers")
 COMPONENTS = {"operator": "rlfleet.operator", "trainer": "rlfleet.trainer"}
@@ -136,29 +143,51 @@ def test_the_operator_image_holds_no_data_plane_library(
 
 
 @pytest.mark.slow
-def test_the_env_sandbox_image_serves_tool_calls_from_its_command(
-    image_environments: images.Environments, tmp_path: Path
+def test_the_env_sandbox_image_serves_sessions_with_the_settings_the_operator_writes(
+    image_environments: images.Environments,
 ) -> None:
+    """The image's entrypoint, from its environment, takes the settings an EnvPool's pod
+    gets (`workloads.envpool_server`; only its paths and address moved onto this machine,
+    and the system Python standing in for the image's) and serves a claim and its tools."""
     image = dockerfile("env-sandbox")
     python, *args = image.entrypoint
     assert python == "python"
     staged = image_environments.python("env-sandbox").parents[2] / "src"
+    spec = EnvPoolSpec.model_validate(
+        yaml.safe_load((images.ROOT / "examples" / "envpool.yaml").read_text())["spec"]
+    )
+    settings = msgspec.to_builtins(envpool_server(spec))
+    home = Path(tempfile.mkdtemp(dir="/run/rlfleet"))
+    home.chmod(0o711)  # sandboxes' uids pass through to their trees
+    token = "t" * 24
+    (home / "tokens.json").write_text(json.dumps({"run-a": token}))
+    settings |= {
+        "host": "127.0.0.1",
+        "port": 0,
+        "advertise": "",
+        "tokens_file": str(home / "tokens.json"),
+        "snapshots_dir": str(home / "snapshots"),
+        "mounts_dir": str(home / "sandboxes"),
+        "sandbox_python": "/usr/bin/python3",
+    }
     command = [str(image_environments.python("env-sandbox"))] + [
         str(staged / arg.lstrip("/")) if arg.startswith("/") else arg for arg in args
     ]
-    calls = [
-        {"tool": "write", "path": "a.txt", "content": "hello"},
-        {"tool": "run", "command": "cat a.txt", "timeout": 10},
-    ]
-    result = subprocess.run(
-        command,
-        input="".join(json.dumps(call) + "\n" for call in calls),
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=60,
-        check=False,
-    )
-    replies = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [reply["ok"] for reply in replies] == [True, True], result.stderr
-    assert replies[1]["output"].strip() == "hello"
+    server = subprocess.Popen([*command, json.dumps(settings)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        url = f"http://127.0.0.1:{json.loads(server.stdout.readline())['port']}"
+        headers = {"Authorization": f"Bearer {token}"}
+        claim = httpx.post(f"{url}/v1/sessions", json={}, headers=headers, timeout=60)
+        assert claim.status_code == 201, claim.text
+        call = f"{url}/v1/sessions/{claim.json()['id']}/call"
+        write = {"tool": "write", "path": "a.txt", "content": "hello"}
+        assert httpx.post(call, json=write, headers=headers, timeout=30).json()["ok"]
+        run = {"tool": "run", "command": "cat a.txt; echo; id -u"}
+        reply = httpx.post(call, json=run, headers=headers, timeout=30).json()
+        content, uid = reply["output"].split()
+        assert content == "hello" and int(uid) >= settings["uid_base"]  # its own uid, not root
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        shutil.rmtree(home, ignore_errors=True)

@@ -14,7 +14,7 @@ from conftest import ROOT
 from rlfleet import launch
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import WEIGHT_CHUNK_BYTES
-from rlfleet.launch.settings import SyncConfig, from_json, to_json
+from rlfleet.launch.settings import PoolConfig, SyncConfig, from_json, to_json
 from rlfleet.local import plan
 
 AT = launch.Placement("nats://hub:4222", "hub", "region-a", "rollout-0")
@@ -89,6 +89,17 @@ def test_a_pod_serves_metrics_where_its_environment_says_or_nowhere() -> None:
     assert launch.Placement.from_env({launch.NATS_URL_ENV: "nats://hub:4222"}).metrics_port is None
     with pytest.raises(ValueError, match="RLFLEET_METRICS_PORT='http'"):
         launch.Placement.from_env(env | {launch.METRICS_PORT_ENV: "http"})
+
+
+def test_a_rollout_pod_claims_sandboxes_from_its_envpool_with_its_mounted_token() -> None:
+    spec = _spec()  # names its EnvPool
+    url = "http://arith-sandbox-sandbox.team-a.svc:8080"
+    env = {launch.NATS_URL_ENV: "nats://hub:4222", launch.ENVPOOL_URL_ENV: url}
+    worker = launch.rollout_settings("run", spec, "/models/m", launch.Placement.from_env(env))
+    assert worker.envpool == PoolConfig(url=url, token_file=launch.ENVPOOL_TOKEN_FILE)
+    # No pool told: a server of the worker's own (as `rlfleet run` has).
+    alone = launch.Placement.from_env({launch.NATS_URL_ENV: "nats://hub:4222"})
+    assert launch.rollout_settings("run", spec, "/models/m", alone).envpool is None
 
 
 def test_a_misspelt_setting_is_refused_when_read(tmp_path) -> None:

@@ -39,6 +39,8 @@ from rlfleet.api.wire import (
 from rlfleet.bus import auth
 from rlfleet.bus.streams import step_stream
 from rlfleet.launch import run_key
+from rlfleet.operator.workloads import ENVPOOL_PORT, rollout_name
+from rlfleet.rollout.envclient import EnvClient, EnvServerError
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import (
     GVISOR,
@@ -294,7 +296,9 @@ def test_every_pod_reads_the_runs_mounted_spec_and_is_told_where_nats_is(world: 
         assert mounts["nats"] == "/var/run/secrets/rlfleet/nats"
         assert container_env(pod)["RLFLEET_NATS_CREDS"] == "/var/run/secrets/rlfleet/nats/creds"
         secrets = [v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v]
-        assert secrets == [f"{RUN}-nats"]
+        # A rollout worker also holds its run's token for the region's EnvPool.
+        envpool = [f"{RUN}-envpool"] if pod is rollout else []
+        assert secrets == [f"{RUN}-nats", *envpool]
     hub_nats = world.fleet.bed.nats.hub.url
     components = {p["metadata"]["labels"]["rlfleet.io/component"]: p for p in hub_pods}
     assert set(components) == {"trainer", "feed"}
@@ -513,35 +517,66 @@ def test_a_region_dropped_while_it_refuses_the_hubs_token_is_forgotten_once_it_a
     wait_for("lending", world.lent_everywhere)
 
 
-def test_an_envpool_keeps_its_warm_sandboxes_and_bursts_while_they_are_taken(
+def test_an_envpool_serves_the_runs_claims_bursts_past_warm_and_scales_back(
     world: World,
 ) -> None:
+    """Each sandbox pod's session server runs at its pod IP (`testbed.sandboxes`): the
+    region operator counts what the servers say, mints the run's token, grows the pool
+    while claims hold its sandboxes and, once they are given back, scales it back after
+    idleSeconds, the idle pods first."""
     region, pool = "region-c", "arith-sandbox"
+    patch = json.dumps({"spec": {"idleSeconds": 3}})  # back soon after the burst, here
+    world.fleet.kubectl(
+        region, "-n", world.ns, "patch", "envpool", pool, "--type=merge", "-p", patch
+    )
 
-    def sandboxes() -> list[str]:
-        pods = world.items(region, "pods", "-l", f"rlfleet.io/envpool={pool}")
-        return [
-            p["metadata"]["name"]
-            for p in pods
-            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
-        ]
+    def status() -> dict:
+        return world.get(region, "envpool", pool).get("status", {})
 
-    def counts() -> tuple[int, int, int]:
-        status = world.get(region, "envpool", pool).get("status", {})
-        return status.get("ready"), status.get("busy"), status.get("warming")
+    def replicas() -> int:
+        return world.get(region, "deployment", f"{pool}-sandbox")["spec"]["replicas"]
 
-    def mark(names: list[str], busy: bool) -> None:
-        value = "rlfleet.io/busy=true" if busy else "rlfleet.io/busy-"
-        for name in names:
-            world.fleet.kubectl(region, "-n", world.ns, "annotate", "pod", name, value)
+    wait_for(
+        "four warm in one pod", lambda: (status().get("ready"), status().get("pods")) == (4, 1)
+    )
+    # The run's rollout pods are told where the pool is, with the token minted for them.
+    rollout = world.get(region, "deployment", rollout_name(RUN, POOL))["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in rollout["containers"][0]["env"]}
+    assert env[launch.ENVPOOL_URL_ENV] == f"http://{pool}-sandbox.{world.ns}.svc:{ENVPOOL_PORT}"
+    mounted = {v["name"]: v.get("secret", {}).get("secretName") for v in rollout["volumes"]}
+    assert mounted["envpool"] == launch.envpool_token_secret(RUN)
+    secret = world.get(region, "secret", launch.envpool_token_secret(RUN))
+    token = base64.b64decode(secret["data"][launch.ENVPOOL_TOKEN_KEY]).decode()
+    url = world.fleet.sandboxes.service_url(region, world.ns, pool, ENVPOOL_PORT)
 
-    taken = sandboxes()[:3]
-    mark(taken, busy=True)  # what a rollout does when it takes a sandbox
-    wait_for("four warm beside three busy", lambda: counts() == (4, 3, 0))
-    assert len(sandboxes()) == 7
-    assert world.get(region, "deployment", f"{pool}-sandbox")["spec"]["replicas"] == 7
-    mark(taken, busy=False)
-    wait_for("back to four warm", lambda: counts() == (4, 0, 0) and len(sandboxes()) == 4)
+    async def burst() -> None:
+        async with EnvClient(url, "not-" + token) as stranger:
+            with pytest.raises(EnvServerError) as refused:
+                await stranger.create(None)
+            assert refused.value.status == 401
+        async with EnvClient(url, token, claim_seconds=90) as env:
+            # Six claims at once: four warm, and two that wait for the pool to burst.
+            held = await asyncio.gather(*(env.create(None) for _ in range(6)))
+            assert len({sandbox.url.split("/v1/")[0] for sandbox in held}) >= 2
+            for sandbox in held:
+                reply = await sandbox.call({"tool": "run", "command": "echo ok"})
+                assert reply["output"] == "ok\n"
+            grown = lambda: (  # noqa: E731
+                status().get("claimed") == 6 and status().get("pods") == 3 and replicas() == 3
+            )
+            await asyncio.to_thread(wait_for, "three pods for six claims and four warm", grown)
+            assert status()["bursting"] == 8
+            table = world.fleet.kubectl(region, "-n", world.ns, "get", "envpool", pool)
+            assert table.split()[:6] == ["NAME", "READY", "CLAIMED", "WARMING", "BURSTING", "AGE"]
+            for sandbox in held:
+                await sandbox.close()
+
+    asyncio.run(burst())
+    wait_for(
+        "back to one pod, four warm",
+        lambda: (status().get("pods"), status().get("claimed"), replicas()) == (1, 0, 1),
+    )
+    assert status().get("bursting") == 0
 
 
 def test_a_run_borrowing_from_two_pools_gets_its_demand_once(world: World) -> None:
@@ -714,7 +749,12 @@ def test_the_operator_account_reads_secrets_only_in_its_namespace(world: World) 
         f"--as={hub_account}",
     )
     assert allowed.strip() == "yes"
-    assert can("region-a", "create", "secrets", "-n", world.ns) == "no"
+    # A region writes the EnvPool tokens it mints and reads one Secret: its minting key.
+    assert can("region-a", "patch", "secrets", "-n", world.ns) == "yes"
+    assert can("region-a", "get", "secrets", "-n", world.ns).startswith("no")
+    key = "secrets/rlfleet-envpool-key"
+    assert can("region-a", "get", key, "-n", RELEASE_NAMESPACE) == "yes"
+    assert can("region-a", "get", "secrets/other", "-n", RELEASE_NAMESPACE).startswith("no")
 
 
 def test_the_chart_upgrades_cleanly_and_rejects_bad_values(world: World) -> None:

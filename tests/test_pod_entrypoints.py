@@ -98,6 +98,8 @@ def the_run(model: Path, bed: NatsBed, evaluation_suite: Path) -> dict:
     spec = run["spec"]
     spec["model"] |= {"uri": f"file://{model}", "volumeClaimName": "models"}
     spec["rollout"]["taskSuite"] = "rules"  # bare questions: no sandbox per attempt
+    # Nor an EnvPool: its pods and tokens are tested on the bed (test_operator_fleet.py).
+    del spec["rollout"]["envPool"]
     # This host has no GPU: a trainer pod of one process, not one rank per GPU it lacks.
     spec.setdefault("trainer", {})["gpusPerReplica"] = 0
     # A few tasks, scored once: the first version the evaluator sees.

@@ -23,7 +23,13 @@ from rlfleet.api.meta import COMPONENT_LABEL
 from rlfleet.local.binaries import binary
 from rlfleet.operator.config import Images, NatsAccess, Workloads
 from rlfleet.operator.kube import Kube
-from rlfleet.operator.workloads import envpool_objects, hub_objects, mirror, rollout_deployment
+from rlfleet.operator.workloads import (
+    SANDBOX_CAPABILITIES,
+    envpool_objects,
+    hub_objects,
+    mirror,
+    rollout_deployment,
+)
 from rlfleet.testbed.bed import BedInfo
 
 pytestmark = pytest.mark.bed
@@ -32,10 +38,8 @@ RESTRICTED = {
     "pod-security.kubernetes.io/enforce": "restricted",
     "pod-security.kubernetes.io/enforce-version": "latest",
 }
-# Only the operator talks to the API server; an EnvPool's agents write all over their
-# sandbox (within its ephemeral-storage limit).
+# Only the operator talks to the API server.
 NEEDS_TOKEN = {"operator-hub", "operator-region"}
-WRITABLE_ROOT = {"sandbox"}
 WORKLOADS = ("StatefulSet", "Deployment")
 
 
@@ -46,8 +50,9 @@ def _example(name: str) -> dict:
 
 
 def operator_pod_specs() -> dict[str, dict]:
-    """What every pod the operator makes runs as: the trainer (with checkpoint claims and
-    a NATS user), the feed, the evaluator, a rollout worker and an EnvPool's sandbox."""
+    """What every pod the operator makes for a run runs as: the trainer (with checkpoint
+    claims and a NATS user), the feed, the evaluator, and a rollout worker (with its
+    EnvPool's token)."""
     run = _example("rlrun")
     run["spec"]["evaluation"] = {"suite": "rules", "everyVersions": 10}
     run["spec"].setdefault("trainer", {})["checkpointStorage"] = {"size": "10Gi"}
@@ -58,10 +63,6 @@ def operator_pod_specs() -> dict[str, dict]:
     copy["metadata"]["uid"] = "mirror-uid"
     pool_spec = InferencePoolSpec.model_validate(_example("inferencepool")["spec"])
     made.append(rollout_deployment(copy, "chat-prod", pool_spec, 1, "img", workloads, "a"))
-    envpool = _example("envpool")
-    # A RuntimeClass the bed has none of would be refused for that alone.
-    del envpool["spec"]["template"]["runtimeClassName"]
-    made += [o for o in envpool_objects(envpool, 1) if o["kind"] in WORKLOADS]
     specs = {}
     for workload in made:
         template = workload["spec"]["template"]
@@ -156,7 +157,7 @@ def test_the_api_server_refuses_a_pod_the_restricted_profile_forbids(
 def test_every_pod_runs_with_least_privilege(restricted: tuple[Kube, str]) -> None:
     kube, namespace = restricted
     specs = operator_pod_specs() | chart_pod_specs(namespace)
-    assert set(specs) >= {"trainer", "feed", "evaluator", "rollout", "sandbox", "operator-hub"}
+    assert set(specs) >= {"trainer", "feed", "evaluator", "rollout", "operator-hub"}
     checks, violations = 0, {}
     for name, spec in sorted(specs.items()):
         found = []
@@ -170,9 +171,31 @@ def test_every_pod_runs_with_least_privilege(restricted: tuple[Kube, str]) -> No
         for container in spec["containers"]:
             checks += 1
             read_only = container.get("securityContext", {}).get("readOnlyRootFilesystem")
-            if bool(read_only) == (name in WRITABLE_ROOT):
+            if not read_only:
                 found.append(f"container {container['name']}: readOnlyRootFilesystem {read_only}")
         if found:
             violations[name] = found
     print(json.dumps({"permission_checks": checks, "permission_violations": len(violations)}))
     assert not violations, violations
+
+
+def test_an_envpool_server_is_root_only_inside_its_vm_with_the_least_it_needs() -> None:
+    """A session server makes sandboxes (namespaces, mounts, uids), so it runs as root,
+    which the restricted profile forbids: it is sound only in the pool's VM-grade
+    runtime, which the schema requires. Beyond that it holds nothing it need not."""
+    (deployment,) = [
+        o
+        for o in envpool_objects(_example("envpool"), 1, {}, "rlfleet-system")
+        if o["kind"] in WORKLOADS
+    ]
+    spec = deployment["spec"]["template"]["spec"]
+    assert spec["runtimeClassName"] == "gvisor"
+    assert spec["automountServiceAccountToken"] is False
+    assert not any(spec.get(host) for host in ("hostNetwork", "hostPID", "hostIPC"))
+    assert all("hostPath" not in volume for volume in spec["volumes"])
+    (container,) = spec["containers"]
+    context = container["securityContext"]
+    assert context["readOnlyRootFilesystem"] and not context["allowPrivilegeEscalation"]
+    assert not context.get("privileged")
+    assert context["capabilities"] == {"drop": ["ALL"], "add": SANDBOX_CAPABILITIES}
+    assert "SYS_ADMIN" in SANDBOX_CAPABILITIES and "NET_ADMIN" not in SANDBOX_CAPABILITIES

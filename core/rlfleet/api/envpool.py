@@ -6,24 +6,50 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 
-from rlfleet.api.meta import AGE, ApiModel, Conditions, PrinterColumn, Quantity, ResourceKind, cel
+from rlfleet.api.meta import (
+    AGE,
+    DNS_LABEL,
+    ApiModel,
+    Conditions,
+    PrinterColumn,
+    Quantity,
+    ResourceKind,
+    cel,
+)
+
+# Its pods' Service is `<name>-sandbox`, a DNS label of at most 63 characters.
+ENVPOOL_NAME_MAX = 55
+ENVPOOL_NAME_RULE = cel(
+    f"size(self.metadata.name) <= {ENVPOOL_NAME_MAX} && self.metadata.name.matches('{DNS_LABEL}')",
+    f"metadata.name: an EnvPool's name must be a DNS label of at most {ENVPOOL_NAME_MAX} "
+    "characters",
+)
 
 
 class SandboxTemplate(ApiModel):
-    image: Annotated[str, Field(min_length=1, max_length=1024)]
-    runtime_class_name: (
-        Annotated[
-            str,
-            Field(
-                min_length=1, max_length=253, description="VM-grade isolation, e.g. gvisor or kata."
-            ),
-        ]
-        | None
-    ) = None
-    command: Annotated[list[str], Field(default_factory=list, max_length=64)]
+    image: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=1024,
+            description="The session server's image: rlfleet's env-sandbox, or one built on it.",
+        ),
+    ]
+    # Required: the session server makes each sandbox's namespaces, so it runs as root with
+    # CAP_SYS_ADMIN, which is sound only inside a VM-grade sandbox, never on a shared kernel.
+    runtime_class_name: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=253,
+            description="VM-grade isolation (gvisor or kata): the pod runs as root within it.",
+        ),
+    ]
 
 
 class SandboxLimits(ApiModel):
+    """One sandbox's; a pod asks for `sessionsPerPod` times these."""
+
     cpu: Quantity = "1"
     memory: Quantity = "2Gi"
     ephemeral_storage: Quantity = "10Gi"
@@ -46,18 +72,38 @@ class EnvPoolSpec(ApiModel):
     )
 
     template: SandboxTemplate
-    warm: Annotated[int, Field(ge=0, le=100000)] = 0
-    max_burst: Annotated[int, Field(ge=1, le=100000)]
+    warm: Annotated[int, Field(ge=0, le=100000, description="Sandboxes kept ready for claims.")] = 0
+    max_burst: Annotated[
+        int, Field(ge=1, le=100000, description="The most sandboxes, claimed and ready.")
+    ]
+    sessions_per_pod: Annotated[
+        int,
+        Field(ge=1, le=256, description="Sandboxes one pod's session server holds."),
+    ] = 8
+    idle_seconds: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=86400,
+            description="How long the pool wants fewer pods before it scales back to them.",
+        ),
+    ] = 300
     limits: SandboxLimits = SandboxLimits()
     network: SandboxNetwork = SandboxNetwork()
 
 
 class EnvPoolStatus(ApiModel):
+    """Sandboxes as the pool's session servers count them (their `/healthz`)."""
+
     observed_generation: Annotated[int, Field(ge=0)] | None = None
     conditions: Conditions
-    ready: Annotated[int, Field(ge=0)] | None = None
-    busy: Annotated[int, Field(ge=0)] | None = None
-    warming: Annotated[int, Field(ge=0)] | None = None
+    pods: Annotated[int, Field(ge=0)] | None = None
+    ready: Annotated[int, Field(ge=0)] | None = None  # warm, waiting for a claim
+    claimed: Annotated[int, Field(ge=0)] | None = None
+    warming: Annotated[int, Field(ge=0)] | None = None  # and in pods not yet answering
+    bursting: Annotated[int, Field(ge=0)] | None = None  # room above warm, for demand
+    # Since when the pool has wanted fewer pods than it has: at idleSeconds it scales back.
+    idle_since: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = None
 
 
 ENVPOOL = ResourceKind(
@@ -70,8 +116,10 @@ ENVPOOL = ResourceKind(
     status=EnvPoolStatus,
     columns=(
         PrinterColumn("Ready", ".status.ready", "integer"),
-        PrinterColumn("Busy", ".status.busy", "integer"),
+        PrinterColumn("Claimed", ".status.claimed", "integer"),
         PrinterColumn("Warming", ".status.warming", "integer"),
+        PrinterColumn("Bursting", ".status.bursting", "integer"),
         AGE,
     ),
+    rules=(ENVPOOL_NAME_RULE,),
 )

@@ -19,6 +19,7 @@ GPU_TYPE_LABEL = "nvidia.com/gpu.product"
 # Labels on every object the operator creates for a run: which run, which component.
 RUN_LABEL = f"{GROUP}/run"
 COMPONENT_LABEL = f"{GROUP}/component"
+ENVPOOL_LABEL = f"{GROUP}/envpool"  # on an EnvPool's pods: its name
 
 # A DNS-1123 label: names of regions, pools and other objects a spec refers to.
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"

@@ -334,6 +334,15 @@ class RolloutSpec(ApiModel):
     task_suite: Annotated[
         str, Field(min_length=1, max_length=253, description="Task suite the run trains on.")
     ] = "toy"
+    env_pool: Annotated[
+        Name | None,
+        Field(
+            description=(
+                "The EnvPool, in the run's namespace in each of its regions, where agents'"
+                " tool calls and hidden tests run; unset: none, and such tasks score 0."
+            )
+        ),
+    ] = None
     regions: Annotated[
         list[RegionDemand], Field(min_length=1, max_length=64, json_schema_extra=map_list("name"))
     ]

@@ -28,6 +28,7 @@ from rlfleet.launch.settings import (
     EvaluatorConfig,
     FeedConfig,
     JudgeConfig,
+    PoolConfig,
     Ranks,
     RewardConfig,
     SessionConfig,
@@ -50,6 +51,10 @@ STATE_DIR = "/var/lib/rlfleet"  # the trainer's checkpoints and step log live un
 # The run's own NATS user (a .creds file, from the Secret `nats_credentials_secret(run)`).
 NATS_CREDENTIALS_DIR = "/var/run/secrets/rlfleet/nats"
 NATS_CREDENTIALS_KEY = "creds"
+# A rollout pod's bearer token for its run's EnvPool (a Secret the region operator mints).
+ENVPOOL_TOKEN_DIR = "/var/run/secrets/rlfleet/envpool"
+ENVPOOL_TOKEN_KEY = "token"
+ENVPOOL_TOKEN_FILE = f"{ENVPOOL_TOKEN_DIR}/{ENVPOOL_TOKEN_KEY}"
 
 # The environment a pod gets from the operator (`Placement.from_env` reads it back).
 NATS_URL_ENV = "RLFLEET_NATS_URL"
@@ -57,6 +62,7 @@ JETSTREAM_DOMAIN_ENV = "RLFLEET_JETSTREAM_DOMAIN"
 REGION_ENV = "RLFLEET_REGION"
 POD_NAME_ENV = "RLFLEET_POD_NAME"
 STATE_DIR_ENV = "RLFLEET_STATE_DIR"
+ENVPOOL_URL_ENV = "RLFLEET_ENVPOOL_URL"  # a rollout pod's EnvPool Service
 # The port the component serves its Prometheus metrics on (`/metrics`). The operator sets
 # it from the same number as the pod's `metrics` port and scrape annotations, so the three
 # cannot disagree; processes sharing a host (`rlfleet run`) are each given their own.
@@ -87,6 +93,7 @@ class Placement:
     state_dir: str = STATE_DIR
     metrics_port: int | None = None
     ranks: Ranks = field(default_factory=Ranks)
+    envpool_url: str | None = None  # where a rollout worker claims sandboxes
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Placement:
@@ -100,6 +107,7 @@ class Placement:
             state_dir=env.get(STATE_DIR_ENV) or STATE_DIR,
             metrics_port=_port(env, METRICS_PORT_ENV),
             ranks=_ranks(env),
+            envpool_url=env.get(ENVPOOL_URL_ENV) or None,
         )
 
 
@@ -146,6 +154,11 @@ def _port(env: Mapping[str, str], name: str) -> int | None:
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise ValueError(f"{name}={text!r}: expected a TCP port, 1 to 65535")
     return int(text)
+
+
+def envpool_token_secret(run: str) -> str:
+    """The Secret holding a run's token for its EnvPool, beside its mirror in a region."""
+    return f"{run}-envpool"
 
 
 def nats_credentials_secret(run: str) -> str:
@@ -293,6 +306,11 @@ def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> W
         rewards=_rewards(spec),
         weightsync=_sync(spec),
         metrics_port=at.metrics_port,
+        envpool=(
+            PoolConfig(url=at.envpool_url, token_file=ENVPOOL_TOKEN_FILE)
+            if at.envpool_url
+            else None
+        ),
     )
 
 

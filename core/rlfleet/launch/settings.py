@@ -188,6 +188,39 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     claim_seconds: float = 30.0  # an attempt that gets no sandbox this soon fails
 
 
+class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The environment session server's (`rlfleet.rollout.envsessions`): the one home of
+    their defaults."""
+
+    tokens_file: str  # JSON {run: token}, re-read when it changes
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port, printed when listening
+    # One folder per named environment snapshot the image provides; each run's own builds
+    # go under it too. Outside private_dirs: sandboxes fork from it once those are covered.
+    snapshots_dir: str = "/var/lib/rlfleet/snapshots"
+    limits: Limits = Limits()  # a session's, and the most a session may ask for
+    max_sessions: int = 256
+    max_body_bytes: int = 32 * MIB  # a request's body, and an envserver reply line
+    max_header_bytes: int = 16 << 10
+    idle_seconds: float = 60.0  # a keep-alive connection with no request is closed
+    remembered: int = 4096  # destroyed sessions that still answer 410 rather than 404
+    uid_base: int = 800_000  # session i runs as uid_base + i
+    # The sandbox's server needs only the standard library: any uid reads the system Python.
+    sandbox_python: str = "/usr/bin/python3"
+    reply_grace_seconds: float = 5.0  # beyond a call's timeout, for the envserver to answer
+    mounts_dir: str = "/run/rlfleet/sandboxes"  # sessions' mountpoints: outside private_dirs
+    # Directories anyone may write to: each session gets private ones, so none passes files.
+    private_dirs: tuple[str, ...] = ("/tmp", "/var/tmp", "/run/lock", "/dev/shm")
+    warm: int = 8  # sandboxes kept ready for claims (namespaces and tmpfs made)
+    lease_seconds: float = 60.0  # a claim no request renews for this long is destroyed
+    claim_wait_seconds: float = 300.0  # the longest a claim may wait for capacity
+    setup_seconds: float = 1800.0  # a snapshot's set-up command
+    max_snapshots: int = 16  # a run's built environments kept: the least recently forked go
+    # This server's own URL, which claims name (`endpoint`): in a pod behind a Service its
+    # pod's address; "": the URL the client used.
+    advertise: str = ""
+
+
 class JudgeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """An LLM-as-judge over any OpenAI-compatible endpoint (a vLLM server included)."""
 

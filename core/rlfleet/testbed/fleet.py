@@ -17,12 +17,15 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import kubernetes
 import yaml
 
+from rlfleet.api.meta import COMPONENT_LABEL
 from rlfleet.local.binaries import binary
 from rlfleet.local.files import write_secret
 from rlfleet.local.processes import Supervisor, free_port
 from rlfleet.testbed.bed import BedInfo
+from rlfleet.testbed.sandboxes import SandboxKubelet
 
 CHART = Path(__file__).resolve().parents[3] / "helm" / "rlfleet"
 RELEASE = "rlfleet"
@@ -172,6 +175,43 @@ class Fleet:
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(self.work / "logs", attached=True)
         self.merged = yaml.safe_load(self.bed.kubeconfig.read_text())
+        self._apis: dict[str, kubernetes.client.CoreV1Api] = {}
+        # EnvPools' pods in the regions, each one's session server a local process.
+        self.sandboxes = SandboxKubelet(
+            self._sandbox_pods,
+            self._secret_data,
+            self.regions,
+            self.watch,
+            self.supervisor,
+        )
+
+    def _api(self, cluster: str) -> kubernetes.client.CoreV1Api:
+        if cluster not in self._apis:
+            client = kubernetes.config.new_client_from_config(
+                str(self.bed.kubeconfig), context=cluster
+            )
+            self._apis[cluster] = kubernetes.client.CoreV1Api(client)
+        return self._apis[cluster]
+
+    def _sandbox_pods(self, cluster: str, namespace: str) -> list[dict]:
+        response = self._api(cluster).list_namespaced_pod(
+            namespace,
+            label_selector=f"{COMPONENT_LABEL}=sandbox",
+            _preload_content=False,
+            _request_timeout=10,
+        )
+        return json.loads(response.data)["items"]
+
+    def _secret_data(self, cluster: str, namespace: str, name: str) -> dict[str, str] | None:
+        try:
+            secret = self._api(cluster).read_namespaced_secret(
+                name, namespace, _preload_content=False, _request_timeout=10
+            )
+        except kubernetes.client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return json.loads(secret.data).get("data") or {}
 
     # --- clusters -----------------------------------------------------------------------
 
@@ -326,6 +366,7 @@ class Fleet:
     def start_all(self) -> None:
         for cluster in [HUB, *self.regions]:
             self.start(cluster)
+        self.sandboxes.start()
 
     def crash_and_restart(self, cluster: str) -> None:
         """SIGKILL, as a crash (nothing finished or cleaned up), then start it again."""
@@ -342,4 +383,5 @@ class Fleet:
                 self.kubectl(cluster, "delete", "namespace", namespace, "--wait=false")
 
     def stop(self) -> None:
+        self.sandboxes.stop()
         self.supervisor.stop_all()

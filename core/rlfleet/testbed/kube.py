@@ -25,6 +25,15 @@ GPU = GPU_RESOURCE
 REGION_LABEL = "rlfleet.io/region"
 KWOK_SELECTOR = ("type", "kwok")
 SERVICE_CIDR = "10.96.0.0/16"
+
+
+def pod_cidr(index: int) -> str:
+    """The pod IPs kwok gives cluster `index`'s pods: loopback addresses, each cluster its
+    own, so a process standing in for a pod (an EnvPool's server, `sandboxes.py`) listens
+    at the pod's own IP, where the operator and the other pods reach it."""
+    return f"127.{100 + index}.0.0/16"
+
+
 # Two GPU generations, as NVIDIA's feature discovery names them on GPU_TYPE_LABEL: the
 # hub trains on the first; a region serves on both, alternating node by node.
 H100 = "NVIDIA-H100-80GB-HBM3"
@@ -160,7 +169,9 @@ def _start_apiserver(
     return Cluster(spec, f"https://127.0.0.1:{port}", state / f"{spec.name}.kubeconfig")
 
 
-def _start_cluster_controllers(cluster: Cluster, supervisor: Supervisor, pki: Pki) -> None:
+def _start_cluster_controllers(
+    cluster: Cluster, supervisor: Supervisor, pki: Pki, pods: str
+) -> None:
     kc = str(cluster.kubeconfig)
     supervisor.start(
         f"{cluster.name}-kube-controller-manager",
@@ -196,6 +207,7 @@ def _start_cluster_controllers(cluster: Cluster, supervisor: Supervisor, pki: Pk
             "--manage-all-nodes=false",
             f"--manage-nodes-with-label-selector={key}={value}",
             f"--server-address=127.0.0.1:{free_port()}",
+            f"--cidr={pods}",
             "--node-lease-duration-seconds=40",
         ],
     )
@@ -264,8 +276,8 @@ def start_clusters(
         supervisor.wait_until(
             f"{cluster.name} kube-apiserver", lambda c=cluster: bool(_call(c, pki, "/readyz")), 180
         )
-    for cluster in clusters:
-        _start_cluster_controllers(cluster, supervisor, pki)
+    for index, cluster in enumerate(clusters):
+        _start_cluster_controllers(cluster, supervisor, pki, pod_cidr(index))
 
     def add_nodes(cluster: Cluster) -> None:
         for index in range(cluster.spec.nodes):

@@ -157,6 +157,9 @@ class OperatorConfig(BaseModel):
     traffic_timeout_seconds: Annotated[float, Field(gt=0, le=300)] = 2.0
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9090  # 0: no metrics endpoint
     health_port: Annotated[int, Field(ge=0, le=65535)] = 8080  # 0: no liveness endpoint
+    # A Secret in the operator's namespace: the key a region mints EnvPool tokens with
+    # (`rlfleet.operator.envtokens`), made on first use.
+    envpool_key_secret: Annotated[str, Field(min_length=1, max_length=253)] = "rlfleet-envpool-key"
 
 
 def load(path: Path) -> OperatorConfig:

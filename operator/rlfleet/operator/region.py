@@ -21,12 +21,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 
+import httpx
+
 from rlfleet.api.envpool import EnvPoolSpec, EnvPoolStatus
 from rlfleet.api.inferencepool import InferencePoolSpec, InferencePoolStatus, LentToRun
 from rlfleet.api.meta import API_VERSION, Condition
 from rlfleet.api.rlrun import RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.operator import telemetry
 from rlfleet.operator.config import OperatorConfig
+from rlfleet.operator.envpools import DELETION_COST, ServerSeen, plan_pool
+from rlfleet.operator.envtokens import TokenMint
 from rlfleet.operator.kube import Kube, Ref
 from rlfleet.operator.lending import (
     Decision,
@@ -52,15 +56,16 @@ from rlfleet.operator.traffic import TrafficUnknown, read_load
 from rlfleet.operator.workloads import (
     COMPONENT_LABEL,
     ENVPOOL_LABEL,
+    ENVPOOL_PORT,
     ORIGIN_LABEL,
     POOL_LABEL,
     RUN_LABEL,
     envpool_objects,
+    envpool_service,
+    envpool_token,
     rollout_deployment,
     spec_config_map,
 )
-
-BUSY_ANNOTATION = "rlfleet.io/busy"  # set to "true" on a sandbox pod a rollout holds
 
 
 def _alive(pods: Iterable[dict]) -> list[dict]:
@@ -240,6 +245,7 @@ class Region:
         # (namespace, pool) -> (when, run -> GPUs): decisions this process recorded, newer
         # than a recent list of the pools may be.
         self._decided: dict[tuple[str, str], tuple[float, dict[str, int]]] = {}
+        self.mint = TokenMint(local, config.namespace, config.envpool_key_secret)
 
     # --- runs -------------------------------------------------------------------------
 
@@ -274,6 +280,9 @@ class Region:
         namespace, name = meta["namespace"], meta["name"]
         if not resync:
             self.local.apply(spec_config_map(run))
+            envpool = RLRunSpec.model_validate(run["spec"]).rollout.env_pool
+            if envpool:
+                self.local.apply(envpool_token(run, self.mint.token(namespace, envpool, name)))
         demand = self._demand(run)
         # Every mirror's report reads the same two lists: share one fetch per half resync.
         fresh_s = self.config.resync_seconds / 2
@@ -495,21 +504,62 @@ class Region:
     # --- sandboxes --------------------------------------------------------------------
 
     def reconcile_envpool(self, envpool: dict) -> None:
-        """Keeps `warm` idle sandboxes beside the busy ones, up to `maxBurst`."""
+        """Sizes the pool's servers from what they say (`envpools.plan_pool`), records the
+        plan in its status, then acts: its objects, and each pod's deletion cost."""
         meta = envpool["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
         spec = EnvPoolSpec.model_validate(envpool["spec"])
-        pods = self._pods(meta["namespace"], {ENVPOOL_LABEL: meta["name"]})
-        busy = [
-            p for p in pods if p["metadata"].get("annotations", {}).get(BUSY_ANNOTATION) == "true"
+        old = EnvPoolStatus.model_validate(envpool.get("status") or {})
+        pods = [
+            p
+            for p in self._pods(namespace, {ENVPOOL_LABEL: name})
+            if not p["metadata"].get("deletionTimestamp")
         ]
-        replicas = min(spec.max_burst, len(busy) + spec.warm)
-        for manifest in envpool_objects(envpool, replicas):
-            self.local.apply(manifest)
-        ready = [p for p in _running(pods) if p not in busy]
+        deployment = self.local.get(Ref("apps/v1", "Deployment", envpool_service(name), namespace))
+        replicas = deployment["spec"]["replicas"] if deployment else 0
+        servers = at_once([partial(self._probe, p) for p in pods]) if pods else []
+        plan = plan_pool(spec, servers, replicas, parse_time(old.idle_since), now())
         status = EnvPoolStatus(
             observed_generation=meta.get("generation", 0),
-            ready=len(ready),
-            busy=len(busy),
-            warming=len(pods) - len(ready) - len(busy),
+            pods=len(pods),
+            ready=plan.ready,
+            claimed=plan.claimed,
+            warming=plan.warming,
+            bursting=plan.bursting,
+            idle_since=timestamp(plan.idle_since) if plan.idle_since else None,
         )
         self.local.write_status(envpool, status)
+        runs = sorted(
+            r["metadata"]["name"]
+            for r in self._runs(namespace)
+            if (r["spec"].get("rollout") or {}).get("envPool") == name
+            and not r["metadata"].get("deletionTimestamp")
+        )
+        tokens = {run: self.mint.token(namespace, name, run) for run in runs}
+        for manifest in envpool_objects(envpool, plan.replicas, tokens, self.config.namespace):
+            self.local.apply(manifest)
+        for pod in pods:
+            cost = str(plan.deletion_costs.get(pod["metadata"]["name"], 0))
+            if pod["metadata"].get("annotations", {}).get(DELETION_COST) != cost:
+                self.local.merge_patch(
+                    Ref.of(pod), {"metadata": {"annotations": {DELETION_COST: cost}}}
+                )
+
+    def _probe(self, pod: dict) -> ServerSeen:
+        """A sandbox pod's server, as its `/healthz` says (nothing, if it does not)."""
+        name, ip = pod["metadata"]["name"], pod.get("status", {}).get("podIP")
+        if not ip or pod.get("status", {}).get("phase") != "Running":
+            return ServerSeen(name)
+        try:
+            response = httpx.get(
+                f"http://{ip}:{ENVPOOL_PORT}/healthz", timeout=self.config.call_timeout_seconds
+            )
+            health = response.raise_for_status().json()
+            return ServerSeen(
+                name,
+                ready=int(health["ready"]),
+                warming=int(health["warming"]),
+                claimed=int(health["sessions"]),
+            )
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return ServerSeen(name)

@@ -8,20 +8,31 @@ by that region's mirror of the run.
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from typing import Any
+
+import msgspec
+from kubernetes.utils.quantity import parse_quantity
 
 from rlfleet import launch
 from rlfleet.api.envpool import EnvPoolSpec
 from rlfleet.api.inferencepool import InferencePoolSpec
-from rlfleet.api.meta import API_VERSION, COMPONENT_LABEL, GPU_RESOURCE, GROUP, RUN_LABEL
+from rlfleet.api.meta import (
+    API_VERSION,
+    COMPONENT_LABEL,
+    ENVPOOL_LABEL,
+    GPU_RESOURCE,
+    GROUP,
+    RUN_LABEL,
+)
 from rlfleet.api.rlrun import CheckpointStorage, RLRunSpec
 from rlfleet.bus.auth import CREDENTIALS_ENV
-from rlfleet.launch.settings import Ranks
+from rlfleet.launch.settings import Limits, Ranks, ServerConfig
 from rlfleet.operator.config import Images, NatsAccess, Resources, Workloads
 
 POOL_LABEL = f"{GROUP}/pool"
-ENVPOOL_LABEL = f"{GROUP}/envpool"
 ORIGIN_LABEL = f"{GROUP}/origin"  # on a region's mirror: the hub cluster it came from
 ORIGIN_UID = f"{GROUP}/origin-uid"
 # On a region's mirror: the hub's JetStream domain, where the run's streams live.
@@ -35,9 +46,20 @@ TRAINER_PORT = Ranks().master_port  # torch.distributed rendezvous, on rank 0's 
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 METRICS_PORT_NAME = "metrics"  # the container port a component serves Prometheus metrics on
 # The user (and group) each image runs as: `USER` in images/trainer.Dockerfile and
-# images/rollout.Dockerfile, and nobody in an EnvPool's sandbox (images/env-sandbox.Dockerfile).
+# images/rollout.Dockerfile. An EnvPool's server runs as root in its VM (below).
 WORKLOAD_USER = 1000
-SANDBOX_USER = 65534
+# An EnvPool's pods: the session server (images/env-sandbox.Dockerfile) and where it keeps
+# its state, the runs' tokens, the port it serves and probes on, and the capabilities it
+# makes sandboxes with: namespaces and mounts, each sandbox's uid, its tree's owner, and
+# killing what a sandbox left.
+ENVPOOL_SERVER = "/opt/rlfleet/envsessions.py"
+ENVPOOL_PYTHON = "/usr/local/bin/python3"  # the image's (python:3.11-slim), sandboxes' too
+ENVPOOL_STATE_DIR = "/var/lib/rlfleet"
+ENVPOOL_TOKENS_DIR = "/etc/rlfleet/envpool"
+ENVPOOL_TOKENS_KEY = "tokens.json"
+ENVPOOL_PORT, ENVPOOL_PORT_NAME = 8080, "sessions"
+POD_IP_ENV = "POD_IP"
+SANDBOX_CAPABILITIES = ["SYS_ADMIN", "SETUID", "SETGID", "CHOWN", "FOWNER", "DAC_OVERRIDE", "KILL"]
 # Where a component with a read-only root writes: an emptyDir at /tmp, also its $HOME, so
 # the caches torch, Triton, vLLM, DeepSpeed and Hugging Face keep under ~/.cache, ~/.triton
 # and /tmp land in it.
@@ -492,57 +514,187 @@ def rollout_deployment(
     # On the pool's own kind of GPU: the lent replicas' nodes, none of another type.
     pod = _on_gpu_type(pod, workloads, pool_spec.serving.gpu_type)
     pod = _with_nats(pod, name, NATS_USER in run["metadata"].get("annotations", {}))
-    # Tool calls in local sandboxes (`rlfleet.rollout.sandbox`, namespaces by unshare) need
-    # CAP_SYS_ADMIN, which the image's non-root user never had: here tools need EnvPools.
+    if spec.rollout.env_pool:
+        pod = _with_envpool(pod, run, spec.rollout.env_pool)
+    # Sandboxes are made by an EnvPool's servers, never here: the worker needs no privilege.
     pod = _least_privilege(pod, WORKLOAD_USER)
     return _deployment(run, rollout_name(name, pool), labels, replicas, pod)
 
 
-def envpool_objects(envpool: dict, replicas: int) -> list[dict]:
-    """The sandbox pods (a Deployment) and, unless egress is allowed, a NetworkPolicy
-    that lets them talk to nothing but the rollout workers that call them."""
+def envpool_url(namespace: str, envpool: str) -> str:
+    """Where a run's rollout pods claim sandboxes: the EnvPool's Service."""
+    return f"http://{envpool_service(envpool)}.{namespace}.svc:{ENVPOOL_PORT}"
+
+
+def envpool_service(envpool: str) -> str:
+    return f"{envpool}-sandbox"
+
+
+def _with_envpool(pod: dict, run: dict, envpool: str) -> dict:
+    """Tells the worker where its run's EnvPool is, and mounts the run's token for it."""
+    secret = launch.envpool_token_secret(run["metadata"]["name"])
+    pod["volumes"].append({"name": "envpool", "secret": {"secretName": secret}})
+    container = pod["containers"][0]
+    container["volumeMounts"].append(
+        {"name": "envpool", "mountPath": launch.ENVPOOL_TOKEN_DIR, "readOnly": True}
+    )
+    url = envpool_url(run["metadata"]["namespace"], envpool)
+    container["env"].insert(0, {"name": launch.ENVPOOL_URL_ENV, "value": url})
+    return pod
+
+
+def envpool_token(run: dict, token: str) -> dict:
+    """A run's bearer token for its EnvPool, beside its mirror (which owns it)."""
+    name = run["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(run, launch.envpool_token_secret(name), {RUN_LABEL: name}),
+        "type": "Opaque",
+        "stringData": {launch.ENVPOOL_TOKEN_KEY: token},
+    }
+
+
+def envpool_server(spec: EnvPoolSpec) -> ServerConfig:
+    """A sandbox pod's session server: `sessionsPerPod` sandboxes, each within the pool's
+    limits, every free one kept warm, at the pod's own address (`$(POD_IP)`, which the
+    kubelet fills in), its paths on the pod's emptyDirs."""
+    limits = spec.limits
+    return ServerConfig(
+        tokens_file=f"{ENVPOOL_TOKENS_DIR}/{ENVPOOL_TOKENS_KEY}",
+        host="0.0.0.0",
+        port=ENVPOOL_PORT,
+        snapshots_dir=f"{ENVPOOL_STATE_DIR}/snapshots",
+        mounts_dir=f"{ENVPOOL_STATE_DIR}/sandboxes",
+        limits=Limits(
+            cpu_seconds=math.ceil(float(parse_quantity(limits.cpu)) * limits.timeout_seconds),
+            memory_bytes=int(parse_quantity(limits.memory)),
+            disk_bytes=int(parse_quantity(limits.ephemeral_storage)),
+            wall_seconds=float(limits.timeout_seconds),
+        ),
+        max_sessions=spec.sessions_per_pod,
+        warm=spec.sessions_per_pod,
+        advertise=f"http://$({POD_IP_ENV}):{ENVPOOL_PORT}",
+        sandbox_python=ENVPOOL_PYTHON,
+    )
+
+
+def _times(quantity: str, n: int) -> str:
+    return str(parse_quantity(quantity) * n)
+
+
+def envpool_objects(
+    envpool: dict, replicas: int, tokens: dict[str, str], operator_namespace: str
+) -> list[dict]:
+    """The session servers (a Deployment of `replicas` pods), the Service rollout workers
+    claim through, the runs' tokens (a Secret: run -> token), and a NetworkPolicy: in, only
+    the rollout pods of those runs and the operator's probes; out, nothing unless the pool
+    allows egress."""
     name = envpool["metadata"]["name"]
     spec = EnvPoolSpec.model_validate(envpool["spec"])
     labels = {ENVPOOL_LABEL: name, COMPONENT_LABEL: "sandbox"}
-    limits = {
-        "cpu": spec.limits.cpu,
-        "memory": spec.limits.memory,
-        "ephemeral-storage": spec.limits.ephemeral_storage,
+    per = spec.sessions_per_pod
+    size = {
+        "cpu": _times(spec.limits.cpu, per),
+        "memory": _times(spec.limits.memory, per),
+        "ephemeral-storage": _times(spec.limits.ephemeral_storage, per),
     }
+    server = json.dumps(msgspec.to_builtins(envpool_server(spec)), sort_keys=True)
+    probe = {"httpGet": {"path": "/healthz", "port": ENVPOOL_PORT_NAME}, "periodSeconds": 5}
     pod: dict[str, Any] = {
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "runtimeClassName": spec.template.runtime_class_name,
         "containers": [
             {
                 "name": "sandbox",
                 "image": spec.template.image,
-                **({"command": spec.template.command} if spec.template.command else {}),
-                "resources": {"limits": limits, "requests": limits},
+                "command": ["python", "-I", ENVPOOL_SERVER, server],
                 "env": [
-                    {"name": "RLFLEET_SANDBOX_TIMEOUT_S", "value": str(spec.limits.timeout_seconds)}
+                    {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
                 ],
-            }
-        ],
-    }
-    # Agents write anywhere in their sandbox (its working tree /work is the image's), within
-    # its ephemeral-storage limit: its root stays writable.
-    _least_privilege(pod, SANDBOX_USER, read_only_root=False)
-    if spec.template.runtime_class_name:
-        pod["runtimeClassName"] = spec.template.runtime_class_name
-    objects = [_deployment(envpool, f"{name}-sandbox", labels, replicas, pod)]
-    if spec.network.egress == "Deny":
-        objects.append(
-            {
-                "apiVersion": "networking.k8s.io/v1",
-                "kind": "NetworkPolicy",
-                "metadata": _meta(envpool, f"{name}-sandbox", labels),
-                "spec": {
-                    "podSelector": {"matchLabels": labels},
-                    "policyTypes": ["Ingress", "Egress"],
-                    "ingress": [
-                        {"from": [{"podSelector": {"matchLabels": {COMPONENT_LABEL: "rollout"}}}]}
-                    ],
-                    "egress": [],
+                "ports": [{"name": ENVPOOL_PORT_NAME, "containerPort": ENVPOOL_PORT}],
+                "readinessProbe": probe,
+                "livenessProbe": probe | {"periodSeconds": 20, "failureThreshold": 6},
+                "resources": {"limits": size, "requests": size},
+                "volumeMounts": [
+                    {"name": "tokens", "mountPath": ENVPOOL_TOKENS_DIR, "readOnly": True},
+                    {"name": "state", "mountPath": ENVPOOL_STATE_DIR},
+                    {"name": "tmp", "mountPath": "/tmp"},
+                ],
+                # Root, to make each sandbox's namespaces, mounts and uid; sound only in the
+                # VM of the pool's runtimeClass (required), whose kernel is the pod's alone.
+                "securityContext": {
+                    "runAsUser": 0,
+                    "runAsNonRoot": False,
+                    "allowPrivilegeEscalation": False,
+                    "readOnlyRootFilesystem": True,
+                    "capabilities": {"drop": ["ALL"], "add": SANDBOX_CAPABILITIES},
                 },
             }
-        )
-    return objects
+        ],
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "volumes": [
+            {"name": "tokens", "secret": {"secretName": envpool_tokens_secret(name)}},
+            {"name": "state", "emptyDir": {}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(envpool, envpool_service(name), labels),
+        "spec": {
+            "selector": labels,
+            "ports": [
+                {"name": ENVPOOL_PORT_NAME, "port": ENVPOOL_PORT, "targetPort": ENVPOOL_PORT_NAME}
+            ],
+        },
+    }
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(envpool, envpool_tokens_secret(name), labels),
+        "type": "Opaque",
+        "stringData": {ENVPOOL_TOKENS_KEY: json.dumps(tokens, sort_keys=True)},
+    }
+    callers = (
+        [
+            {
+                "podSelector": {
+                    "matchLabels": {COMPONENT_LABEL: "rollout"},
+                    "matchExpressions": [
+                        {"key": RUN_LABEL, "operator": "In", "values": sorted(tokens)}
+                    ],
+                }
+            }
+        ]
+        if tokens
+        else []
+    )
+    prober = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}}
+    }
+    policy: dict[str, Any] = {
+        "podSelector": {"matchLabels": labels},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [*callers, prober], "ports": [{"port": ENVPOOL_PORT}]}],
+    }
+    if spec.network.egress == "Deny":
+        policy |= {"policyTypes": ["Ingress", "Egress"], "egress": []}
+    network = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(envpool, envpool_service(name), labels),
+        "spec": policy,
+    }
+    return [
+        secret,
+        _deployment(envpool, envpool_service(name), labels, replicas, pod),
+        service,
+        network,
+    ]
+
+
+def envpool_tokens_secret(envpool: str) -> str:
+    return f"{envpool}-sandbox-tokens"

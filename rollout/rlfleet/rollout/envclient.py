@@ -24,8 +24,8 @@ import httpx
 import msgspec
 
 from rlfleet.api.wire import Environment
-from rlfleet.launch.settings import MIB, Limits, PoolConfig
-from rlfleet.rollout.sandbox import DEFAULT_LIMITS, SANDBOX_PYTHON, SandboxClosed
+from rlfleet.launch.settings import Limits, PoolConfig, ServerConfig
+from rlfleet.rollout.sandbox import DEFAULT_LIMITS, SandboxClosed
 
 log = logging.getLogger(__name__)
 
@@ -33,34 +33,6 @@ _SERVER = Path(__file__).with_name("envsessions.py")
 # Local pools' own folders (tokens, snapshots): outside the /tmp that sandboxes cover.
 LOCAL_POOLS = "/run/rlfleet/pools"
 _LOCAL_UIDS, _UID_STRIDE = 1_000_000, 4096  # each local pool's uids, by its process id
-
-
-class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The session server's settings: the one home of their defaults."""
-
-    tokens_file: str  # JSON {run: token}, re-read when it changes
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: any free port, printed when listening
-    # One folder per named environment snapshot the image provides; each run's own builds
-    # go under it too. Outside private_dirs: sandboxes fork from it once those are covered.
-    snapshots_dir: str = "/var/lib/rlfleet/snapshots"
-    limits: Limits = DEFAULT_LIMITS  # a session's, and the most a session may ask for
-    max_sessions: int = 256
-    max_body_bytes: int = 32 * MIB  # a request's body, and an envserver reply line
-    max_header_bytes: int = 16 << 10
-    idle_seconds: float = 60.0  # a keep-alive connection with no request is closed
-    remembered: int = 4096  # destroyed sessions that still answer 410 rather than 404
-    uid_base: int = 800_000  # session i runs as uid_base + i
-    sandbox_python: str = SANDBOX_PYTHON
-    reply_grace_seconds: float = 5.0  # beyond a call's timeout, for the envserver to answer
-    mounts_dir: str = "/run/rlfleet/sandboxes"  # sessions' mountpoints: outside private_dirs
-    # Directories anyone may write to: each session gets private ones, so none passes files.
-    private_dirs: tuple[str, ...] = ("/tmp", "/var/tmp", "/run/lock", "/dev/shm")
-    warm: int = 8  # sandboxes kept ready for claims (namespaces and tmpfs made)
-    lease_seconds: float = 60.0  # a claim no request renews for this long is destroyed
-    claim_wait_seconds: float = 300.0  # the longest a claim may wait for capacity
-    setup_seconds: float = 1800.0  # a snapshot's set-up command
-    max_snapshots: int = 16  # a run's built environments kept: the least recently forked go
 
 
 class EnvServerError(RuntimeError):
@@ -104,8 +76,10 @@ def _start_files(start: Path | Mapping[str, bytes]) -> dict[str, str]:
 
 
 class EnvClient:
-    """A run's connection to one session server. It renews the leases of the sessions it
-    holds while it lives: a client that dies lets them lapse, and the server frees them."""
+    """A run's connection to a pool: one session server, or an EnvPool's servers behind
+    one Service. Each claim's reply names the server (`endpoint`) that holds the session,
+    where its calls then go. It renews the leases of the sessions it holds while it lives:
+    a client that dies lets them lapse, and the servers free them."""
 
     def __init__(
         self,
@@ -114,18 +88,22 @@ class EnvClient:
         connect_seconds: float = 10.0,
         create_seconds: float = 60.0,
         claim_seconds: float = 30.0,
+        retry_seconds: float = 1.0,
     ):
         self.create_seconds = create_seconds  # writing a tree in and starting its server
         self.claim_seconds = claim_seconds  # the longest a claim waits for capacity
+        self.retry_seconds = retry_seconds  # a claim's wait at one server
         self._http = httpx.AsyncClient(
             base_url=url,
             headers={"Authorization": f"Bearer {token}"},
             timeout=httpx.Timeout(None, connect=connect_seconds),
         )
-        self.held: set[str] = set()  # the sessions whose leases it renews
+        self.held: dict[str, str] = {}  # the sessions whose leases it renews: their servers
         self._renewing: asyncio.Task | None = None
-        self._built: dict[str, asyncio.Lock] = {}  # environments, each built once
-        self._ready: set[str] = set()
+        # Environments by snapshot name, each built once on each server ("": the URL's).
+        self._environments: dict[str, Environment] = {}
+        self._built: dict[tuple[str, str], asyncio.Lock] = {}
+        self._ready: set[tuple[str, str]] = set()
 
     async def create(
         self,
@@ -137,47 +115,85 @@ class EnvClient:
         """A claim: a fresh session holding a copy of `start` (a folder, or its files by
         relative path) over a fork of `snapshot`, if named, with `limits` (each at most
         the server's) or else the server's own. `ClaimTimeout` if none comes free within
-        `claim_seconds`."""
-        body: dict = {"wait_seconds": self.claim_seconds}
+        `claim_seconds`.
+
+        Behind a Service each claim is a connection of its own, so the Service spreads
+        claims over the pool's servers, and a claim that finds its server full asks again
+        every `retry_seconds` (landing on another) until its deadline."""
+        body: dict = {}
         if limits is not None:
             body["limits"] = msgspec.to_builtins(limits)
         if start is not None:
             body["files"] = _start_files(start)
         if snapshot is not None:
             body["snapshot"] = snapshot
-        seconds = self.create_seconds + self.claim_seconds
-        response = await self._http.post("/v1/sessions", json=body, timeout=seconds)
+        clock = asyncio.get_running_loop().time
+        deadline = clock() + self.claim_seconds
+        while True:
+            wait = max(0.0, min(self.retry_seconds, deadline - clock()))
+            try:
+                response = await self._claim("", body | {"wait_seconds": wait})
+            except httpx.TransportError:
+                # A server going away, or not yet up, behind the Service: ask the next.
+                if clock() >= deadline:
+                    raise
+                await asyncio.sleep(min(self.retry_seconds, max(0.0, deadline - clock())))
+                continue
+            error = _error(response) if response.status_code != 201 else {}
+            if error.get("type") == "snapshot_missing" and snapshot in self._environments:
+                # That server never built it, or evicted it: build it there, and claim there.
+                server = error.get("endpoint") or ""
+                self._ready.discard((server, snapshot))
+                await self._build(server, self._environments[snapshot])
+                response = await self._claim(server, body | {"wait_seconds": wait})
+                error = _error(response) if response.status_code != 201 else {}
+            if error.get("type") != "capacity_error":
+                break
+            if clock() >= deadline:
+                waited = f"no sandbox came free within {self.claim_seconds:g} s"
+                raise ClaimTimeout(503, error | {"message": f"{waited}: {error.get('message')}"})
         if response.status_code != 201:
-            if _error(response).get("param") == "snapshot":
-                self._ready.discard(snapshot)  # evicted: the next `environment` rebuilds it
             _raise(response)
         reply = response.json()
-        sandbox = RemoteSandbox(self, reply["id"], msgspec.convert(reply["limits"], Limits))
-        self.held.add(sandbox.id)
+        server = reply.get("endpoint") or ""
+        sandbox = RemoteSandbox(self, reply["id"], server, msgspec.convert(reply["limits"], Limits))
+        self.held[sandbox.id] = server
         if self._renewing is None or self._renewing.done():
             self._renewing = asyncio.create_task(self._renew(reply["lease_seconds"] / 3))
         return sandbox
 
+    async def _claim(self, server: str, body: dict) -> httpx.Response:
+        seconds = self.create_seconds + body["wait_seconds"]
+        headers = {"Connection": "close"}  # the next claim may go to another server
+        return await self._http.post(
+            f"{server}/v1/sessions", json=body, timeout=seconds, headers=headers
+        )
+
     async def environment(self, environment: Environment | None) -> str | None:
         """The snapshot to fork for `environment` (None for none), built on the server the
-        first time."""
+        first time; a server a claim lands on that lacks it builds it then."""
         if environment is None:
             return None
-        name = environment.snapshot
-        async with self._built.setdefault(name, asyncio.Lock()):
-            if name not in self._ready:
+        self._environments[environment.snapshot] = environment
+        await self._build("", environment)
+        return environment.snapshot
+
+    async def _build(self, server: str, environment: Environment) -> None:
+        key = (server, environment.snapshot)
+        async with self._built.setdefault(key, asyncio.Lock()):
+            if key not in self._ready:
                 files = {path: content.encode() for path, content in environment.files.items()}
-                await self.build_snapshot(name, files, environment.setup)
-                self._ready.add(name)
-        return name
+                await self.build_snapshot(environment.snapshot, files, environment.setup, server)
+                self._ready.add(key)
 
     async def build_snapshot(
-        self, name: str, start: Path | Mapping[str, bytes], setup: str
+        self, name: str, start: Path | Mapping[str, bytes], setup: str, server: str = ""
     ) -> bool:
         """The run's environment `name` (the tree `start`, then the command `setup`) built
-        on the server unless it was already: True if this call built it."""
+        on the server (`server`, or the URL's) unless it was already: True if this call
+        built it."""
         body = {"files": _start_files(start), "setup": setup}
-        response = await self._http.put(f"/v1/snapshots/{name}", json=body, timeout=None)
+        response = await self._http.put(f"{server}/v1/snapshots/{name}", json=body, timeout=None)
         if response.status_code not in (200, 201):
             _raise(response)
         return response.status_code == 201
@@ -190,11 +206,15 @@ class EnvClient:
     async def _renew(self, every: float) -> None:
         while self.held:
             await asyncio.sleep(every)
-            with contextlib.suppress(httpx.TransportError):
-                await self._http.post("/v1/leases", json={"ids": list(self.held)}, timeout=every)
+            by_server: dict[str, list[str]] = {}
+            for id, server in list(self.held.items()):
+                by_server.setdefault(server, []).append(id)
+            for server, ids in by_server.items():
+                with contextlib.suppress(httpx.TransportError):
+                    await self._http.post(f"{server}/v1/leases", json={"ids": ids}, timeout=every)
 
-    async def request(self, method: str, path: str, body: dict | None, seconds: float):
-        return await self._http.request(method, path, json=body, timeout=seconds)
+    async def request(self, method: str, url: str, body: dict | None, seconds: float):
+        return await self._http.request(method, url, json=body, timeout=seconds)
 
     async def aclose(self) -> None:
         if self._renewing is not None:
@@ -211,21 +231,25 @@ class EnvClient:
 class RemoteSandbox:
     """One session: `Sandbox`'s `call` and `close`, over the network."""
 
-    def __init__(self, client: EnvClient, id: str, limits: Limits, grace: float = 10.0):
+    def __init__(
+        self, client: EnvClient, id: str, server: str, limits: Limits, grace: float = 10.0
+    ):
         self.client, self.id, self.limits, self.grace = client, id, limits, grace
+        self.url = f"{server}/v1/sessions/{id}"  # on the server holding it
 
     async def call(self, request: dict, seconds: float | None = None) -> dict:
         """One tool call's reply; `SandboxClosed` if the session is gone."""
         timeout = self.limits.call_seconds if seconds is None else seconds
         if request.get("tool") == "run":
             request = request | {"timeout": timeout}
-        path = f"/v1/sessions/{self.id}/call"
         try:
-            response = await self.client.request("POST", path, request, timeout + self.grace)
+            response = await self.client.request(
+                "POST", f"{self.url}/call", request, timeout + self.grace
+            )
         except httpx.TransportError as error:
             raise SandboxClosed(f"the environment server is unreachable: {error!r}") from error
         if response.status_code in (404, 410):
-            self.client.held.discard(self.id)
+            self.client.held.pop(self.id, None)
             raise SandboxClosed(_error(response).get("message", "the session is gone"))
         if response.status_code != 200:
             _raise(response)
@@ -233,11 +257,9 @@ class RemoteSandbox:
 
     async def close(self) -> None:
         """Destroys the session; one already gone, or a server away, is not an error."""
-        self.client.held.discard(self.id)
+        self.client.held.pop(self.id, None)
         with contextlib.suppress(httpx.TransportError):
-            response = await self.client.request(
-                "DELETE", f"/v1/sessions/{self.id}", None, self.grace
-            )
+            response = await self.client.request("DELETE", self.url, None, self.grace)
             if response.status_code not in (200, 404, 410):
                 _raise(response)
 

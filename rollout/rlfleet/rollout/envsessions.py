@@ -25,7 +25,7 @@ A session belongs to the run that created it. Errors are `{"error": {"message", 
                                    name}, optionally "limits" (each at most the server's)
                                    and "wait_seconds" (for capacity; the server's
                                    claim_wait_seconds at most)
-                                   -> 201 {"id", "limits", "lease_seconds"}
+                                   -> 201 {"id", "limits", "lease_seconds", "endpoint"}
     POST   /v1/sessions/{id}/call  an envserver request -> 200 its reply
     DELETE /v1/sessions/{id}       -> 200 {"id": ...}
     POST   /v1/leases              {"ids": [...]} -> 200 {"renewed": [...], "gone": [...]}
@@ -35,6 +35,11 @@ Claims come from a warm pool: `warm` sandboxes wait, namespaces and tmpfs made, 
 claim that gives them their tree, uid and limits (`sandbox_init.py`); the pool refills
 behind each claim. A claim with no capacity waits up to its `wait_seconds`, then gets 503.
 A session is never handed on: destroyed, its sandbox goes, and a fresh one warms.
+
+In a pod, many servers sit behind one Service: `advertise` is this one's own URL, sent
+with each claim (`endpoint`), where the client then sends the session's calls. Each server
+builds its own snapshots: a claim naming one it lacks gets 404 `snapshot_missing` with
+its `endpoint`, where the client builds it and claims again.
 
 A claimed session holds a lease of `lease_seconds`, renewed by every request naming it
 and by `/v1/leases`: a client that dies stops renewing, and its sessions are destroyed.
@@ -105,6 +110,7 @@ CONFIG_FIELDS = {
     "claim_wait_seconds",
     "setup_seconds",
     "max_snapshots",
+    "advertise",
 }
 # The tools a session runs, each with its fields: (type, required).
 TOOLS = {
@@ -135,12 +141,14 @@ _REASONS = {
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None, **more: str):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.more = more
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param}}
+        error = {"message": self.message, "type": self.kind, "param": self.param}
+        return {"error": error | self.more}
 
 
 def _invalid(message: str, param: str | None) -> HttpError:
@@ -264,6 +272,12 @@ class Server:
         # Out of every private directory, which hide what is below them.
         self.mounts = Path(config["mounts_dir"])
         self.mounts.mkdir(mode=0o711, parents=True, exist_ok=True)
+        for folder in (self.mounts.resolve(), *self.mounts.resolve().parents):
+            if not folder.stat().st_mode & 0o001:  # a sandbox's server could not reach its tree
+                raise ValueError(
+                    f"config: mounts_dir: sandboxes' uids may not pass {folder} "
+                    f"(mode {folder.stat().st_mode & 0o777:o}): every folder above needs o+x"
+                )
         self.snapshots = Path(config["snapshots_dir"])
         (self.snapshots / _RUN_SNAPSHOTS).mkdir(mode=0o700, parents=True, exist_ok=True)
         # Each snapshot's list of files, made once: this server's, root's alone.
@@ -418,7 +432,9 @@ class Server:
             raise
         session.snapshot = snapshot
         lease = self.config["lease_seconds"]
-        return {"id": session.id, "limits": limits, "lease_seconds": lease}
+        # Behind a Service that spreads claims over pods: where this session lives.
+        endpoint = self.config["advertise"]
+        return {"id": session.id, "limits": limits, "lease_seconds": lease, "endpoint": endpoint}
 
     async def _claim(self, run, limits, files, snapshot, wait) -> Session:
         try:
@@ -545,7 +561,14 @@ class Server:
         for path in (self.snapshots / _RUN_SNAPSHOTS / _run_dir(run) / name, self.snapshots / name):
             if path.is_dir():
                 return path
-        raise _invalid(f"no snapshot named {name!r}", "snapshot")
+        # Each server builds its own: the client builds it here (`endpoint`) and claims again.
+        raise HttpError(
+            404,
+            f"no snapshot named {name!r} on this server",
+            "snapshot_missing",
+            "snapshot",
+            endpoint=self.config["advertise"],
+        )
 
     async def _build(self, run: str, name: str, body: dict):
         """Builds the run's snapshot `name` once: its files, then its set-up command."""

@@ -13,8 +13,6 @@ from typing import Protocol
 
 from rlfleet.launch.settings import Limits
 
-# The server needs only the standard library; the system Python is readable by any uid.
-SANDBOX_PYTHON = "/usr/bin/python3"
 DEFAULT_LIMITS = Limits()
 
 

@@ -1,0 +1,93 @@
+"""How many session-server pods an EnvPool runs, from what its servers say (pure).
+
+Each pod is one session server (`rlfleet.rollout.envsessions`) holding up to
+`sessionsPerPod` sandboxes, all of its free ones kept warm. The operator reads every
+server's `/healthz` and sizes the Deployment so that `warm` sandboxes are free beside the
+claimed ones, within `maxBurst`:
+
+- it grows at once: a claim that waits is an attempt that may fail;
+- it shrinks only after the pool has wanted fewer pods for `idleSeconds` (a burst that
+  ends and starts again does not churn pods), and never below the pods that hold claims;
+- the pods that hold the fewest claims go first: each pod's deletion cost is its claims,
+  so the ReplicaSet removes idle servers, not sessions in use.
+
+A pod that does not answer counts as warming: it is starting, or its server is stuck, and
+either way it serves no claim now.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from rlfleet.api.envpool import EnvPoolSpec
+
+# The ReplicaSet controller removes the pods of lowest cost first when it scales down.
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
+@dataclass(frozen=True)
+class ServerSeen:
+    """One sandbox pod, as its server's `/healthz` answered (None: it did not)."""
+
+    pod: str
+    ready: int | None = None  # warm sandboxes waiting for a claim
+    warming: int = 0
+    claimed: int = 0  # live sessions
+
+    @property
+    def answered(self) -> bool:
+        return self.ready is not None
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    replicas: int
+    idle_since: datetime | None  # since when fewer pods would do; None: not so
+    ready: int
+    claimed: int
+    warming: int
+    bursting: int  # sandboxes of room above the warm floor's pods, grown for demand
+    deletion_costs: dict[str, int]  # pod -> its claims
+
+
+def floor_pods(spec: EnvPoolSpec) -> int:
+    """The pods that hold `warm` sandboxes, with nothing claimed."""
+    return math.ceil(spec.warm / spec.sessions_per_pod)
+
+
+def plan_pool(
+    spec: EnvPoolSpec,
+    servers: list[ServerSeen],
+    replicas: int,
+    idle_since: datetime | None,
+    now: datetime,
+) -> PoolPlan:
+    """The replicas for the pool's Deployment (now at `replicas`), and its status."""
+    per = spec.sessions_per_pod
+    claimed = sum(s.claimed for s in servers)
+    ceiling = math.ceil(spec.max_burst / per)
+    wanted = math.ceil(min(spec.max_burst, claimed + spec.warm) / per)
+    holding = sum(1 for s in servers if s.claimed)  # scaling one away would end sessions
+    wanted = min(ceiling, max(wanted, floor_pods(spec), holding))
+    if wanted >= replicas:
+        target, idle_since = wanted, None
+    else:
+        idle_since = idle_since or now
+        if now - idle_since >= timedelta(seconds=spec.idle_seconds):
+            target, idle_since = wanted, None
+        else:
+            target = replicas
+    silent = [s for s in servers if not s.answered]
+    return PoolPlan(
+        replicas=target,
+        idle_since=idle_since,
+        ready=sum(s.ready or 0 for s in servers),
+        claimed=claimed,
+        # A pod not answering yet will hold a server's worth; pods not yet made, too.
+        warming=sum(s.warming for s in servers)
+        + per * (len(silent) + max(0, target - len(servers))),
+        bursting=per * max(0, target - floor_pods(spec)),
+        deletion_costs={s.pod: s.claimed for s in servers},
+    )

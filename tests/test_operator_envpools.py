@@ -1,0 +1,94 @@
+"""An EnvPool's sizing alone (`rlfleet.operator.envpools.plan_pool`, pure): how many
+session-server pods it runs for the claims its servers report. The operator acting on it
+is tested on the bed (`test_operator_fleet.py`)."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime, timedelta
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlfleet.api.envpool import EnvPoolSpec
+from rlfleet.operator.envpools import ServerSeen, floor_pods, plan_pool
+
+NOW = datetime(2026, 11, 25, 12, 0, 0, tzinfo=UTC)
+
+
+@st.composite
+def pools(draw) -> EnvPoolSpec:
+    burst = draw(st.integers(1, 200))
+    return EnvPoolSpec(
+        template={"image": "env-sandbox", "runtimeClassName": "gvisor"},
+        warm=draw(st.integers(0, burst)),
+        maxBurst=burst,
+        sessionsPerPod=draw(st.integers(1, 16)),
+        idleSeconds=draw(st.integers(0, 600)),
+    )
+
+
+@st.composite
+def worlds(draw):
+    spec = draw(pools())
+    per = spec.sessions_per_pod
+    servers = []
+    for i in range(draw(st.integers(0, 12))):
+        if draw(st.booleans()):
+            claimed = draw(st.integers(0, per))
+            servers.append(ServerSeen(f"p{i}", ready=per - claimed, claimed=claimed))
+        else:
+            servers.append(ServerSeen(f"p{i}"))  # starting, or not answering
+    replicas = draw(st.integers(len(servers), len(servers) + 3))
+    idle = draw(st.none() | st.integers(0, 900).map(lambda s: NOW - timedelta(seconds=s)))
+    return spec, servers, replicas, idle
+
+
+@given(worlds())
+def test_a_pool_never_leaves_its_bounds_nor_scales_away_a_pod_holding_claims(world) -> None:
+    spec, servers, replicas, idle = world
+    plan = plan_pool(spec, servers, replicas, idle, NOW)
+    per = spec.sessions_per_pod
+    assert floor_pods(spec) <= plan.replicas or plan.replicas == replicas
+    assert plan.replicas <= max(replicas, math.ceil(spec.max_burst / per))
+    holding = sum(1 for s in servers if s.claimed)
+    assert plan.replicas >= min(holding, math.ceil(spec.max_burst / per))
+    # Room for warm beside the claims, as far as maxBurst allows, at once.
+    claimed = sum(s.claimed for s in servers)
+    assert plan.replicas * per >= min(spec.max_burst, claimed + spec.warm) - per + 1
+    assert plan.claimed == claimed
+    assert plan.deletion_costs == {s.pod: s.claimed for s in servers}
+
+
+@given(worlds())
+def test_a_pool_shrinks_only_once_it_has_wanted_fewer_pods_for_idle_seconds(world) -> None:
+    spec, servers, replicas, idle = world
+    plan = plan_pool(spec, servers, replicas, idle, NOW)
+    if plan.replicas < replicas:
+        # Wanted fewer since `idle` (since now, if not before): for idleSeconds at least.
+        assert NOW - (idle or NOW) >= timedelta(seconds=spec.idle_seconds)
+        assert plan.idle_since is None  # the next shrink waits its own idle time
+    if plan.replicas == replicas and plan.idle_since is not None:
+        assert plan.idle_since == (idle or NOW)  # the clock keeps running, from its start
+    # Deciding again on its own outcome, at once, changes nothing.
+    again = plan_pool(spec, servers, plan.replicas, plan.idle_since, NOW)
+    assert (again.replicas, again.idle_since) == (plan.replicas, plan.idle_since)
+
+
+def test_a_burst_grows_at_once_and_scales_back_after_idle_seconds() -> None:
+    spec = EnvPoolSpec(
+        template={"image": "env-sandbox", "runtimeClassName": "gvisor"},
+        warm=4,
+        maxBurst=64,
+        sessionsPerPod=4,
+        idleSeconds=300,
+    )
+    busy = [ServerSeen("a", ready=0, claimed=4), ServerSeen("b", ready=2, claimed=2)]
+    grown = plan_pool(spec, busy, 2, None, NOW)
+    assert grown.replicas == 3 and grown.bursting == 8 and grown.warming == 4
+    quiet = [ServerSeen("a", ready=4), ServerSeen("b", ready=4), ServerSeen("c", ready=4)]
+    waiting = plan_pool(spec, quiet, 3, None, NOW)
+    assert (waiting.replicas, waiting.idle_since) == (3, NOW)
+    later = NOW + timedelta(seconds=300)
+    back = plan_pool(spec, quiet, 3, waiting.idle_since, later)
+    assert (back.replicas, back.idle_since, back.bursting) == (1, None, 0)
