@@ -20,6 +20,7 @@ from rlfleet.operator.lending import Decision as Lending
 from rlfleet.operator.lending import PoolState
 from rlfleet.operator.region import decision_events, reclaim_clock
 from rlfleet.operator.runstatus import (
+    REGION_PROBLEMS,
     Observed,
     RegionReport,
     decide,
@@ -36,10 +37,12 @@ TIMEOUT_S = 120.0
 
 ages = st.integers(min_value=0, max_value=600).map(lambda s: NOW - timedelta(seconds=s))
 counts = st.integers(min_value=0, max_value=64)
-# What a region says when none of the run's pools there serves on its GPU types: set only
-# when so, as the region writes it.
+# What a region says when none of the run's pools there serves on its GPU types, or the
+# EnvPool the run names is not there: set only when so, as the region writes it.
 UNSERVED = "spec.rollout.regions[region-a].gpuTypes NVIDIA-L4: no pool of its inferencePools"
-unserved = st.sampled_from([{}, {"gpu_types_unserved": UNSERVED}])
+NO_ENVPOOL = "spec.rollout.envPool: no EnvPool arith-sandbox in namespace team-a"
+SAID = {"gpu_types_unserved": UNSERVED, "env_pool_missing": NO_ENVPOOL}
+problems = st.sets(st.sampled_from(sorted(SAID))).map(lambda found: {f: SAID[f] for f in found})
 
 
 @st.composite
@@ -53,7 +56,7 @@ def previous_entries(draw: st.DrawFn, name: str) -> RegionStatus | None:
         lent=draw(counts),
         running=draw(counts),
         last_seen=draw(st.none() | ages.map(timestamp)),
-        **draw(unserved),
+        **draw(problems),
     )
 
 
@@ -66,7 +69,7 @@ def reports(draw: st.DrawFn, name: str) -> RegionReport:
             requested=draw(counts),
             lent=draw(counts),
             running=draw(counts),
-            **draw(unserved),
+            **draw(problems),
         )
         return RegionReport(name, True, reported, draw(ages))
     return RegionReport(name, False, problem="no answer", credentials=kind == "credentials")
@@ -211,15 +214,18 @@ def test_the_run_status_counts_only_reachable_regions_and_ready_means_all_is_wel
         degraded = next(c for c in status.conditions if c.type == "RolloutsDegraded")
         assert degraded.reason != "BelowMinGpus"
     assert (said["Suspended"] == "True") == observed.spec.suspend
-    # A region whose pools serve none of the run's GPU types degrades the rollouts, saying so.
+    # A region whose pools serve none of the run's GPU types, or that lacks its EnvPool,
+    # degrades the rollouts, saying so.
     degraded = next(c for c in status.conditions if c.type == "RolloutsDegraded")
-    if any(e.gpu_types_unserved for e in reachable):
-        assert degraded.status == "True" and UNSERVED in degraded.message
-        assert degraded.reason in (
-            "RegionUnreachable",
-            "RegionCredentialsInvalid",
-            "NoPoolOfGpuType",
-        )
+    for field, reason in REGION_PROBLEMS:
+        if any(getattr(e, field) for e in reachable):
+            assert degraded.status == "True" and SAID[field] in degraded.message
+            assert degraded.reason in (
+                "RegionUnreachable",
+                "RegionCredentialsInvalid",
+                "NoPoolOfGpuType",
+                reason,
+            )
 
 
 @given(observations())
@@ -235,19 +241,19 @@ def test_a_run_decided_again_on_its_own_status_tells_nothing_and_writes_nothing(
 
 
 @given(observations())
-def test_a_region_that_newly_finds_no_pool_of_the_runs_gpu_types_is_told_once(
-    observed: Observed,
-) -> None:
-    before = {e.name: e.gpu_types_unserved for e in observed.old.regions}
-    newly = {
-        r.name
-        for r in observed.regions
-        if r.reachable
-        and r.reported.gpu_types_unserved
-        and r.reported.gpu_types_unserved != before.get(r.name)
-    }
-    told = [e.message for e in decide(observed).events if e.reason == "NoPoolOfGpuType"]
-    assert sorted(told) == sorted(f"region {name}: {UNSERVED}" for name in newly)
+def test_a_problem_a_region_newly_finds_with_the_run_is_told_once(observed: Observed) -> None:
+    """No pool of the run's GPU types, or no EnvPool of the name it gives."""
+    for field, reason in REGION_PROBLEMS:
+        before = {e.name: getattr(e, field) for e in observed.old.regions}
+        newly = {
+            r.name
+            for r in observed.regions
+            if r.reachable
+            and getattr(r.reported, field)
+            and getattr(r.reported, field) != before.get(r.name)
+        }
+        told = [e.message for e in decide(observed).events if e.reason == reason]
+        assert sorted(told) == sorted(f"region {name}: {SAID[field]}" for name in newly)
 
 
 @given(observations())
@@ -259,6 +265,7 @@ def test_only_what_a_human_may_act_on_is_a_warning(observed: Observed) -> None:
             "WeightSyncStalled",
             "StalenessBoundExceeded",
             "NoPoolOfGpuType",
+            "EnvPoolNotFound",
         )
         assert (event.type == "Warning") == warning, event
 

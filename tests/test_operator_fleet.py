@@ -583,7 +583,8 @@ def test_a_run_borrowing_from_two_pools_gets_its_demand_once(world: World) -> No
     """Two pools that could each lend the run all it asks for decide one at a time and see
     each other's decision, however fresh their view of the other pool is. The run's
     rollouts can use L4s only, which both pools serve on, and its two trainer pods need
-    H100s: each kind of pod is placed on its GPU type, and the trainer's pods are one job."""
+    H100s: each kind of pod is placed on its GPU type, and the trainer's pods are one job.
+    It names an EnvPool the region lacks, which the run says at once, naming the field."""
     region, pools, run = "region-c", ["spare-1", "spare-2"], "two-pools"
     document = example("rlrun.yaml")
     document["metadata"]["name"] = run
@@ -593,6 +594,7 @@ def test_a_run_borrowing_from_two_pools_gets_its_demand_once(world: World) -> No
     ]
     # Beside the first run's trainer (one 8-GPU pod), 8 of the hub's 16 GPUs are free.
     spec["trainer"] = {"replicas": 2, "gpusPerReplica": 4, "gpuType": H100}
+    spec["rollout"]["envPool"] = "no-such-pool"
     spec["weightSync"]["endpoints"] = [
         e for e in spec["weightSync"]["endpoints"] if e["region"] == region
     ]
@@ -634,6 +636,12 @@ def test_a_run_borrowing_from_two_pools_gets_its_demand_once(world: World) -> No
         assert max(sum(s) for s in seen) == 1, seen
         assert_placed_on_gpu_types(world, region, run)
         assert_one_trainer_job(world, run)
+        missing = wait_for(
+            "the run told its EnvPool is missing",
+            lambda: run_condition(world, run, "EnvPoolNotFound"),
+        )
+        assert "spec.rollout.envPool: no EnvPool no-such-pool" in missing["message"]
+        assert "EnvPoolNotFound" in world.reasons(HUB, run)
         # Narrowed to a type neither pool serves on: both lend it nothing, and the run
         # says why, naming the field.
         narrowed = [{"op": "replace", "path": "/spec/rollout/regions/0/gpuTypes", "value": [A10G]}]

@@ -591,6 +591,15 @@ class RegionStatus(ApiModel):
             )
         ),
     ] = None
+    env_pool_missing: Annotated[
+        str | None,
+        Field(
+            description=(
+                "Why agents there can act nowhere: the EnvPool spec.rollout.envPool names is"
+                " not in the run's namespace of that region."
+            )
+        ),
+    ] = None
 
 
 class WeightSyncStatus(ApiModel):

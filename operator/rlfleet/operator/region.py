@@ -310,6 +310,7 @@ class Region:
             running += len(here) * gpus
         types = {p["metadata"]["name"]: p["spec"]["serving"].get("gpuType") for p in pools}
         unserved = unserved_gpu_types(self.name, demand, types) if demand else None
+        missing = self._envpool_missing(run, fresh_s) if demand else None
         entry = RegionStatus(
             name=self.name,
             requested=demand.max_gpus if demand else 0,
@@ -317,6 +318,7 @@ class Region:
             running=running,
             # Set only when so: the hub folds this entry in whole, and a null is no value.
             **({"gpu_types_unserved": unserved} if unserved else {}),
+            **({"env_pool_missing": missing} if missing else {}),
         )
         status = RLRunStatus(
             observed_generation=meta.get("generation", 0),
@@ -325,6 +327,23 @@ class Region:
             gpus_running=running,
         )
         self.local.write_status(run, status)
+
+    def _envpool_missing(self, run: dict, fresh_s: float) -> str | None:
+        """Why the EnvPool the run names cannot serve it here (None: it is here, or the
+        run names none)."""
+        envpool = RLRunSpec.model_validate(run["spec"]).rollout.env_pool
+        if envpool is None:
+            return None
+        namespace = run["metadata"]["namespace"]
+        here = self.local.list_recent(
+            Ref(API_VERSION, "EnvPool", namespace=namespace), None, fresh_s
+        )
+        if any(p["metadata"]["name"] == envpool for p in here):
+            return None
+        return (
+            f"spec.rollout.envPool: no EnvPool {envpool} in namespace {namespace}; "
+            "attempts that use tools fail until there is one"
+        )
 
     # --- pools ------------------------------------------------------------------------
 

@@ -133,16 +133,24 @@ def lending_event(
     return Event("Normal", "GPUsLent", f"{lent} rollout GPUs lent ({detail})")
 
 
-def unserved_events(
+# What a region can find wrong with the run there: the field it sets, and the reason.
+REGION_PROBLEMS = (
+    ("gpu_types_unserved", "NoPoolOfGpuType"),
+    ("env_pool_missing", "EnvPoolNotFound"),
+)
+
+
+def region_problem_events(
     previous: Mapping[str, RegionStatus], entries: Sequence[RegionStatus]
 ) -> list[Event]:
-    """NoPoolOfGpuType when a region first finds none of the run's pools there serves on
-    the GPU types the run can use (or finds it for other reasons)."""
+    """A Warning the first time a region finds a problem with the run (or finds it for
+    other reasons): none of the pools it names serves on the GPU types the run can use
+    (NoPoolOfGpuType), or the EnvPool it names is not there (EnvPoolNotFound)."""
     return [
-        Event("Warning", "NoPoolOfGpuType", f"region {e.name}: {e.gpu_types_unserved}")
+        Event("Warning", reason, f"region {e.name}: {getattr(e, field)}")
+        for field, reason in REGION_PROBLEMS
         for e in entries
-        if e.gpu_types_unserved
-        and e.gpu_types_unserved != getattr(previous.get(e.name), "gpu_types_unserved", None)
+        if getattr(e, field) and getattr(e, field) != getattr(previous.get(e.name), field, None)
     ]
 
 
@@ -175,7 +183,7 @@ def decide(observed: Observed) -> Decision:
     ]
     events += [v.event for v in views if v.event is not None]
     entries = [v.entry for v in views]
-    events += unserved_events(previous, entries)
+    events += region_problem_events(previous, entries)
     entries += [previous[n].model_copy(update={"reachable": False}) for n in observed.leftover]
     lent_event = lending_event(entries, wanted, old.gpus_lent)
     events += [lent_event] if lent_event is not None else []
@@ -220,6 +228,7 @@ def degraded(
     lost = [f"{v.entry.name} unreachable for {v.silent_s:.0f}s" for v in views if v.lost]
     refused = [f"{v.entry.name}: {v.problem}" for v in views if v.refused]
     unserved = [f"{e.name}: {e.gpu_types_unserved}" for e in reachable if e.gpu_types_unserved]
+    no_envpool = [f"{e.name}: {e.env_pool_missing}" for e in reachable if e.env_pool_missing]
     below_floor = [
         f"{e.name} runs {e.running} of at least {d.min_gpus} GPUs"
         for d in spec.rollout.regions
@@ -233,11 +242,13 @@ def degraded(
         if refused
         else "NoPoolOfGpuType"
         if unserved
+        else "EnvPoolNotFound"
+        if no_envpool
         else "BelowMinGpus"
         if below_floor
         else "AllRegionsServing"
     )
-    return lost + refused + unserved + below_floor, reason
+    return lost + refused + unserved + no_envpool + below_floor, reason
 
 
 def _conditions(
