@@ -547,7 +547,7 @@ def test_an_envpool_serves_the_runs_claims_bursts_past_warm_and_scales_back(
     assert mounted["envpool"] == launch.envpool_token_secret(RUN)
     secret = world.get(region, "secret", launch.envpool_token_secret(RUN))
     token = base64.b64decode(secret["data"][launch.ENVPOOL_TOKEN_KEY]).decode()
-    url = world.fleet.sandboxes.service_url(region, world.ns, pool, ENVPOOL_PORT)
+    url = world.fleet.sandboxes.service_url(region, world.ns, pool)
 
     async def burst() -> None:
         async with EnvClient(url, "not-" + token) as stranger:

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import yaml
@@ -26,6 +27,7 @@ from rlfleet.api.wire import decode_step_report, decode_trajectory, step_subject
 from rlfleet.local import plan
 from rlfleet.local.nats import NatsServer
 from rlfleet.local.run import make_model
+from rlfleet.rollout.envclient import EnvClient
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import HUB
 from rlfleet.testbed.operated import BUSY, QUIET, OperatedPlane
@@ -140,6 +142,11 @@ def world(
         listener.close()
 
 
+async def claim_and_run(url: str, token: str) -> str:
+    async with EnvClient(url, token) as env, await env.create(None) as sandbox:
+        return (await sandbox.call({"tool": "run", "command": "echo ok"}))["output"]
+
+
 def test_the_operators_pods_train_with_rollouts_from_both_regions(world: World) -> None:
     world.wait("a worker per region", lambda: world.regions_running() == set(REGIONS))
     world.wait("trajectories from both", lambda: world.seen.regions_since(0) == set(REGIONS))
@@ -152,6 +159,12 @@ def test_the_operators_pods_train_with_rollouts_from_both_regions(world: World) 
     assert scrape(trainer)['rlfleet_weightsync_published_bytes_total{kind="full"}'] > 0
     rollout = next(p for name, p in started.items() if name.startswith("rollout-")).metrics_url
     assert scrape(rollout)["rlfleet_rollout_trajectories_total"] >= 1
+    # Each worker claims its sandboxes from its region's EnvPool: the servers bound to the
+    # pool's pods, through its Service, with the token the region minted for the run.
+    pools = [p.config.envpool for name, p in started.items() if name.startswith("rollout-")]
+    assert pools and all(pool is not None for pool in pools)
+    for pool in pools:
+        assert asyncio.run(claim_and_run(pool.url, Path(pool.token_file).read_text())) == "ok\n"
     # The hub folds the real trainer's progress into the RLRun an on-call engineer reads.
     world.wait(
         "the policy version in the RLRun's status",

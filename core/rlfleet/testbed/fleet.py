@@ -25,7 +25,7 @@ from rlfleet.local.binaries import binary
 from rlfleet.local.files import write_secret
 from rlfleet.local.processes import Supervisor, free_port
 from rlfleet.testbed.bed import BedInfo
-from rlfleet.testbed.sandboxes import SandboxKubelet
+from rlfleet.testbed.sandboxes import SandboxKubelet, pump
 
 CHART = Path(__file__).resolve().parents[3] / "helm" / "rlfleet"
 RELEASE = "rlfleet"
@@ -104,19 +104,12 @@ class Link:
             with self._lock:
                 self._open |= {client, upstream}
             for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+                args = (source, sink, self._closed)
+                threading.Thread(target=pump, args=args, daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while chunk := source.recv(65536):
-                sink.sendall(chunk)
-        except OSError:
-            pass
-        finally:
-            for sock in (source, sink):
-                sock.close()
-            with self._lock:
-                self._open -= {source, sink}
+    def _closed(self, *sockets: socket.socket) -> None:
+        with self._lock:
+            self._open -= set(sockets)
 
 
 class TrafficServer:

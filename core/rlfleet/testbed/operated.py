@@ -19,6 +19,7 @@ import base64
 import contextlib
 import copy
 import functools
+import json
 import logging
 import secrets
 import subprocess
@@ -34,16 +35,18 @@ from rich.logging import RichHandler
 from rlfleet import launch as pods
 from rlfleet.api.meta import API_VERSION
 from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.launch.settings import PoolConfig
 from rlfleet.local import plan
 from rlfleet.local import run as local_run
 from rlfleet.local.files import write_secret
 from rlfleet.local.processes import Supervisor
 from rlfleet.local.run import console
 from rlfleet.testbed.bed import STATE_FILE, Bed, BedInfo, stop_recorded
-from rlfleet.testbed.fleet import HUB, Fleet, TrafficServer, serving_deployment
-from rlfleet.testbed.pods import PodRunner, kube_pods
+from rlfleet.testbed.fleet import GVISOR, HUB, Fleet, TrafficServer, serving_deployment
+from rlfleet.testbed.pods import Pod, PodRunner, kube_pods
 
 POOL = "chat-prod"  # each region's simulated serving fleet
+ENVPOOL = "sandboxes"  # each region's EnvPool, unless the run names its own
 SERVING = "chat-vllm"
 SERVING_REPLICAS, GPUS_PER_REPLICA = 2, 8
 # Requests running: above the pool's reclaimAbove, and under its lendBelow.
@@ -86,13 +89,34 @@ class Spike:
 
 def borrowing(document: dict) -> dict:
     """The RLRun, with each region that names no InferencePool borrowing one replica of
-    the bed's serving fleet there (GPUs are lent a whole replica at a time)."""
+    the bed's serving fleet there (GPUs are lent a whole replica at a time), and its
+    agents acting in each region's EnvPool."""
     borrowed = copy.deepcopy(document)
+    borrowed["spec"]["rollout"].setdefault("envPool", ENVPOOL)
     for region in borrowed["spec"]["rollout"]["regions"]:
         if not region.get("inferencePools"):
             region["inferencePools"] = [POOL]
             region["maxGpus"] = max(region.get("maxGpus", 0), GPUS_PER_REPLICA)
     return borrowed
+
+
+def envpool() -> dict:
+    """Each region's sandboxes: one pod of four warm, bursting a pod of four at a time."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "EnvPool",
+        "metadata": {"name": ENVPOOL},
+        "spec": {
+            "template": {
+                "image": "ghcr.io/rlfleet/env-sandbox:0.1.0",
+                "runtimeClassName": GVISOR["metadata"]["name"],
+            },
+            "warm": 4,
+            "maxBurst": 64,
+            "sessionsPerPod": 4,
+            "idleSeconds": 60,
+        },
+    }
 
 
 def inference_pool(metrics_url: str) -> dict:
@@ -216,9 +240,11 @@ class OperatedPlane:
             kube_pods(bed.kubeconfig, namespace, name),
             [HUB, *self.regions],
             self.supervisor,
+            envpool_for=self._envpool,
         )
         self.binding: Binding | None = None
         self.busy: set[str] = set()
+        self.envpool_urls: dict[str, str] = {}  # region -> its EnvPool's Service (a relay)
 
     def __enter__(self) -> OperatedPlane:
         try:
@@ -244,6 +270,8 @@ class OperatedPlane:
             self.traffic.load[region] = QUIET
             self.apply(region, serving_deployment(SERVING, SERVING_REPLICAS, GPUS_PER_REPLICA))
             self.apply(region, inference_pool(self.traffic.url(region)))
+            fleet.kubectl(region, "apply", "-f", "-", stdin=json.dumps(GVISOR))
+            self.apply(region, envpool())
         fleet.start_all()
         self.apply(HUB, self.document)
         console.print(f"applied RLRun {self.name}; waiting for the hub to mint its NATS user")
@@ -269,6 +297,38 @@ class OperatedPlane:
                 return base64.b64decode(found).decode()
             time.sleep(0.5)
         raise TimeoutError(f"the hub minted no NATS user in {WAIT_S:.0f}s; see its log")
+
+    def _envpool(self, pod: Pod) -> PoolConfig:
+        """A rollout pod's EnvPool, as its environment and token mount give it: the pool's
+        Service (the bed's relay for it) and the run's token, from the Secret the region
+        operator minted (waited for, as the kubelet waits for a Secret volume)."""
+        name = self.document["spec"]["rollout"]["envPool"]
+        token = self.layout.root / f"envpool-{pod.cluster}.token"
+        if not token.exists():
+            secret = pods.envpool_token_secret(self.name)
+            jsonpath = "-o=jsonpath={.data." + pods.ENVPOOL_TOKEN_KEY + "}"
+            deadline = time.monotonic() + WAIT_S
+            while not (
+                found := self.fleet.kubectl(
+                    pod.cluster,
+                    "-n",
+                    self.namespace,
+                    "get",
+                    "secret",
+                    secret,
+                    "--ignore-not-found",
+                    jsonpath,
+                )
+            ):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{pod.cluster} minted no EnvPool token in {WAIT_S:.0f}s")
+                time.sleep(0.5)
+            write_secret(token, base64.b64decode(found).decode())
+        if pod.cluster not in self.envpool_urls:
+            self.envpool_urls[pod.cluster] = self.fleet.sandboxes.service_url(
+                pod.cluster, self.namespace, name
+            )
+        return PoolConfig(url=self.envpool_urls[pod.cluster], token_file=str(token))
 
     def check_alive(self) -> None:
         self.fleet.supervisor.check_alive()  # the operators

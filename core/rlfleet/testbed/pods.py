@@ -21,6 +21,7 @@ import msgspec
 
 from rlfleet.api.meta import COMPONENT_LABEL, RUN_LABEL
 from rlfleet.launch import REGION_ENV
+from rlfleet.launch.settings import PoolConfig
 from rlfleet.local.plan import Process
 from rlfleet.local.processes import Supervisor, free_port
 from rlfleet.local.run import launch
@@ -60,10 +61,13 @@ def live_pods(cluster: str, run: str, items: Iterable[dict]) -> list[Pod]:
     return found
 
 
-def process_for(pod: Pod, plan: dict[str, Process]) -> Process | None:
+def process_for(
+    pod: Pod, plan: dict[str, Process], envpool: PoolConfig | None = None
+) -> Process | None:
     """The local process a pod stands for: the plan's trainer or feed, or its region's
     rollout worker named after the pod (`cluster/pod`, so trajectories say which pod made
-    them), with a metrics port of its own (two pods of a region may run at once)."""
+    them), with a metrics port of its own (two pods of a region may run at once), claiming
+    its sandboxes from `envpool` (its region's EnvPool), if given."""
     if pod.component in ("trainer", "feed"):
         return plan[pod.component]
     template = plan.get(f"rollout-{pod.region}")
@@ -75,7 +79,12 @@ def process_for(pod: Pod, plan: dict[str, Process]) -> Process | None:
         template,
         name=name,
         argv=[*template.argv[:-1], config_path],
-        config=msgspec.structs.replace(template.config, name=pod.key, metrics_port=free_port()),
+        config=msgspec.structs.replace(
+            template.config,
+            name=pod.key,
+            metrics_port=free_port(),
+            **({"envpool": envpool} if envpool else {}),
+        ),
     )
 
 
@@ -108,6 +117,8 @@ class PodRunner:
     clusters: list[str]
     supervisor: Supervisor
     stop_grace_s: float = 30.0
+    # Where a rollout pod's worker claims sandboxes: its region's EnvPool (None: its own).
+    envpool_for: Callable[[Pod], PoolConfig | None] = lambda pod: None
 
     def __post_init__(self) -> None:
         self.running: dict[str, str] = {}  # pod key -> process name
@@ -128,7 +139,9 @@ class PodRunner:
             del self.running[key]  # only now: until it has exited, it still runs
         self.unbound &= set(pods)
         for key in sorted(set(pods) - set(self.running) - self.unbound):
-            process = process_for(pods[key], self.plan)
+            pod = pods[key]
+            envpool = self.envpool_for(pod) if pod.component == "rollout" else None
+            process = process_for(pod, self.plan, envpool)
             if process is None or process.name in self.running.values():
                 # A region the plan lacks, or a second trainer replica: one machine runs one.
                 log.warning("pod %s gets no local process of its own", key)

@@ -151,14 +151,14 @@ class SandboxKubelet:
         (container,) = pod["spec"]["containers"]
         return json.loads(container["command"][-1])["port"]
 
-    def service_url(self, cluster: str, namespace: str, envpool: str, port: int) -> str:
+    def service_url(self, cluster: str, namespace: str, envpool: str) -> str:
         """A relay standing in for the pool's Service: each connection to the next of its
         ready pods, in turn."""
 
         def endpoints() -> list[tuple[str, int]]:
             with self._lock:
                 return [
-                    (pod["status"]["podIP"], port)
+                    (pod["status"]["podIP"], self.port(pod))
                     for key, (_, pod) in sorted(self.running.items())
                     if key in self.ready
                     and key.startswith(f"{cluster}/{namespace}/")
@@ -213,13 +213,19 @@ class Relay:
                 continue
             upstream.settimeout(None)
             for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+                threading.Thread(target=pump, args=(source, sink), daemon=True).start()
 
     def close(self) -> None:
         self.listener.close()
 
 
-def _pump(source: socket.socket, sink: socket.socket) -> None:
+def pump(
+    source: socket.socket,
+    sink: socket.socket,
+    closed: Callable[[socket.socket, socket.socket], None] | None = None,
+) -> None:
+    """Copies one direction of a relayed connection until either end closes, then closes
+    both (and tells `closed`)."""
     try:
         while chunk := source.recv(65536):
             sink.sendall(chunk)
@@ -228,6 +234,8 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
     finally:
         for sock in (source, sink):
             sock.close()
+        if closed is not None:
+            closed(source, sink)
 
 
 def _answers(ip: str, port: int) -> bool:
