@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -29,7 +30,14 @@ from rlfleet.api.wire import Environment
 from rlfleet.launch.settings import Limits, ServerConfig
 from rlfleet.local.processes import free_port
 from rlfleet.rollout import envsessions, tools
-from rlfleet.rollout.envclient import ClaimTimeout, EnvClient, EnvServerError, LocalServer
+from rlfleet.rollout.envclient import (
+    LOCAL_POOLS,
+    ClaimTimeout,
+    EnvClient,
+    EnvServerError,
+    LocalServer,
+    local_server,
+)
 from rlfleet.rollout.sandbox import SandboxClosed
 from rlfleet.testbed.sandboxes import Relay
 
@@ -402,6 +410,29 @@ def test_a_client_killed_with_claims_held_lets_them_lapse(small: Served) -> None
 
 
 SETUP = "mkdir -p lib && python3 -c 'print(6 * 7)' > lib/built.txt && cat seed.txt >> lib/built.txt"
+
+
+def test_a_local_pool_removes_what_a_killed_one_left_behind() -> None:
+    """A process killed with its local pool never removes the pool's folder (its token,
+    its environments): the next local pool on the machine does."""
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    Path(LOCAL_POOLS).mkdir(mode=0o700, parents=True, exist_ok=True)
+    left = Path(tempfile.mkdtemp(prefix=f"pool-{dead.stdout.strip()}-", dir=LOCAL_POOLS))
+    (left / "tokens.json").write_text("{}")
+    with local_server(LIMITS, max_sessions=1, warm=0):
+        assert not left.exists()
+        mine = [
+            home
+            for home in Path(LOCAL_POOLS).iterdir()
+            if home.name.startswith(f"pool-{os.getpid()}-")
+        ]
+        assert len(mine) == 1
+    assert not mine[0].exists()
 
 
 def test_a_server_whose_sandboxes_could_not_reach_their_trees_refuses_to_start(

@@ -317,6 +317,15 @@ class NoPool(RuntimeError):
     """No environment pool: none configured, and this process cannot run sandboxes."""
 
 
+def _forget_dead_pools(pools: Path) -> None:
+    """Removes the folders (a token, environments) of local pools whose process is gone:
+    one killed (a worker's SIGKILL, a test's) never removed its own."""
+    for home in pools.glob("pool-*-*"):
+        pid = home.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(home, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def local_server(
     limits: Limits = DEFAULT_LIMITS, max_sessions: int = 64, warm: int = 8
@@ -329,7 +338,8 @@ def local_server(
     if max_sessions > _UID_STRIDE:
         raise ValueError(f"a local pool holds at most {_UID_STRIDE} sessions")
     Path(LOCAL_POOLS).mkdir(mode=0o700, parents=True, exist_ok=True)
-    home = Path(tempfile.mkdtemp(prefix="pool-", dir=LOCAL_POOLS))
+    _forget_dead_pools(Path(LOCAL_POOLS))
+    home = Path(tempfile.mkdtemp(prefix=f"pool-{os.getpid()}-", dir=LOCAL_POOLS))
     token = secrets.token_urlsafe(24)
     tokens = home / "tokens.json"
     tokens.write_text(json.dumps({"local": token}))
