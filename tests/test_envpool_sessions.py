@@ -36,6 +36,7 @@ from rlfleet.rollout.envclient import (
     EnvClient,
     EnvServerError,
     LocalServer,
+    _endpoint,
     local_server,
 )
 from rlfleet.rollout.sandbox import SandboxClosed
@@ -410,6 +411,47 @@ def test_a_client_killed_with_claims_held_lets_them_lapse(small: Served) -> None
 
 
 SETUP = "mkdir -p lib && python3 -c 'print(6 * 7)' > lib/built.txt && cat seed.txt >> lib/built.txt"
+
+
+def test_a_claim_refused_for_its_token_reads_it_again_until_its_deadline(
+    served: Served, tmp_path: Path
+) -> None:
+    """A new run's token reaches its pool's servers a little after its pods start, and a
+    rotated one replaces the mounted file: a refused claim asks again, with the token read
+    again, until its deadline; then it fails, saying why."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKENS["run-a"] + "\n")
+
+    async def claims() -> None:
+        stale = "s" * 24
+        refreshing = EnvClient(served.url, stale, token_file=str(token_file))
+        async with refreshing as env, await env.create(None) as sandbox:
+            reply = await sandbox.call({"tool": "run", "command": "echo in"})
+            assert reply["output"] == "in\n"
+        async with EnvClient(served.url, stale, claim_seconds=1.5) as env:
+            with pytest.raises(EnvServerError) as refused:
+                await env.create(None)
+            assert refused.value.status == 401
+
+    asyncio.run(claims())
+
+
+def test_a_client_follows_only_an_endpoint_a_server_could_name() -> None:
+    """A reply's `endpoint` gets the run's token and every call of its session: it must be
+    an address and port, as a server advertises itself, or the pool's URL is used."""
+    assert _endpoint("http://10.1.2.3:8080") == "http://10.1.2.3:8080"
+    assert _endpoint("http://[fd00::5]:8080") == "http://[fd00::5]:8080"
+    for odd in (
+        "http://evil.example:8080",
+        "https://10.1.2.3:8080",
+        "http://10.1.2.3:80/x",
+        "",
+        None,
+        7,
+    ):
+        assert _endpoint(odd) == ""
+    assert envsessions._bracketed("http://fd00::5:8080") == "http://[fd00::5]:8080"
+    assert envsessions._bracketed("http://10.1.2.3:8080") == "http://10.1.2.3:8080"
 
 
 def test_a_local_pool_removes_what_a_killed_one_left_behind() -> None:

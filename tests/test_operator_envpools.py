@@ -36,7 +36,10 @@ def worlds(draw):
     for i in range(draw(st.integers(0, 12))):
         if draw(st.booleans()):
             claimed = draw(st.integers(0, per))
-            servers.append(ServerSeen(f"p{i}", ready=per - claimed, claimed=claimed))
+            waiting = draw(st.integers(0, 8)) if claimed == per else 0
+            servers.append(
+                ServerSeen(f"p{i}", ready=per - claimed, claimed=claimed, waiting=waiting)
+            )
         else:
             servers.append(ServerSeen(f"p{i}"))  # starting, or not answering
     replicas = draw(st.integers(len(servers), len(servers) + 3))
@@ -49,15 +52,19 @@ def test_a_pool_never_leaves_its_bounds_nor_scales_away_a_pod_holding_claims(wor
     spec, servers, replicas, idle = world
     plan = plan_pool(spec, servers, replicas, idle, NOW)
     per = spec.sessions_per_pod
+    assert plan.replicas >= 1  # a pool with no server would never see a claim
     assert floor_pods(spec) <= plan.replicas or plan.replicas == replicas
     assert plan.replicas <= max(replicas, math.ceil(spec.max_burst / per))
-    holding = sum(1 for s in servers if s.claimed)
+    # Never below the pods that hold claims, or might (they did not answer).
+    holding = sum(1 for s in servers if s.claimed or not s.answered)
     assert plan.replicas >= min(holding, math.ceil(spec.max_burst / per))
-    # Room for warm beside the claims, as far as maxBurst allows, at once.
+    # Room for warm beside the claims and the queued ones, as far as maxBurst allows, at once.
     claimed = sum(s.claimed for s in servers)
-    assert plan.replicas * per >= min(spec.max_burst, claimed + spec.warm) - per + 1
+    demand = claimed + sum(s.waiting for s in servers) + spec.warm
+    assert plan.replicas * per >= min(spec.max_burst, demand) - per + 1
     assert plan.claimed == claimed
-    assert plan.deletion_costs == {s.pod: s.claimed for s in servers}
+    # Idle pods go first; a pod that did not answer keeps whatever cost it had.
+    assert plan.deletion_costs == {s.pod: int(s.claimed > 0) for s in servers if s.answered}
 
 
 @given(worlds())
@@ -86,6 +93,13 @@ def test_a_burst_grows_at_once_and_scales_back_after_idle_seconds() -> None:
     busy = [ServerSeen("a", ready=0, claimed=4), ServerSeen("b", ready=2, claimed=2)]
     grown = plan_pool(spec, busy, 2, None, NOW)
     assert grown.replicas == 3 and grown.bursting == 8 and grown.warming == 4
+    # Claims queued at a full server are demand too: with nothing warm wanted, a pool of
+    # one full pod grows only for them.
+    lean = spec.model_copy(update={"warm": 0})
+    full = [ServerSeen("a", ready=0, claimed=4)]
+    assert plan_pool(lean, full, 1, None, NOW).replicas == 1
+    queued = [ServerSeen("a", ready=0, claimed=4, waiting=5)]
+    assert plan_pool(lean, queued, 1, None, NOW).replicas == 3
     quiet = [ServerSeen("a", ready=4), ServerSeen("b", ready=4), ServerSeen("c", ready=4)]
     waiting = plan_pool(spec, quiet, 3, None, NOW)
     assert (waiting.replicas, waiting.idle_since) == (3, NOW)

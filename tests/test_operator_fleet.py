@@ -550,7 +550,7 @@ def test_an_envpool_serves_the_runs_claims_bursts_past_warm_and_scales_back(
     url = world.fleet.sandboxes.service_url(region, world.ns, pool)
 
     async def burst() -> None:
-        async with EnvClient(url, "not-" + token) as stranger:
+        async with EnvClient(url, "not-" + token, claim_seconds=2) as stranger:
             with pytest.raises(EnvServerError) as refused:
                 await stranger.create(None)
             assert refused.value.status == 401

@@ -72,7 +72,10 @@ class EnvPoolSpec(ApiModel):
     )
 
     template: SandboxTemplate
-    warm: Annotated[int, Field(ge=0, le=100000, description="Sandboxes kept ready for claims.")] = 0
+    warm: Annotated[
+        int,
+        Field(ge=0, le=100000, description="Sandboxes kept ready for claims, on one pod at least."),
+    ] = 0
     max_burst: Annotated[
         int, Field(ge=1, le=100000, description="The most sandboxes, claimed and ready.")
     ]

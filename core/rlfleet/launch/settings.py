@@ -193,7 +193,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     their defaults."""
 
     tokens_file: str  # JSON {run: token}, re-read when it changes
-    host: str = "127.0.0.1"
+    host: str | None = "127.0.0.1"  # None: every address
     port: int = 0  # 0: any free port, printed when listening
     # One folder per named environment snapshot the image provides; each run's own builds
     # go under it too. Outside private_dirs: sandboxes fork from it once those are covered.

@@ -3,13 +3,16 @@
 Each pod is one session server (`rlfleet.rollout.envsessions`) holding up to
 `sessionsPerPod` sandboxes, all of its free ones kept warm. The operator reads every
 server's `/healthz` and sizes the Deployment so that `warm` sandboxes are free beside the
-claimed ones, within `maxBurst`:
+claimed ones and the claims queued at full servers, within `maxBurst`, on one pod at
+least (a pool with no server could not see a claim):
 
 - it grows at once: a claim that waits is an attempt that may fail;
 - it shrinks only after the pool has wanted fewer pods for `idleSeconds` (a burst that
-  ends and starts again does not churn pods), and never below the pods that hold claims;
-- the pods that hold the fewest claims go first: each pod's deletion cost is its claims,
-  so the ReplicaSet removes idle servers, not sessions in use.
+  ends and starts again does not churn pods), and never below the pods that hold claims
+  or might (a server that did not answer);
+- idle pods go first: a pod's deletion cost is 1 while it holds claims and 0 when not
+  (a bucket, so the annotation changes when a pod falls idle, not with every claim), so
+  the ReplicaSet removes idle servers, not sessions in use.
 
 A pod that does not answer counts as warming: it is starting, or its server is stuck, and
 either way it serves no claim now.
@@ -35,6 +38,7 @@ class ServerSeen:
     ready: int | None = None  # warm sandboxes waiting for a claim
     warming: int = 0
     claimed: int = 0  # live sessions
+    waiting: int = 0  # claims queued for a slot
 
     @property
     def answered(self) -> bool:
@@ -49,12 +53,12 @@ class PoolPlan:
     claimed: int
     warming: int
     bursting: int  # sandboxes of room above the warm floor's pods, grown for demand
-    deletion_costs: dict[str, int]  # pod -> its claims
+    deletion_costs: dict[str, int]  # answering pod -> 1 if it holds claims, else 0
 
 
 def floor_pods(spec: EnvPoolSpec) -> int:
-    """The pods that hold `warm` sandboxes, with nothing claimed."""
-    return math.ceil(spec.warm / spec.sessions_per_pod)
+    """The pods that hold `warm` sandboxes, with nothing claimed; one at least."""
+    return max(1, math.ceil(spec.warm / spec.sessions_per_pod))
 
 
 def plan_pool(
@@ -67,9 +71,11 @@ def plan_pool(
     """The replicas for the pool's Deployment (now at `replicas`), and its status."""
     per = spec.sessions_per_pod
     claimed = sum(s.claimed for s in servers)
+    demand = claimed + sum(s.waiting for s in servers) + spec.warm
     ceiling = math.ceil(spec.max_burst / per)
-    wanted = math.ceil(min(spec.max_burst, claimed + spec.warm) / per)
-    holding = sum(1 for s in servers if s.claimed)  # scaling one away would end sessions
+    wanted = math.ceil(min(spec.max_burst, demand) / per)
+    # Scaling one of these away would end sessions, or might.
+    holding = sum(1 for s in servers if s.claimed or not s.answered)
     wanted = min(ceiling, max(wanted, floor_pods(spec), holding))
     if wanted >= replicas:
         target, idle_since = wanted, None
@@ -89,5 +95,5 @@ def plan_pool(
         warming=sum(s.warming for s in servers)
         + per * (len(silent) + max(0, target - len(servers))),
         bursting=per * max(0, target - floor_pods(spec)),
-        deletion_costs={s.pod: s.claimed for s in servers},
+        deletion_costs={s.pod: int(s.claimed > 0) for s in servers if s.answered},
     )

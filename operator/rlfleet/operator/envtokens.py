@@ -1,6 +1,7 @@
 """Each run's bearer token for its EnvPool, minted by the region operator.
 
-A token is an HMAC of the run's namespace, pool and name under one key, the region's,
+A token is an HMAC of the run's namespace, pool, name and uid (its mirror's, in this
+region) under one key, the region's,
 kept in a Secret in the operator's own namespace (made on first use). So the operator
 writes the tokens it mints (the run's Secret for its rollout pods, the pool's for its
 servers) without reading any Secret but that one, and a restart mints the same tokens.
@@ -46,7 +47,9 @@ class TokenMint:
                 self._key = base64.b64decode(found["data"][KEY_FIELD])
             return self._key
 
-    def token(self, namespace: str, envpool: str, run: str) -> str:
-        message = f"{namespace}/{envpool}/{run}".encode()
+    def token(self, namespace: str, envpool: str, run: str, uid: str) -> str:
+        """The run's token: bound to its uid too, so a run made again under the same name
+        gets another (a leaked token dies with its run)."""
+        message = f"{namespace}/{envpool}/{run}/{uid}".encode()
         digest = hmac.new(self.key(), message, hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).decode().rstrip("=")

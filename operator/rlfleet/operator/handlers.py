@@ -172,4 +172,5 @@ def _region(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube
     @_level_driven(_kind(registry, "envpools"), every)
     def reconcile_envpool(body: kopf.Body, namespace: str, name: str, uid: str, **_) -> None:
         with locks.of(uid), telemetry.reconciling("EnvPool", namespace, name):
-            region.reconcile_envpool(dict(body))
+            events = region.reconcile_envpool(dict(body))
+        _post(body, events)

@@ -22,6 +22,8 @@ from datetime import datetime
 from functools import partial
 
 import httpx
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
 
 from rlfleet.api.envpool import EnvPoolSpec, EnvPoolStatus
 from rlfleet.api.inferencepool import InferencePoolSpec, InferencePoolStatus, LentToRun
@@ -282,7 +284,8 @@ class Region:
             self.local.apply(spec_config_map(run))
             envpool = RLRunSpec.model_validate(run["spec"]).rollout.env_pool
             if envpool:
-                self.local.apply(envpool_token(run, self.mint.token(namespace, envpool, name)))
+                token = self.mint.token(namespace, envpool, name, meta["uid"])
+                self.local.apply(envpool_token(run, token))
         demand = self._demand(run)
         # Every mirror's report reads the same two lists: share one fetch per half resync.
         fresh_s = self.config.resync_seconds / 2
@@ -522,13 +525,21 @@ class Region:
 
     # --- sandboxes --------------------------------------------------------------------
 
-    def reconcile_envpool(self, envpool: dict) -> None:
+    def reconcile_envpool(self, envpool: dict) -> list[Event]:
         """Sizes the pool's servers from what they say (`envpools.plan_pool`), records the
-        plan in its status, then acts: its objects, and each pod's deletion cost."""
+        plan in its status, then acts: each pod's deletion cost (idle ones go first), then
+        its objects. Returns the events to post."""
         meta = envpool["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        spec = EnvPoolSpec.model_validate(envpool["spec"])
         old = EnvPoolStatus.model_validate(envpool.get("status") or {})
+        generation = meta.get("generation", 0)
+        try:
+            spec = EnvPoolSpec.model_validate(envpool["spec"])
+        except ValidationError as error:  # stored before the schema asked for it
+            problems = [f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()]
+            ready, told = invalid_spec(old.conditions, problems, generation)
+            self.local.write_status(envpool, EnvPoolStatus(conditions=[ready]))
+            return told
         pods = [
             p
             for p in self._pods(namespace, {ENVPOOL_LABEL: name})
@@ -538,8 +549,14 @@ class Region:
         replicas = deployment["spec"]["replicas"] if deployment else 0
         servers = at_once([partial(self._probe, p) for p in pods]) if pods else []
         plan = plan_pool(spec, servers, replicas, parse_time(old.idle_since), now())
+        serving = any(s.answered for s in servers)
+        reason, message = (
+            ("Serving", "") if serving else ("Warming", "no session server answers yet")
+        )
+        ready = condition(old.conditions, "Ready", serving, reason, message, generation)
         status = EnvPoolStatus(
-            observed_generation=meta.get("generation", 0),
+            observed_generation=generation,
+            conditions=[ready],
             pods=len(pods),
             ready=plan.ready,
             claimed=plan.claimed,
@@ -548,21 +565,29 @@ class Region:
             idle_since=timestamp(plan.idle_since) if plan.idle_since else None,
         )
         self.local.write_status(envpool, status)
-        runs = sorted(
-            r["metadata"]["name"]
+        for pod in pods:
+            cost = plan.deletion_costs.get(pod["metadata"]["name"])
+            if cost is not None and pod["metadata"].get("annotations", {}).get(
+                DELETION_COST
+            ) != str(cost):
+                self._annotate(pod, {DELETION_COST: str(cost)})
+        runs = {
+            r["metadata"]["name"]: r["metadata"]["uid"]
             for r in self._runs(namespace)
             if (r["spec"].get("rollout") or {}).get("envPool") == name
             and not r["metadata"].get("deletionTimestamp")
-        )
-        tokens = {run: self.mint.token(namespace, name, run) for run in runs}
+        }
+        tokens = {run: self.mint.token(namespace, name, run, uid) for run, uid in runs.items()}
         for manifest in envpool_objects(envpool, plan.replicas, tokens, self.config.namespace):
             self.local.apply(manifest)
-        for pod in pods:
-            cost = str(plan.deletion_costs.get(pod["metadata"]["name"], 0))
-            if pod["metadata"].get("annotations", {}).get(DELETION_COST) != cost:
-                self.local.merge_patch(
-                    Ref.of(pod), {"metadata": {"annotations": {DELETION_COST: cost}}}
-                )
+        return []
+
+    def _annotate(self, pod: dict, annotations: dict[str, str]) -> None:
+        try:
+            self.local.merge_patch(Ref.of(pod), {"metadata": {"annotations": annotations}})
+        except ApiException as error:
+            if error.status != 404:  # gone since it was listed: nothing to mark
+                raise
 
     def _probe(self, pod: dict) -> ServerSeen:
         """A sandbox pod's server, as its `/healthz` says (nothing, if it does not)."""
@@ -579,6 +604,7 @@ class Region:
                 ready=int(health["ready"]),
                 warming=int(health["warming"]),
                 claimed=int(health["sessions"]),
+                waiting=int(health["waiting"]),
             )
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return ServerSeen(name)

@@ -8,6 +8,7 @@ by that region's mirror of the run.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from pathlib import Path
@@ -543,6 +544,12 @@ def _with_envpool(pod: dict, run: dict, envpool: str) -> dict:
     return pod
 
 
+def _secret_data(values: dict[str, str]) -> dict[str, str]:
+    """A Secret's `data` (base64): what a server-side apply owns field by field, where
+    `stringData` is only written through."""
+    return {key: base64.b64encode(value.encode()).decode() for key, value in values.items()}
+
+
 def envpool_token(run: dict, token: str) -> dict:
     """A run's bearer token for its EnvPool, beside its mirror (which owns it)."""
     name = run["metadata"]["name"]
@@ -551,7 +558,7 @@ def envpool_token(run: dict, token: str) -> dict:
         "kind": "Secret",
         "metadata": _meta(run, launch.envpool_token_secret(name), {RUN_LABEL: name}),
         "type": "Opaque",
-        "stringData": {launch.ENVPOOL_TOKEN_KEY: token},
+        "data": _secret_data({launch.ENVPOOL_TOKEN_KEY: token}),
     }
 
 
@@ -562,7 +569,7 @@ def envpool_server(spec: EnvPoolSpec) -> ServerConfig:
     limits = spec.limits
     return ServerConfig(
         tokens_file=f"{ENVPOOL_TOKENS_DIR}/{ENVPOOL_TOKENS_KEY}",
-        host="0.0.0.0",
+        host=None,  # every address, IPv4 and IPv6
         port=ENVPOOL_PORT,
         snapshots_dir=f"{ENVPOOL_STATE_DIR}/snapshots",
         mounts_dir=f"{ENVPOOL_STATE_DIR}/sandboxes",
@@ -635,7 +642,11 @@ def envpool_objects(
         ],
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         "volumes": [
-            {"name": "tokens", "secret": {"secretName": envpool_tokens_secret(name)}},
+            # Root's alone: a sandbox's uid must not read any run's token.
+            {
+                "name": "tokens",
+                "secret": {"secretName": envpool_tokens_secret(name), "defaultMode": 0o400},
+            },
             {"name": "state", "emptyDir": {}},
             {"name": "tmp", "emptyDir": {}},
         ],
@@ -656,7 +667,7 @@ def envpool_objects(
         "kind": "Secret",
         "metadata": _meta(envpool, envpool_tokens_secret(name), labels),
         "type": "Opaque",
-        "stringData": {ENVPOOL_TOKENS_KEY: json.dumps(tokens, sort_keys=True)},
+        "data": _secret_data({ENVPOOL_TOKENS_KEY: json.dumps(tokens, sort_keys=True)}),
     }
     callers = (
         [

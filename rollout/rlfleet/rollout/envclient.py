@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -62,6 +63,19 @@ def _error(response: httpx.Response) -> dict:
         return {"message": response.text[:300]}
 
 
+def _endpoint(url: object) -> str:
+    """The server a reply names, if it names one as a server names itself (`http://` and
+    an IP address and port, nothing more), else "": the pool's URL."""
+    if not isinstance(url, str):
+        return ""
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return ""
+    return url if url.startswith("http://") and port.isdigit() else ""
+
+
 def _start_files(start: Path | Mapping[str, bytes]) -> dict[str, str]:
     """A starting tree as the server takes it: every regular file, base64 (links skipped)."""
     if isinstance(start, Mapping):
@@ -89,7 +103,9 @@ class EnvClient:
         create_seconds: float = 60.0,
         claim_seconds: float = 30.0,
         retry_seconds: float = 1.0,
+        token_file: str | None = None,
     ):
+        self.token_file = token_file  # re-read when a claim is refused: a rotated token
         self.create_seconds = create_seconds  # writing a tree in and starting its server
         self.claim_seconds = claim_seconds  # the longest a claim waits for capacity
         self.retry_seconds = retry_seconds  # a claim's wait at one server
@@ -118,8 +134,11 @@ class EnvClient:
         `claim_seconds`.
 
         Behind a Service each claim is a connection of its own, so the Service spreads
-        claims over the pool's servers, and a claim that finds its server full asks again
-        every `retry_seconds` (landing on another) until its deadline."""
+        claims over the pool's servers, and a claim asks again every `retry_seconds`
+        (landing on another) until its deadline when its server is full, when none took
+        the connection (one starting or going away), or when the token is refused (a new
+        run's token reaches the pool's servers within a resync and a Secret refresh; a
+        rotated one is read again from `token_file`)."""
         body: dict = {}
         if limits is not None:
             body["limits"] = msgspec.to_builtins(limits)
@@ -133,16 +152,21 @@ class EnvClient:
             wait = max(0.0, min(self.retry_seconds, deadline - clock()))
             try:
                 response = await self._claim("", body | {"wait_seconds": wait})
-            except httpx.TransportError:
-                # A server going away, or not yet up, behind the Service: ask the next.
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError):
+                # Not a read timeout: a server may have made a session this claim never saw.
                 if clock() >= deadline:
                     raise
+                await asyncio.sleep(min(self.retry_seconds, max(0.0, deadline - clock())))
+                continue
+            if response.status_code == 401 and clock() < deadline:
+                if self.token_file is not None:
+                    self._http.headers["Authorization"] = f"Bearer {_read_token(self.token_file)}"
                 await asyncio.sleep(min(self.retry_seconds, max(0.0, deadline - clock())))
                 continue
             error = _error(response) if response.status_code != 201 else {}
             if error.get("type") == "snapshot_missing" and snapshot in self._environments:
                 # That server never built it, or evicted it: build it there, and claim there.
-                server = error.get("endpoint") or ""
+                server = _endpoint(error.get("endpoint"))
                 self._ready.discard((server, snapshot))
                 await self._build(server, self._environments[snapshot])
                 response = await self._claim(server, body | {"wait_seconds": wait})
@@ -155,7 +179,7 @@ class EnvClient:
         if response.status_code != 201:
             _raise(response)
         reply = response.json()
-        server = reply.get("endpoint") or ""
+        server = _endpoint(reply.get("endpoint"))
         sandbox = RemoteSandbox(self, reply["id"], server, msgspec.convert(reply["limits"], Limits))
         self.held[sandbox.id] = server
         if self._renewing is None or self._renewing.done():
@@ -378,7 +402,9 @@ async def pool(
     session and its grading), else None, and tools fail their attempts saying why."""
     if config is not None:
         token = _read_token(config.token_file)
-        async with EnvClient(config.url, token, claim_seconds=config.claim_seconds) as client:
+        async with EnvClient(
+            config.url, token, claim_seconds=config.claim_seconds, token_file=config.token_file
+        ) as client:
             yield client
         return
     async with contextlib.AsyncExitStack() as stack:

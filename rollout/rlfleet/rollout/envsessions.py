@@ -20,7 +20,8 @@ run to the token the operator minted for it (a Secret's file, re-read when it ch
 A session belongs to the run that created it. Errors are `{"error": {"message", "type",
 "param"}}`, `param` naming the offending field.
 
-    GET    /healthz                -> 200 {"sessions": n, "ready": n, "warming": n, ...}
+    GET    /healthz                -> 200 {"sessions": n, "ready": n, "warming": n,
+                                   "waiting": n (claims queued for capacity), ...}
     POST   /v1/sessions            a claim: {"files": {path: base64}} and/or {"snapshot":
                                    name}, optionally "limits" (each at most the server's)
                                    and "wait_seconds" (for capacity; the server's
@@ -252,6 +253,8 @@ class Server:
         self.capacity = asyncio.Semaphore(config["max_sessions"])  # one per free slot
         self.ready: list[Sandbox] = []  # warm, waiting for a claim
         self.warming = 0
+        self.waiting = 0  # claims waiting for capacity: demand the pool does not hold yet
+        self.advertise = _bracketed(config["advertise"])
         self.counts = {
             "claims": 0,
             "cold_claims": 0,
@@ -335,6 +338,7 @@ class Server:
             "sessions": len(self.sessions),
             "ready": len(self.ready),
             "warming": self.warming,
+            "waiting": self.waiting,
             "max_sessions": self.config["max_sessions"],
             **self.counts,
         }
@@ -433,10 +437,12 @@ class Server:
         session.snapshot = snapshot
         lease = self.config["lease_seconds"]
         # Behind a Service that spreads claims over pods: where this session lives.
-        endpoint = self.config["advertise"]
+        endpoint = self.advertise
         return {"id": session.id, "limits": limits, "lease_seconds": lease, "endpoint": endpoint}
 
     async def _claim(self, run, limits, files, snapshot, wait) -> Session:
+        queued = int(self.capacity.locked())  # no slot free: demand this server lacks room for
+        self.waiting += queued
         try:
             await asyncio.wait_for(self.capacity.acquire(), wait or 1e-6)
         except TimeoutError:
@@ -446,6 +452,8 @@ class Server:
                 f"({len(self.sessions)})",
                 "capacity_error",
             ) from None
+        finally:
+            self.waiting -= queued
         slot = self.free_slots.pop()
         sandbox = None
         while self.ready and sandbox is None:
@@ -567,7 +575,7 @@ class Server:
             f"no snapshot named {name!r} on this server",
             "snapshot_missing",
             "snapshot",
-            endpoint=self.config["advertise"],
+            endpoint=self.advertise,
         )
 
     async def _build(self, run: str, name: str, body: dict):
@@ -740,6 +748,16 @@ def _mountpoint(parent: Path) -> Path:
     path = Path(tempfile.mkdtemp(prefix="sandbox-", dir=parent))
     path.chmod(0o755)
     return path
+
+
+def _bracketed(url: str) -> str:
+    """`advertise` with an IPv6 address in brackets, as a URL needs it: the kubelet fills
+    `$(POD_IP)` in with the bare address either way."""
+    scheme, sep, rest = url.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if sep and colon and ":" in host and not host.startswith("["):
+        return f"{scheme}://[{host}]:{port}"
+    return url
 
 
 def _only(method: str, allowed: str, path: str) -> None:
