@@ -600,67 +600,12 @@ def envpool_objects(
     name = envpool["metadata"]["name"]
     spec = EnvPoolSpec.model_validate(envpool["spec"])
     labels = {ENVPOOL_LABEL: name, COMPONENT_LABEL: "sandbox"}
-    per = spec.sessions_per_pod
-    size = {
-        "cpu": _times(spec.limits.cpu, per),
-        "memory": _times(spec.limits.memory, per),
-        "ephemeral-storage": _times(spec.limits.ephemeral_storage, per),
-    }
-    server = json.dumps(msgspec.to_builtins(envpool_server(spec)), sort_keys=True)
-    probe = {"httpGet": {"path": "/healthz", "port": ENVPOOL_PORT_NAME}, "periodSeconds": 5}
-    pod: dict[str, Any] = {
-        "enableServiceLinks": False,
-        "automountServiceAccountToken": False,
-        "runtimeClassName": spec.template.runtime_class_name,
-        "containers": [
-            {
-                "name": "sandbox",
-                "image": spec.template.image,
-                "command": ["python", "-I", ENVPOOL_SERVER, server],
-                "env": [
-                    {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
-                ],
-                "ports": [{"name": ENVPOOL_PORT_NAME, "containerPort": ENVPOOL_PORT}],
-                "readinessProbe": probe,
-                "livenessProbe": probe | {"periodSeconds": 20, "failureThreshold": 6},
-                "resources": {"limits": size, "requests": size},
-                "volumeMounts": [
-                    {"name": "tokens", "mountPath": ENVPOOL_TOKENS_DIR, "readOnly": True},
-                    {"name": "state", "mountPath": ENVPOOL_STATE_DIR},
-                    {"name": "tmp", "mountPath": "/tmp"},
-                ],
-                # Root, to make each sandbox's namespaces, mounts and uid; sound only in the
-                # VM of the pool's runtimeClass (required), whose kernel is the pod's alone.
-                "securityContext": {
-                    "runAsUser": 0,
-                    "runAsNonRoot": False,
-                    "allowPrivilegeEscalation": False,
-                    "readOnlyRootFilesystem": True,
-                    "capabilities": {"drop": ["ALL"], "add": SANDBOX_CAPABILITIES},
-                },
-            }
-        ],
-        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-        "volumes": [
-            # Root's alone: a sandbox's uid must not read any run's token.
-            {
-                "name": "tokens",
-                "secret": {"secretName": envpool_tokens_secret(name), "defaultMode": 0o400},
-            },
-            {"name": "state", "emptyDir": {}},
-            {"name": "tmp", "emptyDir": {}},
-        ],
-    }
+    port = {"name": ENVPOOL_PORT_NAME, "port": ENVPOOL_PORT, "targetPort": ENVPOOL_PORT_NAME}
     service = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(envpool, envpool_service(name), labels),
-        "spec": {
-            "selector": labels,
-            "ports": [
-                {"name": ENVPOOL_PORT_NAME, "port": ENVPOOL_PORT, "targetPort": ENVPOOL_PORT_NAME}
-            ],
-        },
+        "spec": {"selector": labels, "ports": [port]},
     }
     secret = {
         "apiVersion": "v1",
@@ -669,42 +614,97 @@ def envpool_objects(
         "type": "Opaque",
         "data": _secret_data({ENVPOOL_TOKENS_KEY: json.dumps(tokens, sort_keys=True)}),
     }
-    callers = (
-        [
-            {
-                "podSelector": {
-                    "matchLabels": {COMPONENT_LABEL: "rollout"},
-                    "matchExpressions": [
-                        {"key": RUN_LABEL, "operator": "In", "values": sorted(tokens)}
-                    ],
-                }
-            }
-        ]
-        if tokens
-        else []
-    )
-    prober = {
-        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}}
-    }
-    policy: dict[str, Any] = {
-        "podSelector": {"matchLabels": labels},
-        "policyTypes": ["Ingress"],
-        "ingress": [{"from": [*callers, prober], "ports": [{"port": ENVPOOL_PORT}]}],
-    }
-    if spec.network.egress == "Deny":
-        policy |= {"policyTypes": ["Ingress", "Egress"], "egress": []}
     network = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _meta(envpool, envpool_service(name), labels),
-        "spec": policy,
+        "spec": _envpool_policy(spec, labels, sorted(tokens), operator_namespace),
     }
+    pod = _envpool_pod(spec, name)
     return [
         secret,
         _deployment(envpool, envpool_service(name), labels, replicas, pod),
         service,
         network,
     ]
+
+
+def _envpool_pod(spec: EnvPoolSpec, name: str) -> dict:
+    """One session server: root, to make each sandbox's namespaces, mounts and uid, which
+    is sound only in the VM of the pool's runtimeClass (required), whose kernel is the
+    pod's alone; no ServiceAccount token; a read-only root, its state on emptyDirs."""
+    per = spec.sessions_per_pod
+    size = {
+        "cpu": _times(spec.limits.cpu, per),
+        "memory": _times(spec.limits.memory, per),
+        "ephemeral-storage": _times(spec.limits.ephemeral_storage, per),
+    }
+    server = json.dumps(msgspec.to_builtins(envpool_server(spec)), sort_keys=True)
+    probe = {"httpGet": {"path": "/healthz", "port": ENVPOOL_PORT_NAME}, "periodSeconds": 5}
+    container = {
+        "name": "sandbox",
+        "image": spec.template.image,
+        "command": ["python", "-I", ENVPOOL_SERVER, server],
+        "env": [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "ports": [{"name": ENVPOOL_PORT_NAME, "containerPort": ENVPOOL_PORT}],
+        "readinessProbe": probe,
+        "livenessProbe": probe | {"periodSeconds": 20, "failureThreshold": 6},
+        "resources": {"limits": size, "requests": size},
+        "volumeMounts": [
+            {"name": "tokens", "mountPath": ENVPOOL_TOKENS_DIR, "readOnly": True},
+            {"name": "state", "mountPath": ENVPOOL_STATE_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": {
+            "runAsUser": 0,
+            "runAsNonRoot": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"], "add": SANDBOX_CAPABILITIES},
+        },
+    }
+    # Root's alone: a sandbox's uid must not read any run's token.
+    tokens = {"secretName": envpool_tokens_secret(name), "defaultMode": 0o400}
+    return {
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "runtimeClassName": spec.template.runtime_class_name,
+        "containers": [container],
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "volumes": [
+            {"name": "tokens", "secret": tokens},
+            {"name": "state", "emptyDir": {}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+    }
+
+
+def _envpool_policy(
+    spec: EnvPoolSpec, labels: dict[str, str], runs: list[str], operator_namespace: str
+) -> dict:
+    """In: the rollout pods of `runs` and the operator's namespace (its probes), on the
+    server's port alone; out: nothing, unless the pool allows egress."""
+    callers = [
+        {
+            "podSelector": {
+                "matchLabels": {COMPONENT_LABEL: "rollout"},
+                "matchExpressions": [{"key": RUN_LABEL, "operator": "In", "values": runs}],
+            }
+        }
+    ]
+    prober = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}}
+    }
+    policy: dict[str, Any] = {
+        "podSelector": {"matchLabels": labels},
+        "policyTypes": ["Ingress"],
+        "ingress": [
+            {"from": [*(callers if runs else []), prober], "ports": [{"port": ENVPOOL_PORT}]}
+        ],
+    }
+    if spec.network.egress == "Deny":
+        policy |= {"policyTypes": ["Ingress", "Egress"], "egress": []}
+    return policy
 
 
 def envpool_tokens_secret(envpool: str) -> str:
