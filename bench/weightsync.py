@@ -13,6 +13,9 @@ Prints one JSON object. Every ratio compares two numbers measured in this same r
 - Speeds are model bytes per second of one process (threads included), next to this
   machine's memcpy bandwidth; transfer is hub to leaf node next to raw loopback TCP.
   Encode and apply use every core; their `_per_core` figures are bytes per CPU second.
+- `version_latency_s`: from a trainer step's 1 GiB bf16 state handed to the publisher to
+  receivers in three regions, each on its own mirror, holding it verified; split into
+  encode, publish, mirror, fetch and apply, beside a lower bound (`version_latency`).
 - `publish_gbps`: encoded shards put on the hub's stream (encoding not included);
   `join_s`: a fresh receiver process at a leaf, from its start with nothing held to the
   newest version of a 1 GiB model (a snapshot and the deltas after it), verified.
@@ -21,6 +24,7 @@ Prints one JSON object. Every ratio compares two numbers measured in this same r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -51,6 +55,7 @@ CHAIN = 1000
 TRANSFER_BYTES = 256 << 20
 TRANSFER_ROUNDS = 3
 JOIN_BYTES = 1 << 30
+LATENCY_BYTES = 1 << 30
 JOIN_DELTAS = 3
 
 
@@ -421,6 +426,146 @@ def join(nbytes: int, deltas: int = JOIN_DELTAS) -> dict:
     }
 
 
+LATENCY_REGIONS = ("region-a", "region-b", "region-c")
+
+
+def _timed_receiver(receiver, times: dict[str, float]):
+    """Records when `receiver` starts fetching a version (its region's mirror holds the
+    manifest, so the version reached it) and when it starts and ends applying it."""
+    fetch, apply = receiver.fetch, receiver._apply
+
+    async def timed_fetch(manifest):
+        times.setdefault("fetch_start", time.perf_counter())
+        shards = await fetch(manifest)
+        times["fetch_end"] = time.perf_counter()
+        return shards
+
+    def timed_apply(manifest, shards):
+        times.setdefault("apply_start", time.perf_counter())
+        changed = apply(manifest, shards)
+        times["apply_end"] = time.perf_counter()
+        return changed
+
+    receiver.fetch, receiver._apply = timed_fetch, timed_apply
+
+
+def version_latency(nbytes: int, lr: float, loopback: float, memcpy: float) -> dict:
+    """`version_latency_s`: from the trainer handing the publisher a new bf16 state (a real
+    AdamW step at `lr` on fp32 master weights of `nbytes` bf16, Gaussian gradients) until
+    receivers at three regions' leaf nodes, each following its region's mirror of the
+    hub's stream, hold that version verified. All on this machine, one process for the
+    publisher and the receivers, sharing its cores.
+
+    Its parts: `encode_s` (the same delta encoded alone, beforehand), `publish_s` (until
+    the version's manifest is on the hub's stream: encode and put, pipelined), `mirror_s`
+    (from then until the last region's receiver has the manifest from its mirror),
+    `fetch_s` and `apply_s` (decode, apply and verify: the slowest region's each).
+    `version_latency_bound_s`: the bytes that must move (the delta once onto the hub and
+    once into each region) over loopback bandwidth, plus one memcpy pass of the model."""
+    from rlfleet.bus.streams import ensure_run_streams
+    from rlfleet.local.nats import HUB_DOMAIN, start_nats
+    from rlfleet.local.processes import Supervisor
+    from rlfleet.weightsync.publisher import Publisher
+    from rlfleet.weightsync.receiver import Receiver
+    from rlfleet.weightsync.transport import WeightStream
+
+    generator = torch.Generator().manual_seed(6)
+    count = nbytes // 2 // math.prod(SYNTHETIC_SHAPE)
+    params = [
+        torch.nn.Parameter(torch.randn(SYNTHETIC_SHAPE, generator=generator) * 0.02)
+        for _ in range(count)
+    ]
+    names = [f"layers.{i}.weight" for i in range(count)]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    before = _bf16(dict(zip(names, params, strict=True)))
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator)
+    optimizer.step()
+    after = _bf16(dict(zip(names, params, strict=True)))
+    del optimizer, params
+    expected = WeightState.copy_of(after, 1).digest()
+    base = WeightState.copy_of(before, 0)
+    started = time.perf_counter()
+    delta = encode_version("latency", 1, after, base, CONFIG)
+    encode_s = time.perf_counter() - started
+    delta_bytes = sum(ref.size for ref in delta.manifest.shards)
+    del delta, base
+
+    async def scenario(bed) -> dict:
+        hub = await bed.hub.connect()
+        leaves = [await bed.leaves[r].connect() for r in LATENCY_REGIONS]
+        stop = asyncio.Event()
+        try:
+            await ensure_run_streams(hub, "latency", HUB_DOMAIN, list(LATENCY_REGIONS))
+            publisher = Publisher(WeightStream(hub, "latency", CONFIG), CONFIG)
+            await publisher.publish(before, 0)
+            held: dict[str, asyncio.Event] = {r: asyncio.Event() for r in LATENCY_REGIONS}
+            times: dict[str, dict[str, float]] = {r: {} for r in LATENCY_REGIONS}
+            receivers, following = [], []
+            for region, leaf in zip(LATENCY_REGIONS, leaves, strict=True):
+
+                async def reached(manifest, changed, region=region) -> None:
+                    if manifest.version == 1:
+                        held[region].set()
+
+                receiver = Receiver(
+                    WeightStream(leaf, "latency", CONFIG, domain=region), on_version=reached
+                )
+                await receiver.sync()
+                assert receiver.version == 0
+                _timed_receiver(receiver, times[region])
+                receivers.append(receiver)
+                following.append(asyncio.create_task(receiver.follow(stop)))
+            put_manifests, out = publisher._put_manifests, {}
+
+            async def timed_put(*args):
+                manifests = await put_manifests(*args)
+                out["manifests"] = time.perf_counter()  # the version is on the hub's stream
+                return manifests
+
+            publisher._put_manifests = timed_put
+            started = time.perf_counter()
+            await publisher.publish(after, 1)
+            published = out["manifests"]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in held.values())), 600)
+            done = time.perf_counter()
+            verified = all(r.state.digest() == expected for r in receivers)
+            slowest = {
+                "mirror_s": max(t["fetch_start"] for t in times.values()) - published,
+                "fetch_s": max(t["fetch_end"] - t["fetch_start"] for t in times.values()),
+                "apply_s": max(t["apply_end"] - t["apply_start"] for t in times.values()),
+            }
+            return slowest | {
+                "publish_s": published - started,
+                "version_latency_s": done - started,
+                "verified": verified,
+            }
+        finally:
+            stop.set()
+            for task in following:
+                with contextlib.suppress(Exception):
+                    await task
+            for client in (hub, *leaves):
+                await client.close()
+
+    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-latency-") as root:
+        supervisor = Supervisor(Path(root) / "logs", attached=True)
+        try:
+            measured = asyncio.run(
+                scenario(start_nats(list(LATENCY_REGIONS), supervisor, Path(root) / "nats"))
+            )
+        finally:
+            supervisor.stop_all()
+    moved = delta_bytes * (1 + len(LATENCY_REGIONS))
+    bound = moved / (loopback * 1e9) + nbytes / (memcpy * 1e9)
+    return measured | {
+        "encode_s": encode_s,
+        "delta_bytes": delta_bytes,
+        "version_latency_bound_s": bound,
+        "latency_over_bound": measured["version_latency_s"] / bound,
+    }
+
+
 # The deltas' rounds: None: no request runs; "drain": requests run and the update waits for
 # them (the old way); "inflight": the update lands while they run.
 VLLM_ROUNDS = (None, None, None, "drain", "inflight", "inflight")
@@ -549,6 +694,28 @@ def main() -> None:
     result |= transfer(TRANSFER_BYTES)
     result["loopback_gbps"] = loopback_gbps()
     result["transfer_vs_loopback"] = result["transfer_gbps"] / result["loopback_gbps"]
+    latency = {
+        f"lr{lr:g}": version_latency(
+            LATENCY_BYTES, lr, result["loopback_gbps"], result["memcpy_gbps"]
+        )
+        for lr in LEARNING_RATES
+    }
+    headline = latency[f"lr{LEARNING_RATES[0]:g}"]
+    # How each part grows with the model: a quarter of it, beside the whole (4 GiB, with
+    # its fp32 master and AdamW state, is past this machine's memory).
+    scaling = {
+        f"{LATENCY_BYTES >> 30}gib": headline,
+        "0.25gib": version_latency(
+            LATENCY_BYTES // 4, LEARNING_RATES[0], result["loopback_gbps"], result["memcpy_gbps"]
+        ),
+    }
+    result |= {
+        "version_latency_s": headline["version_latency_s"],
+        "version_latency_bound_s": headline["version_latency_bound_s"],
+        "version_latency_s_at_lr1e-5": latency["lr1e-05"]["version_latency_s"],
+        "version_latency": latency,
+        "version_latency_scaling": scaling,
+    }
     result |= join(JOIN_BYTES)
     result |= vllm_apply_pause()
     result["bit_exact"] = chain_is_bit_exact(CHAIN)
