@@ -286,17 +286,28 @@ class OperatedPlane:
     def _minted_user(self) -> str:
         """The `.creds` the hub wrote for the run's pods: the processes log in as them."""
         secret = pods.nats_credentials_secret(self.name)
-        jsonpath = "-o=jsonpath={.data." + pods.NATS_CREDENTIALS_KEY + "}"
+        return self._minted(HUB, secret, pods.NATS_CREDENTIALS_KEY, "the hub", "NATS user")
+
+    def _minted(self, cluster: str, secret: str, key: str, who: str, what: str) -> str:
+        """A key of a Secret an operator writes in `cluster`, once it is there."""
+        jsonpath = "-o=jsonpath={.data." + key + "}"
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
             self.fleet.supervisor.check_alive()
             found = self.fleet.kubectl(
-                HUB, "-n", self.namespace, "get", "secret", secret, "--ignore-not-found", jsonpath
+                cluster,
+                "-n",
+                self.namespace,
+                "get",
+                "secret",
+                secret,
+                "--ignore-not-found",
+                jsonpath,
             )
             if found:
                 return base64.b64decode(found).decode()
             time.sleep(0.5)
-        raise TimeoutError(f"the hub minted no NATS user in {WAIT_S:.0f}s; see its log")
+        raise TimeoutError(f"{who} minted no {what} in {WAIT_S:.0f}s; see its log")
 
     def _envpool(self, pod: Pod) -> PoolConfig:
         """A rollout pod's EnvPool, as its environment and token mount give it: the pool's
@@ -306,24 +317,10 @@ class OperatedPlane:
         token = self.layout.root / f"envpool-{pod.cluster}.token"
         if not token.exists():
             secret = pods.envpool_token_secret(self.name)
-            jsonpath = "-o=jsonpath={.data." + pods.ENVPOOL_TOKEN_KEY + "}"
-            deadline = time.monotonic() + WAIT_S
-            while not (
-                found := self.fleet.kubectl(
-                    pod.cluster,
-                    "-n",
-                    self.namespace,
-                    "get",
-                    "secret",
-                    secret,
-                    "--ignore-not-found",
-                    jsonpath,
-                )
-            ):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{pod.cluster} minted no EnvPool token in {WAIT_S:.0f}s")
-                time.sleep(0.5)
-            write_secret(token, base64.b64decode(found).decode())
+            minted = self._minted(
+                pod.cluster, secret, pods.ENVPOOL_TOKEN_KEY, pod.cluster, "EnvPool token"
+            )
+            write_secret(token, minted)
         if pod.cluster not in self.envpool_urls:
             self.envpool_urls[pod.cluster] = self.fleet.sandboxes.service_url(
                 pod.cluster, self.namespace, name

@@ -280,9 +280,9 @@ class Region:
         change (not a `resync`) also the run's spec for its pods."""
         meta = run["metadata"]
         namespace, name = meta["namespace"], meta["name"]
+        envpool = RLRunSpec.model_validate(run["spec"]).rollout.env_pool
         if not resync:
             self.local.apply(spec_config_map(run))
-            envpool = RLRunSpec.model_validate(run["spec"]).rollout.env_pool
             if envpool:
                 token = self.mint.token(namespace, envpool, name, meta["uid"])
                 self.local.apply(envpool_token(run, token))
@@ -313,7 +313,7 @@ class Region:
             running += len(here) * gpus
         types = {p["metadata"]["name"]: p["spec"]["serving"].get("gpuType") for p in pools}
         unserved = unserved_gpu_types(self.name, demand, types) if demand else None
-        missing = self._envpool_missing(run, fresh_s) if demand else None
+        missing = self._envpool_missing(namespace, envpool, fresh_s) if demand else None
         entry = RegionStatus(
             name=self.name,
             requested=demand.max_gpus if demand else 0,
@@ -331,13 +331,11 @@ class Region:
         )
         self.local.write_status(run, status)
 
-    def _envpool_missing(self, run: dict, fresh_s: float) -> str | None:
-        """Why the EnvPool the run names cannot serve it here (None: it is here, or the
-        run names none)."""
-        envpool = RLRunSpec.model_validate(run["spec"]).rollout.env_pool
+    def _envpool_missing(self, namespace: str, envpool: str | None, fresh_s: float) -> str | None:
+        """Why the EnvPool a run names cannot serve it here (None: it is here, or the run
+        names none)."""
         if envpool is None:
             return None
-        namespace = run["metadata"]["namespace"]
         here = self.local.list_recent(
             Ref(API_VERSION, "EnvPool", namespace=namespace), None, fresh_s
         )
