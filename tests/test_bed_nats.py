@@ -1,9 +1,10 @@
 """NATS: the hub's JetStream reached through each region's own leaf node; nobody anonymous,
-and a run's own user touches nothing of another run's."""
+and each of a run's users does what its component needs, and nothing of another run's."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from pathlib import Path
 
@@ -12,12 +13,13 @@ import pytest
 from nats.errors import NoServersError
 from nats.js.api import StreamConfig
 
-from rlfleet.api.wire import step_subject
+from rlfleet.api.wire import BusRole, trajectory_subject
 from rlfleet.bus import auth
 from rlfleet.bus.auth import NKey
 from rlfleet.bus.streams import run_stream_configs
-from rlfleet.local.nats import HUB_DOMAIN, NatsServer
+from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.testbed.bed import BedInfo
+from rlfleet.testbed.permissions import NEEDS, nats_matrix
 
 pytestmark = pytest.mark.nats
 
@@ -91,7 +93,7 @@ def test_unauthenticated_clients_are_refused(bed: BedInfo, who: str) -> None:
         asyncio.run(attempt(server))
 
 
-def test_a_runs_own_user_reaches_its_streams_from_a_region_and_nothing_of_another_run(
+def test_a_runs_users_reach_its_streams_from_a_region_and_nothing_of_another_run(
     bed: BedInfo,
 ) -> None:
     mine, theirs = (f"perm-{uuid.uuid4().hex[:6]}" for _ in range(2))
@@ -104,36 +106,57 @@ def test_a_runs_own_user_reaches_its_streams_from_a_region_and_nothing_of_anothe
         async def record(error: Exception) -> None:
             denied.append(str(error).lower())
 
-        user = await _connect(region, bed.nats.run_user(mine), error_cb=record)
+        worker = await _connect(region, bed.nats.run_user(mine, BusRole.ROLLOUT), error_cb=record)
+        trainer = await _connect(bed.nats.hub, bed.nats.run_user(mine, BusRole.TRAINER))
         try:
             for run in (mine, theirs):
                 for config in run_stream_configs(run):
                     await admin.jetstream().add_stream(config)
-            js = user.jetstream(domain=HUB_DOMAIN, timeout=2)
-            ack = await js.publish(step_subject(mine), b"step")
-            assert ack.stream == f"STEPS-{mine}"
-            reader = await js.pull_subscribe(step_subject(mine), durable="reader")
+            js = worker.jetstream(domain=HUB_DOMAIN, timeout=2)
+            ack = await js.publish(trajectory_subject(mine), b"trajectory")
+            assert ack.stream == f"TRAJ-{mine}"
+            reader = await trainer.jetstream(timeout=2).pull_subscribe(
+                trajectory_subject(mine), durable="reader"
+            )
             [message] = await reader.fetch(1, timeout=10)
             await message.ack()
-            assert message.data == b"step"
+            assert message.data == b"trajectory"
             # Another run's subjects and streams: the server refuses, and says so.
             with pytest.raises(nats.errors.TimeoutError):
-                await js.publish(step_subject(theirs), b"forged", timeout=2)
+                await js.publish(trajectory_subject(theirs), b"forged", timeout=2)
             with pytest.raises(nats.errors.TimeoutError):
-                await js.stream_info(f"STEPS-{theirs}")
-            await user.subscribe(step_subject(theirs))
-            await user.flush()
+                await js.stream_info(f"TRAJ-{theirs}")
+            await worker.subscribe(trajectory_subject(theirs))
+            await worker.flush()
             await asyncio.sleep(0.5)
-            theirs_stream = (await admin.jetstream().stream_info(f"STEPS-{theirs}")).state
+            theirs_stream = (await admin.jetstream().stream_info(f"TRAJ-{theirs}")).state
             assert theirs_stream.messages == 0
         finally:
-            await user.close()
+            await worker.close()
+            await trainer.close()
             for run in (mine, theirs):
                 for config in run_stream_configs(run):
                     await admin.jetstream().delete_stream(config.name)
             await admin.close()
-        assert any(f'publish to "{step_subject(theirs)}"' in d for d in denied), denied
-        assert any(f'subscription to "{step_subject(theirs)}"' in d for d in denied), denied
-        assert any(f"steps-{theirs}" in d for d in denied), denied
+        assert any(f'publish to "{trajectory_subject(theirs)}"' in d for d in denied), denied
+        assert any(f'subscription to "{trajectory_subject(theirs)}"' in d for d in denied), denied
+        assert any(f"traj-{theirs}" in d for d in denied), denied
 
     asyncio.run(scenario())
+
+
+def test_each_component_may_do_what_it_needs_on_nats_and_nothing_more(
+    nats_servers: StandaloneNats,
+) -> None:
+    """The least-privilege matrix: every role against every kind of operation, on its own
+    run and another's (`rlfleet.testbed.permissions`)."""
+    mine, theirs = (f"matrix-{uuid.uuid4().hex[:6]}" for _ in range(2))
+    tried = asyncio.run(nats_matrix(nats_servers.bed, mine, theirs))
+    wrong = [
+        f"{c.role} {c.operation}: {'allowed' if c.allowed else 'refused'}"
+        for c in tried
+        if c.violation
+    ]
+    print(json.dumps({"permission_checks": len(tried), "permission_violations": len(wrong)}))
+    assert wrong == []
+    assert sum(c.allowed for c in tried) == sum(len(needs) + 1 for needs in NEEDS.values())

@@ -34,6 +34,7 @@ from rlfleet.api.wire import (
     evaluation_subject,
     step_subject,
     task_stream,
+    trajectory_stream,
     weights_stream,
 )
 from rlfleet.bus import auth
@@ -292,13 +293,14 @@ def test_every_pod_reads_the_runs_mounted_spec_and_is_told_where_nats_is(world: 
         assert mounts["spec"] == "/etc/rlfleet"
         pod_name = next(e for e in container["env"] if e["name"] == "RLFLEET_POD_NAME")
         assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-        # The run's own NATS user, from the Secret the hub minted into this cluster.
+        # Its component's own NATS user, from the Secret the hub minted into this cluster.
         assert mounts["nats"] == "/var/run/secrets/rlfleet/nats"
         assert container_env(pod)["RLFLEET_NATS_CREDS"] == "/var/run/secrets/rlfleet/nats/creds"
         secrets = [v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v]
+        component = pod["metadata"]["labels"]["rlfleet.io/component"]
         # A rollout worker also holds its run's token for the region's EnvPool.
         envpool = [f"{RUN}-envpool"] if pod is rollout else []
-        assert secrets == [f"{RUN}-nats", *envpool]
+        assert secrets == [f"{RUN}-nats-{component}", *envpool]
     hub_nats = world.fleet.bed.nats.hub.url
     components = {p["metadata"]["labels"]["rlfleet.io/component"]: p for p in hub_pods}
     assert set(components) == {"trainer", "feed"}
@@ -864,23 +866,32 @@ def test_a_run_stream_lost_is_made_again_at_the_next_resync(world: World) -> Non
     wait_for("the lost streams made again", lambda: on_hub_nats(world, present))
 
 
-def test_the_hub_mints_the_runs_own_nats_user_into_every_cluster_it_runs_in(
+def test_the_hub_mints_each_component_its_own_nats_user_where_its_pods_run(
     world: World,
 ) -> None:
-    """The run's pods connect as a user the hub minted for this run alone, from a Secret
-    beside them in each cluster: it reaches the run's streams and no other run's."""
+    """Each component's pods connect as a user the hub minted for that component of this
+    run alone, from a Secret beside them: the rollout workers' in each region, the
+    others' and the observer's in the hub. A worker's reaches its run's streams, cannot
+    publish what the trainer does, and reaches no other run's."""
 
-    def minted(cluster: str) -> tuple[dict, str]:
-        secret = world.get(cluster, "secret", f"{RUN}-nats")
+    def minted(cluster: str, role: str) -> tuple[dict, str]:
+        secret = world.get(cluster, "secret", f"{RUN}-nats-{role}")
         return secret["metadata"], base64.b64decode(secret["data"]["creds"]).decode()
 
-    meta, creds = minted(HUB)
-    assert [o["kind"] for o in meta["ownerReferences"]] == ["RLRun"]  # it goes with the run
+    for role in ("trainer", "feed", "evaluator", "observer"):
+        meta, creds = minted(HUB, role)
+        assert [o["kind"] for o in meta["ownerReferences"]] == ["RLRun"]  # it goes with the run
+        assert auth.claims_of(auth.parse_creds(creds)[0])["name"] == f"run:{world.key}:{role}"
     for region in REGIONS:
-        region_meta, region_creds = minted(region)
+        region_meta, creds = minted(region, "rollout")
         assert "ownerReferences" not in region_meta  # the hub deletes it with the mirror
-        user = auth.claims_of(auth.parse_creds(region_creds)[0])
-        assert user["name"] == f"run:{world.key}" and user["nats"]["pub"]["allow"]
+        user = auth.claims_of(auth.parse_creds(creds)[0])
+        assert user["name"] == f"run:{world.key}:rollout"
+        secrets = world.items(region, "secrets", "-l", f"rlfleet.io/run={RUN}")
+        assert {s["metadata"]["name"] for s in secrets} <= {
+            f"{RUN}-nats-rollout",
+            f"{RUN}-envpool",
+        }
 
     async def reach() -> str:
         nc = await auth.connect(world.fleet.bed.nats.leaves["region-a"].url, creds)
@@ -888,11 +899,13 @@ def test_the_hub_mints_the_runs_own_nats_user_into_every_cluster_it_runs_in(
             js = nc.jetstream(domain="hub", timeout=2)
             with pytest.raises(nats.errors.TimeoutError):
                 await js.stream_info(step_stream("another-run"))
-            return (await js.stream_info(step_stream(world.key))).config.name
+            with pytest.raises(nats.errors.TimeoutError):  # the trainer's, not a worker's
+                await js.publish(step_subject(world.key), b"forged", timeout=2)
+            return (await js.stream_info(trajectory_stream(world.key))).config.name
         finally:
             await nc.close()
 
-    assert asyncio.run(reach()) == step_stream(world.key)
+    assert asyncio.run(reach()) == trajectory_stream(world.key)
 
 
 def test_the_evaluation_gate_holds_a_run_that_fails_or_reaches_its_target(

@@ -23,6 +23,7 @@ from nats.js.api import StreamInfo
 
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.wire import (
+    BusRole,
     EvaluationReport,
     StepReport,
     Trajectory,
@@ -122,10 +123,12 @@ def pods(
         write_suite(rules_suite(EVALUATION_TASKS, seed=7), suite)
         run = the_run(init_model("tiny-moe", work / "model"), bed, suite)
         access = NatsAccess(url=bed.hub.url, domain=HUB_DOMAIN, credentials_secret="nats")
-        # What the hub mints into the run's Secret: its pods connect as the run's own user.
-        user = work / "run.creds"
+        # What the hub mints into the run's Secrets: each component's pods connect as a
+        # user of their own, allowed only what that component does.
         meta = run["metadata"]
-        write_secret(user, bed.run_user(run_key(meta["namespace"], meta["name"])))
+        for role in BusRole:
+            key = run_key(meta["namespace"], meta["name"])
+            write_secret(work / f"{role}.creds", bed.run_user(key, role))
         # The run's streams and region-a's weights mirror, as the hub operator makes them.
         asyncio.run(make_streams(bed, run_key(meta["namespace"], meta["name"])))
         made = hub_objects(run, Images(), Workloads(), access)
@@ -158,6 +161,7 @@ def pods(
         metrics = {}
         for name, (workload, pod) in started.items():
             pod_spec = workload["spec"]["template"]["spec"]
+            user = work / f"{name}.creds"
             argv, env = as_process(pod_spec, pod, mounted, work / "state", user)
             supervisor.start(name, argv, env)
             metrics[name] = f"http://127.0.0.1:{env[METRICS_PORT_ENV]}/metrics"
@@ -226,11 +230,11 @@ def test_the_operators_pods_train_from_the_mounted_spec_alone(pods) -> None:
         }
         claims = [v for v in pod_spec["volumes"] if "persistentVolumeClaim" in v]
         assert claims == [{"name": "model", "persistentVolumeClaim": {"claimName": "models"}}]
-    # Every pod mounts the run's own NATS user from its Secret and is told where it is.
-    for workload in workloads.values():
+    # Every pod mounts its component's NATS user from its Secret and is told where it is.
+    for component, workload in workloads.items():
         pod_spec = workload["spec"]["template"]["spec"]
         secrets = [v["secret"]["secretName"] for v in pod_spec["volumes"] if "secret" in v]
-        assert secrets == [f"{name}-nats"]
+        assert secrets == [f"{name}-nats-{component}"]
         env = {e["name"]: e.get("value") for e in pod_spec["containers"][0]["env"]}
         assert env[CREDENTIALS_ENV] == "/var/run/secrets/rlfleet/nats/creds"
     step, trajectory = asyncio.run(first_step_and_trajectory(bed.hub, key))

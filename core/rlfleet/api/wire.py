@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from enum import StrEnum
 from pathlib import PurePosixPath
 from typing import Annotated, Literal
 
@@ -277,6 +278,18 @@ def decode_task_message(data: bytes) -> TaskMessage:
 
 def decode_step_report(data: bytes) -> StepReport:
     return msgspec.json.decode(data, type=StepReport)
+
+
+class BusRole(StrEnum):
+    """Who a run's NATS user is. Each component connects as a user of its own, allowed
+    only what that component does (`rlfleet.bus.auth.role_permissions`); the observer is
+    for people and tools: it reads all of the run and changes nothing."""
+
+    TRAINER = "trainer"
+    ROLLOUT = "rollout"
+    FEED = "feed"
+    EVALUATOR = "evaluator"
+    OBSERVER = "observer"
 
 
 # Subjects and streams shared by the components of one run.

@@ -1,9 +1,10 @@
-"""Who may do what on NATS: decentralized (JWT) authentication, and each run's own user.
+"""Who may do what on NATS: decentralized (JWT) authentication, and the users of each run.
 
 The servers trust one operator key and know one account (`RLFLEET`), whose JWT is given
 to every server in its configuration. Users are JWTs signed by the account's signing key,
-so a user needs no change to any server: the hub operator mints one per run, allowed only
-that run's subjects and streams (`run_user`), and the run's pods connect with it. A
+so a user needs no change to any server: the hub operator mints one per component of each
+run (`mint_run_user`), allowed only what that component does with the run's subjects and
+streams (`role_access`), and the component's pods connect with it. A
 `.creds` file holds a user's JWT and its seed; `connect` signs the server's nonce with the
 seed, read again at each (re)connect so a rotated file is picked up.
 
@@ -28,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from rlfleet.api.wire import (
+    BusRole,
     evaluation_subject,
     step_subject,
     task_stream,
@@ -42,7 +44,7 @@ from rlfleet.bus.streams import evaluation_stream, step_stream
 # A pod's user credentials: the path of a .creds file (a mounted Secret's key).
 CREDENTIALS_ENV = "RLFLEET_NATS_CREDS"
 
-RUN_USER_PREFIX = "run:"  # a run's user is named after it; its replies use `run_inbox`
+RUN_USER_PREFIX = "run:"  # run:<run>:<role>; its replies come to `run_inbox(run, role)`
 
 # nkey role prefixes (the first base32 letter of a key says what it is: O, A, U, S...).
 OPERATOR, ACCOUNT, USER = 14 << 3, 0, 20 << 3
@@ -204,51 +206,106 @@ def account_of(credentials: str) -> str:
     return claims_of(parse_creds(credentials)[0])["nats"]["issuer_account"]
 
 
-def mint_run_user(signer_seed: str, account: str, run: str) -> str:
-    """A run's own user (.creds text): its subjects and streams, nothing else."""
-    return mint_user(signer_seed, account, f"{RUN_USER_PREFIX}{run}", run_permissions(run))
+def mint_run_user(signer_seed: str, account: str, run: str, role: BusRole) -> str:
+    """The user (.creds text) one of a run's components connects as: allowed what that
+    component does with the run's subjects and streams, nothing else."""
+    name = f"{RUN_USER_PREFIX}{run}:{role}"
+    return mint_user(signer_seed, account, name, role_permissions(run, role))
 
 
-def run_inbox(run: str) -> str:
-    """The reply subjects of a run's clients: other runs cannot subscribe to them."""
-    return f"_INBOX_{run}"
+def run_inbox(run: str, role: BusRole) -> str:
+    """The reply subjects of one of a run's users: no other user may subscribe to them, of
+    this run or another, so none reads another's replies."""
+    return f"_INBOX_{run}.{role}"
 
 
-def run_permissions(run: str) -> Permissions:
-    """What a run's pods may touch: its own subjects and its own streams' JetStream API,
-    on any JetStream domain (the hub's, or a region's mirror)."""
-    streams = [
-        step_stream(run),
-        evaluation_stream(run),
-        task_stream(run),
-        trajectory_stream(run),
-        weights_stream(run),
-    ]
-    subjects = [
-        step_subject(run),
-        evaluation_subject(run),
-        task_subject(run),
-        trajectory_subject(run),
-        f"{weights_prefix(run)}.>",
-    ]
-    api = []
-    for prefix in ("$JS.API", "$JS.*.API"):
-        api.append(f"{prefix}.INFO")
-        api.append(f"{prefix}.STREAM.NAMES")
-        for stream in streams:
-            api += [
-                f"{prefix}.STREAM.*.{stream}",
-                f"{prefix}.STREAM.MSG.*.{stream}",
-                f"{prefix}.DIRECT.GET.{stream}",
-                f"{prefix}.DIRECT.GET.{stream}.>",
-                f"{prefix}.CONSUMER.*.{stream}",
-                f"{prefix}.CONSUMER.*.{stream}.>",
-                f"{prefix}.CONSUMER.*.*.{stream}.>",
+@dataclass(frozen=True)
+class _Access:
+    """What one role does with a run's subjects and streams."""
+
+    publishes: tuple[str, ...] = ()  # subjects it writes into their streams
+    consumes: tuple[str, ...] = ()  # streams it takes messages from, acknowledging each
+    follows: tuple[str, ...] = ()  # streams it reads in order through consumers, no acks
+    reads: tuple[str, ...] = ()  # streams it looks into: info, one message, direct gets
+    purges: tuple[str, ...] = ()  # streams whose old messages it removes
+    listens: tuple[str, ...] = ()  # subjects it subscribes to without a consumer
+
+
+def role_access(run: str, role: BusRole) -> _Access:
+    """The one table of who does what on a run's NATS (each component's code is the
+    reference: what it publishes, binds to and consumes)."""
+    steps, evaluations = step_stream(run), evaluation_stream(run)
+    tasks, trajectories, weights = task_stream(run), trajectory_stream(run), weights_stream(run)
+    everything = (steps, evaluations, tasks, trajectories, weights)
+    match role:
+        case BusRole.TRAINER:  # learns from trajectories; reports steps; publishes weights
+            return _Access(
+                publishes=(step_subject(run), f"{weights_prefix(run)}.>"),
+                consumes=(trajectories,),
+                follows=(weights,),
+                reads=(trajectories, steps, weights),
+                purges=(weights,),  # retires versions older than the kept snapshots
+            )
+        case BusRole.ROLLOUT:  # takes tasks; publishes trajectories; follows weights
+            return _Access(
+                publishes=(trajectory_subject(run),),
+                consumes=(tasks,),
+                follows=(weights,),
+                reads=(tasks, trajectories, weights),
+            )
+        case BusRole.FEED:  # follows step reports; publishes tasks
+            return _Access(publishes=(task_subject(run),), follows=(steps,), reads=(steps, tasks))
+        case BusRole.EVALUATOR:  # follows weights; publishes evaluation reports
+            return _Access(
+                publishes=(evaluation_subject(run),),
+                follows=(weights,),
+                reads=(evaluations, weights),
+            )
+        case BusRole.OBSERVER:  # reads everything, writes nothing, acknowledges nothing
+            return _Access(
+                # Not the task queue: a consumer without acks cannot read a work queue.
+                follows=(steps, evaluations, trajectories, weights),
+                reads=everything,
+                listens=(
+                    step_subject(run),
+                    evaluation_subject(run),
+                    task_subject(run),
+                    trajectory_subject(run),
+                ),
+            )
+
+
+# The JetStream API is reached on the local domain or through another one's prefix (the
+# hub's, from a region; a region's mirror, from the hub).
+_API = ("$JS.API", "$JS.*.API")
+# No DELETE: nobody deletes a consumer (an ephemeral one goes when unused), so a component
+# cannot take another's away.
+_CONSUMER_OPS = ("CREATE", "DURABLE.CREATE", "INFO", "MSG.NEXT")
+
+
+def role_permissions(run: str, role: BusRole) -> Permissions:
+    """NATS permissions for `role_access`: each stream operation as its JetStream API
+    subject, so a user may not create, update, delete or purge a stream it only uses."""
+    access = role_access(run, role)
+    publish = list(access.publishes)
+    for api in _API:
+        publish += [f"{api}.INFO", f"{api}.STREAM.NAMES"]
+        for stream in access.reads:
+            publish += [
+                f"{api}.STREAM.INFO.{stream}",
+                f"{api}.STREAM.MSG.GET.{stream}",
+                f"{api}.DIRECT.GET.{stream}",
+                f"{api}.DIRECT.GET.{stream}.>",
             ]
-    acks = [f"$JS.ACK.{s}.>" for s in streams] + [f"$JS.ACK.*.*.{s}.>" for s in streams]
-    flow = [f"$JS.FC.{s}.>" for s in streams]
-    inbox = f"{run_inbox(run)}.>"
-    return Permissions(publish=subjects + api + acks + flow + [inbox], subscribe=[*subjects, inbox])
+        for stream in dict.fromkeys(access.consumes + access.follows):
+            for op in _CONSUMER_OPS:
+                publish += [f"{api}.CONSUMER.{op}.{stream}", f"{api}.CONSUMER.{op}.{stream}.>"]
+        publish += [f"{api}.STREAM.PURGE.{stream}" for stream in access.purges]
+    for stream in access.consumes:
+        publish += [f"$JS.ACK.{stream}.>", f"$JS.ACK.*.*.{stream}.>"]
+    publish += [f"$JS.FC.{stream}.>" for stream in dict.fromkeys(access.consumes + access.follows)]
+    inbox = f"{run_inbox(run, role)}.>"
+    return Permissions(publish=publish, subscribe=[*access.listens, inbox])
 
 
 def connect_options(credentials: str | Path | None = None) -> dict[str, Any]:
@@ -271,7 +328,8 @@ def connect_options(credentials: str | Path | None = None) -> dict[str, Any]:
     }
     name = claims_of(read()[0]).get("name", "")
     if name.startswith(RUN_USER_PREFIX):
-        options["inbox_prefix"] = run_inbox(name.removeprefix(RUN_USER_PREFIX))
+        run, _, role = name.removeprefix(RUN_USER_PREFIX).rpartition(":")
+        options["inbox_prefix"] = run_inbox(run, BusRole(role))
     return options
 
 

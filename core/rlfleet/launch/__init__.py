@@ -23,6 +23,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from rlfleet.api.rlrun import STEP_TOKENS, RLRunSpec
+from rlfleet.api.wire import BusRole
 from rlfleet.launch.caches import own_caches
 from rlfleet.launch.settings import (
     EvaluatorConfig,
@@ -48,7 +49,7 @@ DEEPSPEED_DIR = "/etc/rlfleet-deepspeed"
 DEEPSPEED_KEY = "ds_config.json"
 DEEPSPEED_CONFIG_FILE = f"{DEEPSPEED_DIR}/{DEEPSPEED_KEY}"
 STATE_DIR = "/var/lib/rlfleet"  # the trainer's checkpoints and step log live under here
-# The run's own NATS user (a .creds file, from the Secret `nats_credentials_secret(run)`).
+# A component's own NATS user (a .creds file, from `nats_credentials_secret(run, role)`).
 NATS_CREDENTIALS_DIR = "/var/run/secrets/rlfleet/nats"
 NATS_CREDENTIALS_KEY = "creds"
 # A rollout pod's bearer token for its run's EnvPool (a Secret the region operator mints).
@@ -161,9 +162,10 @@ def envpool_token_secret(run: str) -> str:
     return f"{run}-envpool"
 
 
-def nats_credentials_secret(run: str) -> str:
-    """The Secret, in each cluster the run has pods in, with the run's NATS user."""
-    return f"{run}-nats"
+def nats_credentials_secret(run: str, role: BusRole) -> str:
+    """The Secret with the NATS user of one of the run's components, in the cluster its
+    pods run in: the rollout workers' in each region, the others' in the hub."""
+    return f"{run}-nats-{role}"
 
 
 def run_key(namespace: str, name: str) -> str:

@@ -18,6 +18,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rlfleet.api.wire import BusRole
 from rlfleet.bus.auth import (
     ACCOUNT,
     CREDENTIALS_ENV,
@@ -66,10 +67,11 @@ class NatsBed:
             {"hub": asdict(self.hub), "leaves": leaves, "signing_seed": self.signing_seed}
         )
 
-    def run_user(self, run: str) -> str:
-        """A run's own user (.creds text), as the hub operator mints it."""
+    def run_user(self, run: str, role: BusRole) -> str:
+        """The user (.creds text) of one of a run's components, as the hub operator mints
+        it."""
         admin = Path(self.hub.credentials).read_text()
-        return mint_run_user(Path(self.signing_seed).read_text(), account_of(admin), run)
+        return mint_run_user(Path(self.signing_seed).read_text(), account_of(admin), run, role)
 
     @classmethod
     def from_json(cls, text: str) -> NatsBed:

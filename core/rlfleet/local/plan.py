@@ -20,6 +20,7 @@ from msgspec.structs import replace
 
 from rlfleet import launch
 from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.api.wire import BusRole
 from rlfleet.bus.auth import CREDENTIALS_ENV
 from rlfleet.local.nats import HUB_DOMAIN, NatsBed
 from rlfleet.local.processes import free_port
@@ -45,10 +46,10 @@ class Layout:
     def nats(self) -> Path:
         return self.root / "nats"
 
-    @property
-    def credentials(self) -> Path:
-        """The run's own NATS user, which its processes connect as."""
-        return self.nats / "run.creds"
+    def credentials(self, role: BusRole) -> Path:
+        """The NATS user of one of the run's components (or its observer's), as its pods
+        would have it."""
+        return self.nats / f"{role}.creds"
 
     @property
     def logs(self) -> Path:
@@ -143,7 +144,7 @@ def processes(
 ) -> list[Process]:
     """The components as local processes, with the settings pods get from the same spec
     (`rlfleet.launch`) and this machine's sizes on top. Each connects to NATS as the
-    run's own user (`layout.credentials`), as its pods would, and serves its metrics on
+    user of its component (`layout.credentials`), as its pods would, and serves its metrics on
     a port of its own (`Process.metrics_url`)."""
     trainer_cores, rollout_cores = split_cores(sorted(os.sched_getaffinity(0)))
     model = str(model_path(spec, layout))
@@ -159,7 +160,7 @@ def processes(
         env: dict,
     ) -> None:
         path = layout.configs / f"{process_name}.json"
-        env = env | {CREDENTIALS_ENV: str(layout.credentials)}
+        env = env | {CREDENTIALS_ENV: str(layout.credentials(BusRole(component.name)))}
         found.append(Process(process_name, _pinned(component, cores, path), config, env))
 
     def metered(at: launch.Placement) -> launch.Placement:

@@ -36,6 +36,7 @@ from rich.table import Table
 
 from rlfleet.api.rlrun import EvaluationGate, RLRunSpec, check_run_name
 from rlfleet.api.wire import (
+    BusRole,
     EvaluationReport,
     StepReport,
     decode_evaluation_report,
@@ -247,7 +248,7 @@ class Plane(Protocol):
 
     url: str  # the hub's NATS
     key: str  # the run's name there: its streams, subjects and user
-    credentials: Path  # the run's own NATS user
+    credentials: Path  # the run's observer: reads all of it, changes nothing
 
     def __enter__(self) -> Plane: ...
 
@@ -293,7 +294,7 @@ class LocalPlane:
     ) -> None:
         self.name, self.spec, self.layout, self.tuning = name, spec, layout, tuning
         self.key = name  # the run has NATS to itself
-        self.credentials = layout.credentials
+        self.credentials = layout.credentials(BusRole.OBSERVER)
         self.supervisor = Supervisor(layout.logs, attached=True)
         self.components: list[str] = []
 
@@ -302,7 +303,8 @@ class LocalPlane:
             regions = [r.name for r in self.spec.rollout.regions]
             bed = start_nats(regions, self.supervisor, self.layout.nats)
             self.url = bed.hub.url
-            write_secret(self.credentials, bed.run_user(self.key))
+            for role in BusRole:
+                write_secret(self.layout.credentials(role), bed.run_user(self.key, role))
             asyncio.run(make_streams(bed, self.key))
             processes = plan.processes(self.key, self.spec, self.layout, bed, self.tuning)
             for process in processes:

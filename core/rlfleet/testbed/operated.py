@@ -35,6 +35,7 @@ from rich.logging import RichHandler
 from rlfleet import launch as pods
 from rlfleet.api.meta import API_VERSION
 from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.api.wire import BusRole
 from rlfleet.launch.settings import PoolConfig
 from rlfleet.local import plan
 from rlfleet.local import run as local_run
@@ -229,7 +230,7 @@ class OperatedPlane:
             raise ValueError(f"the bed has no cluster for region(s) {', '.join(missing)}")
         self.url = bed.nats.hub.url
         self.key = pods.run_key(namespace, name)  # as the hub names the run on NATS
-        self.credentials = layout.credentials
+        self.credentials = layout.credentials(BusRole.OBSERVER)
         self.fleet = Fleet(bed, layout.root / "fleet", [namespace], self.regions)
         self.fleet.values = OPERATOR_VALUES
         self.traffic = TrafficServer()
@@ -274,8 +275,9 @@ class OperatedPlane:
             self.apply(region, envpool())
         fleet.start_all()
         self.apply(HUB, self.document)
-        console.print(f"applied RLRun {self.name}; waiting for the hub to mint its NATS user")
-        write_secret(self.credentials, self._minted_user())
+        console.print(f"applied RLRun {self.name}; waiting for the hub to mint its NATS users")
+        for role in BusRole:
+            write_secret(self.layout.credentials(role), self._minted_user(role))
         self.binding = Binding(self.runner)
 
     def apply(self, cluster: str, document: dict) -> None:
@@ -283,10 +285,12 @@ class OperatedPlane:
             cluster, "-n", self.namespace, "apply", "-f", "-", stdin=yaml.safe_dump(document)
         )
 
-    def _minted_user(self) -> str:
-        """The `.creds` the hub wrote for the run's pods: the processes log in as them."""
-        secret = pods.nats_credentials_secret(self.name)
-        return self._minted(HUB, secret, pods.NATS_CREDENTIALS_KEY, "the hub", "NATS user")
+    def _minted_user(self, role: BusRole) -> str:
+        """The `.creds` the hub wrote for the pods of a component (rollout workers': in
+        their regions): its processes log in as them."""
+        secret = pods.nats_credentials_secret(self.name, role)
+        cluster = self.regions[0] if role == BusRole.ROLLOUT else HUB
+        return self._minted(cluster, secret, pods.NATS_CREDENTIALS_KEY, "the hub", "NATS user")
 
     def _minted(self, cluster: str, secret: str, key: str, who: str, what: str) -> str:
         """A key of a Secret an operator writes in `cluster`, once it is there."""

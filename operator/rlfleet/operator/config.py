@@ -131,7 +131,7 @@ class NatsAccess(BaseModel):
     domain: Name = "hub"  # the hub's JetStream domain; a region's domain is its name
     # A Secret in the operator's namespace: `creds`, the operator's NATS user (a .creds
     # file), and `signing-seed`, the account's signing key, with which the hub mints each
-    # run's own user. None: anonymous, and runs' pods get no user.
+    # run's users (one per component). None: anonymous, and runs' pods get no user.
     credentials_secret: str | None = None
 
 

@@ -20,6 +20,7 @@ import nats.errors
 import nats.js.errors
 
 from rlfleet.api.wire import (
+    BusRole,
     EvaluationReport,
     StepReport,
     decode_evaluation_report,
@@ -92,15 +93,19 @@ class DataPlane:
                 )
             return self._nc
 
-    def run_user(self, run: str) -> str:
-        """A new user (.creds text) for the run's pods, allowed its subjects and streams."""
+    def run_users(self, run: str) -> dict[BusRole, str]:
+        """New users (.creds text) for the run: one per component, each allowed what that
+        component does with the run's subjects and streams, and a read-only observer."""
         login = self.login()
         if login.credentials is None or login.signing_seed is None:
             raise DataPlaneUnavailable(
                 "the operator's NATS Secret has no `creds` and `signing-seed`: "
                 f"no user can be made for run {run}"
             )
-        return auth.mint_run_user(login.signing_seed, auth.account_of(login.credentials), run)
+        account = auth.account_of(login.credentials)
+        return {
+            role: auth.mint_run_user(login.signing_seed, account, run, role) for role in BusRole
+        }
 
     def ensure_streams(self, run: str, regions: list[str]) -> list[str]:
         """Creates the run's streams in the hub and a mirror of its weights in each region's

@@ -21,7 +21,7 @@ from kubernetes.client.exceptions import ApiException
 from rlfleet import launch
 from rlfleet.api.meta import API_VERSION
 from rlfleet.api.rlrun import RegionStatus, RLRunSpec, RLRunStatus
-from rlfleet.api.wire import StepReport
+from rlfleet.api.wire import BusRole, StepReport
 from rlfleet.operator import gate
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable
@@ -42,6 +42,10 @@ from rlfleet.operator.workloads import (
 )
 
 log = logging.getLogger(__name__)
+
+# Users whose Secrets live in the hub: its components', and the observer's for people and
+# tools (`kubectl get secret <run>-nats-observer`). Rollout workers' live in the regions.
+HUB_ROLES = (BusRole.TRAINER, BusRole.FEED, BusRole.EVALUATOR, BusRole.OBSERVER)
 
 
 def _mirror_ref(run: dict) -> Ref:
@@ -64,33 +68,42 @@ class Hub:
         # (run uid, its regions) whose streams and weight mirrors all exist
         self._streams: set[tuple[str, tuple[str, ...]]] = set()
         self._answered: dict[tuple[str, str], datetime] = {}  # (run uid, region) -> last answer
-        self._users: dict[str, str] = {}  # run uid -> the NATS user (.creds) minted for it
-        self._placed: set[tuple[str, str]] = set()  # (run uid, cluster) holding its Secret
+        self._users: dict[str, dict[BusRole, str]] = {}  # run uid -> its NATS users (.creds)
+        # (run uid, cluster, role) whose user's Secret is there
+        self._placed: set[tuple[str, str, BusRole]] = set()
 
-    def _nats_user(self, run: dict) -> str | None:
-        """The run's own NATS user, minted once per operator process and written to the
-        hub's Secret unless one is there (its pods may hold that one: both stay valid).
-        None without NATS users, or when none can be made (the pods wait for the Secret)."""
+    def _nats_users(self, run: dict) -> dict[BusRole, str] | None:
+        """The run's NATS users, minted once per operator process; the hub's components'
+        and the observer's are written to the hub's Secrets unless there (its pods may
+        hold those: both stay valid). None without NATS users, or when none can be made
+        (the pods wait for their Secrets)."""
         meta = run["metadata"]
         if self.dataplane is None or not mints_users(self.config.nats):
             return None
         if meta["uid"] not in self._users:
             try:
-                self._users[meta["uid"]] = self.dataplane.run_user(nats_key(run))
+                self._users[meta["uid"]] = self.dataplane.run_users(nats_key(run))
             except DataPlaneUnavailable as error:
                 log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
                 return None
-        credentials = self._users[meta["uid"]]
-        self._place_user(self.local, run, self.config.cluster, credentials, owned=True)
-        return credentials
+        users = self._users[meta["uid"]]
+        for role in HUB_ROLES:
+            self._place_user(self.local, run, self.config.cluster, role, users, owned=True)
+        return users
 
     def _place_user(
-        self, kube: Kube, run: dict, cluster: str, credentials: str | None, owned: bool
+        self,
+        kube: Kube,
+        run: dict,
+        cluster: str,
+        role: BusRole,
+        users: dict[BusRole, str] | None,
+        owned: bool,
     ) -> None:
-        """Creates the run's NATS user Secret in a cluster, once per operator process."""
-        key = (run["metadata"]["uid"], cluster)
-        if credentials is not None and key not in self._placed:
-            kube.create(nats_user_secret(run, credentials, owned))
+        """Creates the Secret of one of the run's users in a cluster, once per process."""
+        key = (run["metadata"]["uid"], cluster, role)
+        if users is not None and key not in self._placed:
+            kube.create(nats_user_secret(run, role, users[role], owned))
             self._placed.add(key)
 
     def _report(
@@ -100,11 +113,11 @@ class Hub:
         previous: RegionStatus | None,
         resync: bool,
         held: bool,
-        user: str | None,
+        users: dict[BusRole, str] | None,
     ) -> RegionReport:
         try:
             kube = self.regions.client(region)
-            self._place_user(kube, run, region, user, owned=False)
+            self._place_user(kube, run, region, BusRole.ROLLOUT, users, owned=False)
             # A resync reads the mirror; it writes only what is missing, was out of reach,
             # or is held (or let go) since.
             wanted = mirror(run, self.config.cluster, self.config.nats, held)
@@ -184,7 +197,7 @@ class Hub:
         try:
             kube = self.regions.client(region)
             kube.delete(_mirror_ref(run))
-            secret = launch.nats_credentials_secret(run["metadata"]["name"])
+            secret = launch.nats_credentials_secret(run["metadata"]["name"], BusRole.ROLLOUT)
             kube.delete(Ref("v1", "Secret", secret, run["metadata"]["namespace"]))
         except (RegionCredentials, Unreachable):
             return False
@@ -192,7 +205,7 @@ class Hub:
             if error.status not in (401, 403):
                 raise
             return False  # the region refuses the hub's credentials: try again later
-        self._placed.discard((run["metadata"]["uid"], region))
+        self._placed.discard((run["metadata"]["uid"], region, BusRole.ROLLOUT))
         return True
 
     def _listed(self, ref: Ref, component: str) -> dict | None:
@@ -259,14 +272,14 @@ class Hub:
         meta = run["metadata"]
         old = RLRunStatus.model_validate(run.get("status") or {})
         verdict = self._verdict(run, spec, old)
-        user = self._nats_user(run)
+        users = self._nats_users(run)
         self._ensure_streams(run, spec, resync)
         trainer = self._apply_hub_objects(run, spec, old, verdict.held, resync)
         previous = {e.name: e for e in old.regions}
         wanted = [r.name for r in spec.rollout.regions]
         reports = at_once(
             [
-                partial(self._report, run, name, previous.get(name), resync, verdict.held, user)
+                partial(self._report, run, name, previous.get(name), resync, verdict.held, users)
                 for name in wanted
             ]
         )

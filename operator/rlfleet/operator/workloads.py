@@ -29,6 +29,7 @@ from rlfleet.api.meta import (
     RUN_LABEL,
 )
 from rlfleet.api.rlrun import CheckpointStorage, RLRunSpec
+from rlfleet.api.wire import BusRole
 from rlfleet.bus.auth import CREDENTIALS_ENV
 from rlfleet.launch.settings import Limits, Ranks, ServerConfig
 from rlfleet.operator.config import Images, NatsAccess, Resources, Workloads
@@ -38,7 +39,7 @@ ORIGIN_LABEL = f"{GROUP}/origin"  # on a region's mirror: the hub cluster it cam
 ORIGIN_UID = f"{GROUP}/origin-uid"
 # On a region's mirror: the hub's JetStream domain, where the run's streams live.
 JETSTREAM_DOMAIN = f"{GROUP}/jetstream-domain"
-# On a region's mirror: the Secret with the run's own NATS user, which the hub mints when
+# On a region's mirror: the Secret with the run's rollout NATS user, which the hub mints when
 # its NATS has users (`NatsAccess.credentials_secret`); without it pods connect anonymously.
 NATS_USER = f"{GROUP}/nats-user"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "rlfleet-operator"}
@@ -219,14 +220,14 @@ def mints_users(nats: NatsAccess | None) -> bool:
     return nats is not None and nats.credentials_secret is not None
 
 
-def _with_nats(pod: dict, run: str, minted: bool) -> dict:
-    """Mounts the run's NATS user, if the hub `minted` one into each cluster's Secret, and
-    tells the component where it is: a pod can touch its own run's subjects and streams
-    only."""
+def _with_nats(pod: dict, run: str, role: BusRole, minted: bool) -> dict:
+    """Mounts the NATS user of the run's component `role`, if the hub `minted` users, and
+    tells the component where it is: a pod can do with its own run's subjects and streams
+    what its component does, nothing more (`rlfleet.bus.auth.role_access`)."""
     if not minted:
         return pod
     pod["volumes"].append(
-        {"name": "nats", "secret": {"secretName": launch.nats_credentials_secret(run)}}
+        {"name": "nats", "secret": {"secretName": launch.nats_credentials_secret(run, role)}}
     )
     container = pod["containers"][0]
     container["volumeMounts"].append(
@@ -237,11 +238,11 @@ def _with_nats(pod: dict, run: str, minted: bool) -> dict:
     return pod
 
 
-def nats_user_secret(run: dict, credentials: str, owned: bool) -> dict:
-    """The run's NATS user (.creds text) in one cluster: owned by the run in the hub, so
-    it goes with it; in a region, the hub deletes it with the mirror."""
+def nats_user_secret(run: dict, role: BusRole, credentials: str, owned: bool) -> dict:
+    """The NATS user (.creds text) of one of the run's components: owned by the run in
+    the hub, so it goes with it; in a region, the hub deletes it with the mirror."""
     name = run["metadata"]["name"]
-    meta = _meta(run, launch.nats_credentials_secret(name), {RUN_LABEL: name})
+    meta = _meta(run, launch.nats_credentials_secret(name, role), {RUN_LABEL: name})
     if not owned:
         del meta["ownerReferences"]
     return {
@@ -370,6 +371,7 @@ def _trainer(
                         spec,
                     ),
                     name,
+                    BusRole.TRAINER,
                     mints_users(nats),
                 ),
             ),
@@ -448,7 +450,8 @@ def _hub_component(
     pod = {"containers": [container], "volumes": [_spec_volume(name)]}
     if component == "evaluator":
         pod = _with_model(pod, spec)
-    pod = _least_privilege(_with_nats(pod, name, mints_users(nats)), WORKLOAD_USER)
+    pod = _with_nats(pod, name, BusRole(component), mints_users(nats))
+    pod = _least_privilege(pod, WORKLOAD_USER)
     deployment = _deployment(run, f"{name}-{component}", labels, 0 if stopped else 1, pod)
     deployment["spec"]["strategy"] = {"type": "Recreate"}
     return deployment
@@ -462,7 +465,7 @@ def mirror(run: dict, origin: str, nats: NatsAccess | None, held: bool = False) 
     spec = run["spec"] | {"suspend": True} if held else run["spec"]
     annotations = {ORIGIN_UID: meta["uid"]} | ({JETSTREAM_DOMAIN: nats.domain} if nats else {})
     if mints_users(nats):
-        annotations[NATS_USER] = launch.nats_credentials_secret(meta["name"])
+        annotations[NATS_USER] = launch.nats_credentials_secret(meta["name"], BusRole.ROLLOUT)
     return {
         "apiVersion": API_VERSION,
         "kind": "RLRun",
@@ -514,7 +517,8 @@ def rollout_deployment(
     )
     # On the pool's own kind of GPU: the lent replicas' nodes, none of another type.
     pod = _on_gpu_type(pod, workloads, pool_spec.serving.gpu_type)
-    pod = _with_nats(pod, name, NATS_USER in run["metadata"].get("annotations", {}))
+    minted = NATS_USER in run["metadata"].get("annotations", {})
+    pod = _with_nats(pod, name, BusRole.ROLLOUT, minted)
     if spec.rollout.env_pool:
         pod = _with_envpool(pod, run, spec.rollout.env_pool)
     # Sandboxes are made by an EnvPool's servers, never here: the worker needs no privilege.

@@ -1,0 +1,186 @@
+"""Least privilege on NATS, tried as a matrix: each of a run's users (one per component,
+and the observer) attempts every kind of operation on its own run's subjects and
+streams and on another run's, and the servers' verdicts are compared with what that
+component needs.
+
+The table here is written from what each component does, apart from the permissions
+the hub mints (`rlfleet.bus.auth.role_access`), so that a user allowed too much or too
+little shows up as a mismatch. Each operation is one publish or subscribe on the subject
+that a client, or nats-py on its behalf, uses for it; the server answers a refused one
+with a permissions violation naming the subject, which is how the verdict is read, with
+no timeout to wait out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from rlfleet.api.wire import (
+    BusRole,
+    evaluation_subject,
+    step_subject,
+    task_stream,
+    task_subject,
+    trajectory_stream,
+    trajectory_subject,
+    weights_prefix,
+    weights_stream,
+)
+from rlfleet.bus.auth import connect, run_inbox
+from rlfleet.bus.streams import evaluation_stream, step_stream
+from rlfleet.local.nats import NatsBed, NatsServer
+
+# What each component needs, by the kinds of operations below (on its own run only).
+NEEDS: dict[BusRole, set[str]] = {
+    BusRole.TRAINER: {
+        "publish steps",
+        "publish weights",
+        *(f"{op} {s}" for op in ("info", "get") for s in ("TRAJ", "STEPS", "WEIGHTS")),
+        "consume TRAJ",
+        "ack TRAJ",
+        "consume WEIGHTS",  # reads its own manifests back on a restart
+        "purge WEIGHTS",  # retires versions older than the kept snapshots
+    },
+    BusRole.ROLLOUT: {
+        "publish trajectories",
+        *(f"{op} {s}" for op in ("info", "get") for s in ("TASKS", "TRAJ", "WEIGHTS")),
+        "consume TASKS",
+        "ack TASKS",
+        "consume WEIGHTS",
+    },
+    BusRole.FEED: {
+        "publish tasks",
+        *(f"{op} {s}" for op in ("info", "get") for s in ("STEPS", "TASKS")),
+        "consume STEPS",
+    },
+    BusRole.EVALUATOR: {
+        "publish evaluations",
+        *(f"{op} {s}" for op in ("info", "get") for s in ("EVALS", "WEIGHTS")),
+        "consume WEIGHTS",
+    },
+    BusRole.OBSERVER: {
+        *(
+            f"{op} {s}"
+            for op in ("info", "get")
+            for s in ("STEPS", "EVALS", "TASKS", "TRAJ", "WEIGHTS")
+        ),
+        *(f"consume {s}" for s in ("STEPS", "EVALS", "TRAJ", "WEIGHTS")),
+        *(f"listen {s}" for s in ("steps", "evaluations", "tasks", "trajectories")),
+    },
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    role: BusRole
+    operation: str  # "<kind> <target>", prefixed "theirs:" for another run's
+    subscribe: bool
+    subject: str
+    expected: bool  # allowed
+    allowed: bool | None = None  # the servers' verdict, once tried
+
+    @property
+    def violation(self) -> bool:
+        return self.allowed is not self.expected
+
+
+def _operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
+    """(operation, is a subscription, subject) for every kind of operation on `run`."""
+    streams = {
+        "TASKS": task_stream(run),
+        "TRAJ": trajectory_stream(run),
+        "STEPS": step_stream(run),
+        "EVALS": evaluation_stream(run),
+        "WEIGHTS": weights_stream(run),
+    }
+    subjects = {
+        "tasks": task_subject(run),
+        "trajectories": trajectory_subject(run),
+        "steps": step_subject(run),
+        "evaluations": evaluation_subject(run),
+        "weights": f"{weights_prefix(run)}.v1.shard.0",
+    }
+    found = []
+    for short, subject in subjects.items():
+        found.append((f"publish {short}", False, subject))
+        found.append((f"listen {short}", True, subject))
+    for short, stream in streams.items():
+        api = {
+            "info": f"STREAM.INFO.{stream}",
+            "get": f"DIRECT.GET.{stream}",
+            "consume": f"CONSUMER.CREATE.{stream}",
+            "create": f"STREAM.CREATE.{stream}",
+            "update": f"STREAM.UPDATE.{stream}",
+            "delete": f"STREAM.DELETE.{stream}",
+            "purge": f"STREAM.PURGE.{stream}",
+            "delete-message": f"STREAM.MSG.DELETE.{stream}",
+            "delete-consumer": f"CONSUMER.DELETE.{stream}.rollout",
+        }
+        for op, tail in api.items():
+            found.append((f"{op} {short}", False, f"$JS.API.{tail}"))
+        # The same through a JetStream domain's prefix, as a region reaches the hub.
+        found.append((f"delete {short} (domain)", False, f"$JS.hub.API.STREAM.DELETE.{stream}"))
+        found.append((f"ack {short}", False, f"$JS.ACK.{stream}.rollout.1.1.1.1.0"))
+    for other in BusRole:
+        if other != role:
+            inbox = f"{run_inbox(run, other)}.x"
+            found.append((f"read the {other}'s replies", True, inbox))
+            found.append((f"answer as the {other}'s replier", False, inbox))
+    return found
+
+
+def checks(run: str, another_run: str) -> list[Check]:
+    """Every (role, operation) pair, with whether the component needs it."""
+    found = []
+    for role in BusRole:
+        needs = NEEDS[role]
+        for op, subscribe, subject in _operations(run, role):
+            found.append(Check(role, op, subscribe, subject, op in needs))
+        found.append(Check(role, "own replies", True, f"{run_inbox(run, role)}.x", True))
+        for op, subscribe, subject in _operations(another_run, role):
+            found.append(Check(role, f"theirs: {op}", subscribe, subject, False))
+    return found
+
+
+async def _verdicts(server: NatsServer, credentials: str, tried: list[Check]) -> list[Check]:
+    refused: list[str] = []
+
+    async def record(error: Exception) -> None:
+        refused.append(str(error).lower())
+
+    nc = await connect(
+        server.url, credentials, error_cb=record, allow_reconnect=False, connect_timeout=5
+    )
+    try:
+        for check in tried:
+            if check.subscribe:
+                await nc.subscribe(check.subject)
+            else:
+                # Empty bodies: an allowed API request then fails validation, changing
+                # nothing; only a refused one is of interest here.
+                await nc.publish(check.subject, b"")
+        await nc.flush()  # the server's violations come before its answer to the flush
+        await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
+    verdicts = []
+    for check in tried:
+        word = "subscription" if check.subscribe else "publish"
+        # A server takes its own domain's API prefix off before it checks permissions.
+        subject = check.subject.replace(f"$JS.{server.domain}.API.", "$JS.API.")
+        denied = any(f'{word} to "{subject.lower()}"' in text for text in refused)
+        verdicts.append(Check(**{**check.__dict__, "allowed": not denied}))
+    return verdicts
+
+
+async def nats_matrix(bed: NatsBed, run: str, another_run: str) -> list[Check]:
+    """Tries every check as its role's user, minted as the hub operator mints it; a
+    rollout worker connects at a region's leaf node, as its pods do."""
+    region = next(iter(bed.leaves.values()), bed.hub)
+    tried = []
+    for role in BusRole:
+        server = region if role == BusRole.ROLLOUT else bed.hub
+        mine = [c for c in checks(run, another_run) if c.role == role]
+        tried += await _verdicts(server, bed.run_user(run, role), mine)
+    return tried
