@@ -19,6 +19,7 @@ from rlfleet.api.meta import (
     cel,
     map_list,
 )
+from rlfleet.api.wire import MAX_GROUP_SIZE
 
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
 
@@ -324,7 +325,7 @@ class RolloutSpec(ApiModel):
         int,
         Field(
             ge=2,
-            le=1024,
+            le=MAX_GROUP_SIZE,
             description="Attempts per task (a GRPO group; one alone gives no signal).",
         ),
     ] = 8

@@ -20,13 +20,29 @@ class WireMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_f
     pass
 
 
+# Bounds a reader holds every message to, whoever sent it: a number out of them is refused
+# at decoding (`msgspec.ValidationError`), before anything is allocated or acted on.
+Count = Annotated[int, msgspec.Meta(ge=0)]
+# A shard is fetched into one buffer of its size: a receiver allocates no more than this.
+MAX_SHARD_BYTES = 60 << 20
+# Attempts per task (`spec.rollout.groupSize` has the same bound): a trainer holds a
+# group until all its attempts are in.
+MAX_GROUP_SIZE = 1024
+
+
+def _finite(what: str, *values: float) -> None:
+    for value in values:
+        if not math.isfinite(value):
+            raise ValueError(f"{what}: {value} is not finite")
+
+
 class ShardRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One shard of a weight version: bounded in size, fetched and verified on its own."""
 
-    index: int
-    size: int  # encoded bytes, as stored
-    raw_size: int  # model bytes its pieces cover
-    checksum: str  # xxh3-128 of the encoded shard, hex
+    index: Count
+    size: Annotated[int, msgspec.Meta(ge=0, le=MAX_SHARD_BYTES)]  # encoded bytes, as stored
+    raw_size: Count  # model bytes its pieces cover
+    checksum: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]  # xxh3-128, hex
     tensors: list[str]
 
 
@@ -38,15 +54,24 @@ class WeightManifest(WireMessage, tag="rlfleet.io/weight-manifest/v1"):
     """
 
     run: str
-    version: int
-    base_version: int | None
+    version: Count
+    base_version: Count | None
     kind: Literal["full", "delta"]
     shards: list[ShardRef]
     removed: list[str]
     state_digest: str
-    state_bytes: int
-    tensor_count: int
+    state_bytes: Count
+    tensor_count: Count
     created_at: float
+
+    def __post_init__(self) -> None:
+        if (self.kind == "delta") != (self.base_version is not None):
+            raise ValueError(f"a {self.kind} version with base_version {self.base_version}")
+        if self.base_version is not None and self.base_version >= self.version:
+            raise ValueError(f"version {self.version} is a delta on a later {self.base_version}")
+        indices = [ref.index for ref in self.shards]
+        if len(set(indices)) != len(indices):  # ranks number theirs apart: unique, not 0..n-1
+            raise ValueError("two shards share an index")
 
 
 class Segment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -62,14 +87,14 @@ class Segment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ran through the model (the last token is produced, never run); empty for dense models.
     """
 
-    tokens: list[int]
+    tokens: list[Count]
     prompt_len: int
-    generated: list[int]
+    generated: list[Annotated[int, msgspec.Meta(ge=0, le=1)]]
     logprobs: list[float]
-    versions: list[int]
+    versions: list[Count]
     routed_experts: bytes = b""
-    moe_layers: int = 0
-    top_k: int = 0
+    moe_layers: Count = 0
+    top_k: Count = 0
 
     def __post_init__(self) -> None:
         completion = len(self.tokens) - self.prompt_len
@@ -100,7 +125,7 @@ class Trajectory(WireMessage, tag="rlfleet.io/trajectory/v1"):
     run: str
     task_id: str
     group_id: str
-    group_size: int
+    group_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_GROUP_SIZE)]
     attempt: int
     reward: float
     reward_breakdown: dict[str, float]
@@ -109,8 +134,8 @@ class Trajectory(WireMessage, tag="rlfleet.io/trajectory/v1"):
     created_at: float
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.reward):
-            raise ValueError(f"reward {self.reward} is not finite")
+        _finite("reward and created_at", self.reward, self.created_at)
+        _finite("reward_breakdown", *self.reward_breakdown.values())
         if not 0 <= self.attempt < self.group_size:
             raise ValueError(f"attempt {self.attempt} is outside a group of {self.group_size}")
         if not self.segments:
@@ -187,7 +212,8 @@ class TaskMessage(WireMessage, tag="rlfleet.io/rollout-task/v1"):
 
     run: str
     task: Task
-    group_size: Annotated[int, msgspec.Meta(ge=2)] | None = None  # the worker's default if unset
+    # The worker's default if unset.
+    group_size: Annotated[int, msgspec.Meta(ge=2, le=MAX_GROUP_SIZE)] | None = None
     # The oldest policy version that may attempt it: the trainer would drop anything older
     # as stale by the time it gets there (the feed's staleness-aware admission).
     min_policy_version: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -216,6 +242,11 @@ class GroupOutcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     task_id: str
     rewards: list[float]
 
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.rewards) <= MAX_GROUP_SIZE:
+            raise ValueError(f"a group of {len(self.rewards)} rewards")
+        _finite("rewards", *self.rewards)
+
     @property
     def uniform(self) -> bool:
         """Every attempt earned the same: GRPO's advantages are all 0, it taught nothing."""
@@ -226,11 +257,11 @@ class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
     """What one optimiser step did, as the trainer announces it after the step is durable."""
 
     run: str
-    step: int
-    policy_version: int
+    step: Count
+    policy_version: Count
     trajectories: list[str]  # "<group_id>/<attempt>" of each trajectory trained on
-    groups: int
-    tokens: int  # generated tokens trained on
+    groups: Count
+    tokens: Count  # generated tokens trained on
     reward_mean: float
     loss: float
     staleness_mean: float
@@ -239,13 +270,13 @@ class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
     mismatch_max_abs: float
     mismatch_kl: float
     clipped_fraction: float
-    dropped_stale_total: int
-    rejected_total: int
+    dropped_stale_total: Count
+    rejected_total: Count
     step_seconds: float
     finished_at: float
     # The version this step made, as weightsync shipped it: encoded bytes of what a
     # receiver holding the previous version fetches, and the seconds publishing took.
-    weight_bytes: int = 0
+    weight_bytes: Count = 0
     weight_seconds: float = 0.0
     # Seconds the trainer sat waiting for trajectories before this step, since the previous
     # version was published (or since it started): the pipeline's idle time.
@@ -260,12 +291,15 @@ class EvaluationReport(WireMessage, tag="rlfleet.io/evaluation/v1"):
 
     run: str
     suite: str
-    policy_version: int
+    policy_version: Count
     reward: float  # mean over every attempt at every task
-    pass_at_k: float  # share of tasks some attempt got right
-    attempts: int  # per task: the k of pass@k
-    tasks: int
+    pass_at_k: Annotated[float, msgspec.Meta(ge=0, le=1)]  # share of tasks some attempt got right
+    attempts: Annotated[int, msgspec.Meta(ge=1)]  # per task: the k of pass@k
+    tasks: Count
     finished_at: float
+
+    def __post_init__(self) -> None:
+        _finite("reward and finished_at", self.reward, self.finished_at)
 
 
 def decode_evaluation_report(data: bytes) -> EvaluationReport:

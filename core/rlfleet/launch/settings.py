@@ -22,7 +22,7 @@ from rlfleet.api.rlrun import (
     TrainerSpec,
     WeightSyncSpec,
 )
-from rlfleet.api.wire import WEIGHT_CHUNK_BYTES
+from rlfleet.api.wire import MAX_SHARD_BYTES, WEIGHT_CHUNK_BYTES
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Weight = Annotated[float, msgspec.Meta(ge=0)]
@@ -57,7 +57,7 @@ class SyncConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # max_pending (64 MiB by default) queued, so shards in flight must stay below it.
     parallel_fetches: int = 4
 
-    MAX_SHARD_BYTES: ClassVar[int] = 60 * MIB
+    MAX_SHARD_BYTES: ClassVar[int] = MAX_SHARD_BYTES  # what a manifest may name
     MAX_IN_FLIGHT_BYTES: ClassVar[int] = 48 * MIB
 
     def __post_init__(self) -> None:

@@ -26,6 +26,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from rlfleet.api.wire import (
     Task,
+    TaskMessage,
     Trajectory,
     decode_task_message,
     encode_trajectory,
@@ -138,6 +139,14 @@ class _Group:
     start: dict[str, bytes]  # the task's starting tree, copied into each attempt's sandbox
     id: str
     size: int
+
+
+def read_task(data: bytes, run: str) -> TaskMessage:
+    """A task message of this run; msgspec.DecodeError or ValueError, saying why, if not."""
+    task = decode_task_message(data)
+    if task.run != run:
+        raise ValueError(f"task for run {task.run!r}, not {run!r}")
+    return task
 
 
 def scorer_for(
@@ -256,11 +265,9 @@ class Worker:
 
     async def _group(self, message, js) -> None:
         try:
-            task = decode_task_message(message.data)
-            if task.run != self.config.run:
-                raise ValueError(f"task for run {task.run!r}, not {self.config.run!r}")
+            task = read_task(message.data, self.config.run)
             scorer = scorer_for(task.task, self.config.rewards, self.config.limits, self.pool)
-        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as error:
+        except (msgspec.DecodeError, ValueError) as error:
             log.warning("rejected task message %s: %s", message.metadata.sequence.stream, error)
             metrics.tasks_rejected.inc()
             await message.term()

@@ -32,6 +32,7 @@ import msgspec
 import numpy as np
 import zstandard
 
+from rlfleet.api.wire import Count
 from rlfleet.weightsync import positions
 from rlfleet.weightsync.bits import from_planes, to_planes
 from rlfleet.weightsync.errors import CorruptShard
@@ -49,11 +50,11 @@ class Piece(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=
 
     tensor: str
     dtype: str
-    shape: tuple[int, ...]
-    start: int
-    count: int
+    shape: tuple[Count, ...]
+    start: Count
+    count: Count
     encoding: Encoding
-    sizes: tuple[int, ...]
+    sizes: tuple[Count, ...]
 
 
 _local = threading.local()

@@ -25,7 +25,7 @@ import zstandard
 
 from rlfleet.api.wire import ShardRef, WeightManifest
 from rlfleet.weightsync import codec
-from rlfleet.weightsync.bits import as_bits, dtype_name, torch_dtype
+from rlfleet.weightsync.bits import UnsupportedDtype, as_bits, dtype_name, torch_dtype
 from rlfleet.weightsync.codec import Piece
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.errors import CorruptShard, DigestMismatch, UnknownBase
@@ -261,6 +261,10 @@ def parse_shard(
     offset += length
     pieces = []
     for piece in header.pieces:
+        try:
+            torch_dtype(piece.dtype)
+        except UnsupportedDtype as error:
+            raise CorruptShard(f"{where}: {error}") from error
         sections = []
         for size in piece.sizes:
             sections.append(view[offset : offset + size])
@@ -274,9 +278,12 @@ def parse_shard(
 class _Apply:
     """One version being applied: new tensors staged, deltas applied in place and undoable."""
 
-    def __init__(self, state: WeightState, full: bool) -> None:
+    def __init__(self, state: WeightState, manifest: WeightManifest) -> None:
         self.state = state
-        self.full = full
+        self.full = manifest.kind == "full"
+        # New tensors are allocated as their first piece names them: no more than the
+        # manifest says the whole state holds, whatever the pieces claim.
+        self.room = manifest.state_bytes
         self.staged: dict[str, torch.Tensor] = {}
         self.covered: dict[str, int] = {}
         self.done: list[tuple[Piece, list[memoryview]]] = []
@@ -288,7 +295,7 @@ class _Apply:
             with self.lock:
                 tensor = self.staged.get(piece.tensor)
                 if tensor is None:
-                    tensor = self.staged[piece.tensor] = torch.empty(piece.shape, dtype=dtype)
+                    tensor = self.staged[piece.tensor] = self._allocate(piece, dtype)
                 self.covered[piece.tensor] = self.covered.get(piece.tensor, 0) + piece.count
         else:
             tensor = self.state.tensors.get(piece.tensor)
@@ -302,6 +309,15 @@ class _Apply:
         if piece.start < 0 or piece.start + piece.count > bits.size:
             raise CorruptShard(f"{piece.tensor}: piece range beyond the tensor")
         return bits[piece.start : piece.start + piece.count]
+
+    def _allocate(self, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+        size = math.prod(piece.shape) * dtype.itemsize
+        if size > self.room:
+            raise CorruptShard(
+                f"{piece.tensor}: {size} bytes, beyond the {self.room} its manifest has left"
+            )
+        self.room -= size
+        return torch.empty(piece.shape, dtype=dtype)
 
     def apply(self, item: tuple[Piece, list[memoryview]]) -> None:
         piece, sections = item
@@ -334,7 +350,7 @@ def apply_version(state: WeightState, manifest: WeightManifest, shards: list[byt
         for ref, data in zip(manifest.shards, shards, strict=True)
         for item in parse_shard(manifest, ref, data)
     ]
-    run = _Apply(state, full=manifest.kind == "full")
+    run = _Apply(state, manifest)
     try:
         with ThreadPoolExecutor(WORKERS) as pool:
             list(pool.map(run.apply, items))
