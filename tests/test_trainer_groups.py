@@ -104,6 +104,24 @@ def test_an_attempt_published_twice_is_held_once() -> None:
     assert [[i.seq for i in g] for g in taken] == [[1, 3]]
 
 
+def test_the_buffer_takes_no_more_than_a_few_steps_worth_and_frees_room_as_steps_go() -> None:
+    buffer = GroupBuffer(timeout_s=60)
+    # Steps of 20 to 40 tokens: room until 8 steps' caps (320 tokens, 16 groups) are held.
+    _fill(buffer, "abcdefghijklmno")  # 15 groups of 2 attempts, 300 tokens
+    assert buffer.has_room(step_groups=None, step_token_cap=40)
+    _fill(buffer, "p")
+    assert not buffer.has_room(step_groups=None, step_token_cap=40)
+    buffer.take(token_budget=20, token_cap=40, now=1.0)
+    assert buffer.has_room(step_groups=None, step_token_cap=40)
+    # Counted in groups when a step is a number of groups, half-filled ones included:
+    # 14 are left.
+    assert not buffer.has_room(step_groups=1, step_token_cap=40)
+    assert buffer.has_room(step_groups=2, step_token_cap=40)
+    buffer.add(_item(500, "q", 0))
+    buffer.add(_item(501, "r", 0))  # 16 groups: two steps' 8 each
+    assert not buffer.has_room(step_groups=2, step_token_cap=40)
+
+
 def _answer(prompt: list[int], answer: int) -> Segment:
     return Segment(
         tokens=prompt + [7] * answer,

@@ -16,11 +16,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
+import nats.js.errors
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from rlfleet.api.wire import Segment, Trajectory, encode_trajectory, trajectory_subject
+from rlfleet.api.wire import (
+    Segment,
+    Trajectory,
+    encode_trajectory,
+    trajectory_stream,
+    trajectory_subject,
+)
 from rlfleet.bus.streams import ensure_run_streams
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.local.processes import run_in_session
@@ -222,6 +229,39 @@ def test_stale_and_malformed_trajectories_never_reach_the_optimiser(
     for reason in ("malformed", "token_out_of_range", "expert_out_of_range", "is not finite"):
         assert reason in log
     assert "dropped stale trajectory e/0: policy version 0 is 2 behind 2 (max 1)" in log
+
+
+async def _held_and_waiting(hub: NatsServer, run: str) -> tuple[int, int]:
+    """The trainer's consumer: trajectories it holds unacknowledged, and those the stream
+    has not given it yet."""
+    nc = await hub.connect()
+    try:
+        info = await nc.jetstream().consumer_info(trajectory_stream(run), "trainer")
+        return info.num_ack_pending, info.num_pending
+    except nats.js.errors.NotFoundError:
+        return 0, -1  # the trainer has not started taking yet
+    finally:
+        await nc.close()
+
+
+def test_a_flood_of_trajectories_waits_on_the_stream_not_in_the_trainer(
+    tmp_path: Path, tiny_moe: Path, nats_servers: StandaloneNats
+) -> None:
+    """Groups that never fill (one attempt each) past a few steps' worth: the trainer takes
+    one fetch of them and leaves the rest on the stream until the group timeout frees
+    room; nothing is lost."""
+    hub = nats_servers.bed.hub
+    with trainer(tmp_path, tiny_moe, nats_servers, step_groups=1, group_timeout_s=20) as process:
+        flood = [encode_trajectory(trajectory(process.run, f"g{i}", 0, 0)) for i in range(300)]
+        asyncio.run(publish(hub, process.run, flood))
+        process.start()
+        process.wait(lambda: asyncio.run(_held_and_waiting(hub, process.run))[0] > 0, 300)
+        time.sleep(3)  # without the bound, the next fetch takes the rest in 0.2 s
+        held, waiting = asyncio.run(_held_and_waiting(hub, process.run))
+        assert held <= 256 and waiting == 300 - held
+        # Expired groups leave, so the rest come in and expire too.
+        process.wait(lambda: asyncio.run(_held_and_waiting(hub, process.run)) == (0, 0), 120)
+    assert "dropped 256 trajectories whose groups never filled" in process.log.read_text()
 
 
 def test_a_killed_trainer_resumes_without_losing_or_repeating_trajectories(

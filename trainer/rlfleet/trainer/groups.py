@@ -27,6 +27,11 @@ def staleness(trajectory: Trajectory, version: int) -> int:
     return version - trajectory.policy_version
 
 
+# What the trainer holds at most, in steps' worth: the stream keeps the rest until there
+# is room, so a flood of trajectories (many workers, a slow step) cannot grow its memory.
+HELD_STEPS = 8
+
+
 @dataclass
 class GroupBuffer:
     """Trajectories waiting for the rest of their GRPO group.
@@ -46,6 +51,15 @@ class GroupBuffer:
             return False
         items.append(item)
         return True
+
+    def has_room(self, step_groups: int | None, step_token_cap: int) -> bool:
+        """Whether to take more off the stream: fewer than `HELD_STEPS` steps' worth held
+        (groups, with `step_groups`; else tokens). Groups that cannot fill while it is
+        full still leave: ready with two attempts, or dropped, after the group timeout."""
+        if step_groups is not None:
+            return len(self.groups) < HELD_STEPS * step_groups
+        held = sum(item.tokens for items in self.groups.values() for item in items)
+        return held < HELD_STEPS * step_token_cap
 
     def holds(self) -> set[int]:
         return {item.seq for items in self.groups.values() for item in items}

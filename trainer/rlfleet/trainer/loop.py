@@ -50,6 +50,7 @@ from rlfleet.weightsync import Part, Publisher, WeightStream
 log = logging.getLogger(__name__)
 
 CONSUMER = "trainer"
+FETCH_WAIT_S = 0.2  # the longest a fetch waits for trajectories before the loop goes on
 
 
 class Trainer:
@@ -103,6 +104,9 @@ class Trainer:
         finally:
             await nc.close()
 
+    def _step_token_cap(self) -> int:
+        return self.config.max_step_tokens or 2 * self.config.step_tokens
+
     def _done(self) -> bool:
         return self.config.max_steps is not None and self.step >= self.config.max_steps
 
@@ -130,8 +134,11 @@ class Trainer:
             f.write(json.dumps(report) + "\n")
 
     async def _receive(self, subscription) -> None:
+        if not self.buffer.has_room(self.config.step_groups, self._step_token_cap()):
+            await asyncio.sleep(FETCH_WAIT_S)  # a step frees room
+            return
         try:
-            messages = await subscription.fetch(batch=256, timeout=0.2)
+            messages = await subscription.fetch(batch=256, timeout=FETCH_WAIT_S)
         except (TimeoutError, nats.errors.TimeoutError):
             return
         now = time.monotonic()
@@ -227,8 +234,7 @@ class Trainer:
         if self.config.step_groups is not None:
             groups = self.buffer.take_groups(self.config.step_groups, now)
         else:
-            budget = self.config.step_tokens
-            groups = self.buffer.take(budget, self.config.max_step_tokens or 2 * budget, now)
+            groups = self.buffer.take(self.config.step_tokens, self._step_token_cap(), now)
         if not groups:
             return False
         started = time.perf_counter()
