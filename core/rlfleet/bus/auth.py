@@ -220,7 +220,7 @@ def run_inbox(run: str, role: BusRole) -> str:
 
 
 @dataclass(frozen=True)
-class _Access:
+class Access:
     """What one role does with a run's subjects and streams."""
 
     publishes: tuple[str, ...] = ()  # subjects it writes into their streams
@@ -231,7 +231,7 @@ class _Access:
     listens: tuple[str, ...] = ()  # subjects it subscribes to without a consumer
 
 
-def role_access(run: str, role: BusRole) -> _Access:
+def role_access(run: str, role: BusRole) -> Access:
     """The one table of who does what on a run's NATS (each component's code is the
     reference: what it publishes, binds to and consumes)."""
     steps, evaluations = step_stream(run), evaluation_stream(run)
@@ -239,7 +239,7 @@ def role_access(run: str, role: BusRole) -> _Access:
     everything = (steps, evaluations, tasks, trajectories, weights)
     match role:
         case BusRole.TRAINER:  # learns from trajectories; reports steps; publishes weights
-            return _Access(
+            return Access(
                 publishes=(step_subject(run), f"{weights_prefix(run)}.>"),
                 consumes=(trajectories,),
                 follows=(weights,),
@@ -247,22 +247,22 @@ def role_access(run: str, role: BusRole) -> _Access:
                 purges=(weights,),  # retires versions older than the kept snapshots
             )
         case BusRole.ROLLOUT:  # takes tasks; publishes trajectories; follows weights
-            return _Access(
+            return Access(
                 publishes=(trajectory_subject(run),),
                 consumes=(tasks,),
                 follows=(weights,),
                 reads=(tasks, trajectories, weights),
             )
         case BusRole.FEED:  # follows step reports; publishes tasks
-            return _Access(publishes=(task_subject(run),), follows=(steps,), reads=(steps, tasks))
+            return Access(publishes=(task_subject(run),), follows=(steps,), reads=(steps, tasks))
         case BusRole.EVALUATOR:  # follows weights; publishes evaluation reports
-            return _Access(
+            return Access(
                 publishes=(evaluation_subject(run),),
                 follows=(weights,),
                 reads=(evaluations, weights),
             )
         case BusRole.OBSERVER:  # reads everything, writes nothing, acknowledges nothing
-            return _Access(
+            return Access(
                 # Not the task queue: a consumer without acks cannot read a work queue.
                 follows=(steps, evaluations, trajectories, weights),
                 reads=everything,
