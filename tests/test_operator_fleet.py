@@ -13,10 +13,12 @@ import asyncio
 import base64
 import contextlib
 import json
+import re
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import nats
 import nats.js.errors
@@ -731,6 +733,57 @@ def kubelet_env(pod: dict) -> dict[str, str]:
         elif path.startswith("metadata.labels['"):
             env[entry["name"]] = pod["metadata"]["labels"].get(path[17:-2], "")
     return env
+
+
+def _secret_material(world: World) -> dict[str, str]:
+    """Every long unbroken run of characters in the Secrets of the operators' and the run's
+    namespaces in every cluster (NATS seeds and JWTs, EnvPool keys and tokens, region
+    credentials), named by where it came from."""
+    found = {}
+    for cluster in [HUB, *REGIONS]:
+        for namespace in (RELEASE_NAMESPACE, world.ns):
+            listed = world.fleet.kubectl(cluster, "-n", namespace, "get", "secrets", "-o", "json")
+            for secret in json.loads(listed)["items"]:
+                if secret.get("type") == "helm.sh/release.v1":
+                    continue  # the chart's own record: values, not credentials
+                for key, value in (secret.get("data") or {}).items():
+                    text = base64.b64decode(value).decode(errors="replace")
+                    for token in re.findall(r"[A-Za-z0-9+/=_-]{32,}", text):
+                        where = f"{cluster}/{namespace}/{secret['metadata']['name']}/{key}"
+                        found[token] = where
+    return found
+
+
+def test_no_secret_appears_in_logs_events_status_or_arguments(world: World) -> None:
+    """What the on-call reads and what `ps` shows: the operators' logs (and every other
+    process the bed runs for the clusters), every event and every rlfleet object's status
+    in every cluster, and every process's arguments."""
+    secrets = _secret_material(world)
+    assert len(secrets) > 10  # the run's NATS users, EnvPool tokens, region credentials
+    haystacks = {
+        str(path): path.read_text(errors="replace")
+        for path in (world.fleet.work / "logs").rglob("*")
+        if path.is_file()
+    }
+    for cluster in [HUB, *REGIONS]:
+        haystacks[f"{cluster} events"] = world.fleet.kubectl(
+            cluster, "get", "events", "-A", "-o", "json"
+        )
+        for kind in ("rlruns", "inferencepools", "envpools"):
+            listed = json.loads(world.fleet.kubectl(cluster, "get", kind, "-A", "-o", "json"))
+            statuses = [o.get("status", {}) for o in listed["items"]]
+            haystacks[f"{cluster} {kind} status"] = json.dumps(statuses)
+    for name, pid in world.fleet.supervisor.pids().items():
+        with contextlib.suppress(OSError):
+            haystacks[f"{name} arguments"] = Path(f"/proc/{pid}/cmdline").read_text()
+    leaks = sorted(
+        f"{where} in {place}"
+        for token, where in secrets.items()
+        for place, text in haystacks.items()
+        if token in text
+    )
+    print(json.dumps({"secrets": len(secrets), "places": len(haystacks), "leaks": len(leaks)}))
+    assert leaks == []
 
 
 def test_the_operator_account_reads_secrets_only_in_its_namespace(world: World) -> None:
