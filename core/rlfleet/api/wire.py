@@ -216,7 +216,7 @@ class TaskMessage(WireMessage, tag="rlfleet.io/rollout-task/v1"):
     group_size: Annotated[int, msgspec.Meta(ge=2, le=MAX_GROUP_SIZE)] | None = None
     # The oldest policy version that may attempt it: the trainer would drop anything older
     # as stale by the time it gets there (the feed's staleness-aware admission).
-    min_policy_version: Annotated[int, msgspec.Meta(ge=0)] = 0
+    min_policy_version: Count = 0
 
 
 def encode(message: WireMessage) -> bytes:

@@ -57,7 +57,6 @@ class SyncConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # max_pending (64 MiB by default) queued, so shards in flight must stay below it.
     parallel_fetches: int = 4
 
-    MAX_SHARD_BYTES: ClassVar[int] = MAX_SHARD_BYTES  # what a manifest may name
     MAX_IN_FLIGHT_BYTES: ClassVar[int] = 48 * MIB
 
     def __post_init__(self) -> None:
@@ -72,8 +71,8 @@ class SyncConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("shard_bytes must be at least chunk_bytes")
         if self.keep_snapshots < 1 or self.parallel_fetches < 1:
             raise ValueError("keep_snapshots and parallel_fetches must be at least 1")
-        if self.shard_bytes > self.MAX_SHARD_BYTES:
-            raise ValueError(f"shard_bytes must be at most {self.MAX_SHARD_BYTES}")
+        if self.shard_bytes > MAX_SHARD_BYTES:  # what a receiver takes in a manifest
+            raise ValueError(f"shard_bytes must be at most {MAX_SHARD_BYTES}")
         if self.shard_bytes * self.parallel_fetches > self.MAX_IN_FLIGHT_BYTES:
             raise ValueError(
                 f"shard_bytes * parallel_fetches must be at most {self.MAX_IN_FLIGHT_BYTES}"

@@ -14,7 +14,7 @@ no timeout to wait out.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlfleet.api.wire import (
     BusRole,
@@ -30,6 +30,8 @@ from rlfleet.api.wire import (
 from rlfleet.bus.auth import connect, run_inbox
 from rlfleet.bus.streams import evaluation_stream, step_stream
 from rlfleet.local.nats import NatsBed, NatsServer
+
+VERDICT_WAIT_S = 10.0  # the longest to wait for the servers' refusals
 
 # What each component needs, by the kinds of operations below (on its own run only).
 NEEDS: dict[BusRole, set[str]] = {
@@ -157,11 +159,18 @@ async def _verdicts(server: NatsServer, credentials: str, tried: list[Check]) ->
             if check.subscribe:
                 await nc.subscribe(check.subject)
             else:
-                # Empty bodies: an allowed API request then fails validation, changing
-                # nothing; only a refused one is of interest here.
+                # Empty bodies, on a run made for the matrix: what an allowed request
+                # does there (an empty message stored, a purge) harms nothing.
                 await nc.publish(check.subject, b"")
-        await nc.flush()  # the server's violations come before its answer to the flush
-        await asyncio.sleep(0.2)
+        # Violations may reach `record` after a flush returns (without waiting, 286 went
+        # unseen): wait for one per check that should be refused, or a while. A check
+        # refused that should not be only adds one; one allowed that should not be is
+        # missing, and shows once the wait ends.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + VERDICT_WAIT_S
+        while len(refused) < sum(not c.expected for c in tried) and loop.time() < deadline:
+            await nc.flush()
+            await asyncio.sleep(0.05)
     finally:
         await nc.close()
     verdicts = []
@@ -170,7 +179,7 @@ async def _verdicts(server: NatsServer, credentials: str, tried: list[Check]) ->
         # A server takes its own domain's API prefix off before it checks permissions.
         subject = check.subject.replace(f"$JS.{server.domain}.API.", "$JS.API.")
         denied = any(f'{word} to "{subject.lower()}"' in text for text in refused)
-        verdicts.append(Check(**{**check.__dict__, "allowed": not denied}))
+        verdicts.append(replace(check, allowed=not denied))
     return verdicts
 
 
@@ -178,9 +187,10 @@ async def nats_matrix(bed: NatsBed, run: str, another_run: str) -> list[Check]:
     """Tries every check as its role's user, minted as the hub operator mints it; a
     rollout worker connects at a region's leaf node, as its pods do."""
     region = next(iter(bed.leaves.values()), bed.hub)
+    every = checks(run, another_run)
     tried = []
     for role in BusRole:
         server = region if role == BusRole.ROLLOUT else bed.hub
-        mine = [c for c in checks(run, another_run) if c.role == role]
+        mine = [c for c in every if c.role == role]
         tried += await _verdicts(server, bed.run_user(run, role), mine)
     return tried
