@@ -30,7 +30,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlfleet.api.wire import (
+    CapturedCompletion,
     EvaluationReport,
+    Feedback,
     GroupOutcome,
     Segment,
     ShardRef,
@@ -38,7 +40,9 @@ from rlfleet.api.wire import (
     Task,
     TaskMessage,
     Trajectory,
+    decode_captured,
     decode_evaluation_report,
+    decode_feedback,
     decode_manifest,
     decode_step_report,
     decode_trajectory,
@@ -179,6 +183,20 @@ def _set(document: dict, path: str, value) -> dict:
 NAN = float("nan")
 
 
+def _captured() -> dict:
+    segment = Segment(**_segment(routed_experts=b"", moe_layers=0, top_k=0))
+    return msgspec.to_builtins(
+        CapturedCompletion(RUN, "chatcmpl-1", "ada", segment, "stop", 1e9),
+        builtin_types=(bytes,),
+    )
+
+
+def _feedback() -> dict:
+    return msgspec.to_builtins(
+        Feedback(RUN, "chatcmpl-1", "event-1", "thumbs", 1.0, None, "ada", 1e9, late=False)
+    )
+
+
 @dataclass
 class Door:
     name: str
@@ -285,6 +303,39 @@ DOORS = [
             ("attempts", 0),
             ("tasks", -1),
             ("policy_version", -1),
+        ],
+    ),
+    Door(
+        "captured completion",  # read by a pool's servers, to check feedback against
+        _captured,
+        _msgpack,
+        decode_captured,
+        [
+            *COMMON,
+            ("response_id", "a.b"),  # ids go into subjects: one token
+            ("response_id", ">"),
+            ("response_id", ""),
+            ("served_at", NAN),
+            ("segment.generated.0", 0),  # all of a served completion is generated
+            ("segment.logprobs.0", NAN),
+            ("-segment", None),
+        ],
+    ),
+    Door(
+        "feedback",
+        _feedback,
+        _json,
+        decode_feedback,
+        [
+            *COMMON,
+            ("event_id", "a b"),
+            ("event_id", "x" * 129),
+            ("kind", "Accepted!"),
+            ("value", 0.5),  # thumbs are 1 or -1
+            ("value", NAN),
+            ("received_at", math.inf),
+            ("kind", "edited"),  # with no final text
+            ("late", "no"),
         ],
     ),
 ]

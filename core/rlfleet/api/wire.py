@@ -314,6 +314,72 @@ def decode_step_report(data: bytes) -> StepReport:
     return msgspec.json.decode(data, type=StepReport)
 
 
+# A response or client event id as it appears in a subject: one token, no wildcards.
+SubjectToken = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
+
+
+class CapturedCompletion(WireMessage, tag="rlfleet.io/captured-completion/v1"):
+    """One completion a production pool served, as its server captured it: what the model
+    saw and sampled (one segment, every completion token generated), keyed by the
+    response id its client got back and will name in feedback."""
+
+    run: str
+    response_id: SubjectToken
+    user: str  # the request's `user` field ("" when it had none): caps count per user
+    segment: Segment
+    finish_reason: str
+    served_at: float
+
+    def __post_init__(self) -> None:
+        _finite("served_at", self.served_at)
+        if not all(self.segment.generated):
+            raise ValueError("a captured completion is all generated tokens")
+
+
+class FeedbackKind(StrEnum):
+    """What a user did with a response; a pool may declare more kinds of its own."""
+
+    ACCEPTED = "accepted"
+    REJECTED = "rejected"
+    EDITED = "edited"  # `text` holds the user's final version
+    RETRIED = "retried"
+    FOLLOW_UP = "follow-up"
+    THUMBS = "thumbs"  # `value` is 1 (up) or -1 (down)
+
+
+class Feedback(WireMessage, tag="rlfleet.io/feedback/v1"):
+    """One client event about a captured completion, stored once per `event_id`."""
+
+    run: str
+    response_id: SubjectToken
+    event_id: SubjectToken
+    kind: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9-]{0,31}$")]
+    value: float | None
+    text: str | None
+    user: str  # the captured request's, not the client's say
+    received_at: float
+    late: bool  # it came after the pool's feedback window closed on the completion
+
+    def __post_init__(self) -> None:
+        _finite("value and received_at", self.received_at, self.value or 0.0)
+        if self.kind == FeedbackKind.EDITED and self.text is None:
+            raise ValueError("an edited response's feedback needs its final text")
+        if self.kind == FeedbackKind.THUMBS and self.value not in (1.0, -1.0):
+            raise ValueError(f"thumbs take a value of 1 or -1, not {self.value}")
+
+
+def encode_captured(captured: CapturedCompletion) -> bytes:
+    return msgspec.msgpack.encode(captured)  # token lists: smaller and faster than JSON
+
+
+def decode_captured(data: bytes) -> CapturedCompletion:
+    return msgspec.msgpack.decode(data, type=CapturedCompletion)
+
+
+def decode_feedback(data: bytes) -> Feedback:
+    return msgspec.json.decode(data, type=Feedback)
+
+
 class BusRole(StrEnum):
     """Who a run's NATS user is. Each component connects as a user of its own, allowed
     only what that component does (`rlfleet.bus.auth.role_permissions`); the observer is
@@ -323,6 +389,7 @@ class BusRole(StrEnum):
     ROLLOUT = "rollout"
     FEED = "feed"
     EVALUATOR = "evaluator"
+    SERVING = "serving"  # a production pool's servers: capture and feedback
     OBSERVER = "observer"
 
 
@@ -358,6 +425,22 @@ def weights_stream(run: str) -> str:
 def weights_prefix(run: str) -> str:
     """Every subject of a run's weights begins with this (see weightsync's `Subjects`)."""
     return f"rlfleet.weights.{run}"
+
+
+def capture_stream(run: str) -> str:
+    return f"CAPTURE-{run}"
+
+
+def capture_subject(run: str, response_id: str = "*") -> str:
+    return f"rlfleet.capture.{run}.{response_id}"
+
+
+def feedback_stream(run: str) -> str:
+    return f"FEEDBACK-{run}"
+
+
+def feedback_subject(run: str, response_id: str = "*", event_id: str = "*") -> str:
+    return f"rlfleet.feedback.{run}.{response_id}.{event_id}"
 
 
 # One weights message carries at most this much of a shard (the stream takes no more). A

@@ -30,7 +30,11 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from rlfleet.api.wire import (
     BusRole,
+    capture_stream,
+    capture_subject,
     evaluation_subject,
+    feedback_stream,
+    feedback_subject,
     step_subject,
     task_stream,
     task_subject,
@@ -236,7 +240,8 @@ def role_access(run: str, role: BusRole) -> Access:
     reference: what it publishes, binds to and consumes)."""
     steps, evaluations = step_stream(run), evaluation_stream(run)
     tasks, trajectories, weights = task_stream(run), trajectory_stream(run), weights_stream(run)
-    everything = (steps, evaluations, tasks, trajectories, weights)
+    captures, feedback = capture_stream(run), feedback_stream(run)
+    everything = (steps, evaluations, tasks, trajectories, weights, captures, feedback)
     match role:
         case BusRole.TRAINER:  # learns from trajectories; reports steps; publishes weights
             return Access(
@@ -261,16 +266,23 @@ def role_access(run: str, role: BusRole) -> Access:
                 follows=(weights,),
                 reads=(evaluations, weights),
             )
+        case BusRole.SERVING:  # captures what it serves; records feedback on it
+            return Access(
+                publishes=(capture_subject(run), feedback_subject(run)),
+                reads=(captures,),  # is a response id one of ours: a direct get by subject
+            )
         case BusRole.OBSERVER:  # reads everything, writes nothing, acknowledges nothing
             return Access(
                 # Not the task queue: a consumer without acks cannot read a work queue.
-                follows=(steps, evaluations, trajectories, weights),
+                follows=(steps, evaluations, trajectories, weights, captures, feedback),
                 reads=everything,
                 listens=(
                     step_subject(run),
                     evaluation_subject(run),
                     task_subject(run),
                     trajectory_subject(run),
+                    capture_subject(run),
+                    feedback_subject(run),
                 ),
             )
 

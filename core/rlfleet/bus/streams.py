@@ -30,7 +30,11 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from rlfleet.api.wire import (
     WEIGHT_CHUNK_BYTES,
+    capture_stream,
+    capture_subject,
     evaluation_subject,
+    feedback_stream,
+    feedback_subject,
     step_subject,
     task_stream,
     task_subject,
@@ -46,6 +50,12 @@ log = logging.getLogger(__name__)
 # restart, bounded so a run of a million steps does not grow the stream without end.
 STEP_REPORTS_KEPT = 10_000
 EVALUATIONS_KEPT = 1_000  # one every `everyVersions` versions: a long run's whole history
+# What a production pool's servers capture and the feedback on it, kept this long (a
+# cycle collects for hours) and bounded in count so a busy pool cannot fill the store.
+PRODUCTION_KEPT_S = 7 * 24 * 3600.0
+CAPTURES_KEPT = 1_000_000
+FEEDBACK_KEPT = 4_000_000
+MAX_CAPTURE_BYTES = 4 << 20  # one completion's tokens, log-probs and versions
 # How long a component waits for a stream its run's owner has not made yet: the hub
 # operator starts a run's pods and makes its streams in the same reconcile.
 BIND_WAIT_S = 30.0
@@ -106,6 +116,38 @@ def evaluation_stream_config(run: str) -> StreamConfig:
     return _reports(evaluation_stream(run), evaluation_subject(run), EVALUATIONS_KEPT)
 
 
+def capture_stream_config(run: str) -> StreamConfig:
+    """Completions a production pool served, one subject per response id, so feedback
+    can be checked against it (direct get by subject) on any of the pool's servers."""
+    return StreamConfig(
+        name=capture_stream(run),
+        subjects=[capture_subject(run)],
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=PRODUCTION_KEPT_S,
+        max_msgs=CAPTURES_KEPT,
+        max_msg_size=MAX_CAPTURE_BYTES,
+        allow_direct=True,
+    )
+
+
+def feedback_stream_config(run: str) -> StreamConfig:
+    """Client feedback, one subject per (response, client event): the stream takes each
+    subject's first message and refuses the rest, so a client's retry is recorded once
+    however late it comes; when full it refuses new events rather than drop old ones."""
+    return StreamConfig(
+        name=feedback_stream(run),
+        subjects=[feedback_subject(run)],
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.NEW,
+        discard_new_per_subject=True,
+        max_msgs_per_subject=1,
+        max_age=PRODUCTION_KEPT_S,
+        max_msgs=FEEDBACK_KEPT,
+        max_msg_size=64 << 10,
+    )
+
+
 def weights_stream_config(run: str) -> StreamConfig:
     """The run's weight versions on the hub (`rlfleet.weightsync`): shards in chunks read
     by batched direct get, and a publisher's retries dropped as duplicates."""
@@ -140,6 +182,8 @@ def run_stream_configs(run: str) -> list[StreamConfig]:
         step_stream_config(run),
         evaluation_stream_config(run),
         weights_stream_config(run),
+        capture_stream_config(run),
+        feedback_stream_config(run),
     ]
 
 

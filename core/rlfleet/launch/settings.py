@@ -310,6 +310,27 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metrics_port: MetricsPort = None
 
 
+class CaptureConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A production pool's vLLM server's capture and feedback (`rlfleet.rollout.serving`).
+
+    The API key feedback is checked against is vLLM's own, `VLLM_API_KEY` in the
+    server's environment, never a setting: settings are files and arguments."""
+
+    run: str
+    nats_url: str
+    jetstream_domain: str | None = None  # the hub's, where the run's streams live
+    base_version: Annotated[int, msgspec.Meta(ge=0)] = 0  # what the served checkpoint is
+    # The share of eligible completions captured (a request may opt out).
+    sample_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
+    # Feedback later than this after its completion is kept and counted as late.
+    feedback_window_s: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    custom_kinds: list[Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9-]{0,31}$")]] = []
+    # Captures waiting for NATS; a full buffer drops new captures, never requests.
+    buffer: Positive = 10_000
+    # Response ids this server remembers capturing, so feedback on them needs no lookup.
+    remembered: Positive = 100_000
+
+
 S = TypeVar("S", bound=msgspec.Struct)
 
 

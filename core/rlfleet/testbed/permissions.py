@@ -18,7 +18,11 @@ from dataclasses import dataclass, replace
 
 from rlfleet.api.wire import (
     BusRole,
+    capture_stream,
+    capture_subject,
     evaluation_subject,
+    feedback_stream,
+    feedback_subject,
     step_subject,
     task_stream,
     task_subject,
@@ -61,14 +65,18 @@ NEEDS: dict[BusRole, set[str]] = {
         *(f"{op} {s}" for op in ("info", "get") for s in ("EVALS", "WEIGHTS")),
         "consume WEIGHTS",
     },
+    BusRole.SERVING: {"publish captures", "publish feedback", "info CAPTURE", "get CAPTURE"},
     BusRole.OBSERVER: {
         *(
             f"{op} {s}"
             for op in ("info", "get")
-            for s in ("STEPS", "EVALS", "TASKS", "TRAJ", "WEIGHTS")
+            for s in ("STEPS", "EVALS", "TASKS", "TRAJ", "WEIGHTS", "CAPTURE", "FEEDBACK")
         ),
-        *(f"consume {s}" for s in ("STEPS", "EVALS", "TRAJ", "WEIGHTS")),
-        *(f"listen {s}" for s in ("steps", "evaluations", "tasks", "trajectories")),
+        *(f"consume {s}" for s in ("STEPS", "EVALS", "TRAJ", "WEIGHTS", "CAPTURE", "FEEDBACK")),
+        *(
+            f"listen {s}"
+            for s in ("steps", "evaluations", "tasks", "trajectories", "captures", "feedback")
+        ),
     },
 }
 
@@ -95,6 +103,8 @@ def _operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
         "STEPS": step_stream(run),
         "EVALS": evaluation_stream(run),
         "WEIGHTS": weights_stream(run),
+        "CAPTURE": capture_stream(run),
+        "FEEDBACK": feedback_stream(run),
     }
     subjects = {
         "tasks": task_subject(run),
@@ -102,6 +112,8 @@ def _operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
         "steps": step_subject(run),
         "evaluations": evaluation_subject(run),
         "weights": f"{weights_prefix(run)}.v1.shard.0",
+        "captures": capture_subject(run, "chatcmpl-1"),
+        "feedback": feedback_subject(run, "chatcmpl-1", "event-1"),
     }
     found = []
     for short, subject in subjects.items():
@@ -190,7 +202,7 @@ async def nats_matrix(bed: NatsBed, run: str, another_run: str) -> list[Check]:
     every = checks(run, another_run)
     tried = []
     for role in BusRole:
-        server = region if role == BusRole.ROLLOUT else bed.hub
+        server = region if role in (BusRole.ROLLOUT, BusRole.SERVING) else bed.hub
         mine = [c for c in every if c.role == role]
         tried += await _verdicts(server, bed.run_user(run, role), mine)
     return tried

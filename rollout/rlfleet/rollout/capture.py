@@ -1,0 +1,198 @@
+"""What a production pool's server captures of a completion it serves, and how.
+
+A captured completion is what the trainer needs to learn from it later: the prompt's
+and the completion's token ids, each sampled token's log-prob under the weights that
+served it, and the policy version of every token. The server asks vLLM for them on
+the client's behalf (`prepare`) and gives the client back only what it asked for
+(`give_back`), so a client sees the same answer with capture on or off.
+
+Serving must not wait on NATS: captures go into a bounded buffer (`Captures`) that one
+task drains into the run's capture stream, reconnecting as long as it takes. A full
+buffer drops the newest capture and counts it; the request it came from is served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+import nats.errors
+from prometheus_client import Counter, Gauge
+
+from rlfleet.api.wire import (
+    CapturedCompletion,
+    Segment,
+    SubjectToken,
+    capture_subject,
+    encode_captured,
+)
+from rlfleet.bus.auth import connect
+from rlfleet.launch.settings import CaptureConfig
+
+log = logging.getLogger(__name__)
+
+# A request with this header set to "off" is served and never captured.
+OPT_OUT_HEADER = b"x-rlfleet-capture"
+MIN_LOGPROB = -1e4  # for -inf: the wire holds log-probs finite
+
+captured = Counter(
+    "rlfleet_serving_captures_total",
+    "Completions captured, by what became of them",
+    ["outcome"],  # stored; dropped_buffer_full
+)
+skipped = Counter(
+    "rlfleet_serving_capture_skipped_total",
+    "Completions served without a capture, by why",
+    ["reason"],
+)
+buffered = Gauge("rlfleet_serving_capture_buffered", "Captures waiting for NATS")
+
+
+class Skip(StrEnum):
+    OPTED_OUT = "opted_out"  # the request's header said so
+    SAMPLED_OUT = "sampled_out"  # outside the pool's sample rate
+    STREAM = "stream"  # streamed responses are not captured yet
+    SEVERAL = "several_choices"  # n > 1: feedback names a response, not one of its choices
+    VERSION_CHANGED = "version_changed"  # the weights changed while it was generated
+    FAILED = "failed"  # vLLM did not answer 200
+    UNREADABLE = "unreadable"  # a request or response not of the shape expected
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What the client itself asked vLLM to return, of what capture needs."""
+
+    logprobs: bool
+    token_ids: bool
+
+
+def prepare(request: dict[str, Any]) -> tuple[dict[str, Any], Asked] | Skip:
+    """The chat completion request to send vLLM so that its answer can be captured, and
+    what the client asked for; or why this one is not captured."""
+    if request.get("stream"):
+        return Skip.STREAM
+    if request.get("n", 1) != 1:
+        return Skip.SEVERAL
+    asked = Asked(bool(request.get("logprobs")), bool(request.get("return_token_ids")))
+    return {**request, "logprobs": True, "return_token_ids": True}, asked
+
+
+def give_back(response: dict[str, Any], asked: Asked) -> dict[str, Any]:
+    """`response` as vLLM answers a request without what capture added."""
+    response = dict(response)
+    choices = [dict(choice) for choice in response["choices"]]
+    for choice in choices:
+        if not asked.logprobs:
+            choice["logprobs"] = None
+        if not asked.token_ids:
+            choice["token_ids"] = None
+    if not asked.token_ids:
+        response["prompt_token_ids"] = None
+    response["choices"] = choices
+    return response
+
+
+def extract(
+    run: str, response: dict[str, Any], user: str, version: int, served_at: float
+) -> CapturedCompletion:
+    """The capture of vLLM's answer to a `prepare`d request, all of it sampled by
+    `version`; ValueError (or a KeyError, TypeError) if the answer is not of that shape."""
+    (choice,) = response["choices"]
+    prompt, tokens = list(response["prompt_token_ids"]), list(choice["token_ids"])
+    entries = choice["logprobs"]["content"]
+    logprobs = [max(float(entry["logprob"]), MIN_LOGPROB) for entry in entries]
+    if len(logprobs) != len(tokens):
+        raise ValueError(f"{len(logprobs)} log-probs for {len(tokens)} tokens")
+    segment = Segment(
+        tokens=prompt + tokens,
+        prompt_len=len(prompt),
+        generated=[1] * len(tokens),
+        logprobs=logprobs,
+        versions=[version] * len(tokens),
+    )
+    return CapturedCompletion(
+        run=run,
+        # An id goes into a subject: one token, whatever a client's request-id header said.
+        response_id=msgspec.convert(response["id"], SubjectToken),
+        user=user,
+        segment=segment,
+        finish_reason=str(choice["finish_reason"]),
+        served_at=served_at,
+    )
+
+
+class Bus:
+    """The server's one connection to NATS, made in the background and kept: until it is
+    up, `jetstream()` is None and nothing that serves a request waits for it."""
+
+    def __init__(self, config: CaptureConfig) -> None:
+        self.config = config
+        self.nc = None
+
+    async def keep_connected(self) -> None:
+        while self.nc is None:
+            try:
+                self.nc = await connect(
+                    self.config.nats_url,
+                    connect_timeout=2,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                )
+            except (nats.errors.Error, OSError, TimeoutError) as error:
+                log.warning("NATS at %s: %s; trying again", self.config.nats_url, error)
+                await asyncio.sleep(1.0)
+
+    def jetstream(self):
+        if self.nc is None or not self.nc.is_connected:
+            return None
+        return self.nc.jetstream(domain=self.config.jetstream_domain)
+
+
+class Captures:
+    """A bounded buffer of captures and the task that stores them in the run's stream."""
+
+    def __init__(self, bus: Bus, size: int) -> None:
+        self.bus = bus
+        self.queue: asyncio.Queue[CapturedCompletion] = asyncio.Queue(size)
+
+    def offer(self, capture: CapturedCompletion) -> None:
+        try:
+            self.queue.put_nowait(capture)
+        except asyncio.QueueFull:
+            captured.labels("dropped_buffer_full").inc()
+        buffered.set(self.queue.qsize())
+
+    async def store_forever(self) -> None:
+        while True:
+            capture = await self.queue.get()
+            data = encode_captured(capture)
+            subject = capture_subject(capture.run, capture.response_id)
+            while not await self._store(subject, data):
+                log.debug("capture of %s waits for NATS", capture.response_id)
+                await asyncio.sleep(0.5)
+            captured.labels("stored").inc()
+            buffered.set(self.queue.qsize())
+
+    async def _store(self, subject: str, data: bytes) -> bool:
+        js = self.bus.jetstream()
+        if js is None:
+            return False
+        # A retry after a lost ack stores it again: the id dedupes within the window.
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            await js.publish(subject, data, timeout=5, headers={"Nats-Msg-Id": subject})
+            return True
+        return False
+
+
+def decode_request(body: bytes) -> dict[str, Any] | None:
+    try:
+        request = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    return request if isinstance(request, dict) else None

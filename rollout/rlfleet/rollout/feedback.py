@@ -1,0 +1,170 @@
+"""`POST /v1/feedback`: a client's event about a response it was served, made durable.
+
+Each answer says what happened: 200 once the event is stored in the run's feedback
+stream (or was already: the stream keeps one message per response and event id, so a
+client's retry is recorded once however late it comes), 400 naming what is wrong with
+the body, 401 without the pool's API key, 404 for a response this pool did not
+capture, 503 while the stream cannot be reached (nothing is stored; retry). Feedback
+after the pool's window is stored too, marked and counted as late.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import msgspec
+import nats.errors
+from nats.js.errors import APIError, NotFoundError
+from prometheus_client import Counter
+
+from rlfleet.api.wire import (
+    Feedback,
+    FeedbackKind,
+    SubjectToken,
+    capture_stream,
+    capture_subject,
+    decode_captured,
+    encode,
+    feedback_subject,
+)
+from rlfleet.launch.settings import CaptureConfig
+from rlfleet.rollout.capture import Bus
+
+answered = Counter(
+    "rlfleet_serving_feedback_total",
+    "Feedback requests, by answer",
+    ["outcome"],  # recorded, late, duplicate, unauthorized, malformed, unknown_kind,
+    # unknown_response, unavailable
+)
+
+# JetStream's answer to a second message on a subject that keeps one and refuses more.
+_SUBJECT_FULL = 10077
+
+
+class FeedbackRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    response_id: SubjectToken
+    event_id: SubjectToken  # the client's own id of the event: a retry sends the same
+    kind: str
+    value: float | None = None
+    text: str | None = None
+
+
+class _Unreachable(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: dict
+
+    @classmethod
+    def refuse(cls, status: int, outcome: str, error: str) -> Answer:
+        answered.labels(outcome).inc()
+        return cls(status, {"error": error})
+
+
+@dataclass(frozen=True)
+class Served:
+    user: str
+    served_at: float
+
+
+class Remembered:
+    """The response ids this server captured lately, so feedback on them needs no lookup."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._served: OrderedDict[str, Served] = OrderedDict()
+
+    def add(self, response_id: str, served: Served) -> None:
+        self._served[response_id] = served
+        while len(self._served) > self.size:
+            self._served.popitem(last=False)
+
+    def get(self, response_id: str) -> Served | None:
+        return self._served.get(response_id)
+
+
+class FeedbackDesk:
+    def __init__(self, config: CaptureConfig, bus: Bus, api_keys: list[str]) -> None:
+        self.config = config
+        self.bus = bus
+        self.api_keys = [key.encode() for key in api_keys]
+        self.kinds = [*FeedbackKind, *config.custom_kinds]
+        self.remembered = Remembered(config.remembered)
+
+    def authorized(self, authorization: bytes) -> bool:
+        if not self.api_keys:  # as vLLM: a pool without a key serves anyone
+            return True
+        given = authorization.removeprefix(b"Bearer ")
+        return any(hmac.compare_digest(given, key) for key in self.api_keys)
+
+    async def answer(self, body: bytes, authorization: bytes) -> Answer:
+        if not self.authorized(authorization):
+            return Answer.refuse(401, "unauthorized", "a valid API key is required")
+        try:
+            request = msgspec.json.decode(body, type=FeedbackRequest)
+        except msgspec.DecodeError as error:  # ValidationError names the field
+            return Answer.refuse(400, "malformed", f"malformed feedback: {error}")
+        if request.kind not in self.kinds:
+            kinds = ", ".join(self.kinds)
+            error = f"kind {request.kind!r} is not one this pool takes ({kinds})"
+            return Answer.refuse(400, "unknown_kind", error)
+        js = self.bus.jetstream()
+        try:
+            served = self.remembered.get(request.response_id) or await self._lookup(js, request)
+        except _Unreachable:
+            return Answer.refuse(503, "unavailable", "feedback store unreachable; retry")
+        if served is None:
+            error = f"response {request.response_id!r} was not captured by this pool"
+            return Answer.refuse(404, "unknown_response", error)
+        now = time.time()
+        try:
+            feedback = Feedback(
+                run=self.config.run,
+                response_id=request.response_id,
+                event_id=request.event_id,
+                kind=request.kind,
+                value=request.value,
+                text=request.text,
+                user=served.user,
+                received_at=now,
+                late=now - served.served_at > self.config.feedback_window_s,
+            )
+        except (ValueError, msgspec.ValidationError) as error:
+            return Answer.refuse(400, "malformed", f"malformed feedback: {error}")
+        return await self._store(js, feedback)
+
+    async def _lookup(self, js, request: FeedbackRequest) -> Served | None:
+        """The capture of `request`'s response in the run's stream, None if not there."""
+        if js is None:
+            raise _Unreachable
+        subject = capture_subject(self.config.run, request.response_id)
+        try:
+            message = await js.get_last_msg(capture_stream(self.config.run), subject, direct=True)
+            capture = decode_captured(message.data)
+        except (NotFoundError, msgspec.DecodeError):
+            return None
+        except (nats.errors.Error, TimeoutError) as error:
+            raise _Unreachable from error
+        return Served(capture.user, capture.served_at)
+
+    async def _store(self, js, feedback: Feedback) -> Answer:
+        if js is None:
+            return Answer.refuse(503, "unavailable", "feedback store unreachable; retry")
+        subject = feedback_subject(feedback.run, feedback.response_id, feedback.event_id)
+        try:
+            await js.publish(subject, encode(feedback), timeout=5)
+        except APIError as error:
+            if error.err_code != _SUBJECT_FULL:
+                return Answer.refuse(503, "unavailable", f"feedback store refused: {error}")
+            answered.labels("duplicate").inc()
+            return Answer(200, {"status": "duplicate"})
+        except (nats.errors.Error, TimeoutError):
+            return Answer.refuse(503, "unavailable", "feedback store unreachable; retry")
+        answered.labels("late" if feedback.late else "recorded").inc()
+        return Answer(200, {"status": "recorded", "late": feedback.late})

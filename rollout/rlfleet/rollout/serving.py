@@ -1,0 +1,156 @@
+"""Capture and feedback in a production pool's vLLM server, as ASGI middleware.
+
+The pool runs vLLM's own OpenAI-compatible server, with this added:
+
+    python -m vllm.entrypoints.openai.api_server --model ... \\
+        --logprobs-mode processed_logprobs \\
+        --middleware rlfleet.rollout.serving.CaptureMiddleware
+
+and `RLFLEET_SERVING_SETTINGS` naming a `CaptureConfig` JSON file (the run's NATS user in
+`RLFLEET_NATS_CREDS`). Processed log-probs are those of the distribution the token was
+sampled from (temperature applied), which is what the trainer's correction divides by.
+Chat completions are captured (`rlfleet.rollout.capture`); `POST /v1/feedback` is
+answered here (`rlfleet.rollout.feedback`); every other request passes through untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from pathlib import Path
+
+import msgspec
+
+from rlfleet.launch.settings import CaptureConfig, from_json
+from rlfleet.rollout import capture
+from rlfleet.rollout.capture import Asked, Bus, Captures, Skip
+from rlfleet.rollout.feedback import FeedbackDesk, Served
+
+SETTINGS_ENV = "RLFLEET_SERVING_SETTINGS"
+COMPLETIONS, FEEDBACK = "/v1/chat/completions", "/v1/feedback"
+
+
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes):
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if sent:  # the app reads past the body only to wait for a disconnect
+            await asyncio.Event().wait()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive
+
+
+async def _respond(send, status: int, body: bytes, headers: list) -> None:
+    headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class CaptureMiddleware:
+    def __init__(self, app) -> None:
+        self.app = app
+        self.config = from_json(Path(os.environ[SETTINGS_ENV]).read_bytes(), CaptureConfig)
+        self.bus = Bus(self.config)
+        self.captures = Captures(self.bus, self.config.buffer)
+        keys = [key for key in [os.environ.get("VLLM_API_KEY", "")] if key]
+        self.desk = FeedbackDesk(self.config, self.bus, keys)
+        self._tasks: list[asyncio.Task] = []
+
+    def _start(self) -> None:
+        """The connection and the drain run in the server's loop, begun by its first request."""
+        if not self._tasks:
+            self._tasks = [
+                asyncio.create_task(self.bus.keep_connected(), name="nats"),
+                asyncio.create_task(self.captures.store_forever(), name="captures"),
+            ]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        self._start()
+        if scope["path"] == FEEDBACK:
+            headers = dict(scope["headers"])
+            answer = await self.desk.answer(
+                await _read_body(receive), headers.get(b"authorization", b"")
+            )
+            body, json = msgspec.json.encode(answer.body), (b"content-type", b"application/json")
+            return await _respond(send, answer.status, body, [json])
+        if scope["path"] == COMPLETIONS:
+            return await self._completion(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def _admit(self, scope, body: bytes) -> tuple[dict, Asked, str] | Skip:
+        if dict(scope["headers"]).get(capture.OPT_OUT_HEADER, b"").lower() == b"off":
+            return Skip.OPTED_OUT
+        if random.random() >= self.config.sample_rate:
+            return Skip.SAMPLED_OUT
+        request = capture.decode_request(body)
+        if request is None:
+            return Skip.UNREADABLE
+        prepared = capture.prepare(request)
+        if isinstance(prepared, Skip):
+            return prepared
+        user = request.get("user")
+        return *prepared, user if isinstance(user, str) else ""
+
+    async def _completion(self, scope, receive, send) -> None:
+        body = await _read_body(receive)
+        admitted = self._admit(scope, body)
+        if isinstance(admitted, Skip):
+            capture.skipped.labels(admitted).inc()
+            return await self.app(scope, _replay(body), send)
+        request, asked, user = admitted
+        engine = scope["app"].state.engine_client
+        before = await engine.get_weight_version()
+        start: dict = {}
+        chunks: list[bytes] = []
+
+        async def hold(message) -> None:  # the whole answer, to take out what capture added
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self.app(scope, _replay(msgspec.json.encode(request)), hold)
+        answer, after = b"".join(chunks), await engine.get_weight_version()
+        if start.get("status") != 200:
+            capture.skipped.labels(Skip.FAILED).inc()
+            return await _respond(send, start["status"], answer, start.get("headers", []))
+        reply = self._capture(answer, asked, user, before, after)
+        await _respond(send, 200, reply, start.get("headers", []))
+
+    def _capture(self, answer: bytes, asked: Asked, user: str, before: str, after: str) -> bytes:
+        """The answer as the client asked for it; its capture offered to the buffer."""
+        try:
+            response = msgspec.json.decode(answer)
+            reply = msgspec.json.encode(capture.give_back(response, asked))
+        except (KeyError, TypeError, AttributeError, msgspec.DecodeError):
+            capture.skipped.labels(Skip.UNREADABLE).inc()
+            return answer
+        if before != after:
+            capture.skipped.labels(Skip.VERSION_CHANGED).inc()
+            return reply
+        try:
+            version = self.config.base_version if before == "default" else int(before)
+            captured = capture.extract(self.config.run, response, user, version, time.time())
+        except (ValueError, KeyError, TypeError, msgspec.DecodeError):
+            capture.skipped.labels(Skip.UNREADABLE).inc()
+            return reply
+        self.desk.remembered.add(captured.response_id, Served(user, captured.served_at))
+        self.captures.offer(captured)
+        return reply

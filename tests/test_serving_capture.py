@@ -1,0 +1,267 @@
+"""A production pool's vLLM server captures what it serves and takes feedback on it: the
+real OpenAI-compatible server with rlfleet's middleware, over HTTP, storing into the
+run's streams on a real NATS hub through a region's leaf node, as the run's serving
+user. NATS is cut from under it by a gate in the link, as a partition would."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import scrape, wait_for
+from nats.js.errors import NotFoundError
+from tcp_gate import TcpGate
+
+from rlfleet.api.wire import (
+    BusRole,
+    CapturedCompletion,
+    Segment,
+    capture_stream,
+    capture_subject,
+    decode_captured,
+    decode_feedback,
+    encode_captured,
+    feedback_stream,
+    feedback_subject,
+)
+from rlfleet.bus.streams import ensure_run_streams
+from rlfleet.launch.settings import CaptureConfig, to_json
+from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
+from rlfleet.local.processes import free_port
+from rlfleet.models.tiny import init_model
+from rlfleet.rollout.serving import SETTINGS_ENV
+
+API_KEY = "pool-key-for-tests"
+WINDOW_S = 4.0  # the pool's feedback window
+BUFFER = 3  # captures the server holds while NATS is away
+
+
+@dataclass
+class Pool:
+    url: str
+    run: str
+    nats: StandaloneNats
+    gate: TcpGate
+
+    def chat(self, content: str, headers: dict | None = None, **fields) -> dict:
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 6,
+            "temperature": 0,
+            **fields,
+        }
+        return self.post("/v1/chat/completions", body, headers)[1]
+
+    def post(self, path: str, body, headers: dict | None = None, key: str | None = API_KEY):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(f"{self.url}{path}", data=data, method="POST")
+        request.add_header("content-type", "application/json")
+        if key is not None:
+            request.add_header("authorization", f"Bearer {key}")
+        for name, value in (headers or {}).items():
+            request.add_header(name, value)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.load(response)
+        except urllib.error.HTTPError as error:
+            return error.code, json.load(error)
+
+    def feedback(self, response_id: str, kind: str = "accepted", **fields):
+        body = {"response_id": response_id, "event_id": uuid.uuid4().hex, "kind": kind, **fields}
+        return self.post("/v1/feedback", body)
+
+    def metric(self, name: str) -> float:
+        return scrape(f"{self.url}/metrics").get(name, 0.0)
+
+    def stored(self, stream: str, subject: str) -> bytes | None:
+        async def get() -> bytes | None:
+            nc = await self.nats.bed.hub.connect()
+            try:
+                message = await nc.jetstream().get_last_msg(stream, subject)
+                return message.data
+            except NotFoundError:
+                return None
+            finally:
+                await nc.close()
+
+        return asyncio.run(get())
+
+    def capture(self, response_id: str) -> CapturedCompletion | None:
+        data = self.stored(capture_stream(self.run), capture_subject(self.run, response_id))
+        return None if data is None else decode_captured(data)
+
+
+@pytest.fixture(scope="module")
+def pool(nats_servers: StandaloneNats, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    root = tmp_path_factory.mktemp("serving")
+    run = "serving-" + uuid.uuid4().hex[:6]
+
+    async def streams() -> None:
+        nc = await nats_servers.bed.hub.connect()
+        await ensure_run_streams(nc, run, None)
+        await nc.close()
+
+    asyncio.run(streams())
+    leaf = nats_servers.bed.leaves[nats_servers.region]
+    gate = TcpGate(int(leaf.url.rsplit(":", 1)[1]))
+    creds = root / "serving.creds"
+    creds.write_text(nats_servers.bed.run_user(run, BusRole.SERVING))
+    settings = CaptureConfig(
+        run=run,
+        nats_url=gate.url,
+        jetstream_domain=HUB_DOMAIN,
+        feedback_window_s=WINDOW_S,
+        custom_kinds=["copied"],
+        buffer=BUFFER,
+    )
+    (root / "settings.json").write_bytes(to_json(settings))
+    port = free_port()
+    env = os.environ | {
+        SETTINGS_ENV: str(root / "settings.json"),
+        "RLFLEET_NATS_CREDS": str(creds),
+        "VLLM_API_KEY": API_KEY,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    model = init_model("tiny-moe", root / "model")
+    command = [
+        *(sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
+        *("--model", str(model), "--served-model-name", "tiny", "--port", str(port)),
+        *("--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0"),
+        *("--logprobs-mode", "processed_logprobs"),
+        *("--middleware", "rlfleet.rollout.serving.CaptureMiddleware"),
+    ]
+    log = (root / "server.log").open("wb")
+    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for("the pool's vLLM server", lambda: _healthy(url, server, root), timeout=300)
+        yield Pool(url, run, nats_servers, gate)
+    finally:
+        server.terminate()
+        server.wait(60)
+        gate.close()
+
+
+def _healthy(url: str, server: subprocess.Popen, root: Path) -> bool:
+    if server.poll() is not None:
+        raise AssertionError((root / "server.log").read_text()[-3000:])
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def test_a_served_completion_is_captured_and_the_client_sees_only_what_it_asked(pool: Pool):
+    plain = pool.chat("two plus two?", user="ada")
+    (choice,) = plain["choices"]
+    assert choice["logprobs"] is None and choice["token_ids"] is None
+    assert plain["prompt_token_ids"] is None
+    # The same request asking for what capture takes: the capture holds exactly that.
+    full = pool.chat("two plus two?", logprobs=True, return_token_ids=True)
+    assert full["choices"][0]["message"] == choice["message"]
+    captured = wait_for("the capture", lambda: pool.capture(plain["id"]), timeout=30)
+    segment = captured.segment
+    completion = full["choices"][0]["token_ids"]
+    assert segment.tokens == full["prompt_token_ids"] + completion
+    assert segment.prompt_len == len(full["prompt_token_ids"])
+    expected = [entry["logprob"] for entry in full["choices"][0]["logprobs"]["content"]]
+    assert segment.logprobs == pytest.approx(expected, abs=1e-5)
+    assert segment.versions == [0] * len(completion)  # the served checkpoint, version 0
+    assert captured.user == "ada"
+    assert wait_for("the other capture", lambda: pool.capture(full["id"]), timeout=30)
+
+    opted_out = pool.chat("two plus two?", headers={"x-rlfleet-capture": "off"})
+    assert opted_out["choices"][0]["message"] == choice["message"]
+    time.sleep(1)
+    assert pool.capture(opted_out["id"]) is None
+
+
+def test_feedback_gets_an_answer_for_each_kind_of_request(pool: Pool):
+    served = pool.chat("name a colour", user="grace")["id"]
+    wait_for("the capture", lambda: pool.capture(served), timeout=30)
+
+    assert pool.feedback("chatcmpl-nobody-served-this")[0] == 404
+    status, body = pool.feedback(served, kind="loved")
+    assert status == 400 and "'loved'" in body["error"]
+    status, body = pool.post("/v1/feedback", {"response_id": served, "kind": "accepted"})
+    assert status == 400 and "event_id" in body["error"]
+    assert pool.post("/v1/feedback", b"{not json")[0] == 400
+    status, body = pool.feedback(served, kind="edited")
+    assert status == 400 and "final text" in body["error"]
+    event = {"response_id": served, "event_id": "e-1", "kind": "accepted"}
+    assert pool.post("/v1/feedback", event, key=None)[0] == 401
+    assert pool.post("/v1/feedback", event, key="wrong")[0] == 401
+
+    assert pool.post("/v1/feedback", event) == (200, {"status": "recorded", "late": False})
+    assert pool.post("/v1/feedback", event) == (200, {"status": "duplicate"})
+    assert pool.feedback(served, kind="copied")[0] == 200  # the pool's own kind
+    assert pool.feedback(served, kind="edited", text="teal")[0] == 200
+
+    subject = feedback_subject(pool.run, served, "e-1")
+    stored = decode_feedback(pool.stored(feedback_stream(pool.run), subject))
+    assert (stored.kind, stored.user, stored.late) == ("accepted", "grace", False)
+    assert _messages(pool, feedback_subject(pool.run, served)) == 3  # the retry stored once
+
+    time.sleep(WINDOW_S)
+    assert pool.feedback(served)[1] == {"status": "recorded", "late": True}
+
+
+def test_feedback_on_another_servers_capture_is_checked_in_the_stream(pool: Pool):
+    segment = Segment(tokens=[5, 6, 7], prompt_len=2, generated=[1], logprobs=[-0.5], versions=[0])
+    elsewhere = CapturedCompletion(
+        pool.run, "chatcmpl-elsewhere", "lin", segment, "stop", time.time()
+    )
+
+    async def publish() -> None:
+        nc = await pool.nats.bed.hub.connect()
+        subject = capture_subject(pool.run, elsewhere.response_id)
+        await nc.jetstream().publish(subject, encode_captured(elsewhere))
+        await nc.close()
+
+    asyncio.run(publish())
+    assert pool.feedback(elsewhere.response_id, kind="thumbs", value=1)[0] == 200
+
+
+def test_with_nats_cut_requests_are_served_and_captures_wait_or_are_dropped_counted(pool: Pool):
+    before_dropped = pool.metric('rlfleet_serving_captures_total{outcome="dropped_buffer_full"}')
+    pool.gate.close()
+    try:
+        # One capture is being stored when NATS goes; BUFFER more wait behind it.
+        held = BUFFER + 1
+        ids = [pool.chat(f"count to {n}")["id"] for n in range(held + 2)]
+        assert all(ids)  # every request served
+        status, body = pool.feedback(ids[0])
+        assert status == 503 and "retry" in body["error"]
+        dropped = pool.metric('rlfleet_serving_captures_total{outcome="dropped_buffer_full"}')
+        assert dropped - before_dropped == 2
+    finally:
+        pool.gate.open()
+    # What the buffer held is stored once NATS is back; what it could not hold is not.
+    for response_id in ids[:held]:
+        wait_for("a buffered capture", lambda r=response_id: pool.capture(r), timeout=60)
+    assert [pool.capture(r) for r in ids[held:]] == [None, None]
+    assert pool.feedback(ids[0])[0] == 200
+
+
+def _messages(pool: Pool, subjects: str) -> int:
+    async def count() -> int:
+        nc = await pool.nats.bed.hub.connect()
+        info = await nc.jetstream().stream_info(feedback_stream(pool.run), subjects_filter=subjects)
+        await nc.close()
+        return sum((info.state.subjects or {}).values())
+
+    return asyncio.run(count())
