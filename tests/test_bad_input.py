@@ -186,7 +186,7 @@ NAN = float("nan")
 def _captured() -> dict:
     segment = Segment(**_segment(routed_experts=b"", moe_layers=0, top_k=0))
     return msgspec.to_builtins(
-        CapturedCompletion(RUN, "chatcmpl-1", "ada", segment, "stop", 1e9),
+        CapturedCompletion(RUN, "chatcmpl-1", "ada", segment, "four", "stop", 1e9),
         builtin_types=(bytes,),
     )
 

@@ -181,7 +181,7 @@ def test_a_served_completion_is_captured_and_the_client_sees_only_what_it_asked(
     expected = [entry["logprob"] for entry in full["choices"][0]["logprobs"]["content"]]
     assert segment.logprobs == pytest.approx(expected, abs=1e-5)
     assert segment.versions == [0] * len(completion)  # the served checkpoint, version 0
-    assert captured.user == "ada"
+    assert (captured.user, captured.text) == ("ada", choice["message"]["content"])
     assert wait_for("the other capture", lambda: pool.capture(full["id"]), timeout=30)
 
     opted_out = pool.chat("two plus two?", headers={"x-rlfleet-capture": "off"})
@@ -223,7 +223,7 @@ def test_feedback_gets_an_answer_for_each_kind_of_request(pool: Pool):
 def test_feedback_on_another_servers_capture_is_checked_in_the_stream(pool: Pool):
     segment = Segment(tokens=[5, 6, 7], prompt_len=2, generated=[1], logprobs=[-0.5], versions=[0])
     elsewhere = CapturedCompletion(
-        pool.run, "chatcmpl-elsewhere", "lin", segment, "stop", time.time()
+        pool.run, "chatcmpl-elsewhere", "lin", segment, "red", "stop", time.time()
     )
 
     async def publish() -> None:

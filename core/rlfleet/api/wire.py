@@ -327,6 +327,7 @@ class CapturedCompletion(WireMessage, tag="rlfleet.io/captured-completion/v1"):
     response_id: SubjectToken
     user: str  # the request's `user` field ("" when it had none): caps count per user
     segment: Segment
+    text: str  # the answer as the client read it: an edit's final text is compared with it
     finish_reason: str
     served_at: float
 

@@ -22,7 +22,7 @@ from rlfleet.api.rlrun import (
     TrainerSpec,
     WeightSyncSpec,
 )
-from rlfleet.api.wire import MAX_SHARD_BYTES, WEIGHT_CHUNK_BYTES
+from rlfleet.api.wire import MAX_GROUP_SIZE, MAX_SHARD_BYTES, WEIGHT_CHUNK_BYTES
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Weight = Annotated[float, msgspec.Meta(ge=0)]
@@ -310,6 +310,34 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metrics_port: MetricsPort = None
 
 
+# How long after a completion its users' feedback counts towards its reward.
+FEEDBACK_WINDOW_S = 3600.0
+FeedbackKindName = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9-]{0,31}$")]
+
+
+class SignalRewards(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How users' feedback on a completion becomes its reward (`rlfleet.rollout.signals`)."""
+
+    # Each kind's weight; a kind given a value (thumbs, a pool's own kinds) counts it
+    # times the weight. A kind without a weight counts nothing.
+    weights: dict[FeedbackKindName, float] = msgspec.field(
+        default_factory=lambda: {
+            "accepted": 1.0,
+            "rejected": -1.0,
+            "edited": 1.0,  # times (2 x similarity of the final text - 1): a rewrite is -1
+            "retried": -0.5,
+            "follow-up": 0.25,
+            "thumbs": 1.0,
+        }
+    )
+    window_s: Annotated[float, msgspec.Meta(gt=0)] = FEEDBACK_WINDOW_S
+    # Completions of one user (the request's `user`; all anonymous ones are one) trained
+    # on per cycle, so one client cannot steer a cycle.
+    max_per_user: Positive = 64
+    # Completions per baseline group (`rlfleet.rollout.signals.batch`).
+    group_size: Annotated[int, msgspec.Meta(ge=2, le=MAX_GROUP_SIZE)] = 8
+
+
 class CaptureConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A production pool's vLLM server's capture and feedback (`rlfleet.rollout.serving`).
 
@@ -323,8 +351,8 @@ class CaptureConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The share of eligible completions captured (a request may opt out).
     sample_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
     # Feedback later than this after its completion is kept and counted as late.
-    feedback_window_s: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
-    custom_kinds: list[Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9-]{0,31}$")]] = []
+    feedback_window_s: Annotated[float, msgspec.Meta(gt=0)] = FEEDBACK_WINDOW_S
+    custom_kinds: list[FeedbackKindName] = []
     # Captures waiting for NATS; a full buffer drops new captures, never requests.
     buffer: Positive = 10_000
     # Response ids this server remembers capturing, so feedback on them needs no lookup.

@@ -121,6 +121,7 @@ def extract(
         response_id=msgspec.convert(response["id"], SubjectToken),
         user=user,
         segment=segment,
+        text=str(choice["message"]["content"] or ""),
         finish_reason=str(choice["finish_reason"]),
         served_at=served_at,
     )

@@ -1,0 +1,144 @@
+"""Users' feedback on production completions, made rewards the trainer learns from.
+
+Pure: the collector gives it a cycle's captures and the feedback stored on them, and
+gets back trajectories and counts of what was left out and why.
+
+A completion's reward is the weighted sum of its on-time signals, one per kind (the
+latest, if a client sent a kind twice), clipped to [-1, 1]: accepted +1, rejected -1, an
+edit scored by how much of the answer survived, and so on (`SignalRewards.weights`).
+Feedback after the window was decided without it (the stream keeps it, marked late).
+A completion nobody answered within the window teaches nothing and is dropped, counted:
+silence is not a rejection (many clients never send feedback at all).
+
+**The baseline.** Production traffic has no GRPO groups: each prompt is asked once. The
+trainer's group normalisation needs a baseline, so completions are grouped `group_size`
+at a time in the order they were served (`batch`), and each group's mean reward is the
+baseline of its members: a batch-mean baseline, as REINFORCE uses. It is chosen over a
+running mean per task kind because it keeps no state across cycles, so a restart
+resumes exactly and a drifting accept rate is followed at once; and over leave-one-out
+among requests that share a prompt because production prompts rarely repeat. Its cost
+is variance (the baseline does not know the prompt's difficulty), paid by larger groups;
+a member's own reward in the mean shrinks its advantage by 1/group_size.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from rlfleet.api.wire import CapturedCompletion, Feedback, FeedbackKind, Trajectory
+from rlfleet.launch.settings import SignalRewards
+
+# An edit is compared on at most this much text: difflib's matching grows with the square.
+SIMILARITY_CHARS = 4096
+
+
+class Dropped(StrEnum):
+    NO_SIGNAL = "no_signal"  # nobody answered within the window
+    USER_CAP = "user_cap"  # its user had given this cycle `max_per_user` already
+    NO_BASELINE = "no_baseline"  # the cycle's only completion: nothing to compare with
+
+
+@dataclass(frozen=True)
+class Scored:
+    capture: CapturedCompletion
+    reward: float
+    breakdown: dict[str, float]  # each kind's part of the reward
+
+
+@dataclass
+class CycleSamples:
+    scored: list[Scored] = field(default_factory=list)
+    dropped: Counter[Dropped] = field(default_factory=Counter)
+    late: int = 0  # feedback events that came after their window
+
+
+def similarity(a: str, b: str) -> float:
+    """How much of `a` survives in `b`, 0 to 1."""
+    return difflib.SequenceMatcher(None, a[:SIMILARITY_CHARS], b[:SIMILARITY_CHARS]).ratio()
+
+
+def _signal(event: Feedback, capture: CapturedCompletion) -> float:
+    """One signal's score before its weight, -1 to 1."""
+    if event.kind == FeedbackKind.EDITED:
+        return 2 * similarity(capture.text, event.text or "") - 1
+    if event.value is None:
+        return 1.0
+    return min(1.0, max(-1.0, event.value))
+
+
+def reward(
+    capture: CapturedCompletion, events: Iterable[Feedback], rewards: SignalRewards
+) -> Scored | None:
+    """The completion's reward from its on-time feedback; None if it had none."""
+    latest: dict[str, Feedback] = {}
+    for event in sorted(events, key=lambda e: e.received_at):
+        if not event.late:
+            latest[event.kind] = event
+    if not latest:
+        return None
+    breakdown = {
+        kind: rewards.weights.get(kind, 0.0) * _signal(event, capture)
+        for kind, event in latest.items()
+    }
+    total = min(1.0, max(-1.0, math.fsum(breakdown.values())))
+    return Scored(capture, total, breakdown)
+
+
+def score_cycle(
+    captures: Iterable[CapturedCompletion],
+    feedback: Mapping[str, list[Feedback]],
+    rewards: SignalRewards,
+) -> CycleSamples:
+    """Every capture of a cycle scored or dropped with its reason, in the order served;
+    `feedback` maps a response id to the events stored on it."""
+    samples = CycleSamples()
+    taken: Counter[str] = Counter()
+    for capture in sorted(captures, key=lambda c: (c.served_at, c.response_id)):
+        events = feedback.get(capture.response_id, [])
+        samples.late += sum(event.late for event in events)
+        scored = reward(capture, events, rewards)
+        if scored is None:
+            samples.dropped[Dropped.NO_SIGNAL] += 1
+        elif taken[capture.user] >= rewards.max_per_user:
+            samples.dropped[Dropped.USER_CAP] += 1
+        else:
+            taken[capture.user] += 1
+            samples.scored.append(scored)
+    return samples
+
+
+def batch(samples: CycleSamples, cycle: str, group_size: int, worker: str) -> list[Trajectory]:
+    """The cycle's scored completions as trajectories, in baseline groups as near to
+    `group_size` as splits them evenly and at least two each (a cycle's only completion
+    has nothing to compare with and is dropped)."""
+    count = len(samples.scored)
+    if count == 1:
+        samples.dropped[Dropped.NO_BASELINE] += 1
+        return []
+    groups = min(math.ceil(count / group_size), count // 2)
+    trajectories, start = [], 0
+    for index in range(groups):
+        size = count // groups + (index < count % groups)
+        for attempt, scored in enumerate(samples.scored[start : start + size]):
+            capture = scored.capture
+            trajectories.append(
+                Trajectory(
+                    run=capture.run,
+                    task_id=capture.response_id,
+                    group_id=f"{cycle}/{index}",
+                    group_size=size,
+                    attempt=attempt,
+                    reward=scored.reward,
+                    reward_breakdown=scored.breakdown,
+                    segments=[capture.segment],
+                    worker=worker,
+                    created_at=capture.served_at,
+                )
+            )
+        start += size
+    return trajectories

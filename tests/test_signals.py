@@ -1,0 +1,101 @@
+"""Users' signals to rewards and baseline groups: a pure decision, tried on cases with known
+answers and on generated cycles for the properties every cycle must keep."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlfleet.api.wire import CapturedCompletion, Feedback, Segment
+from rlfleet.launch.settings import SignalRewards
+from rlfleet.rollout.signals import Dropped, batch, reward, score_cycle
+
+RUN = "live"
+REWARDS = SignalRewards(max_per_user=3, group_size=4)
+
+
+def capture(response_id: str, user: str = "ada", served_at: float = 0.0, text: str = "four"):
+    segment = Segment(tokens=[1, 2, 3], prompt_len=2, generated=[1], logprobs=[-0.1], versions=[0])
+    return CapturedCompletion(RUN, response_id, user, segment, text, "stop", served_at)
+
+
+def event(kind: str, value: float | None = None, text: str | None = None, **fields) -> Feedback:
+    fields = {"received_at": 1.0, "late": False, "event_id": f"e-{kind}"} | fields
+    return Feedback(RUN, "r", kind=kind, value=value, text=text, user="ada", **fields)
+
+
+@pytest.mark.parametrize(
+    ("events", "expected"),
+    [
+        ([event("accepted")], 1.0),
+        ([event("rejected")], -1.0),
+        ([event("retried")], -0.5),
+        ([event("thumbs", -1.0)], -1.0),
+        ([event("edited", text="four")], 1.0),  # kept as it was
+        ([event("edited", text="")], -1.0),  # nothing of it survived
+        ([event("accepted"), event("thumbs", 1.0)], 1.0),  # clipped
+        ([event("accepted"), event("retried")], 0.5),
+        ([event("copied")], 0.0),  # a kind with no weight counts nothing
+        # A kind sent twice counts once, the later one.
+        ([event("thumbs", 1.0), event("thumbs", -1.0, received_at=2.0, event_id="e2")], -1.0),
+    ],
+)
+def test_a_completions_reward_from_its_signals(events, expected):
+    assert reward(capture("r"), events, REWARDS).reward == pytest.approx(expected)
+
+
+def test_late_feedback_and_silence_teach_nothing():
+    assert reward(capture("r"), [event("accepted", late=True)], REWARDS) is None
+    samples = score_cycle(
+        [capture("a"), capture("b")], {"a": [event("accepted", late=True)]}, REWARDS
+    )
+    assert samples.scored == [] and samples.dropped[Dropped.NO_SIGNAL] == 2
+    assert samples.late == 1
+
+
+users = st.sampled_from(["ada", "grace", "", "lin"])
+kinds = st.sampled_from(["accepted", "rejected", "retried", "follow-up", "copied"])
+
+
+@st.composite
+def cycles(draw):
+    count = draw(st.integers(0, 40))
+    captures = [
+        capture(f"c{i}", draw(users), served_at=draw(st.floats(0, 100))) for i in range(count)
+    ]
+    feedback = {
+        c.response_id: [event(k, late=draw(st.booleans())) for k in draw(st.sets(kinds))]
+        for c in captures
+    }
+    return captures, feedback
+
+
+@settings(max_examples=200, deadline=None)
+@given(cycles(), st.integers(2, 10))
+def test_every_capture_is_trained_on_once_or_dropped_with_a_reason(cycle, group_size):
+    captures, feedback = cycle
+    samples = score_cycle(captures, feedback, REWARDS)
+    trajectories = batch(samples, "cycle-1", group_size, "serving")
+    assert len(samples.scored) + sum(samples.dropped.values()) - samples.dropped[
+        Dropped.NO_BASELINE
+    ] == len(captures)
+    assert len(trajectories) + samples.dropped[Dropped.NO_BASELINE] == len(samples.scored)
+    assert sorted(t.task_id for t in trajectories) == sorted(
+        {t.task_id for t in trajectories}
+    )  # none twice
+    per_user = {}
+    for t in trajectories:
+        user = next(c.user for c in captures if c.response_id == t.task_id)
+        per_user[user] = per_user.get(user, 0) + 1
+        assert -1 <= t.reward <= 1
+    assert all(n <= REWARDS.max_per_user for n in per_user.values())
+    groups = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t)
+    sizes = [len(g) for g in groups.values()]
+    assert all(2 <= size <= max(group_size, 3) for size in sizes)  # 3 for 3 in groups of 2
+    assert max(sizes, default=0) - min(sizes, default=0) <= 1
+    for group in groups.values():
+        assert sorted(t.attempt for t in group) == list(range(len(group)))
+        assert all(t.group_size == len(group) for t in group)
