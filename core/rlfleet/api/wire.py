@@ -369,6 +369,33 @@ class Feedback(WireMessage, tag="rlfleet.io/feedback/v1"):
             raise ValueError(f"thumbs take a value of 1 or -1, not {self.value}")
 
 
+class CycleReport(WireMessage, tag="rlfleet.io/production-cycle/v1"):
+    """What one cycle of a production run collected, as its collector announces it once
+    the cycle's trajectories are published: the collector resumes after `capture_seq`."""
+
+    run: str
+    cycle: Annotated[int, msgspec.Meta(ge=1)]
+    capture_seq: Count  # the capture stream's last sequence this cycle took
+    captured: Count  # completions it took
+    with_feedback: Count  # of those, answered within the window
+    trained_on: Count  # trajectories published for the trainer
+    dropped: dict[str, Count]  # by reason (`rlfleet.rollout.signals.Dropped`)
+    signals: dict[str, Count]  # on-time feedback events by kind
+    late_feedback: Count
+    reward_mean: float  # over the trajectories
+    served_from: float  # the first and last completion it took were served then
+    served_to: float
+    finished_at: float
+
+    def __post_init__(self) -> None:
+        _finite("times and reward_mean", self.reward_mean, self.served_from, self.served_to)
+        _finite("finished_at", self.finished_at)
+
+
+def decode_cycle_report(data: bytes) -> CycleReport:
+    return msgspec.json.decode(data, type=CycleReport)
+
+
 def encode_captured(captured: CapturedCompletion) -> bytes:
     return msgspec.msgpack.encode(captured)  # token lists: smaller and faster than JSON
 
@@ -391,6 +418,7 @@ class BusRole(StrEnum):
     FEED = "feed"
     EVALUATOR = "evaluator"
     SERVING = "serving"  # a production pool's servers: capture and feedback
+    COLLECTOR = "collector"  # turns captures and feedback into trajectories, by cycle
     OBSERVER = "observer"
 
 
@@ -434,6 +462,10 @@ def capture_stream(run: str) -> str:
 
 def capture_subject(run: str, response_id: str = "*") -> str:
     return f"rlfleet.capture.{run}.{response_id}"
+
+
+def cycle_subject(run: str) -> str:
+    return f"rlfleet.collector.{run}.cycles"
 
 
 def feedback_stream(run: str) -> str:

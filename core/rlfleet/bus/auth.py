@@ -32,6 +32,7 @@ from rlfleet.api.wire import (
     BusRole,
     capture_stream,
     capture_subject,
+    cycle_subject,
     evaluation_subject,
     feedback_stream,
     feedback_subject,
@@ -43,7 +44,7 @@ from rlfleet.api.wire import (
     weights_prefix,
     weights_stream,
 )
-from rlfleet.bus.streams import evaluation_stream, step_stream
+from rlfleet.bus.streams import cycle_stream, evaluation_stream, step_stream
 
 # A pod's user credentials: the path of a .creds file (a mounted Secret's key).
 CREDENTIALS_ENV = "RLFLEET_NATS_CREDS"
@@ -240,8 +241,8 @@ def role_access(run: str, role: BusRole) -> Access:
     reference: what it publishes, binds to and consumes)."""
     steps, evaluations = step_stream(run), evaluation_stream(run)
     tasks, trajectories, weights = task_stream(run), trajectory_stream(run), weights_stream(run)
-    captures, feedback = capture_stream(run), feedback_stream(run)
-    everything = (steps, evaluations, tasks, trajectories, weights, captures, feedback)
+    captures, feedback, cycles = capture_stream(run), feedback_stream(run), cycle_stream(run)
+    everything = (steps, evaluations, tasks, trajectories, weights, captures, feedback, cycles)
     match role:
         case BusRole.TRAINER:  # learns from trajectories; reports steps; publishes weights
             return Access(
@@ -271,10 +272,15 @@ def role_access(run: str, role: BusRole) -> Access:
                 publishes=(capture_subject(run), feedback_subject(run)),
                 reads=(captures,),  # is a response id one of ours: a direct get by subject
             )
+        case BusRole.COLLECTOR:  # reads captures and feedback; publishes trajectories
+            return Access(
+                publishes=(trajectory_subject(run), cycle_subject(run)),
+                reads=(captures, feedback, cycles, trajectories),
+            )
         case BusRole.OBSERVER:  # reads everything, writes nothing, acknowledges nothing
             return Access(
                 # Not the task queue: a consumer without acks cannot read a work queue.
-                follows=(steps, evaluations, trajectories, weights, captures, feedback),
+                follows=(steps, evaluations, trajectories, weights, captures, feedback, cycles),
                 reads=everything,
                 listens=(
                     step_subject(run),
@@ -283,6 +289,7 @@ def role_access(run: str, role: BusRole) -> Access:
                     trajectory_subject(run),
                     capture_subject(run),
                     feedback_subject(run),
+                    cycle_subject(run),
                 ),
             )
 

@@ -32,6 +32,7 @@ from rlfleet.api.wire import (
     WEIGHT_CHUNK_BYTES,
     capture_stream,
     capture_subject,
+    cycle_subject,
     evaluation_subject,
     feedback_stream,
     feedback_subject,
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 # restart, bounded so a run of a million steps does not grow the stream without end.
 STEP_REPORTS_KEPT = 10_000
 EVALUATIONS_KEPT = 1_000  # one every `everyVersions` versions: a long run's whole history
+CYCLES_KEPT = 1_000  # a production run's cycles, a few a day: months of them
 # What a production pool's servers capture and the feedback on it, kept this long (a
 # cycle collects for hours) and bounded in count so a busy pool cannot fill the store.
 PRODUCTION_KEPT_S = 7 * 24 * 3600.0
@@ -145,7 +147,17 @@ def feedback_stream_config(run: str) -> StreamConfig:
         max_age=PRODUCTION_KEPT_S,
         max_msgs=FEEDBACK_KEPT,
         max_msg_size=64 << 10,
+        allow_direct=True,  # the collector reads a completion's events by subject
     )
+
+
+def cycle_stream(run: str) -> str:
+    return f"CYCLES-{run}"
+
+
+def cycle_stream_config(run: str) -> StreamConfig:
+    """The collector's cycle reports: its progress, read back when it restarts."""
+    return _reports(cycle_stream(run), cycle_subject(run), CYCLES_KEPT)
 
 
 def weights_stream_config(run: str) -> StreamConfig:
@@ -184,6 +196,7 @@ def run_stream_configs(run: str) -> list[StreamConfig]:
         weights_stream_config(run),
         capture_stream_config(run),
         feedback_stream_config(run),
+        cycle_stream_config(run),
     ]
 
 

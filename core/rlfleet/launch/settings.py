@@ -338,6 +338,25 @@ class SignalRewards(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     group_size: Annotated[int, msgspec.Meta(ge=2, le=MAX_GROUP_SIZE)] = 8
 
 
+class CollectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A production run's collector's (`rlfleet.rollout.collector`): it closes a cycle
+    once `interval_s` has passed since the last and `min_samples` completions whose
+    feedback window has closed were answered in it."""
+
+    run: str
+    nats_url: str
+    jetstream_domain: str | None = None  # the hub's, where the run's streams live
+    rewards: SignalRewards = SignalRewards()
+    interval_s: Annotated[float, msgspec.Meta(ge=0)] = 3600.0
+    min_samples: Positive = 64
+    # Completions one cycle takes at most (what it holds in memory); the rest wait.
+    max_samples: Positive = 10_000
+    # After a completion's window closes, how long its last events may still be in flight.
+    settle_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    poll_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    metrics_port: MetricsPort = None
+
+
 class CaptureConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A production pool's vLLM server's capture and feedback (`rlfleet.rollout.serving`).
 

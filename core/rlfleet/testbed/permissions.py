@@ -20,6 +20,7 @@ from rlfleet.api.wire import (
     BusRole,
     capture_stream,
     capture_subject,
+    cycle_subject,
     evaluation_subject,
     feedback_stream,
     feedback_subject,
@@ -32,7 +33,7 @@ from rlfleet.api.wire import (
     weights_stream,
 )
 from rlfleet.bus.auth import connect, run_inbox
-from rlfleet.bus.streams import evaluation_stream, step_stream
+from rlfleet.bus.streams import cycle_stream, evaluation_stream, step_stream
 from rlfleet.local.nats import NatsBed, NatsServer
 
 VERDICT_WAIT_S = 10.0  # the longest to wait for the servers' refusals
@@ -66,16 +67,32 @@ NEEDS: dict[BusRole, set[str]] = {
         "consume WEIGHTS",
     },
     BusRole.SERVING: {"publish captures", "publish feedback", "info CAPTURE", "get CAPTURE"},
+    BusRole.COLLECTOR: {
+        "publish trajectories",
+        "publish cycles",
+        *(f"{op} {s}" for op in ("info", "get") for s in ("CAPTURE", "FEEDBACK", "CYCLES", "TRAJ")),
+    },
     BusRole.OBSERVER: {
         *(
             f"{op} {s}"
             for op in ("info", "get")
-            for s in ("STEPS", "EVALS", "TASKS", "TRAJ", "WEIGHTS", "CAPTURE", "FEEDBACK")
+            for s in ("STEPS", "EVALS", "TASKS", "TRAJ", "WEIGHTS", "CAPTURE", "FEEDBACK", "CYCLES")
         ),
-        *(f"consume {s}" for s in ("STEPS", "EVALS", "TRAJ", "WEIGHTS", "CAPTURE", "FEEDBACK")),
+        *(
+            f"consume {s}"
+            for s in ("STEPS", "EVALS", "TRAJ", "WEIGHTS", "CAPTURE", "FEEDBACK", "CYCLES")
+        ),
         *(
             f"listen {s}"
-            for s in ("steps", "evaluations", "tasks", "trajectories", "captures", "feedback")
+            for s in (
+                "steps",
+                "evaluations",
+                "tasks",
+                "trajectories",
+                "captures",
+                "feedback",
+                "cycles",
+            )
         ),
     },
 }
@@ -105,6 +122,7 @@ def _operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
         "WEIGHTS": weights_stream(run),
         "CAPTURE": capture_stream(run),
         "FEEDBACK": feedback_stream(run),
+        "CYCLES": cycle_stream(run),
     }
     subjects = {
         "tasks": task_subject(run),
@@ -114,6 +132,7 @@ def _operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
         "weights": f"{weights_prefix(run)}.v1.shard.0",
         "captures": capture_subject(run, "chatcmpl-1"),
         "feedback": feedback_subject(run, "chatcmpl-1", "event-1"),
+        "cycles": cycle_subject(run),
     }
     found = []
     for short, subject in subjects.items():

@@ -1,0 +1,182 @@
+"""A production run's collector: what its pool served and what users said of it, turned
+cycle by cycle into trajectories for the trainer (`rlfleet.rollout.signals` decides).
+
+The capture stream is read in order from where the last cycle stopped, which the cycle
+report records (`CycleReport.capture_seq`) and a restarted collector reads back, so each
+completion is decided in exactly one cycle. A completion is taken once its feedback
+window has closed (and `settle_s` more, for events still in flight); reading stops at
+the first that is not ready, so none is skipped. Its events are read from the feedback
+stream by subject. A cycle closes when `interval_s` has passed since the last one and
+at least `min_samples` of the completions it would take were answered; its
+trajectories are published (a retry after a crash is deduplicated by id within the
+stream's window), then its report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import Counter
+
+import msgspec
+from nats.js.errors import NotFoundError
+
+from rlfleet.api.wire import (
+    CapturedCompletion,
+    CycleReport,
+    Feedback,
+    capture_stream,
+    capture_subject,
+    cycle_subject,
+    decode_captured,
+    decode_cycle_report,
+    decode_feedback,
+    encode,
+    encode_trajectory,
+    feedback_stream,
+    feedback_subject,
+    trajectory_subject,
+)
+from rlfleet.bus.auth import connect
+from rlfleet.bus.streams import cycle_stream
+from rlfleet.launch.settings import CollectorConfig
+from rlfleet.rollout.signals import CycleSamples, batch, score_cycle
+
+log = logging.getLogger(__name__)
+
+WORKER = "collector"  # what the trajectories name as their worker
+
+
+class Collector:
+    def __init__(self, config: CollectorConfig) -> None:
+        self.config = config
+        self.malformed = 0  # captures or events that could not be read, skipped
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        nc = await connect(self.config.nats_url)
+        try:
+            js = nc.jetstream(domain=self.config.jetstream_domain)
+            last = await self.last_report(js)
+            while not stopping.is_set():
+                last = await self.cycle(js, last, time.time()) or last
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopping.wait(), self.config.poll_s)
+        finally:
+            await nc.close()
+
+    async def last_report(self, js) -> CycleReport | None:
+        run = self.config.run
+        try:
+            message = await js.get_last_msg(cycle_stream(run), cycle_subject(run), direct=True)
+        except NotFoundError:
+            return None
+        return decode_cycle_report(message.data)
+
+    async def cycle(self, js, last: CycleReport | None, now: float) -> CycleReport | None:
+        """Close the next cycle if it is due and has enough answered completions."""
+        if last is not None and now - last.finished_at < self.config.interval_s:
+            return None
+        captures, seq = await self._ready_captures(js, last.capture_seq if last else 0, now)
+        feedback = {c.response_id: await self._events(js, c.response_id) for c in captures}
+        answered = sum(any(not e.late for e in events) for events in feedback.values())
+        if answered < self.config.min_samples:
+            return None
+        number = (last.cycle if last else 0) + 1
+        samples = score_cycle(captures, feedback, self.config.rewards)
+        trajectories = batch(samples, f"cycle-{number}", self.config.rewards.group_size, WORKER)
+        run = self.config.run
+        for trajectory in trajectories:
+            msg_id = f"{run}/{trajectory.group_id}/{trajectory.attempt}"
+            await js.publish(
+                trajectory_subject(run),
+                encode_trajectory(trajectory),
+                headers={"Nats-Msg-Id": msg_id},
+            )
+        report = self._report(number, seq, captures, answered, samples, len(trajectories))
+        await js.publish(cycle_subject(run), encode(report))
+        log.info(
+            "cycle %d: %d completions, %d answered, %d trajectories, reward %.3f",
+            number, report.captured, answered, report.trained_on, report.reward_mean,
+        )  # fmt: skip
+        return report
+
+    def _report(
+        self,
+        number: int,
+        seq: int,
+        captures: list[CapturedCompletion],
+        answered: int,
+        samples: CycleSamples,
+        trained_on: int,
+    ) -> CycleReport:
+        signals = Counter(kind for scored in samples.scored for kind in scored.breakdown)
+        rewards = [scored.reward for scored in samples.scored]
+        served = [c.served_at for c in captures]
+        return CycleReport(
+            run=self.config.run,
+            cycle=number,
+            capture_seq=seq,
+            captured=len(captures),
+            with_feedback=answered,
+            trained_on=trained_on,
+            dropped={str(reason): count for reason, count in samples.dropped.items()},
+            signals=dict(signals),
+            late_feedback=samples.late,
+            reward_mean=math.fsum(rewards) / len(rewards) if rewards else 0.0,
+            served_from=min(served, default=0.0),
+            served_to=max(served, default=0.0),
+            finished_at=time.time(),
+        )
+
+    async def _ready_captures(
+        self, js, after: int, now: float
+    ) -> tuple[list[CapturedCompletion], int]:
+        """Captures after sequence `after` whose window has closed, in order, up to the
+        first that has not (or `max_samples`); and the last sequence taken."""
+        run, ready = self.config.run, now - self.config.rewards.window_s - self.config.settle_s
+        captures, seq = [], after
+        while len(captures) < self.config.max_samples:
+            try:
+                message = await js.get_msg(
+                    capture_stream(run), seq=seq + 1, subject=capture_subject(run),
+                    next=True, direct=True,
+                )  # fmt: skip
+            except NotFoundError:
+                break
+            try:
+                capture = decode_captured(message.data)
+                if capture.run != run:
+                    raise msgspec.ValidationError(f"a capture of run {capture.run!r}")
+            except msgspec.DecodeError:
+                self.malformed += 1
+                seq = message.seq
+                continue
+            if capture.served_at > ready:
+                break
+            captures.append(capture)
+            seq = message.seq
+        return captures, seq
+
+    async def _events(self, js, response_id: str) -> list[Feedback]:
+        run, events, seq = self.config.run, [], 0
+        subject = feedback_subject(run, response_id)
+        while True:
+            try:
+                message = await js.get_msg(
+                    feedback_stream(run), seq=seq + 1, subject=subject, next=True, direct=True
+                )
+            except NotFoundError:
+                return events
+            seq = message.seq
+            try:
+                event = decode_feedback(message.data)
+            except msgspec.DecodeError:
+                self.malformed += 1
+                continue
+            if (event.run, event.response_id) == (run, response_id):
+                events.append(event)
+            else:
+                self.malformed += 1

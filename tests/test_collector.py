@@ -1,0 +1,140 @@
+"""The collector closes production cycles on a real NATS hub, as the run's collector user:
+captures and feedback stored as a pool's servers store them become trajectories the
+trainer accepts, each completion decided in exactly one cycle, across a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from rlfleet.api.wire import (
+    BusRole,
+    CapturedCompletion,
+    Feedback,
+    Segment,
+    capture_subject,
+    decode_trajectory,
+    encode,
+    encode_captured,
+    feedback_subject,
+    trajectory_stream,
+)
+from rlfleet.bus.auth import CREDENTIALS_ENV, connect
+from rlfleet.bus.streams import ensure_run_streams
+from rlfleet.launch.settings import CollectorConfig, SignalRewards
+from rlfleet.local.nats import StandaloneNats
+from rlfleet.rollout.collector import Collector
+from rlfleet.trainer.validation import ModelShape, problem
+
+WINDOW_S = 10.0
+SHAPE = ModelShape(vocab_size=256, moe_layers=0, num_experts=0, top_k=0)
+
+
+def _capture(run: str, response_id: str, user: str, served_at: float) -> CapturedCompletion:
+    segment = Segment(
+        tokens=[7, 8, 9, 10], prompt_len=2, generated=[1, 1], logprobs=[-0.2, -0.7], versions=[0, 0]
+    )
+    return CapturedCompletion(run, response_id, user, segment, "four", "stop", served_at)
+
+
+def _event(capture: CapturedCompletion, kind: str, value=None, text=None, late=False):
+    return Feedback(
+        capture.run, capture.response_id, uuid.uuid4().hex, kind, value, text, capture.user,
+        capture.served_at + 1, late,
+    )  # fmt: skip
+
+
+async def _store(nc, captures, events) -> None:
+    js = nc.jetstream()
+    for capture in captures:
+        await js.publish(
+            capture_subject(capture.run, capture.response_id), encode_captured(capture)
+        )
+    for event in events:
+        subject = feedback_subject(event.run, event.response_id, event.event_id)
+        await js.publish(subject, encode(event))
+
+
+async def _trajectories(nc, run: str) -> list:
+    js = nc.jetstream()
+    info = await js.stream_info(trajectory_stream(run))
+    found = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        found.append(decode_trajectory((await js.get_msg(trajectory_stream(run), seq)).data))
+    return found
+
+
+def test_cycles_take_each_completion_once_and_score_it_from_its_signals(
+    nats_servers: StandaloneNats, tmp_path, monkeypatch: pytest.MonkeyPatch
+):
+    run = "collect-" + uuid.uuid4().hex[:6]
+    bed = nats_servers.bed
+    (tmp_path / "serving.creds").write_text(bed.run_user(run, BusRole.SERVING))
+    (tmp_path / "collector.creds").write_text(bed.run_user(run, BusRole.COLLECTOR))
+    config = CollectorConfig(
+        run=run,
+        nats_url=bed.hub.url,
+        rewards=SignalRewards(window_s=WINDOW_S, max_per_user=3, group_size=4),
+        interval_s=0,
+        min_samples=5,
+        settle_s=0,
+    )
+    past = time.time() - 100
+    ada = [_capture(run, f"ada-{i}", "ada", past + i) for i in range(5)]
+    grace = [_capture(run, f"grace-{i}", "grace", past + 5 + i) for i in range(3)]
+    lin, anonymous = _capture(run, "lin", "lin", past + 8), _capture(run, "anon", "", past + 9)
+    recent = _capture(run, "recent", "ada", time.time())
+    events = [
+        *(_event(c, "accepted") for c in ada),  # the cap takes three of them
+        _event(grace[0], "rejected"),
+        _event(grace[1], "thumbs", -1.0),  # grace[2]: silence
+        _event(lin, "accepted", late=True),
+        _event(anonymous, "edited", text="four"),
+        _event(recent, "accepted"),
+    ]
+
+    async def scenario():
+        admin = await bed.hub.connect()
+        await ensure_run_streams(admin, run, None)
+        serving = await connect(bed.hub.url, tmp_path / "serving.creds")
+        await _store(serving, [*ada, *grace, lin, anonymous, recent], events)
+
+        monkeypatch.setenv(CREDENTIALS_ENV, str(tmp_path / "collector.creds"))
+        nc = await connect(config.nats_url)
+        js = nc.jetstream()
+        collector = Collector(config)
+        first = await collector.cycle(js, await collector.last_report(js), time.time())
+        assert first is not None and first.cycle == 1
+        assert (first.captured, first.with_feedback, first.trained_on) == (10, 8, 6)
+        assert first.dropped == {"user_cap": 2, "no_signal": 2}
+        assert first.signals == {"accepted": 3, "rejected": 1, "thumbs": 1, "edited": 1}
+        assert first.late_feedback == 1
+        trained = await _trajectories(admin, run)
+        rewards = {t.task_id: t.reward for t in trained}
+        assert rewards == {
+            "ada-0": 1.0, "ada-1": 1.0, "ada-2": 1.0, "grace-0": -1.0, "grace-1": -1.0, "anon": 1.0
+        }  # fmt: skip
+        assert sorted(
+            len([t for t in trained if t.group_id == g]) for g in {"cycle-1/0", "cycle-1/1"}
+        ) == [3, 3]
+        assert all(problem(t, SHAPE, run, needs_experts=False) is None for t in trained)
+
+        # A restarted collector goes on after the last cycle: the recent completion's
+        # window is still open, so there is nothing to close yet.
+        again = Collector(config)
+        last = await again.last_report(js)
+        assert last == first
+        assert await again.cycle(js, last, time.time()) is None
+        later = [_capture(run, f"later-{i}", f"u{i}", time.time()) for i in range(4)]
+        await _store(serving, later, [_event(c, "accepted") for c in later])
+        second = await again.cycle(js, last, time.time() + WINDOW_S + 1)
+        assert (second.cycle, second.captured, second.trained_on) == (2, 5, 5)
+        assert second.dropped == {}
+        assert len(await _trajectories(admin, run)) == 11  # nothing of cycle 1 again
+        for client in (admin, serving, nc):
+            await client.close()
+
+    asyncio.run(scenario())
