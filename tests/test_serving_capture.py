@@ -1,7 +1,8 @@
-"""A production pool's vLLM server captures what it serves and takes feedback on it: the
-real OpenAI-compatible server with rlfleet's middleware, over HTTP, storing into the
-run's streams on a real NATS hub through a region's leaf node, as the run's serving
-user. NATS is cut from under it by a gate in the link, as a partition would."""
+"""A production pool's vLLM server captures what it serves, takes feedback on it, and
+switches the version it serves in place when told: the real OpenAI-compatible server
+with rlfleet's middleware, over HTTP, reaching the run's streams on a real NATS hub
+through a region's leaf node, as the run's serving user. NATS is cut from under it by
+a gate in the link, as a partition would."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -27,24 +29,29 @@ from rlfleet.api.wire import (
     BusRole,
     CapturedCompletion,
     Segment,
+    ServingTarget,
     capture_stream,
     capture_subject,
     decode_captured,
     decode_feedback,
+    encode,
     encode_captured,
     feedback_stream,
     feedback_subject,
+    serving_subject,
 )
 from rlfleet.bus.streams import ensure_run_streams
-from rlfleet.launch.settings import CaptureConfig, to_json
+from rlfleet.launch.settings import ServingConfig, to_json
 from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.local.processes import free_port
-from rlfleet.models.tiny import init_model
+from rlfleet.models.tiny import init_model, read_weights, train_step
 from rlfleet.rollout.serving import SETTINGS_ENV
+from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 
 API_KEY = "pool-key-for-tests"
 WINDOW_S = 4.0  # the pool's feedback window
 BUFFER = 3  # captures the server holds while NATS is away
+SYNC = SyncConfig(shard_bytes=256 << 10, chunk_bytes=64 << 10)
 
 
 @dataclass
@@ -53,15 +60,10 @@ class Pool:
     run: str
     nats: StandaloneNats
     gate: TcpGate
+    model: Path
 
     def chat(self, content: str, headers: dict | None = None, **fields) -> dict:
-        body = {
-            "model": "tiny",
-            "messages": [{"role": "user", "content": content}],
-            "max_tokens": 6,
-            "temperature": 0,
-            **fields,
-        }
+        body = _chat(content, **{"max_tokens": 6, **fields})
         return self.post("/v1/chat/completions", body, headers)[1]
 
     def post(self, path: str, body, headers: dict | None = None, key: str | None = API_KEY):
@@ -110,7 +112,7 @@ def pool(nats_servers: StandaloneNats, tmp_path_factory: pytest.TempPathFactory)
 
     async def streams() -> None:
         nc = await nats_servers.bed.hub.connect()
-        await ensure_run_streams(nc, run, None)
+        assert await ensure_run_streams(nc, run, HUB_DOMAIN, [nats_servers.region]) == []
         await nc.close()
 
     asyncio.run(streams())
@@ -118,13 +120,17 @@ def pool(nats_servers: StandaloneNats, tmp_path_factory: pytest.TempPathFactory)
     gate = TcpGate(int(leaf.url.rsplit(":", 1)[1]))
     creds = root / "serving.creds"
     creds.write_text(nats_servers.bed.run_user(run, BusRole.SERVING))
-    settings = CaptureConfig(
+    settings = ServingConfig(
         run=run,
         nats_url=gate.url,
         jetstream_domain=HUB_DOMAIN,
         feedback_window_s=WINDOW_S,
         custom_kinds=["copied"],
         buffer=BUFFER,
+        replica_set="stable",
+        weights_domain=nats_servers.region,
+        weightsync=SYNC,
+        poll_s=0.2,
     )
     (root / "settings.json").write_bytes(to_json(settings))
     port = free_port()
@@ -139,16 +145,18 @@ def pool(nats_servers: StandaloneNats, tmp_path_factory: pytest.TempPathFactory)
     command = [
         *(sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
         *("--model", str(model), "--served-model-name", "tiny", "--port", str(port)),
-        *("--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0"),
+        *("--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager", "--seed", "0"),
         *("--logprobs-mode", "processed_logprobs"),
         *("--middleware", "rlfleet.rollout.serving.CaptureMiddleware"),
+        *("--worker-extension-cls", "rlfleet.weightsync.vllm_worker.WeightsyncWorker"),
+        *("--weight-transfer-config", json.dumps({"backend": "rlfleet-weightsync"})),
     ]
     log = (root / "server.log").open("wb")
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for("the pool's vLLM server", lambda: _healthy(url, server, root), timeout=300)
-        yield Pool(url, run, nats_servers, gate)
+        yield Pool(url, run, nats_servers, gate, model)
     finally:
         server.terminate()
         server.wait(60)
@@ -265,3 +273,72 @@ def _messages(pool: Pool, subjects: str) -> int:
         return sum((info.state.subjects or {}).values())
 
     return asyncio.run(count())
+
+
+def test_a_set_told_a_new_version_serves_it_in_place_and_no_request_fails(pool: Pool, tmp_path):
+    before = pool.chat("what is seven?", max_tokens=12, logprobs=True)
+    v1 = train_step(pool.model, tmp_path / "v1", lr=1e-2)
+
+    async def publish(*messages: tuple[str, bytes]) -> None:
+        nc = await pool.nats.bed.hub.connect()
+        for subject, data in messages:
+            await nc.jetstream().publish(subject, data)
+        await nc.close()
+
+    async def versions() -> None:
+        nc = await pool.nats.bed.hub.connect()
+        publisher = Publisher(WeightStream(nc, pool.run, SYNC), SYNC)
+        await publisher.publish(read_weights(pool.model), 0)
+        await publisher.publish(read_weights(v1), 1)
+        await nc.close()
+
+    asyncio.run(versions())
+    served: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def traffic() -> None:  # requests in flight all through the switch
+        while not stop.is_set():
+            status, body = pool.post("/v1/chat/completions", _chat("count on", max_tokens=24))
+            served.append((status, body.get("id", "")))
+
+    clients = [threading.Thread(target=traffic) for _ in range(3)]
+    for client in clients:
+        client.start()
+    try:
+        target = ServingTarget(pool.run, "stable", 1, time.time())
+        asyncio.run(publish((serving_subject(pool.run, "stable"), encode(target))))
+        wait_for(
+            "version 1 served",
+            lambda: pool.metric("rlfleet_serving_policy_version") == 1,
+            timeout=120,
+        )
+        time.sleep(1)
+    finally:
+        stop.set()
+        for client in clients:
+            client.join()
+    assert {status for status, _ in served} == {200}, served
+    # The traffic spanned the switch: served by version 0, then by 1 (those sampled
+    # across it are not captured).
+    captures = [pool.capture(response_id) for _, response_id in served]
+    assert {tuple(set(c.segment.versions)) for c in captures if c} == {(0,), (1,)}
+    after = pool.chat("what is seven?", max_tokens=12, logprobs=True)
+    captured = wait_for("the capture", lambda: pool.capture(after["id"]), timeout=30)
+    assert set(captured.segment.versions) == {1}
+    assert after["choices"][0]["logprobs"] != before["choices"][0]["logprobs"]
+
+    # Back to an older version is refused (for now), and the set goes on serving 1.
+    back = ServingTarget(pool.run, "stable", 0, time.time())
+    asyncio.run(publish((serving_subject(pool.run, "stable"), encode(back))))
+    refused = 'rlfleet_serving_version_switches_total{outcome="backwards_refused"}'
+    wait_for("the refusal", lambda: pool.metric(refused) == 1, timeout=30)
+    assert pool.metric("rlfleet_serving_policy_version") == 1
+
+
+def _chat(content: str, **fields) -> dict:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        **fields,
+    }

@@ -316,6 +316,7 @@ def decode_step_report(data: bytes) -> StepReport:
 
 # A response or client event id as it appears in a subject: one token, no wildcards.
 SubjectToken = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
+FeedbackKindName = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9-]{0,31}$")]
 
 
 class CapturedCompletion(WireMessage, tag="rlfleet.io/captured-completion/v1"):
@@ -354,7 +355,7 @@ class Feedback(WireMessage, tag="rlfleet.io/feedback/v1"):
     run: str
     response_id: SubjectToken
     event_id: SubjectToken
-    kind: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9-]{0,31}$")]
+    kind: FeedbackKindName
     value: float | None
     text: str | None
     user: str  # the captured request's, not the client's say
@@ -394,6 +395,20 @@ class CycleReport(WireMessage, tag="rlfleet.io/production-cycle/v1"):
 
 def decode_cycle_report(data: bytes) -> CycleReport:
     return msgspec.json.decode(data, type=CycleReport)
+
+
+class ServingTarget(WireMessage, tag="rlfleet.io/serving-target/v1"):
+    """The policy version one set of a production pool's servers is to serve (the canary
+    set, or the stable rest), as whoever runs the run's cycles decides it."""
+
+    run: str
+    replica_set: SubjectToken
+    version: Count
+    set_at: float
+
+
+def decode_serving_target(data: bytes) -> ServingTarget:
+    return msgspec.json.decode(data, type=ServingTarget)
 
 
 def encode_captured(captured: CapturedCompletion) -> bytes:
@@ -462,6 +477,14 @@ def capture_stream(run: str) -> str:
 
 def capture_subject(run: str, response_id: str = "*") -> str:
     return f"rlfleet.capture.{run}.{response_id}"
+
+
+def serving_stream(run: str) -> str:
+    return f"SERVING-{run}"
+
+
+def serving_subject(run: str, replica_set: str = "*") -> str:
+    return f"rlfleet.serving.{run}.{replica_set}"
 
 
 def cycle_subject(run: str) -> str:

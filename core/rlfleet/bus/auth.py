@@ -36,6 +36,8 @@ from rlfleet.api.wire import (
     evaluation_subject,
     feedback_stream,
     feedback_subject,
+    serving_stream,
+    serving_subject,
     step_subject,
     task_stream,
     task_subject,
@@ -242,7 +244,11 @@ def role_access(run: str, role: BusRole) -> Access:
     steps, evaluations = step_stream(run), evaluation_stream(run)
     tasks, trajectories, weights = task_stream(run), trajectory_stream(run), weights_stream(run)
     captures, feedback, cycles = capture_stream(run), feedback_stream(run), cycle_stream(run)
-    everything = (steps, evaluations, tasks, trajectories, weights, captures, feedback, cycles)
+    serving = serving_stream(run)
+    everything = (
+        *(steps, evaluations, tasks, trajectories, weights),
+        *(captures, feedback, cycles, serving),
+    )
     match role:
         case BusRole.TRAINER:  # learns from trajectories; reports steps; publishes weights
             return Access(
@@ -267,10 +273,12 @@ def role_access(run: str, role: BusRole) -> Access:
                 follows=(weights,),
                 reads=(evaluations, weights),
             )
-        case BusRole.SERVING:  # captures what it serves; records feedback on it
+        case BusRole.SERVING:  # captures what it serves; records feedback; loads versions
             return Access(
                 publishes=(capture_subject(run), feedback_subject(run)),
-                reads=(captures,),  # is a response id one of ours: a direct get by subject
+                follows=(weights,),
+                # Captures: is a response id one of ours. Serving: its set's version.
+                reads=(captures, weights, serving),
             )
         case BusRole.COLLECTOR:  # reads captures and feedback; publishes trajectories
             return Access(
@@ -280,7 +288,10 @@ def role_access(run: str, role: BusRole) -> Access:
         case BusRole.OBSERVER:  # reads everything, writes nothing, acknowledges nothing
             return Access(
                 # Not the task queue: a consumer without acks cannot read a work queue.
-                follows=(steps, evaluations, trajectories, weights, captures, feedback, cycles),
+                follows=(
+                    *(steps, evaluations, trajectories, weights),
+                    *(captures, feedback, cycles, serving),
+                ),
                 reads=everything,
                 listens=(
                     step_subject(run),
@@ -290,6 +301,7 @@ def role_access(run: str, role: BusRole) -> Access:
                     capture_subject(run),
                     feedback_subject(run),
                     cycle_subject(run),
+                    serving_subject(run),
                 ),
             )
 

@@ -36,6 +36,8 @@ from rlfleet.api.wire import (
     evaluation_subject,
     feedback_stream,
     feedback_subject,
+    serving_stream,
+    serving_subject,
     step_subject,
     task_stream,
     task_subject,
@@ -151,6 +153,19 @@ def feedback_stream_config(run: str) -> StreamConfig:
     )
 
 
+def serving_stream_config(run: str) -> StreamConfig:
+    """Which version each set of the pool's servers serves: the newest per set is the
+    order, the few before it its history."""
+    return StreamConfig(
+        name=serving_stream(run),
+        subjects=[serving_subject(run)],
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_msgs_per_subject=16,
+        allow_direct=True,
+    )
+
+
 def cycle_stream(run: str) -> str:
     return f"CYCLES-{run}"
 
@@ -197,6 +212,7 @@ def run_stream_configs(run: str) -> list[StreamConfig]:
         capture_stream_config(run),
         feedback_stream_config(run),
         cycle_stream_config(run),
+        serving_stream_config(run),
     ]
 
 

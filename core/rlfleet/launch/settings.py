@@ -22,7 +22,13 @@ from rlfleet.api.rlrun import (
     TrainerSpec,
     WeightSyncSpec,
 )
-from rlfleet.api.wire import MAX_GROUP_SIZE, MAX_SHARD_BYTES, WEIGHT_CHUNK_BYTES
+from rlfleet.api.wire import (
+    MAX_GROUP_SIZE,
+    MAX_SHARD_BYTES,
+    WEIGHT_CHUNK_BYTES,
+    FeedbackKindName,
+    SubjectToken,
+)
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Weight = Annotated[float, msgspec.Meta(ge=0)]
@@ -312,7 +318,6 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 # How long after a completion its users' feedback counts towards its reward.
 FEEDBACK_WINDOW_S = 3600.0
-FeedbackKindName = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9-]{0,31}$")]
 
 
 class SignalRewards(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -357,8 +362,9 @@ class CollectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metrics_port: MetricsPort = None
 
 
-class CaptureConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A production pool's vLLM server's capture and feedback (`rlfleet.rollout.serving`).
+class ServingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A production pool's vLLM server's capture, feedback and policy versions
+    (`rlfleet.rollout.serving`).
 
     The API key feedback is checked against is vLLM's own, `VLLM_API_KEY` in the
     server's environment, never a setting: settings are files and arguments."""
@@ -376,6 +382,13 @@ class CaptureConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     buffer: Positive = 10_000
     # Response ids this server remembers capturing, so feedback on them needs no lookup.
     remembered: Positive = 100_000
+    # The set of the pool's servers this one is in ("canary", "stable"): it serves the
+    # version the run's serving stream names for its set, loaded in place. None: it
+    # serves its checkpoint and follows nothing.
+    replica_set: SubjectToken | None = None
+    weights_domain: str | None = None  # where its region's copy of the weights is
+    weightsync: SyncConfig = SyncConfig()
+    poll_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # how often it reads its set's version
 
 
 S = TypeVar("S", bound=msgspec.Struct)

@@ -24,6 +24,8 @@ from rlfleet.api.wire import (
     evaluation_subject,
     feedback_stream,
     feedback_subject,
+    serving_stream,
+    serving_subject,
     step_subject,
     task_stream,
     task_subject,
@@ -37,6 +39,13 @@ from rlfleet.bus.streams import cycle_stream, evaluation_stream, step_stream
 from rlfleet.local.nats import NatsBed, NatsServer
 
 VERDICT_WAIT_S = 10.0  # the longest to wait for the servers' refusals
+
+# Every stream of a run but the task queue, and every subject but the weights'.
+_STREAMS = ("STEPS", "EVALS", "TRAJ", "WEIGHTS", "CAPTURE", "FEEDBACK", "CYCLES", "SERVING")
+_SUBJECTS = (
+    *("steps", "evaluations", "tasks", "trajectories"),
+    *("captures", "feedback", "cycles", "serving"),
+)
 
 # What each component needs, by the kinds of operations below (on its own run only).
 NEEDS: dict[BusRole, set[str]] = {
@@ -66,34 +75,22 @@ NEEDS: dict[BusRole, set[str]] = {
         *(f"{op} {s}" for op in ("info", "get") for s in ("EVALS", "WEIGHTS")),
         "consume WEIGHTS",
     },
-    BusRole.SERVING: {"publish captures", "publish feedback", "info CAPTURE", "get CAPTURE"},
+    BusRole.SERVING: {
+        "publish captures",
+        "publish feedback",
+        *(f"{op} {s}" for op in ("info", "get") for s in ("CAPTURE", "WEIGHTS", "SERVING")),
+        "consume WEIGHTS",
+    },
     BusRole.COLLECTOR: {
         "publish trajectories",
         "publish cycles",
         *(f"{op} {s}" for op in ("info", "get") for s in ("CAPTURE", "FEEDBACK", "CYCLES", "TRAJ")),
     },
     BusRole.OBSERVER: {
-        *(
-            f"{op} {s}"
-            for op in ("info", "get")
-            for s in ("STEPS", "EVALS", "TASKS", "TRAJ", "WEIGHTS", "CAPTURE", "FEEDBACK", "CYCLES")
-        ),
-        *(
-            f"consume {s}"
-            for s in ("STEPS", "EVALS", "TRAJ", "WEIGHTS", "CAPTURE", "FEEDBACK", "CYCLES")
-        ),
-        *(
-            f"listen {s}"
-            for s in (
-                "steps",
-                "evaluations",
-                "tasks",
-                "trajectories",
-                "captures",
-                "feedback",
-                "cycles",
-            )
-        ),
+        *(f"{op} {s}" for op in ("info", "get") for s in (*_STREAMS, "TASKS")),
+        # Not the task queue: a consumer without acks cannot read a work queue.
+        *(f"consume {s}" for s in _STREAMS),
+        *(f"listen {s}" for s in _SUBJECTS),
     },
 }
 
@@ -123,6 +120,7 @@ def _operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
         "CAPTURE": capture_stream(run),
         "FEEDBACK": feedback_stream(run),
         "CYCLES": cycle_stream(run),
+        "SERVING": serving_stream(run),
     }
     subjects = {
         "tasks": task_subject(run),
@@ -133,6 +131,7 @@ def _operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
         "captures": capture_subject(run, "chatcmpl-1"),
         "feedback": feedback_subject(run, "chatcmpl-1", "event-1"),
         "cycles": cycle_subject(run),
+        "serving": serving_subject(run, "stable"),
     }
     found = []
     for short, subject in subjects.items():

@@ -32,7 +32,7 @@ from rlfleet.api.wire import (
     encode_captured,
 )
 from rlfleet.bus.auth import connect
-from rlfleet.launch.settings import CaptureConfig
+from rlfleet.launch.settings import ServingConfig
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class Bus:
     """The server's one connection to NATS, made in the background and kept: until it is
     up, `jetstream()` is None and nothing that serves a request waits for it."""
 
-    def __init__(self, config: CaptureConfig) -> None:
+    def __init__(self, config: ServingConfig) -> None:
         self.config = config
         self.nc = None
 

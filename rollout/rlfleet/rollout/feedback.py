@@ -30,7 +30,7 @@ from rlfleet.api.wire import (
     encode,
     feedback_subject,
 )
-from rlfleet.launch.settings import CaptureConfig
+from rlfleet.launch.settings import ServingConfig
 from rlfleet.rollout.capture import Bus
 
 answered = Counter(
@@ -90,7 +90,7 @@ class Remembered:
 
 
 class FeedbackDesk:
-    def __init__(self, config: CaptureConfig, bus: Bus, api_keys: list[str]) -> None:
+    def __init__(self, config: ServingConfig, bus: Bus, api_keys: list[str]) -> None:
         self.config = config
         self.bus = bus
         self.api_keys = [key.encode() for key in api_keys]

@@ -6,16 +6,22 @@ The pool runs vLLM's own OpenAI-compatible server, with this added:
         --logprobs-mode processed_logprobs \\
         --middleware rlfleet.rollout.serving.CaptureMiddleware
 
-and `RLFLEET_SERVING_SETTINGS` naming a `CaptureConfig` JSON file (the run's NATS user in
+and `RLFLEET_SERVING_SETTINGS` naming a `ServingConfig` JSON file (the run's NATS user in
 `RLFLEET_NATS_CREDS`). Processed log-probs are those of the distribution the token was
 sampled from (temperature applied), which is what the trainer's correction divides by.
 Chat completions are captured (`rlfleet.rollout.capture`); `POST /v1/feedback` is
 answered here (`rlfleet.rollout.feedback`); every other request passes through untouched.
+A server in a replica set also serves the version its set is told to, switched in place
+(`rlfleet.rollout.serving_versions`), which needs weightsync in its workers:
+
+    --worker-extension-cls rlfleet.weightsync.vllm_worker.WeightsyncWorker \
+    --weight-transfer-config '{"backend": "rlfleet-weightsync"}'
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import time
@@ -23,10 +29,13 @@ from pathlib import Path
 
 import msgspec
 
-from rlfleet.launch.settings import CaptureConfig, from_json
+from rlfleet.launch.settings import ServingConfig, from_json
 from rlfleet.rollout import capture
 from rlfleet.rollout.capture import Asked, Bus, Captures, Skip
 from rlfleet.rollout.feedback import FeedbackDesk, Served
+from rlfleet.rollout.serving_versions import VersionFollower
+
+log = logging.getLogger(__name__)
 
 SETTINGS_ENV = "RLFLEET_SERVING_SETTINGS"
 COMPLETIONS, FEEDBACK = "/v1/chat/completions", "/v1/feedback"
@@ -64,25 +73,31 @@ async def _respond(send, status: int, body: bytes, headers: list) -> None:
 class CaptureMiddleware:
     def __init__(self, app) -> None:
         self.app = app
-        self.config = from_json(Path(os.environ[SETTINGS_ENV]).read_bytes(), CaptureConfig)
+        self.config = from_json(Path(os.environ[SETTINGS_ENV]).read_bytes(), ServingConfig)
         self.bus = Bus(self.config)
         self.captures = Captures(self.bus, self.config.buffer)
         keys = [key for key in [os.environ.get("VLLM_API_KEY", "")] if key]
         self.desk = FeedbackDesk(self.config, self.bus, keys)
         self._tasks: list[asyncio.Task] = []
 
-    def _start(self) -> None:
-        """The connection and the drain run in the server's loop, begun by its first request."""
-        if not self._tasks:
-            self._tasks = [
-                asyncio.create_task(self.bus.keep_connected(), name="nats"),
-                asyncio.create_task(self.captures.store_forever(), name="captures"),
-            ]
+    def _start(self, app) -> None:
+        """The connection, the drain and the version follower run in the server's loop,
+        begun as it starts (its lifespan) or by its first request."""
+        if self._tasks:
+            return
+        self._tasks = [
+            asyncio.create_task(self.bus.keep_connected(), name="nats"),
+            asyncio.create_task(self.captures.store_forever(), name="captures"),
+        ]
+        if self.config.replica_set is not None:
+            follower = VersionFollower(self.config, self.bus)
+            self._tasks.append(asyncio.create_task(follower.run(app.state), name="versions"))
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "lifespan"):
+            self._start(scope["app"])
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        self._start()
         if scope["path"] == FEEDBACK:
             headers = dict(scope["headers"])
             answer = await self.desk.answer(

@@ -1,4 +1,6 @@
-"""Driving weightsync in a vLLM `LLM` from the process that owns it (a rollout worker)."""
+"""Driving weightsync in vLLM from the process that owns the engine: a `vllm.LLM` (a
+rollout worker), or the `AsyncLLM` of vLLM's OpenAI-compatible server (a production
+pool's server, `*_async`)."""
 
 from __future__ import annotations
 
@@ -29,15 +31,28 @@ def llm_options(
     }
 
 
-def start(llm, nats_url: str, run: str, domain: str | None, config: SyncConfig) -> None:
-    """Connect every worker's engine to the run's weights and start following them."""
-    info = {
+def _init_info(nats_url: str, run: str, domain: str | None, config: SyncConfig) -> dict:
+    return {
         "nats_url": nats_url,
         "run": run,
         "domain": domain,
         "config": msgspec.to_builtins(config),
     }
-    llm.init_weight_transfer_engine({"init_info": info})
+
+
+def start(llm, nats_url: str, run: str, domain: str | None, config: SyncConfig) -> None:
+    """Connect every worker's engine to the run's weights and start following them."""
+    llm.init_weight_transfer_engine({"init_info": _init_info(nats_url, run, domain, config)})
+
+
+async def start_async(
+    engine, nats_url: str, run: str, domain: str | None, config: SyncConfig
+) -> None:
+    """`start` for an `AsyncLLM`."""
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+    info = _init_info(nats_url, run, domain, config)
+    await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
 
 @dataclass(frozen=True)
@@ -51,11 +66,20 @@ def status(llm) -> list[dict[str, Any]]:
     return llm.collective_rpc(_STATUS)
 
 
+def _held(workers: list[dict[str, Any]]) -> int | None:
+    versions = [s["held"] for s in workers if s["leads"]]
+    return None if None in versions else min(versions)
+
+
 def held(llm) -> int | None:
     """The newest version the engine can load: what its leading worker holds verified
     (the others take each version from it); None while it holds none."""
-    versions = [s["held"] for s in status(llm) if s["leads"]]
-    return None if None in versions else min(versions)
+    return _held(status(llm))
+
+
+async def held_async(engine) -> int | None:
+    """`held` for an `AsyncLLM`."""
+    return _held(await engine.collective_rpc(_STATUS))
 
 
 def disagree(workers: list[dict[str, Any]]) -> None:
@@ -93,4 +117,20 @@ def update(llm, version: int | None = None, timeout_s: float = 300.0) -> Update:
     # (they go back to the queue and recompute it).
     llm.reset_prefix_cache(reset_running_requests=True)
     llm.wake_up(tags=["scheduling"])
+    return Update(loaded[0]["loaded"], loaded[0]["digest"], time.perf_counter() - started)
+
+
+async def update_async(engine, version: int, timeout_s: float = 300.0) -> Update:
+    """`update` for an `AsyncLLM` serving requests, to a version its workers hold: the
+    scheduler is paused keeping every request where it is (none fails; each waits out
+    the write), and resumed with the new weights. A failed write leaves it paused, as
+    `update` does: a model in an unknown state serves nobody."""
+    started = time.perf_counter()
+    await engine.pause_generation(mode="keep", clear_cache=False)
+    info = {"version": version, "timeout_s": timeout_s}
+    loaded = await engine.collective_rpc(_UPDATE, kwargs={"update_info": info})
+    disagree(loaded)
+    await engine.update_weight_version(str(loaded[0]["loaded"]))
+    await engine.reset_prefix_cache(reset_running_requests=True)
+    await engine.resume_generation()
     return Update(loaded[0]["loaded"], loaded[0]["digest"], time.perf_counter() - started)

@@ -1,0 +1,110 @@
+"""Which policy version a production server serves, switched in place as it is told.
+
+Each server is in a set of the pool's servers (the canary set, or the stable rest); the
+run's serving stream holds the version each set is to serve, written by whoever runs
+the run's cycles. The server's vLLM workers follow the run's weights (weightsync) into
+a host copy while it serves; once they hold its set's version, the scheduler is paused
+keeping every request, the copy is written into the model, and serving resumes: no
+request fails, and tokens after the switch carry the new version.
+
+Versions move forward only, for now: a set told to go back to an older version than it
+serves (a canary rolled back) is logged and counted, and stays where it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from nats.js.errors import NotFoundError
+from prometheus_client import Counter, Gauge
+
+from rlfleet.api.wire import ServingTarget, decode_serving_target, serving_stream, serving_subject
+from rlfleet.launch.settings import ServingConfig
+from rlfleet.rollout.capture import Bus
+from rlfleet.weightsync import vllm_held_async, vllm_start_async, vllm_update_async
+
+log = logging.getLogger(__name__)
+
+serving_version = Gauge("rlfleet_serving_policy_version", "Policy version the server serves")
+switches = Counter(
+    "rlfleet_serving_version_switches_total",
+    "Switches of the served version, by outcome",
+    ["outcome"],  # loaded, backwards_refused, passed_by
+)
+switch_pause = Gauge("rlfleet_serving_switch_pause_seconds", "The last switch's pause")
+
+
+class VersionFollower:
+    def __init__(self, config: ServingConfig, bus: Bus) -> None:
+        if config.replica_set is None:
+            raise ValueError("a server that follows versions names its replica set")
+        self.config = config
+        self.bus = bus
+        self.replica_set = config.replica_set
+        self.serving = config.base_version
+        self._refused: int | None = None  # the target last refused, logged once
+
+    async def run(self, state) -> None:
+        """Follow the set's version for as long as the server runs (`state` is the app's:
+        vLLM puts its engine there as it starts). A failure is logged and tried again
+        while the server goes on serving what it serves."""
+        config = self.config
+        serving_version.set(self.serving)
+        engine = None
+        while True:
+            try:
+                if engine is None and hasattr(state, "engine_client"):
+                    await vllm_start_async(
+                        state.engine_client,
+                        config.nats_url,
+                        config.run,
+                        config.weights_domain,
+                        config.weightsync,
+                    )
+                    engine = state.engine_client
+                target = None if engine is None else await self.target()
+                if target is not None and target.version != self.serving:
+                    await self.switch(engine, target.version)
+            except Exception:
+                log.exception("following set %s's version; trying again", self.replica_set)
+            await asyncio.sleep(config.poll_s)
+
+    async def target(self) -> ServingTarget | None:
+        js = self.bus.jetstream()
+        if js is None:
+            return None  # NATS is away: serve what it serves
+        run = self.config.run
+        subject = serving_subject(run, self.replica_set)
+        try:
+            message = await js.get_last_msg(serving_stream(run), subject, direct=True)
+        except NotFoundError:
+            return None
+        return decode_serving_target(message.data)
+
+    async def switch(self, engine, version: int) -> None:
+        """Load `version` once the workers hold it; refuse to go back."""
+        if version < self.serving:
+            self._refuse(version, "backwards_refused", "older than the one it serves")
+            return
+        held = await vllm_held_async(engine)
+        if held is None or held < version:
+            return  # not fetched yet
+        if held > version:  # the workers went on to a newer one: it cannot be loaded
+            self._refuse(version, "passed_by", f"behind the {held} its workers hold")
+            return
+        update = await vllm_update_async(engine, version)
+        self.serving = update.version
+        serving_version.set(update.version)
+        switch_pause.set(update.pause_s)
+        switches.labels("loaded").inc()
+        log.info(
+            "set %s serves version %d (digest %s); paused %.3fs",
+            self.replica_set, update.version, update.digest, update.pause_s,
+        )  # fmt: skip
+
+    def _refuse(self, version: int, outcome: str, why: str) -> None:
+        if self._refused != version:
+            self._refused = version
+            switches.labels(outcome).inc()
+            log.error("set %s cannot serve version %d: %s", self.replica_set, version, why)
