@@ -1,0 +1,219 @@
+"""Whether a production run's candidate may replace the serving checkpoint: a pure decision
+in two steps, each a verdict with its numbers and, when it says no, the reason in the
+words an on-call engineer reads in the event.
+
+**The gate**, before any user sees the candidate. Both versions answered the same eval
+items. The candidate passes when it is shown, at `confidence`, to be worse than the
+serving checkpoint by no more than `max_regression`: the lower bound of a paired
+bootstrap of the per-item differences must reach `-max_regression`. The burden of proof
+is on the candidate (a non-inferiority test), so a suite too small to show it rejects
+rather than promotes. Pairing removes the items' own difficulty from the comparison,
+which is why it needs far fewer items than comparing two means would.
+
+Then behaviour drift that users' signals can reward but nobody wants: a model that
+stops answering gets no rejections. The candidate is refused when it answers empty
+more often than the serving one by more than `max_empty_increase`, when its answers'
+mean length moves outside `length_ratio` of the serving one's, or when more than
+`max_malformed_tool_calls` of its tool calls are malformed (and more than the serving
+one's).
+
+**The canary**, with live traffic. A share of the servers serves the candidate while
+the rest serve the checkpoint; the users' rewards on each are compared as means (with
+their variances). Confidently worse by more than `max_drop` rolls it back at once,
+whenever that shows, so a poisoned candidate reaches no more users than needed. At the
+end of the window it is promoted unless its mean fell more than `max_drop` below the
+stable set's. The burden of proof is lighter here than at the gate on purpose: the
+candidate has already been shown not to regress offline, and a canary's share of
+traffic is small, so demanding proof of no harm would hold back nearly every candidate
+(an equal one needs about a thousand answered canary completions to show it within
+0.05). Too little canary traffic to judge by twice the window rolls it back: promoting
+on no evidence is the one mistake the canary exists to prevent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from statistics import NormalDist
+
+import numpy as np
+
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0  # the same scores give the same verdict, on every operator replica
+
+
+@dataclass(frozen=True)
+class GatePolicy:
+    max_regression: float  # in reward units of the eval suite
+    confidence: float  # of the bound, e.g. 0.95
+    max_empty_increase: float  # in share of answers
+    length_ratio: tuple[float, float]  # candidate mean length / serving mean length
+    max_malformed_tool_calls: float  # share of the candidate's tool calls
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    """How a version answered the eval items, apart from how well."""
+
+    answers: int
+    empty: int  # answers with no content (or only whitespace)
+    tokens: int  # generated, over all answers
+    tool_calls: int
+    malformed_tool_calls: int
+
+    @property
+    def empty_rate(self) -> float:
+        return self.empty / self.answers if self.answers else 0.0
+
+    @property
+    def mean_tokens(self) -> float:
+        return self.tokens / self.answers if self.answers else 0.0
+
+    @property
+    def malformed_rate(self) -> float:
+        return self.malformed_tool_calls / self.tool_calls if self.tool_calls else 0.0
+
+
+@dataclass(frozen=True)
+class GateVerdict:
+    passed: bool
+    mean_difference: float  # candidate - serving, per item
+    lower_bound: float  # of the difference, at the policy's confidence
+    items: int
+    reasons: tuple[str, ...]  # empty when it passed
+
+
+def paired_lower_bound(differences: np.ndarray, confidence: float) -> float:
+    """The lower `confidence` bound of the mean of `differences` (percentile bootstrap)."""
+    if len(differences) < 2:
+        return -math.inf  # one item shows nothing about the next
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    picks = rng.integers(0, len(differences), (BOOTSTRAP_RESAMPLES, len(differences)))
+    return float(np.quantile(differences[picks].mean(axis=1), 1 - confidence))
+
+
+def gate(
+    candidate: list[float],
+    serving: list[float],
+    candidate_behaviour: Behaviour,
+    serving_behaviour: Behaviour,
+    policy: GatePolicy,
+) -> GateVerdict:
+    """The candidate's scores and the serving checkpoint's on the same items, in order."""
+    if len(candidate) != len(serving):
+        raise ValueError(f"{len(candidate)} candidate scores for {len(serving)} items")
+    differences = np.asarray(candidate, dtype=np.float64) - np.asarray(serving, dtype=np.float64)
+    mean = float(differences.mean()) if len(differences) else 0.0
+    lower = paired_lower_bound(differences, policy.confidence)
+    reasons = []
+    if lower < -policy.max_regression:
+        reasons.append(
+            f"not shown within {policy.max_regression:g} of the serving checkpoint: mean "
+            f"difference {mean:+.4f} over {len(differences)} items, "
+            f"{policy.confidence:.0%} lower bound {lower:+.4f}"
+        )
+    reasons += _drift(candidate_behaviour, serving_behaviour, policy)
+    return GateVerdict(not reasons, mean, lower, len(differences), tuple(reasons))
+
+
+def _drift(candidate: Behaviour, serving: Behaviour, policy: GatePolicy) -> list[str]:
+    reasons = []
+    if candidate.empty_rate - serving.empty_rate > policy.max_empty_increase:
+        reasons.append(
+            f"answers empty {candidate.empty_rate:.1%} of the time against {serving.empty_rate:.1%}"
+        )
+    low, high = policy.length_ratio
+    if serving.mean_tokens > 0:
+        ratio = candidate.mean_tokens / serving.mean_tokens
+        if not low <= ratio <= high:
+            reasons.append(
+                f"answers {ratio:.2f}x as long as the serving checkpoint's "
+                f"({candidate.mean_tokens:.1f} tokens against {serving.mean_tokens:.1f}), "
+                f"outside {low:g}-{high:g}x"
+            )
+    if (
+        candidate.malformed_rate > policy.max_malformed_tool_calls
+        and candidate.malformed_rate > serving.malformed_rate
+    ):
+        reasons.append(
+            f"{candidate.malformed_rate:.1%} of its tool calls are malformed against "
+            f"{serving.malformed_rate:.1%}"
+        )
+    return reasons
+
+
+@dataclass(frozen=True)
+class CanaryPolicy:
+    max_drop: float  # in mean live reward
+    confidence: float
+    window_s: float
+    min_samples: int  # answered canary completions before a verdict at the window's end
+
+
+@dataclass(frozen=True)
+class LiveRewards:
+    """The rewards of one set's answered completions so far: count, sum, sum of squares."""
+
+    count: int = 0
+    total: float = 0.0
+    total_squares: float = 0.0
+
+    def add(self, reward: float) -> LiveRewards:
+        return LiveRewards(self.count + 1, self.total + reward, self.total_squares + reward**2)
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+    @property
+    def variance(self) -> float:
+        if self.count < 2:
+            return 1.0  # rewards lie in [-1, 1]: the widest it can be, until measured
+        return max(0.0, (self.total_squares - self.count * self.mean**2) / (self.count - 1))
+
+
+class CanaryCall(StrEnum):
+    WAIT = "wait"
+    PROMOTE = "promote"
+    ROLL_BACK = "roll_back"
+
+
+@dataclass(frozen=True)
+class CanaryVerdict:
+    call: CanaryCall
+    difference: float  # canary - stable, mean live reward
+    lower_bound: float
+    upper_bound: float
+    reason: str
+
+
+def judge_canary(
+    canary: LiveRewards, stable: LiveRewards, elapsed_s: float, policy: CanaryPolicy
+) -> CanaryVerdict:
+    difference = canary.mean - stable.mean
+    spread = math.sqrt(
+        canary.variance / max(canary.count, 1) + stable.variance / max(stable.count, 1)
+    )
+    z = NormalDist().inv_cdf(policy.confidence)
+    lower, upper = difference - z * spread, difference + z * spread
+    numbers = (
+        f"canary {canary.mean:+.3f} over {canary.count} answered, "
+        f"stable {stable.mean:+.3f} over {stable.count}"
+    )
+
+    def verdict(call: CanaryCall, why: str) -> CanaryVerdict:
+        return CanaryVerdict(call, difference, lower, upper, f"{why}: {numbers}")
+
+    enough = canary.count >= policy.min_samples and stable.count >= 2
+    if enough and upper < -policy.max_drop:
+        return verdict(CanaryCall.ROLL_BACK, f"worse by more than {policy.max_drop:g}")
+    if elapsed_s < policy.window_s:
+        return verdict(CanaryCall.WAIT, "window open")
+    if not enough:
+        if elapsed_s >= 2 * policy.window_s:
+            return verdict(CanaryCall.ROLL_BACK, "too little canary traffic to judge")
+        return verdict(CanaryCall.WAIT, "waiting for canary traffic")
+    if difference >= -policy.max_drop:
+        return verdict(CanaryCall.PROMOTE, f"not worse by more than {policy.max_drop:g}")
+    return verdict(CanaryCall.ROLL_BACK, f"fell more than {policy.max_drop:g}")
