@@ -275,7 +275,9 @@ def _messages(pool: Pool, subjects: str) -> int:
     return asyncio.run(count())
 
 
-def test_a_set_told_a_new_version_serves_it_in_place_and_no_request_fails(pool: Pool, tmp_path):
+def test_a_set_told_a_version_serves_it_in_place_and_back_and_no_request_fails(
+    pool: Pool, tmp_path
+):
     before = pool.chat("what is seven?", max_tokens=12, logprobs=True)
     v1 = train_step(pool.model, tmp_path / "v1", lr=1e-2)
 
@@ -285,14 +287,17 @@ def test_a_set_told_a_new_version_serves_it_in_place_and_no_request_fails(pool: 
             await nc.jetstream().publish(subject, data)
         await nc.close()
 
-    async def versions() -> None:
+    async def versions() -> list[str]:
         nc = await pool.nats.bed.hub.connect()
         publisher = Publisher(WeightStream(nc, pool.run, SYNC), SYNC)
-        await publisher.publish(read_weights(pool.model), 0)
-        await publisher.publish(read_weights(v1), 1)
+        digests = [
+            (await publisher.publish(read_weights(model), version))[0].state_digest
+            for version, model in enumerate((pool.model, v1))
+        ]
         await nc.close()
+        return digests
 
-    asyncio.run(versions())
+    digests = asyncio.run(versions())
     served: list[tuple[int, str]] = []
     stop = threading.Event()
 
@@ -327,12 +332,25 @@ def test_a_set_told_a_new_version_serves_it_in_place_and_no_request_fails(pool: 
     assert set(captured.segment.versions) == {1}
     assert after["choices"][0]["logprobs"] != before["choices"][0]["logprobs"]
 
-    # Back to an older version is refused (for now), and the set goes on serving 1.
+    assert _serves(pool, 1, digests[1])
+
+    # Rolled back: it serves version 0 again, bit for bit.
     back = ServingTarget(pool.run, "stable", 0, time.time())
     asyncio.run(publish((serving_subject(pool.run, "stable"), encode(back))))
-    refused = 'rlfleet_serving_version_switches_total{outcome="backwards_refused"}'
-    wait_for("the refusal", lambda: pool.metric(refused) == 1, timeout=30)
-    assert pool.metric("rlfleet_serving_policy_version") == 1
+    wait_for("version 0 again", lambda: _serves(pool, 0, digests[0]), timeout=120)
+    again = pool.chat("what is seven?", max_tokens=12, logprobs=True)
+    assert again["choices"][0]["logprobs"] == before["choices"][0]["logprobs"]
+
+
+def _serves(pool: Pool, version: int, digest: str) -> bool:
+    """Whether the server says it serves `version` with exactly that state digest."""
+    samples = scrape(f"{pool.url}/metrics")
+    label = {f'version="{version}"', f'digest="{digest}"'}
+    return any(
+        name.startswith("rlfleet_serving_weights_info{") and label <= set(name[29:-1].split(","))
+        for name, value in samples.items()
+        if value == 1
+    )
 
 
 def _chat(content: str, **fields) -> dict:

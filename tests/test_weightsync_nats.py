@@ -298,3 +298,40 @@ async def _until_async(step, expected, within: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"got {got}, expected {expected}")
         await asyncio.sleep(0.2)
+
+
+def test_a_receiver_held_below_its_version_goes_back_to_it_exactly(
+    nats_servers: StandaloneNats,
+) -> None:
+    """A canary rolled back: its receiver, told to hold no newer version than one it has
+    passed, rebuilds that version from the snapshot before it, bit for bit, and goes
+    forward again once let."""
+    run, versions = _run_name(), _versions(4)
+    # Versions 0 (a snapshot) to 3 (another) stay on the stream: the version to go back
+    # to must be kept, and a snapshot before it.
+    config = msgspec.structs.replace(CONFIG, keep_snapshots=2)
+
+    async def scenario() -> None:
+        async with _connected(nats_servers.bed.hub) as (hub,):
+            await ensure_run_streams(hub, run, HUB_DOMAIN)
+            publisher = Publisher(WeightStream(hub, run, config), config)
+            for version, tensors in enumerate(versions):
+                await publisher.publish(tensors, version)
+            receiver = Receiver(WeightStream(hub, run, config))
+            stop = asyncio.Event()
+            following = asyncio.create_task(receiver.follow(stop))
+            try:
+                await _until(lambda: receiver.version == 3, 30)
+                receiver.take_changed()
+                receiver.ceiling = 1
+                await _until(lambda: receiver.version == 1, 30)
+                assert receiver.state.digest() == _digest(versions[1])
+                assert receiver.take_changed() == set(versions[1])  # all of it, for the engine
+                receiver.ceiling = None
+                await _until(lambda: receiver.version == 3, 30)
+                assert receiver.state.digest() == _digest(versions[3])
+            finally:
+                stop.set()
+                await following
+
+    asyncio.run(scenario())

@@ -3,12 +3,14 @@
 Each server is in a set of the pool's servers (the canary set, or the stable rest); the
 run's serving stream holds the version each set is to serve, written by whoever runs
 the run's cycles. The server's vLLM workers follow the run's weights (weightsync) into
-a host copy while it serves; once they hold its set's version, the scheduler is paused
-keeping every request, the copy is written into the model, and serving resumes: no
-request fails, and tokens after the switch carry the new version.
-
-Versions move forward only, for now: a set told to go back to an older version than it
-serves (a canary rolled back) is logged and counted, and stays where it is.
+a host copy while it serves, up to its set's version and no further; once they hold
+it, the scheduler is paused keeping every request, the copy is written into the model,
+and serving resumes: no request fails, and tokens after the switch carry the new
+version. A set told an older version than it serves (a canary rolled back) goes back
+the same way: its workers rebuild that version from the snapshot before it, verified
+against its digest, so it serves it bit for bit again. That needs the version still on
+the weight stream (`SyncConfig.keep_snapshots`); one retired is never reached, and the
+server goes on serving what it serves.
 """
 
 from __future__ import annotations
@@ -17,21 +19,22 @@ import asyncio
 import logging
 
 from nats.js.errors import NotFoundError
-from prometheus_client import Counter, Gauge
+from prometheus_client import Gauge, Info
 
 from rlfleet.api.wire import ServingTarget, decode_serving_target, serving_stream, serving_subject
 from rlfleet.launch.settings import ServingConfig
 from rlfleet.rollout.capture import Bus
-from rlfleet.weightsync import vllm_held_async, vllm_start_async, vllm_update_async
+from rlfleet.weightsync import (
+    vllm_held_async,
+    vllm_hold_at_most_async,
+    vllm_start_async,
+    vllm_update_async,
+)
 
 log = logging.getLogger(__name__)
 
 serving_version = Gauge("rlfleet_serving_policy_version", "Policy version the server serves")
-switches = Counter(
-    "rlfleet_serving_version_switches_total",
-    "Switches of the served version, by outcome",
-    ["outcome"],  # loaded, backwards_refused, passed_by
-)
+serving_digest = Info("rlfleet_serving_weights", "The served version and its state digest")
 switch_pause = Gauge("rlfleet_serving_switch_pause_seconds", "The last switch's pause")
 
 
@@ -43,7 +46,7 @@ class VersionFollower:
         self.bus = bus
         self.replica_set = config.replica_set
         self.serving = config.base_version
-        self._refused: int | None = None  # the target last refused, logged once
+        self.ceiling: int | None = None  # what the workers were told to hold at most
 
     async def run(self, state) -> None:
         """Follow the set's version for as long as the server runs (`state` is the app's:
@@ -64,7 +67,7 @@ class VersionFollower:
                     )
                     engine = state.engine_client
                 target = None if engine is None else await self.target()
-                if target is not None and target.version != self.serving:
+                if target is not None:
                     await self.switch(engine, target.version)
             except Exception:
                 log.exception("following set %s's version; trying again", self.replica_set)
@@ -80,31 +83,26 @@ class VersionFollower:
             message = await js.get_last_msg(serving_stream(run), subject, direct=True)
         except NotFoundError:
             return None
-        return decode_serving_target(message.data)
+        target = decode_serving_target(message.data)  # a refusal is logged by the caller
+        if (target.run, target.replica_set) != (run, self.replica_set):
+            raise ValueError(f"{subject} holds the target of {target.run}/{target.replica_set}")
+        return target
 
     async def switch(self, engine, version: int) -> None:
-        """Load `version` once the workers hold it; refuse to go back."""
-        if version < self.serving:
-            self._refuse(version, "backwards_refused", "older than the one it serves")
+        """Load `version` once the workers hold it, forward or back."""
+        if (self.ceiling, self.serving) == (version, version):
             return
-        held = await vllm_held_async(engine)
-        if held is None or held < version:
-            return  # not fetched yet
-        if held > version:  # the workers went on to a newer one: it cannot be loaded
-            self._refuse(version, "passed_by", f"behind the {held} its workers hold")
-            return
+        if self.ceiling != version:
+            await vllm_hold_at_most_async(engine, version)
+            self.ceiling = version
+        if version == self.serving or await vllm_held_async(engine) != version:
+            return  # not fetched, or not rebuilt, yet
         update = await vllm_update_async(engine, version)
         self.serving = update.version
         serving_version.set(update.version)
+        serving_digest.info({"version": str(update.version), "digest": update.digest or ""})
         switch_pause.set(update.pause_s)
-        switches.labels("loaded").inc()
-        log.info(
+        log.warning(  # on-call reads which version production serves
             "set %s serves version %d (digest %s); paused %.3fs",
             self.replica_set, update.version, update.digest, update.pause_s,
         )  # fmt: skip
-
-    def _refuse(self, version: int, outcome: str, why: str) -> None:
-        if self._refused != version:
-            self._refused = version
-            switches.labels(outcome).inc()
-            log.error("set %s cannot serve version %d: %s", self.replica_set, version, why)

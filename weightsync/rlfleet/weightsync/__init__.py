@@ -20,6 +20,7 @@ from rlfleet.weightsync.versions import wait_for_version, wait_for_version_async
 from rlfleet.weightsync.vllm_client import Update as VllmUpdate
 from rlfleet.weightsync.vllm_client import held as vllm_held
 from rlfleet.weightsync.vllm_client import held_async as vllm_held_async
+from rlfleet.weightsync.vllm_client import hold_at_most_async as vllm_hold_at_most_async
 from rlfleet.weightsync.vllm_client import llm_options as vllm_options
 from rlfleet.weightsync.vllm_client import start as vllm_start
 from rlfleet.weightsync.vllm_client import start_async as vllm_start_async
@@ -41,6 +42,7 @@ __all__ = [
     "owned_names",
     "vllm_held",
     "vllm_held_async",
+    "vllm_hold_at_most_async",
     "vllm_options",
     "vllm_start",
     "vllm_start_async",

@@ -55,6 +55,9 @@ class Receiver:
         self._changed: set[str] = set()
         self._refused: set[Key] = set()
         self._unreachable: set[int] = set()
+        # The newest version to hold; None: the newest there is. Below the one held, the
+        # receiver goes back to it (from a snapshot): a server told to serve it again.
+        self.ceiling: int | None = None
 
     @property
     def version(self) -> int | None:
@@ -127,12 +130,18 @@ class Receiver:
         finally:
             await sub.unsubscribe()
 
+    def _wanted(self) -> list[int]:
+        """Known versions it may hold, newest first."""
+        versions = {v for v, _ in self.known if self.ceiling is None or v <= self.ceiling}
+        return sorted(versions, reverse=True)
+
     def _behind(self) -> bool:
-        newest = max((v for v, _ in self.known), default=None)
+        newest = next(iter(self._wanted()), None)
         return newest is not None and newest not in self._unreachable and newest != self.version
 
     async def advance(self) -> None:
-        """Move to the newest known version reachable from here, or stay put."""
+        """Move to the newest known version (up to `ceiling`) reachable from here, or stay
+        put."""
         while True:
             usable = {key: m for key, m in self.known.items() if key not in self._refused}
             steps = self._best_plan(usable)
@@ -140,7 +149,8 @@ class Receiver:
                 return
 
     def _best_plan(self, usable: dict[Key, WeightManifest]) -> list[Key] | None:
-        for target in sorted({version for version, _ in usable}, reverse=True):
+        wanted = {version for version, _ in usable} & set(self._wanted())
+        for target in sorted(wanted, reverse=True):
             if target == self.version:
                 return []
             steps = plan(usable, self.version, target)

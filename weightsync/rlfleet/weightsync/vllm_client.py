@@ -16,6 +16,7 @@ from rlfleet.weightsync.versions import wait_for_version
 ENGINE_NAME = "rlfleet-weightsync"
 _STATUS = "rlfleet_weightsync_status"
 _UPDATE = "rlfleet_weightsync_update"
+_HOLD_AT_MOST = "rlfleet_weightsync_hold_at_most"
 
 
 def llm_options(
@@ -75,6 +76,13 @@ def held(llm) -> int | None:
     """The newest version the engine can load: what its leading worker holds verified
     (the others take each version from it); None while it holds none."""
     return _held(status(llm))
+
+
+async def hold_at_most_async(engine, version: int | None) -> None:
+    """Let the engine's workers hold no newer version than `version` (None: the newest),
+    going back to it from a snapshot if they hold a newer one: a server that is to serve
+    `version`, or to serve it again after a newer one."""
+    await engine.collective_rpc(_HOLD_AT_MOST, kwargs={"version": version})
 
 
 async def held_async(engine) -> int | None:

@@ -202,6 +202,12 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 method.moe_kernel = kernel
         self._stashed_kernels = []
 
+    def hold_at_most(self, version: int | None) -> None:
+        """Let the host copy hold no newer version than `version` (None: the newest),
+        going back to it if it holds a newer one; a no-op on followers."""
+        if self.leads:
+            self._loop.call_soon_threadsafe(setattr, self.receiver, "ceiling", version)
+
     def status(self) -> dict[str, Any]:
         """`held`: the version the leader holds verified (None on followers, which hold
         none); `loaded` and `digest`: what this worker's model runs."""

@@ -10,6 +10,10 @@ class WeightsyncWorker:
         """The version the worker holds verified, the one its model runs, and the digest."""
         return self.weight_transfer_engine.status()
 
+    def rlfleet_weightsync_hold_at_most(self, version: int | None) -> None:
+        """Hold no newer version than `version`, going back to it if need be."""
+        self.weight_transfer_engine.hold_at_most(version)
+
     def rlfleet_weightsync_update(self, update_info: dict[str, Any]) -> dict[str, Any]:
         """vLLM's three update calls in one RPC, then the status: one round trip per pause."""
         self.start_weight_update()
