@@ -5,10 +5,15 @@ trainer accepts, each completion decided in exactly one cycle, across a restart.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 
 import pytest
+from conftest import wait_for
 
 from rlfleet.api.wire import (
     BusRole,
@@ -23,8 +28,8 @@ from rlfleet.api.wire import (
     trajectory_stream,
 )
 from rlfleet.bus.auth import CREDENTIALS_ENV, connect
-from rlfleet.bus.streams import ensure_run_streams
-from rlfleet.launch.settings import CollectorConfig, SignalRewards
+from rlfleet.bus.streams import cycle_stream, ensure_run_streams
+from rlfleet.launch.settings import CollectorConfig, SignalRewards, to_json
 from rlfleet.local.nats import StandaloneNats
 from rlfleet.rollout.collector import Collector
 from rlfleet.trainer.validation import ModelShape, problem
@@ -138,3 +143,45 @@ def test_cycles_take_each_completion_once_and_score_it_from_its_signals(
             await client.close()
 
     asyncio.run(scenario())
+
+
+def test_the_collector_runs_as_its_own_process_until_signalled(nats_servers, tmp_path):
+    run = "collect-" + uuid.uuid4().hex[:6]
+    bed = nats_servers.bed
+    (tmp_path / "collector.creds").write_text(bed.run_user(run, BusRole.COLLECTOR))
+    rewards = SignalRewards(window_s=WINDOW_S)
+    config = CollectorConfig(
+        run=run, nats_url=bed.hub.url, rewards=rewards, interval_s=0, min_samples=2, poll_s=0.2
+    )
+    (tmp_path / "collector.json").write_bytes(to_json(config))
+    captures = [_capture(run, f"c{i}", f"u{i}", time.time() - 100) for i in range(3)]
+
+    async def store() -> None:
+        admin = await bed.hub.connect()
+        await ensure_run_streams(admin, run, None)
+        await _store(admin, captures, [_event(c, "accepted") for c in captures])
+        await admin.close()
+
+    async def reports() -> int:
+        admin = await bed.hub.connect()
+        info = await admin.jetstream().stream_info(cycle_stream(run))
+        await admin.close()
+        return info.state.messages
+
+    asyncio.run(store())
+    env = os.environ | {CREDENTIALS_ENV: str(tmp_path / "collector.creds")}
+    command = [sys.executable, "-m", "rlfleet.rollout.collector", str(tmp_path / "collector.json")]
+    collector = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for("a cycle report", lambda: asyncio.run(reports()) == 1, timeout=60)
+    finally:
+        collector.send_signal(signal.SIGTERM)
+        _, errors = collector.communicate(timeout=30)
+    assert collector.returncode == 0, errors
+    assert "cycle 1: 3 completions, 3 answered, 3 trajectories" in errors
+
+    (tmp_path / "bad.json").write_text('{"run": "x"}')
+    bad = subprocess.run(
+        [*command[:-1], str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 1 and "nats_url" in bad.stderr and "Traceback" not in bad.stderr

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 from conftest import scrape, wait_for
 from nats.js.errors import NotFoundError
@@ -45,7 +46,7 @@ from rlfleet.launch.settings import ServingConfig, to_json
 from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.local.processes import free_port
 from rlfleet.models.tiny import init_model, read_weights, train_step
-from rlfleet.rollout.serving import SETTINGS_ENV
+from rlfleet.rollout.serving import MIDDLEWARE, vllm_arguments
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 
 API_KEY = "pool-key-for-tests"
@@ -135,21 +136,16 @@ def pool(nats_servers: StandaloneNats, tmp_path_factory: pytest.TempPathFactory)
     (root / "settings.json").write_bytes(to_json(settings))
     port = free_port()
     env = os.environ | {
-        SETTINGS_ENV: str(root / "settings.json"),
         "RLFLEET_NATS_CREDS": str(creds),
         "VLLM_API_KEY": API_KEY,
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
     model = init_model("tiny-moe", root / "model")
-    command = [
-        *(sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
+    command = [  # as a pool runs it: rlfleet's launcher, then vLLM's own arguments
+        *(sys.executable, "-m", "rlfleet.rollout.serving", str(root / "settings.json")),
         *("--model", str(model), "--served-model-name", "tiny", "--port", str(port)),
         *("--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager", "--seed", "0"),
-        *("--logprobs-mode", "processed_logprobs"),
-        *("--middleware", "rlfleet.rollout.serving.CaptureMiddleware"),
-        *("--worker-extension-cls", "rlfleet.weightsync.vllm_worker.WeightsyncWorker"),
-        *("--weight-transfer-config", json.dumps({"backend": "rlfleet-weightsync"})),
     ]
     log = (root / "server.log").open("wb")
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -360,3 +356,15 @@ def _chat(content: str, **fields) -> dict:
         "temperature": 0,
         **fields,
     }
+
+
+def test_the_launcher_keeps_the_arguments_capture_depends_on():
+    plain = ServingConfig(run="r", nats_url="nats://x")
+    arguments = vllm_arguments(plain, ["--model", "m"])
+    assert arguments[:2] == ["--model", "m"]
+    assert "processed_logprobs" in arguments and MIDDLEWARE in arguments
+    assert "--worker-extension-cls" not in arguments  # it follows no versions
+    following = msgspec.structs.replace(plain, replica_set="canary")
+    assert "--weight-transfer-config" in vllm_arguments(following, [])
+    with pytest.raises(ValueError, match="--logprobs-mode is rlfleet's"):
+        vllm_arguments(plain, ["--logprobs-mode=raw_logprobs"])

@@ -1,5 +1,6 @@
-"""A production run's collector: what its pool served and what users said of it, turned
-cycle by cycle into trajectories for the trainer (`rlfleet.rollout.signals` decides).
+"""`python -m rlfleet.rollout.collector CONFIG.json`: a production run's collector. What
+its pool served and what users said of it, turned cycle by cycle into trajectories for
+the trainer (`rlfleet.rollout.signals` decides).
 
 The capture stream is read in order from where the last cycle stopped, which the cycle
 report records (`CycleReport.capture_seq`) and a restarted collector reads back, so each
@@ -18,10 +19,13 @@ import asyncio
 import contextlib
 import logging
 import math
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import msgspec
+import prometheus_client
 from nats.js.errors import NotFoundError
 
 from rlfleet.api.wire import (
@@ -42,10 +46,19 @@ from rlfleet.api.wire import (
 )
 from rlfleet.bus.auth import connect
 from rlfleet.bus.streams import cycle_stream
-from rlfleet.launch.settings import CollectorConfig
+from rlfleet.launch.settings import CollectorConfig, from_json
 from rlfleet.rollout.signals import CycleSamples, batch, score_cycle
+from rlfleet.rollout.stopping import run_until_signalled
 
 log = logging.getLogger(__name__)
+
+cycles_closed = prometheus_client.Counter("rlfleet_collector_cycles_total", "Cycles closed")
+published = prometheus_client.Counter(
+    "rlfleet_collector_trajectories_total", "Trajectories published for the trainer"
+)
+malformed = prometheus_client.Counter(
+    "rlfleet_collector_malformed_total", "Captures or feedback events unreadable, skipped"
+)
 
 WORKER = "collector"  # what the trajectories name as their worker
 
@@ -53,7 +66,6 @@ WORKER = "collector"  # what the trajectories name as their worker
 class Collector:
     def __init__(self, config: CollectorConfig) -> None:
         self.config = config
-        self.malformed = 0  # captures or events that could not be read, skipped
 
     async def run(self, stopping: asyncio.Event) -> None:
         nc = await connect(self.config.nats_url)
@@ -95,8 +107,10 @@ class Collector:
                 encode_trajectory(trajectory),
                 headers={"Nats-Msg-Id": msg_id},
             )
+        published.inc(len(trajectories))
         report = self._report(number, seq, captures, answered, samples, len(trajectories))
         await js.publish(cycle_subject(run), encode(report))
+        cycles_closed.inc()
         log.info(
             "cycle %d: %d completions, %d answered, %d trajectories, reward %.3f",
             number, report.captured, answered, report.trained_on, report.reward_mean,
@@ -151,7 +165,7 @@ class Collector:
                 if capture.run != run:
                     raise msgspec.ValidationError(f"a capture of run {capture.run!r}")
             except msgspec.DecodeError:
-                self.malformed += 1
+                malformed.inc()
                 seq = message.seq
                 continue
             if capture.served_at > ready:
@@ -174,9 +188,28 @@ class Collector:
             try:
                 event = decode_feedback(message.data)
             except msgspec.DecodeError:
-                self.malformed += 1
+                malformed.inc()
                 continue
             if (event.run, event.response_id) == (run, response_id):
                 events.append(event)
             else:
-                self.malformed += 1
+                malformed.inc()
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m rlfleet.rollout.collector CONFIG.json")
+    try:
+        config = from_json(Path(sys.argv[1]).read_bytes(), CollectorConfig)
+    except (OSError, msgspec.DecodeError) as error:
+        sys.exit(f"rlfleet.rollout.collector: cannot read {sys.argv[1]}: {error}")
+    if config.metrics_port is not None:
+        prometheus_client.start_http_server(config.metrics_port)
+    run_until_signalled(Collector(config).run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,29 +1,26 @@
-"""Capture and feedback in a production pool's vLLM server, as ASGI middleware.
+"""`python -m rlfleet.rollout.serving CONFIG.json [vLLM's arguments]`: a production pool's
+vLLM server with capture, feedback and policy versions, as ASGI middleware.
 
-The pool runs vLLM's own OpenAI-compatible server, with this added:
-
-    python -m vllm.entrypoints.openai.api_server --model ... \\
-        --logprobs-mode processed_logprobs \\
-        --middleware rlfleet.rollout.serving.CaptureMiddleware
-
-and `RLFLEET_SERVING_SETTINGS` naming a `ServingConfig` JSON file (the run's NATS user in
-`RLFLEET_NATS_CREDS`). Processed log-probs are those of the distribution the token was
-sampled from (temperature applied), which is what the trainer's correction divides by.
-Chat completions are captured (`rlfleet.rollout.capture`); `POST /v1/feedback` is
-answered here (`rlfleet.rollout.feedback`); every other request passes through untouched.
-A server in a replica set also serves the version its set is told to, switched in place
-(`rlfleet.rollout.serving_versions`), which needs weightsync in its workers:
-
-    --worker-extension-cls rlfleet.weightsync.vllm_worker.WeightsyncWorker \
-    --weight-transfer-config '{"backend": "rlfleet-weightsync"}'
+The pool runs vLLM's own OpenAI-compatible server; this command starts it with a
+`ServingConfig` (the file named in `RLFLEET_SERVING_SETTINGS`; the run's NATS user in
+`RLFLEET_NATS_CREDS`) and adds to its arguments what the middleware needs
+(`vllm_arguments`): the middleware itself, and processed log-probs, those of the
+distribution each token was sampled from (temperature applied), which is what the
+trainer's off-policy correction divides by. Chat completions are captured
+(`rlfleet.rollout.capture`); `POST /v1/feedback` is answered here
+(`rlfleet.rollout.feedback`); every other request passes through untouched. A server in
+a replica set also serves the version its set is told to, switched in place
+(`rlfleet.rollout.serving_versions`), so weightsync goes into its workers as well.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -34,10 +31,12 @@ from rlfleet.rollout import capture
 from rlfleet.rollout.capture import Asked, Bus, Captures, Skip
 from rlfleet.rollout.feedback import FeedbackDesk, Served
 from rlfleet.rollout.serving_versions import VersionFollower
+from rlfleet.weightsync import vllm_options
 
 log = logging.getLogger(__name__)
 
 SETTINGS_ENV = "RLFLEET_SERVING_SETTINGS"
+MIDDLEWARE = "rlfleet.rollout.serving.CaptureMiddleware"  # as vLLM imports it, by name
 COMPLETIONS, FEEDBACK = "/v1/chat/completions", "/v1/feedback"
 
 
@@ -169,3 +168,39 @@ class CaptureMiddleware:
         self.desk.remembered.add(captured.response_id, Served(user, captured.served_at))
         self.captures.offer(captured)
         return reply
+
+
+def vllm_arguments(config: ServingConfig, given: list[str]) -> list[str]:
+    """vLLM's server arguments for a pool's server: the user's, then the middleware's."""
+    for flag in ("--logprobs-mode", "--worker-extension-cls", "--weight-transfer-config"):
+        if any(arg == flag or arg.startswith(f"{flag}=") for arg in given):
+            raise ValueError(f"{flag} is rlfleet's to set on a pool's server")
+    needed = [
+        *("--logprobs-mode", "processed_logprobs"),
+        *("--middleware", MIDDLEWARE),
+    ]
+    if config.replica_set is not None:
+        options = vllm_options()
+        needed += [
+            *("--worker-extension-cls", options["worker_extension_cls"]),
+            *("--weight-transfer-config", json.dumps(options["weight_transfer_config"])),
+        ]
+    return [*given, *needed]
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m rlfleet.rollout.serving CONFIG.json [vLLM's arguments]")
+    settings = Path(sys.argv[1]).resolve()
+    try:
+        config = from_json(settings.read_bytes(), ServingConfig)
+        arguments = vllm_arguments(config, sys.argv[2:])
+    except (OSError, msgspec.DecodeError, ValueError) as error:
+        sys.exit(f"rlfleet.rollout.serving: cannot serve with {sys.argv[1]}: {error}")
+    os.environ[SETTINGS_ENV] = str(settings)
+    server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *arguments]
+    os.execv(sys.executable, server)
+
+
+if __name__ == "__main__":
+    main()
