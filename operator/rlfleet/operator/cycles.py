@@ -1,0 +1,195 @@
+"""A production run's cycle: collect, train a candidate, evaluate, canary, then promote or
+reject or roll back. A pure decision over what the reconcile observed; the caller acts
+on the actions it returns, records the state in the run's status and emits the events.
+
+    Collecting --the collector closes the cycle--> Training (no trajectories: Skipped)
+    Training --the trainer took all of them--> Evaluating, both versions on one suite
+    Evaluating --the gate passes--> Canary, the canary set told the candidate
+               --the gate refuses--> Rejected
+    Canary --the canary judged--> Promoted: every set told the candidate
+           --judged worse--> RolledBack: the canary set told the serving version
+
+Every cycle ends in exactly one outcome, then the next cycle collects. Only a promotion
+changes what production serves, and only to a candidate that passed the gate and its
+canary. A cycle whose candidate is not promoted sends the trainer back to the serving
+version, so the next candidate is trained from what users actually saw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from rlfleet.api.wire import CycleReport
+from rlfleet.operator.promotion import (
+    CanaryCall,
+    CanaryPolicy,
+    GateVerdict,
+    LiveRewards,
+    judge_canary,
+)
+
+CANARY, STABLE = "canary", "stable"  # the pool's replica sets
+HISTORY = 20  # finished cycles kept in the status
+
+
+class Phase(StrEnum):
+    COLLECTING = "Collecting"
+    TRAINING = "Training"
+    EVALUATING = "Evaluating"
+    CANARY = "Canary"
+
+
+class Outcome(StrEnum):
+    SKIPPED = "Skipped"  # nothing to train on
+    REJECTED = "Rejected"
+    ROLLED_BACK = "RolledBack"
+    PROMOTED = "Promoted"
+
+
+@dataclass(frozen=True)
+class Finished:
+    number: int
+    outcome: Outcome
+    candidate: int | None
+    why: str
+
+
+@dataclass(frozen=True)
+class CycleState:
+    number: int  # the cycle under way; the collector numbers its reports alike
+    phase: Phase
+    since: float  # when the phase began
+    serving: int  # the version production's stable set serves
+    candidate: int | None = None
+    collected: int = 0  # trajectories the collector published for this cycle
+    history: tuple[Finished, ...] = ()
+
+    @classmethod
+    def first(cls, serving: int, now: float) -> CycleState:
+        return cls(number=1, phase=Phase.COLLECTING, since=now, serving=serving)
+
+
+@dataclass(frozen=True)
+class Observed:
+    now: float
+    report: CycleReport | None  # the collector's newest
+    # Of this cycle's trajectories, how many the trainer has trained on or dropped, and
+    # the policy version after the last step that took any of them.
+    taken: int = 0
+    version_after: int | None = None
+    gate: GateVerdict | None = None  # once both versions are evaluated on the suite
+    live: tuple[LiveRewards, LiveRewards] | None = None  # canary, stable
+
+
+class Act(StrEnum):
+    EVALUATE = "evaluate"  # the candidate and the serving version, on the same items
+    SERVE = "serve"  # tell a replica set a version
+    RESET_TRAINER = "reset_trainer"  # back to a version's weights
+
+
+@dataclass(frozen=True)
+class Action:
+    act: Act
+    version: int
+    replica_set: str | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    state: CycleState
+    actions: list[Action] = field(default_factory=list)
+    events: list[tuple[str, str]] = field(default_factory=list)  # (reason, message)
+
+
+def advance(state: CycleState, seen: Observed, canary: CanaryPolicy) -> Step:
+    match state.phase:
+        case Phase.COLLECTING:
+            return _collecting(state, seen)
+        case Phase.TRAINING:
+            return _training(state, seen)
+        case Phase.EVALUATING:
+            return _evaluating(state, seen)
+        case Phase.CANARY:
+            return _canary(state, seen, canary)
+
+
+def _phase(state: CycleState, phase: Phase, now: float, **changes) -> CycleState:
+    return replace(state, phase=phase, since=now, **changes)
+
+
+def _finish(state: CycleState, outcome: Outcome, why: str, now: float, serving: int) -> CycleState:
+    done = Finished(state.number, outcome, state.candidate, why)
+    return CycleState(
+        number=state.number + 1,
+        phase=Phase.COLLECTING,
+        since=now,
+        serving=serving,
+        history=(*state.history, done)[-HISTORY:],
+    )
+
+
+def _collecting(state: CycleState, seen: Observed) -> Step:
+    report = seen.report
+    if report is None or report.cycle != state.number:
+        return Step(state)
+    numbers = (
+        f"cycle {report.cycle}: {report.captured} completions, {report.with_feedback} "
+        f"answered, {report.trained_on} to train on, mean reward {report.reward_mean:+.3f}"
+    )
+    if report.trained_on == 0:
+        why = f"{numbers}: nothing to train on"
+        skipped = _finish(state, Outcome.SKIPPED, why, seen.now, state.serving)
+        return Step(skipped, events=[("CycleSkipped", why)])
+    training = _phase(state, Phase.TRAINING, seen.now, collected=report.trained_on)
+    return Step(training, events=[("CycleCollected", numbers)])
+
+
+def _training(state: CycleState, seen: Observed) -> Step:
+    if seen.taken < state.collected or seen.version_after is None:
+        return Step(state)
+    candidate = seen.version_after
+    evaluating = _phase(state, Phase.EVALUATING, seen.now, candidate=candidate)
+    message = f"cycle {state.number}: candidate version {candidate} against {state.serving}"
+    return Step(
+        evaluating,
+        [Action(Act.EVALUATE, candidate), Action(Act.EVALUATE, state.serving)],
+        [("CandidateTrained", message)],
+    )
+
+
+def _evaluating(state: CycleState, seen: Observed) -> Step:
+    gate, candidate = seen.gate, state.candidate
+    if gate is None or candidate is None:
+        return Step(state)
+    if not gate.passed:
+        why = f"version {candidate}: " + "; ".join(gate.reasons)
+        rejected = _finish(state, Outcome.REJECTED, why, seen.now, state.serving)
+        return Step(
+            rejected, [Action(Act.RESET_TRAINER, state.serving)], [("CandidateRejected", why)]
+        )
+    message = (
+        f"version {candidate} on the canary set: {gate.mean_difference:+.4f} over "
+        f"{gate.items} items, lower bound {gate.lower_bound:+.4f}"
+    )
+    canary = _phase(state, Phase.CANARY, seen.now)
+    return Step(canary, [Action(Act.SERVE, candidate, CANARY)], [("CanaryStarted", message)])
+
+
+def _canary(state: CycleState, seen: Observed, policy: CanaryPolicy) -> Step:
+    candidate = state.candidate
+    if seen.live is None or candidate is None:
+        return Step(state)
+    verdict = judge_canary(*seen.live, seen.now - state.since, policy)
+    if verdict.call == CanaryCall.WAIT:
+        return Step(state)
+    why = f"version {candidate}: {verdict.reason}"
+    if verdict.call == CanaryCall.PROMOTE:
+        promoted = _finish(state, Outcome.PROMOTED, why, seen.now, serving=candidate)
+        return Step(promoted, [Action(Act.SERVE, candidate, STABLE)], [("CheckpointPromoted", why)])
+    rolled_back = _finish(state, Outcome.ROLLED_BACK, why, seen.now, state.serving)
+    return Step(
+        rolled_back,
+        [Action(Act.SERVE, state.serving, CANARY), Action(Act.RESET_TRAINER, state.serving)],
+        [("CanaryRolledBack", why)],
+    )

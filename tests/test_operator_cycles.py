@@ -1,0 +1,140 @@
+"""A production run's cycle as a pure decision: scripted cycles with known outcomes, and
+generated sequences of observations for the invariants every cycle keeps."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlfleet.api.wire import CycleReport
+from rlfleet.operator.cycles import (
+    CANARY,
+    STABLE,
+    Act,
+    Action,
+    CycleState,
+    Observed,
+    Outcome,
+    Phase,
+    advance,
+)
+from rlfleet.operator.promotion import CanaryPolicy, GateVerdict, LiveRewards
+
+POLICY = CanaryPolicy(max_drop=0.05, confidence=0.95, window_s=600, min_samples=20)
+PASSED = GateVerdict(True, 0.01, -0.005, 200, ())
+REFUSED = GateVerdict(False, -0.1, -0.12, 200, ("not shown within 0.02",))
+
+
+def report(cycle: int, trained_on: int) -> CycleReport:
+    return CycleReport(
+        run="live",
+        cycle=cycle,
+        capture_seq=10 * cycle,
+        captured=trained_on + 2,
+        with_feedback=trained_on,
+        trained_on=trained_on,
+        dropped={"no_signal": 2},
+        signals={"accepted": trained_on},
+        late_feedback=0,
+        reward_mean=0.25,
+        served_from=0.0,
+        served_to=1.0,
+        finished_at=1.0,
+    )
+
+
+def live(good: int, bad: int) -> LiveRewards:
+    rewards = LiveRewards()
+    for reward in [1.0] * good + [-1.0] * bad:
+        rewards = rewards.add(reward)
+    return rewards
+
+
+def test_a_cycle_collected_trained_gated_and_canaried_is_promoted():
+    state = CycleState.first(serving=0, now=0)
+    state = advance(state, Observed(1, report(1, 16)), POLICY).state
+    assert (state.phase, state.collected) == (Phase.TRAINING, 16)
+    assert advance(state, Observed(2, None, taken=10, version_after=3), POLICY).state == state
+    step = advance(state, Observed(3, None, taken=16, version_after=4), POLICY)
+    assert step.actions == [Action(Act.EVALUATE, 4), Action(Act.EVALUATE, 0)]
+    step = advance(step.state, Observed(4, None, gate=PASSED), POLICY)
+    assert step.actions == [Action(Act.SERVE, 4, CANARY)]
+    assert step.events[0][0] == "CanaryStarted"
+    canary = step.state
+    even = (live(30, 10), live(300, 100))
+    assert advance(canary, Observed(100, None, live=even), POLICY).state == canary  # window
+    step = advance(canary, Observed(4 + 600, None, live=even), POLICY)
+    assert step.actions == [Action(Act.SERVE, 4, STABLE)]
+    assert (step.state.serving, step.state.number, step.state.phase) == (4, 2, Phase.COLLECTING)
+    assert step.state.history[-1].outcome == Outcome.PROMOTED
+    assert step.events[0][0] == "CheckpointPromoted"
+
+
+def test_a_poisoned_candidate_is_rolled_back_and_the_trainer_sent_back():
+    state = CycleState(2, Phase.CANARY, since=0, serving=4, candidate=7)
+    poisoned = (live(2, 30), live(300, 100))
+    step = advance(state, Observed(60, None, live=poisoned), POLICY)
+    assert step.actions == [Action(Act.SERVE, 4, CANARY), Action(Act.RESET_TRAINER, 4)]
+    assert step.state.serving == 4 and step.state.history[-1].outcome == Outcome.ROLLED_BACK
+    reason, message = step.events[0]
+    assert reason == "CanaryRolledBack" and message.startswith("version 7: worse by more")
+
+
+def test_a_refused_candidate_never_reaches_users():
+    state = CycleState(3, Phase.EVALUATING, since=0, serving=4, candidate=9)
+    step = advance(state, Observed(1, None, gate=REFUSED), POLICY)
+    assert step.actions == [Action(Act.RESET_TRAINER, 4)]
+    assert step.events == [("CandidateRejected", "version 9: not shown within 0.02")]
+    assert step.state.history[-1].outcome == Outcome.REJECTED
+
+
+def test_a_cycle_with_nothing_to_train_on_is_skipped():
+    step = advance(CycleState.first(0, 0), Observed(1, report(1, 0)), POLICY)
+    assert step.state.number == 2 and step.state.history[-1].outcome == Outcome.SKIPPED
+    assert step.events[0][0] == "CycleSkipped"
+
+
+@st.composite
+def observation(draw, state: CycleState, now: float) -> Observed:
+    cycle = state.number if draw(st.booleans()) else draw(st.integers(1, 9))
+    return Observed(
+        now=now,
+        report=draw(st.none() | st.builds(report, st.just(cycle), st.integers(0, 5))),
+        taken=draw(st.integers(0, 6)),
+        version_after=draw(st.none() | st.integers(0, 50)),
+        gate=draw(st.sampled_from([None, PASSED, REFUSED])),
+        live=draw(
+            st.none()
+            | st.tuples(
+                st.builds(live, st.integers(0, 40), st.integers(0, 40)),
+                st.builds(live, st.integers(0, 400), st.integers(0, 400)),
+            )
+        ),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), st.integers(1, 40))
+def test_every_cycle_ends_once_and_only_a_judged_candidate_is_served(data, steps):
+    state, now = CycleState.first(serving=0, now=0), 0.0
+    passed: set[int] = set()  # candidates whose gate passed
+    for _ in range(steps):
+        now += data.draw(st.floats(0, 400))
+        seen = data.draw(observation(state, now))
+        step = advance(state, seen, POLICY)
+        if state.phase == Phase.EVALUATING and seen.gate is not None and seen.gate.passed:
+            passed.add(state.candidate)
+        for action in step.actions:
+            if action.act == Act.SERVE:  # a candidate that passed, or the serving version
+                assert action.version in passed or action.version == state.serving
+            if action.act == Act.RESET_TRAINER:
+                assert action.version == state.serving
+        new = step.state
+        if new.number != state.number:  # the cycle ended, in one outcome and one event
+            assert new.number == state.number + 1 and new.phase == Phase.COLLECTING
+            assert len(step.events) == 1 and new.history[-1].number == state.number
+            if new.serving != state.serving:
+                assert new.history[-1].outcome == Outcome.PROMOTED and new.serving in passed
+        else:
+            assert new.serving == state.serving and new.history == state.history
+        state = new
