@@ -8,13 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlfleet.api.wire import AnswerStats, EvaluationReport
 from rlfleet.operator.promotion import (
-    Behaviour,
     CanaryCall,
     CanaryPolicy,
     GatePolicy,
     LiveRewards,
     gate,
+    gate_reports,
     judge_canary,
 )
 
@@ -25,7 +26,7 @@ POLICY = GatePolicy(
     length_ratio=(0.5, 2.0),
     max_malformed_tool_calls=0.1,
 )
-SAME = Behaviour(answers=100, empty=1, tokens=3000, tool_calls=50, malformed_tool_calls=1)
+SAME = AnswerStats(answers=100, empty=1, tokens=3000, tool_calls=50, malformed_tool_calls=1)
 CANARY = CanaryPolicy(max_drop=0.05, confidence=0.95, window_s=600, min_samples=50)
 
 
@@ -55,7 +56,7 @@ def test_too_few_items_to_show_anything_reject():
 
 
 def test_a_model_that_stops_answering_is_rejected_however_it_scores():
-    silent = Behaviour(answers=100, empty=40, tokens=600, tool_calls=50, malformed_tool_calls=1)
+    silent = AnswerStats(answers=100, empty=40, tokens=600, tool_calls=50, malformed_tool_calls=1)
     verdict = gate(scores(0.9), scores(0.6), silent, SAME, POLICY)
     assert not verdict.passed
     assert any("empty 40.0% of the time against 1.0%" in r for r in verdict.reasons)
@@ -63,7 +64,7 @@ def test_a_model_that_stops_answering_is_rejected_however_it_scores():
 
 
 def test_malformed_tool_calls_beyond_the_bound_reject():
-    sloppy = Behaviour(answers=100, empty=1, tokens=3000, tool_calls=50, malformed_tool_calls=10)
+    sloppy = AnswerStats(answers=100, empty=1, tokens=3000, tool_calls=50, malformed_tool_calls=10)
     verdict = gate(scores(0.6), scores(0.6), sloppy, SAME, POLICY)
     assert verdict.reasons == ("20.0% of its tool calls are malformed against 2.0%",)
 
@@ -141,3 +142,21 @@ def test_a_promoted_canary_fell_within_the_bound_and_a_better_one_is_never_calle
 def test_gate_refuses_unpaired_scores():
     with pytest.raises(ValueError, match="3 candidate scores for 2 items"):
         gate([0.1, 0.2, 0.3], [0.1, 0.2], SAME, SAME, POLICY)
+
+
+def report(version: int, task_rewards: dict[str, float], answers=SAME) -> EvaluationReport:
+    return EvaluationReport(
+        run="live", suite="toy", policy_version=version, reward=0.5, pass_at_k=0.5,
+        attempts=8, tasks=len(task_rewards), finished_at=1.0, task_rewards=task_rewards,
+        answers=answers,
+    )  # fmt: skip
+
+
+def test_reports_are_gated_item_by_item_on_the_tasks_both_answered():
+    serving = report(4, {f"t{i}": s for i, s in enumerate(scores(0.6))})
+    candidate = report(5, {f"t{i}": s - 0.1 for i, s in enumerate(scores(0.6))} | {"new": 1.0})
+    verdict = gate_reports(candidate, serving, POLICY)
+    assert verdict.items == 200 and not verdict.passed
+    assert gate_reports(serving, serving, POLICY).passed
+    with pytest.raises(ValueError, match="without answer statistics"):
+        gate_reports(report(5, {}, answers=None), serving, POLICY)

@@ -122,6 +122,12 @@ def test_a_restarted_evaluator_goes_on_from_its_last_report(
         (report,) = [r for r in asyncio.run(_reports(hub, run)) if r.policy_version == 2]
         assert (report.run, report.suite, report.tasks, report.attempts) == (run, str(suite), 3, 2)
         assert 0.0 <= report.reward <= report.pass_at_k <= 1.0
+        # Each task's score and how the version answered, for a gate to pair with another.
+        assert len(report.task_rewards) == 3
+        assert sum(report.task_rewards.values()) / 3 == pytest.approx(report.reward, abs=1e-4)
+        answers = report.answers
+        assert answers is not None and answers.answers == 6
+        assert 6 <= answers.tokens <= 6 * 24 and answers.empty <= 6
         assert msgspec.json.decode(msgspec.json.encode(report), type=EvaluationReport) == report
     finally:
         supervisor.stop_all()

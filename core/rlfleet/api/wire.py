@@ -285,6 +285,33 @@ class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
     outcomes: list[GroupOutcome] = []
 
 
+class AnswerStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How a version answered a suite, apart from how well: what a production gate's drift
+    bounds compare between a candidate and the serving version."""
+
+    answers: Count
+    empty: Count  # answers with no text but whitespace
+    tokens: Count  # generated, over all answers
+    tool_calls: Count = 0
+    malformed_tool_calls: Count = 0
+
+    def __post_init__(self) -> None:
+        if self.empty > self.answers or self.malformed_tool_calls > self.tool_calls:
+            raise ValueError("more empty answers or malformed calls than there were")
+
+    @property
+    def empty_rate(self) -> float:
+        return self.empty / self.answers if self.answers else 0.0
+
+    @property
+    def mean_tokens(self) -> float:
+        return self.tokens / self.answers if self.answers else 0.0
+
+    @property
+    def malformed_rate(self) -> float:
+        return self.malformed_tool_calls / self.tool_calls if self.tool_calls else 0.0
+
+
 class EvaluationReport(WireMessage, tag="rlfleet.io/evaluation/v1"):
     """A policy version's score on the run's evaluation suite (`spec.evaluation`), as the
     run's evaluator announces it; the hub operator holds the run to the gate's floor."""
@@ -297,9 +324,14 @@ class EvaluationReport(WireMessage, tag="rlfleet.io/evaluation/v1"):
     attempts: Annotated[int, msgspec.Meta(ge=1)]  # per task: the k of pass@k
     tasks: Count
     finished_at: float
+    # Each task's mean reward by task id, so two versions compare item by item, and how
+    # the version answered (absent from reports written before either existed).
+    task_rewards: dict[str, float] = {}
+    answers: AnswerStats | None = None
 
     def __post_init__(self) -> None:
         _finite("reward and finished_at", self.reward, self.finished_at)
+        _finite("task_rewards", *self.task_rewards.values())
 
 
 def decode_evaluation_report(data: bytes) -> EvaluationReport:

@@ -39,6 +39,8 @@ from statistics import NormalDist
 
 import numpy as np
 
+from rlfleet.api.wire import AnswerStats, EvaluationReport
+
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0  # the same scores give the same verdict, on every operator replica
 
@@ -50,29 +52,6 @@ class GatePolicy:
     max_empty_increase: float  # in share of answers
     length_ratio: tuple[float, float]  # candidate mean length / serving mean length
     max_malformed_tool_calls: float  # share of the candidate's tool calls
-
-
-@dataclass(frozen=True)
-class Behaviour:
-    """How a version answered the eval items, apart from how well."""
-
-    answers: int
-    empty: int  # answers with no content (or only whitespace)
-    tokens: int  # generated, over all answers
-    tool_calls: int
-    malformed_tool_calls: int
-
-    @property
-    def empty_rate(self) -> float:
-        return self.empty / self.answers if self.answers else 0.0
-
-    @property
-    def mean_tokens(self) -> float:
-        return self.tokens / self.answers if self.answers else 0.0
-
-    @property
-    def malformed_rate(self) -> float:
-        return self.malformed_tool_calls / self.tool_calls if self.tool_calls else 0.0
 
 
 @dataclass(frozen=True)
@@ -96,8 +75,8 @@ def paired_lower_bound(differences: np.ndarray, confidence: float) -> float:
 def gate(
     candidate: list[float],
     serving: list[float],
-    candidate_behaviour: Behaviour,
-    serving_behaviour: Behaviour,
+    candidate_answers: AnswerStats,
+    serving_answers: AnswerStats,
     policy: GatePolicy,
 ) -> GateVerdict:
     """The candidate's scores and the serving checkpoint's on the same items, in order."""
@@ -113,11 +92,29 @@ def gate(
             f"difference {mean:+.4f} over {len(differences)} items, "
             f"{policy.confidence:.0%} lower bound {lower:+.4f}"
         )
-    reasons += _drift(candidate_behaviour, serving_behaviour, policy)
+    reasons += _drift(candidate_answers, serving_answers, policy)
     return GateVerdict(not reasons, mean, lower, len(differences), tuple(reasons))
 
 
-def _drift(candidate: Behaviour, serving: Behaviour, policy: GatePolicy) -> list[str]:
+def gate_reports(
+    candidate: EvaluationReport, serving: EvaluationReport, policy: GatePolicy
+) -> GateVerdict:
+    """The gate on two evaluator reports of one suite, paired by task id."""
+    if candidate.answers is None or serving.answers is None:
+        raise ValueError("a report without answer statistics cannot be gated")
+    if candidate.suite != serving.suite:
+        raise ValueError(f"reports of suites {candidate.suite} and {serving.suite}")
+    shared = sorted(candidate.task_rewards.keys() & serving.task_rewards.keys())
+    return gate(
+        [candidate.task_rewards[task] for task in shared],
+        [serving.task_rewards[task] for task in shared],
+        candidate.answers,
+        serving.answers,
+        policy,
+    )
+
+
+def _drift(candidate: AnswerStats, serving: AnswerStats, policy: GatePolicy) -> list[str]:
     reasons = []
     if candidate.empty_rate - serving.empty_rate > policy.max_empty_increase:
         reasons.append(

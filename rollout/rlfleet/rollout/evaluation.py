@@ -23,11 +23,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import msgspec
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlfleet.api.wire import Task
+from rlfleet.api.wire import AnswerStats, Task
 from rlfleet.bus import auth
 from rlfleet.rollout.rewards import matches
 from rlfleet.rollout.session import END_TURN, window_text
@@ -43,10 +44,13 @@ class Evaluation:
     mixed_groups: float
     attempts: int  # per task: the k of pass@k
     tasks: int
+    task_rewards: dict[str, float]  # each task's share of right attempts, by id
+    answers: AnswerStats
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        record = asdict(self) | {"answers": msgspec.to_builtins(self.answers)}
+        path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def evaluable(tasks: list[Task]) -> bool:
@@ -74,7 +78,7 @@ def evaluate(
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     end = tokenizer.convert_tokens_to_ids(END_TURN)
     torch.manual_seed(seed)
-    right_per_task = []
+    right_per_task, empty, generated = [], 0, 0
     for task in tasks:
         prompt = window_text(task.prompt, tools=False)
         ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
@@ -89,9 +93,13 @@ def evaluate(
                 eos_token_id=end,
                 pad_token_id=end,
             )
-        texts = tokenizer.batch_decode(out[:, ids.shape[1] :])
+        answers = [t.split(END_TURN)[0] for t in tokenizer.batch_decode(out[:, ids.shape[1] :])]
         assert task.answer is not None
-        right_per_task.append(sum(matches(t.split(END_TURN)[0], task.answer) for t in texts))
+        right_per_task.append(sum(matches(answer, task.answer) for answer in answers))
+        empty += sum(not answer.strip() for answer in answers)
+        # Tokens up to and with the end of the turn (padding after it is the same token).
+        ended = out[:, ids.shape[1] :] == end
+        generated += int(torch.where(ended.any(1), ended.int().argmax(1) + 1, ended.shape[1]).sum())
     count = len(tasks)
     return Evaluation(
         version=version,
@@ -100,6 +108,10 @@ def evaluate(
         mixed_groups=round(sum(0 < r < attempts for r in right_per_task) / count, 4),
         attempts=attempts,
         tasks=count,
+        task_rewards={
+            task.id: right / attempts for task, right in zip(tasks, right_per_task, strict=True)
+        },
+        answers=AnswerStats(answers=attempts * count, empty=empty, tokens=generated),
     )
 
 

@@ -88,6 +88,8 @@ async def run_evaluator(config: EvaluatorConfig, stop: asyncio.Event) -> None:
                     attempts=found.attempts,
                     tasks=found.tasks,
                     finished_at=time.time(),
+                    task_rewards=found.task_rewards,
+                    answers=found.answers,
                 )
                 await js.publish(evaluation_subject(config.run), encode(report))
                 log.info(
