@@ -24,6 +24,7 @@ import msgspec
 import pytest
 from conftest import scrape, wait_for
 from nats.js.errors import NotFoundError
+from prometheus_client import REGISTRY
 from tcp_gate import TcpGate
 
 from rlfleet.api.wire import (
@@ -41,11 +42,13 @@ from rlfleet.api.wire import (
     feedback_subject,
     serving_subject,
 )
+from rlfleet.bus.auth import CREDENTIALS_ENV
 from rlfleet.bus.streams import ensure_run_streams
 from rlfleet.launch.settings import ServingConfig, to_json
 from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.local.processes import free_port
 from rlfleet.models.tiny import init_model, read_weights, train_step
+from rlfleet.rollout.capture import Bus, Captures
 from rlfleet.rollout.serving import MIDDLEWARE, vllm_arguments
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 
@@ -204,6 +207,8 @@ def test_feedback_gets_an_answer_for_each_kind_of_request(pool: Pool):
     status, body = pool.post("/v1/feedback", {"response_id": served, "kind": "accepted"})
     assert status == 400 and "event_id" in body["error"]
     assert pool.post("/v1/feedback", b"{not json")[0] == 400
+    huge = {"response_id": served, "event_id": "e-2", "kind": "edited", "text": "x" * 60_000}
+    assert pool.post("/v1/feedback", huge)[0] == 413
     status, body = pool.feedback(served, kind="edited")
     assert status == 400 and "final text" in body["error"]
     event = {"response_id": served, "event_id": "e-1", "kind": "accepted"}
@@ -368,3 +373,54 @@ def test_the_launcher_keeps_the_arguments_capture_depends_on():
     assert "--weight-transfer-config" in vllm_arguments(following, [])
     with pytest.raises(ValueError, match="--logprobs-mode is rlfleet's"):
         vllm_arguments(plain, ["--logprobs-mode=raw_logprobs"])
+
+
+def test_a_capture_too_large_for_a_message_is_dropped_counted_and_the_next_stored(
+    nats_servers: StandaloneNats, tmp_path, monkeypatch: pytest.MonkeyPatch
+):
+    run = "capture-" + uuid.uuid4().hex[:6]
+    (tmp_path / "serving.creds").write_text(nats_servers.bed.run_user(run, BusRole.SERVING))
+    monkeypatch.setenv(CREDENTIALS_ENV, str(tmp_path / "serving.creds"))
+    config = ServingConfig(run=run, nats_url=nats_servers.bed.hub.url)
+
+    def completion(response_id: str, tokens: int) -> CapturedCompletion:
+        segment = Segment(
+            tokens=[7] * (tokens + 1),
+            prompt_len=1,
+            generated=[1] * tokens,
+            logprobs=[-0.123456789] * tokens,
+            versions=[0] * tokens,
+        )
+        return CapturedCompletion(run, response_id, "", segment, "", "length", time.time())
+
+    def too_large() -> float:
+        sample = {"outcome": "dropped_too_large"}
+        return REGISTRY.get_sample_value("rlfleet_serving_captures_total", sample) or 0.0
+
+    async def scenario() -> None:
+        admin = await nats_servers.bed.hub.connect()
+        await ensure_run_streams(admin, run, None)
+        bus = Bus(config)
+        await bus.keep_connected()
+        captures = Captures(bus, 4)
+        storing = asyncio.create_task(captures.store_forever())
+        before = too_large()
+        captures.offer(completion("long", 100_000))  # ~1.4 MB: more than a NATS message
+        captures.offer(completion("short", 10))
+        js = admin.jetstream()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                await js.get_last_msg(capture_stream(run), capture_subject(run, "short"))
+                break
+            except NotFoundError:
+                assert time.monotonic() < deadline, "the capture after it was never stored"
+                await asyncio.sleep(0.1)
+        assert too_large() == before + 1
+        with pytest.raises(NotFoundError):
+            await js.get_last_msg(capture_stream(run), capture_subject(run, "long"))
+        storing.cancel()
+        await bus.nc.close()
+        await admin.close()
+
+    asyncio.run(scenario())

@@ -59,7 +59,9 @@ CYCLES_KEPT = 1_000  # a production run's cycles, a few a day: months of them
 PRODUCTION_KEPT_S = 7 * 24 * 3600.0
 CAPTURES_KEPT = 1_000_000
 FEEDBACK_KEPT = 4_000_000
-MAX_CAPTURE_BYTES = 4 << 20  # one completion's tokens, log-probs and versions
+# One completion's tokens, log-probs and versions, in one message: a NATS server's default
+# max_payload. A longer one (some 70k tokens) is dropped by the server that made it.
+MAX_CAPTURE_BYTES = 1 << 20
 # How long a component waits for a stream its run's owner has not made yet: the hub
 # operator starts a run's pods and makes its streams in the same reconcile.
 BIND_WAIT_S = 30.0

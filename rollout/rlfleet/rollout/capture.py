@@ -14,7 +14,6 @@ buffer drops the newest capture and counts it; the request it came from is serve
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from enum import StrEnum
@@ -22,6 +21,7 @@ from typing import Any
 
 import msgspec
 import nats.errors
+import nats.js.errors
 from prometheus_client import Counter, Gauge
 
 from rlfleet.api.wire import (
@@ -43,7 +43,7 @@ MIN_LOGPROB = -1e4  # for -inf: the wire holds log-probs finite
 captured = Counter(
     "rlfleet_serving_captures_total",
     "Completions captured, by what became of them",
-    ["outcome"],  # stored; dropped_buffer_full
+    ["outcome"],  # stored; dropped_buffer_full; dropped_too_large; dropped_refused
 )
 skipped = Counter(
     "rlfleet_serving_capture_skipped_total",
@@ -174,21 +174,28 @@ class Captures:
             capture = await self.queue.get()
             data = encode_captured(capture)
             subject = capture_subject(capture.run, capture.response_id)
-            while not await self._store(subject, data):
+            while (outcome := await self._store(subject, data)) is None:
                 log.debug("capture of %s waits for NATS", capture.response_id)
                 await asyncio.sleep(0.5)
-            captured.labels("stored").inc()
+            captured.labels(outcome).inc()
             buffered.set(self.queue.qsize())
 
-    async def _store(self, subject: str, data: bytes) -> bool:
+    async def _store(self, subject: str, data: bytes) -> str | None:
+        """What became of one capture; None: NATS is away, try again."""
         js = self.bus.jetstream()
         if js is None:
-            return False
-        # A retry after a lost ack stores it again: the id dedupes within the window.
-        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            return None
+        try:
+            # A retry after a lost ack stores it again: the id dedupes within the window.
             await js.publish(subject, data, timeout=5, headers={"Nats-Msg-Id": subject})
-            return True
-        return False
+        except nats.errors.MaxPayloadError:
+            return "dropped_too_large"  # no retry makes it fit
+        except nats.js.errors.APIError as error:  # the stream said no: it would again
+            log.warning("capture on %s refused by its stream: %s", subject, error)
+            return "dropped_refused"
+        except (nats.errors.Error, TimeoutError):
+            return None
+        return "stored"
 
 
 def decode_request(body: bytes) -> dict[str, Any] | None:

@@ -4,8 +4,9 @@ Each answer says what happened: 200 once the event is stored in the run's feedba
 stream (or was already: the stream keeps one message per response and event id, so a
 client's retry is recorded once however late it comes), 400 naming what is wrong with
 the body, 401 without the pool's API key, 404 for a response this pool did not
-capture, 503 while the stream cannot be reached (nothing is stored; retry). Feedback
-after the pool's window is stored too, marked and counted as late.
+capture, 413 for a body over `MAX_BODY_BYTES`, 503 while the stream cannot be reached
+(nothing is stored; retry). Feedback after the pool's window is stored too, marked and
+counted as late.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ answered = Counter(
 
 # JetStream's answer to a second message on a subject that keeps one and refuses more.
 _SUBJECT_FULL = 10077
+
+
+# A feedback body longer than this is refused unread (an edit's text is most of it).
+MAX_BODY_BYTES = 48 << 10
 
 
 class FeedbackRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -103,9 +108,13 @@ class FeedbackDesk:
         given = authorization.removeprefix(b"Bearer ")
         return any(hmac.compare_digest(given, key) for key in self.api_keys)
 
-    async def answer(self, body: bytes, authorization: bytes) -> Answer:
+    async def answer(self, body: bytes | None, authorization: bytes) -> Answer:
+        """The answer to one request; `body` None: it was longer than `MAX_BODY_BYTES`."""
         if not self.authorized(authorization):
             return Answer.refuse(401, "unauthorized", "a valid API key is required")
+        if body is None:
+            error = f"feedback bodies are at most {MAX_BODY_BYTES} bytes"
+            return Answer.refuse(413, "malformed", error)
         try:
             request = msgspec.json.decode(body, type=FeedbackRequest)
         except msgspec.DecodeError as error:  # ValidationError names the field

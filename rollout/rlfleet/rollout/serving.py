@@ -29,7 +29,7 @@ import msgspec
 from rlfleet.launch.settings import ServingConfig, from_json
 from rlfleet.rollout import capture
 from rlfleet.rollout.capture import Asked, Bus, Captures, Skip
-from rlfleet.rollout.feedback import FeedbackDesk, Served
+from rlfleet.rollout.feedback import MAX_BODY_BYTES, FeedbackDesk, Served
 from rlfleet.rollout.serving_versions import VersionFollower
 from rlfleet.weightsync import vllm_options
 
@@ -40,13 +40,17 @@ MIDDLEWARE = "rlfleet.rollout.serving.CaptureMiddleware"  # as vLLM imports it, 
 COMPLETIONS, FEEDBACK = "/v1/chat/completions", "/v1/feedback"
 
 
-async def _read_body(receive) -> bytes:
-    chunks = []
+async def _read_body(receive, limit: int | None = None) -> bytes | None:
+    """The request's body; None once it passes `limit` bytes (the rest is not kept)."""
+    chunks, size = [], 0
     while True:
         message = await receive()
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is None or size <= limit:
+            chunks.append(chunk)
         if not message.get("more_body"):
-            return b"".join(chunks)
+            return b"".join(chunks) if limit is None or size <= limit else None
 
 
 def _replay(body: bytes):
@@ -99,9 +103,8 @@ class CaptureMiddleware:
             return await self.app(scope, receive, send)
         if scope["path"] == FEEDBACK:
             headers = dict(scope["headers"])
-            answer = await self.desk.answer(
-                await _read_body(receive), headers.get(b"authorization", b"")
-            )
+            body = await _read_body(receive, MAX_BODY_BYTES)
+            answer = await self.desk.answer(body, headers.get(b"authorization", b""))
             body, json = msgspec.json.encode(answer.body), (b"content-type", b"application/json")
             return await _respond(send, answer.status, body, [json])
         if scope["path"] == COMPLETIONS:
