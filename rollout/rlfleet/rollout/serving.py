@@ -53,17 +53,19 @@ async def _read_body(receive, limit: int | None = None) -> bytes | None:
             return b"".join(chunks) if limit is None or size <= limit else None
 
 
-def _replay(body: bytes):
+def _replay(body: bytes, receive):
+    """`receive` for the app: the body read already, then the client's own messages (the
+    app reads past the body only to learn of a disconnect, and abort the request)."""
     sent = False
 
-    async def receive():
+    async def replayed():
         nonlocal sent
-        if sent:  # the app reads past the body only to wait for a disconnect
-            await asyncio.Event().wait()
+        if sent:
+            return await receive()
         sent = True
         return {"type": "http.request", "body": body, "more_body": False}
 
-    return receive
+    return replayed
 
 
 async def _respond(send, status: int, body: bytes, headers: list) -> None:
@@ -130,7 +132,7 @@ class CaptureMiddleware:
         admitted = self._admit(scope, body)
         if isinstance(admitted, Skip):
             capture.skipped.labels(admitted).inc()
-            return await self.app(scope, _replay(body), send)
+            return await self.app(scope, _replay(body, receive), send)
         request, asked, user = admitted
         engine = scope["app"].state.engine_client
         before = await engine.get_weight_version()
@@ -143,7 +145,7 @@ class CaptureMiddleware:
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
 
-        await self.app(scope, _replay(msgspec.json.encode(request)), hold)
+        await self.app(scope, _replay(msgspec.json.encode(request), receive), hold)
         answer, after = b"".join(chunks), await engine.get_weight_version()
         if start.get("status") != 200:
             capture.skipped.labels(Skip.FAILED).inc()
