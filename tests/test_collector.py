@@ -185,3 +185,29 @@ def test_the_collector_runs_as_its_own_process_until_signalled(nats_servers, tmp
         [*command[:-1], str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 1 and "nats_url" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_cycle_full_of_silence_closes_so_the_collector_goes_on(nats_servers, tmp_path):
+    run = "collect-" + uuid.uuid4().hex[:6]
+    config = CollectorConfig(
+        run=run,
+        nats_url=nats_servers.bed.hub.url,
+        rewards=SignalRewards(window_s=WINDOW_S),
+        interval_s=0,
+        min_samples=5,
+        max_samples=3,
+        settle_s=0,
+    )
+    silent = [_capture(run, f"s{i}", "ada", time.time() - 100) for i in range(4)]
+
+    async def scenario():
+        admin = await nats_servers.bed.hub.connect()
+        await ensure_run_streams(admin, run, None)
+        await _store(admin, silent, [])
+        collector, js = Collector(config), admin.jetstream()
+        first = await collector.cycle(js, None, time.time())
+        assert (first.captured, first.trained_on, first.dropped) == (3, 0, {"no_signal": 3})
+        assert await collector.cycle(js, first, time.time()) is None  # one left, unanswered
+        await admin.close()
+
+    asyncio.run(scenario())

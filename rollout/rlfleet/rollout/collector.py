@@ -8,7 +8,8 @@ completion is decided in exactly one cycle. A completion is taken once its feedb
 window has closed (and `settle_s` more, for events still in flight); reading stops at
 the first that is not ready, so none is skipped. Its events are read from the feedback
 stream by subject. A cycle closes when `interval_s` has passed since the last one and
-at least `min_samples` of the completions it would take were answered; its
+at least `min_samples` of the completions it would take were answered (or it holds
+`max_samples`, answered or not, so silence cannot stall the collector); its
 trajectories are published (a retry after a crash is deduplicated by id within the
 stream's window), then its report.
 """
@@ -94,7 +95,8 @@ class Collector:
         captures, seq = await self._ready_captures(js, last.capture_seq if last else 0, now)
         feedback = {c.response_id: await self._events(js, c.response_id) for c in captures}
         answered = sum(any(not e.late for e in events) for events in feedback.values())
-        if answered < self.config.min_samples:
+        # A cycle full of completions nobody answered closes anyway, so the next is read.
+        if answered < self.config.min_samples and len(captures) < self.config.max_samples:
             return None
         number = (last.cycle if last else 0) + 1
         samples = score_cycle(captures, feedback, self.config.rewards)
