@@ -47,10 +47,13 @@ class Evaluation:
     task_rewards: dict[str, float]  # each task's share of right attempts, by id
     answers: AnswerStats
 
+    def record(self) -> dict:
+        """As JSON takes it."""
+        return asdict(self) | {"answers": msgspec.to_builtins(self.answers)}
+
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        record = asdict(self) | {"answers": msgspec.to_builtins(self.answers)}
-        path.write_text(json.dumps(record, indent=2) + "\n")
+        path.write_text(json.dumps(self.record(), indent=2) + "\n")
 
 
 def evaluable(tasks: list[Task]) -> bool:
@@ -164,7 +167,7 @@ def main() -> None:
         weights, version = state.tensors, state.version
     found = evaluate(args.model, tasks, weights, version=version, attempts=args.attempts)
     found.write(args.out)
-    print(json.dumps(asdict(found)))
+    print(json.dumps(found.record()))
 
 
 if __name__ == "__main__":
