@@ -162,6 +162,14 @@ def envpool_token_secret(run: str) -> str:
     return f"{run}-envpool"
 
 
+# The users whose Secrets the hub operator writes for a run: its components' in the hub
+# (and the observer's, for people and tools: `kubectl get secret <run>-nats-observer`),
+# the rollout workers' in each region. A production pool's servers and collector get
+# theirs once the operator runs production cycles.
+HUB_ROLES = (BusRole.TRAINER, BusRole.FEED, BusRole.EVALUATOR, BusRole.OBSERVER)
+POD_ROLES = (*HUB_ROLES, BusRole.ROLLOUT)
+
+
 def nats_credentials_secret(run: str, role: BusRole) -> str:
     """The Secret with the NATS user of one of the run's components, in the cluster its
     pods run in: the rollout workers' in each region, the others' in the hub."""

@@ -276,7 +276,7 @@ class OperatedPlane:
         fleet.start_all()
         self.apply(HUB, self.document)
         console.print(f"applied RLRun {self.name}; waiting for the hub to mint its NATS users")
-        for role in BusRole:
+        for role in pods.POD_ROLES:
             write_secret(self.layout.credentials(role), self._minted_user(role))
         self.binding = Binding(self.runner)
 

@@ -19,6 +19,7 @@ import nats
 import nats.errors
 import nats.js.errors
 
+from rlfleet import launch
 from rlfleet.api.wire import (
     BusRole,
     EvaluationReport,
@@ -104,7 +105,8 @@ class DataPlane:
             )
         account = auth.account_of(login.credentials)
         return {
-            role: auth.mint_run_user(login.signing_seed, account, run, role) for role in BusRole
+            role: auth.mint_run_user(login.signing_seed, account, run, role)
+            for role in launch.POD_ROLES
         }
 
     def ensure_streams(self, run: str, regions: list[str]) -> list[str]:

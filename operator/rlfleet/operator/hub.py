@@ -43,10 +43,6 @@ from rlfleet.operator.workloads import (
 
 log = logging.getLogger(__name__)
 
-# Users whose Secrets live in the hub: its components', and the observer's for people and
-# tools (`kubectl get secret <run>-nats-observer`). Rollout workers' live in the regions.
-HUB_ROLES = (BusRole.TRAINER, BusRole.FEED, BusRole.EVALUATOR, BusRole.OBSERVER)
-
 
 def _mirror_ref(run: dict) -> Ref:
     meta = run["metadata"]
@@ -87,7 +83,7 @@ class Hub:
                 log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
                 return None
         users = self._users[meta["uid"]]
-        for role in HUB_ROLES:
+        for role in launch.HUB_ROLES:
             self._place_user(self.local, run, self.config.cluster, role, users, owned=True)
         return users
 
