@@ -413,7 +413,7 @@ class CycleReport(WireMessage, tag="rlfleet.io/production-cycle/v1"):
     with_feedback: Count  # of those, answered within the window
     trained_on: Count  # trajectories published for the trainer
     dropped: dict[str, Count]  # by reason (`rlfleet.rollout.signals.Dropped`)
-    signals: dict[str, Count]  # on-time feedback events by kind
+    signals: dict[str, Count]  # the trained-on completions' on-time signals, by kind
     late_feedback: Count
     reward_mean: float  # over the trajectories
     served_from: float  # the first and last completion it took were served then
