@@ -23,6 +23,7 @@ import math
 import sys
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -154,13 +155,8 @@ class Collector:
         first that has not (or `max_samples`); and the last sequence taken."""
         run, ready = self.config.run, now - self.config.rewards.window_s - self.config.settle_s
         captures, seq = [], after
-        while len(captures) < self.config.max_samples:
-            try:
-                message = await js.get_msg(
-                    capture_stream(run), seq=seq + 1, subject=capture_subject(run),
-                    next=True, direct=True,
-                )  # fmt: skip
-            except NotFoundError:
+        async for message in _messages(js, capture_stream(run), capture_subject(run), after):
+            if len(captures) >= self.config.max_samples:
                 break
             try:
                 capture = decode_captured(message.data)
@@ -177,16 +173,9 @@ class Collector:
         return captures, seq
 
     async def _events(self, js, response_id: str) -> list[Feedback]:
-        run, events, seq = self.config.run, [], 0
+        run, events = self.config.run, []
         subject = feedback_subject(run, response_id)
-        while True:
-            try:
-                message = await js.get_msg(
-                    feedback_stream(run), seq=seq + 1, subject=subject, next=True, direct=True
-                )
-            except NotFoundError:
-                return events
-            seq = message.seq
+        async for message in _messages(js, feedback_stream(run), subject, 0):
             try:
                 event = decode_feedback(message.data)
             except msgspec.DecodeError:
@@ -196,6 +185,20 @@ class Collector:
                 events.append(event)
             else:
                 malformed.inc()
+        return events
+
+
+async def _messages(js, stream: str, subject: str, after: int) -> AsyncIterator:
+    """The stream's messages on `subject` after sequence `after`, in order, one direct get
+    each (the server finds the next by its subject index)."""
+    seq = after
+    while True:
+        try:
+            message = await js.get_msg(stream, seq=seq + 1, subject=subject, next=True, direct=True)
+        except NotFoundError:
+            return
+        seq = message.seq
+        yield message
 
 
 def main() -> None:
