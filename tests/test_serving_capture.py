@@ -311,6 +311,8 @@ def test_a_set_told_a_version_serves_it_in_place_and_back_and_no_request_fails(
     for client in clients:
         client.start()
     try:
+        # Some traffic is served by version 0 first: the switch comes while it flows.
+        wait_for("traffic before the switch", lambda: len(served) >= 3, timeout=60)
         target = ServingTarget(pool.run, "stable", 1, time.time())
         asyncio.run(publish((serving_subject(pool.run, "stable"), encode(target))))
         wait_for(
@@ -345,11 +347,11 @@ def test_a_set_told_a_version_serves_it_in_place_and_back_and_no_request_fails(
 
 def _serves(pool: Pool, version: int, digest: str) -> bool:
     """Whether the server says it serves `version` with exactly that state digest."""
-    samples = scrape(f"{pool.url}/metrics")
+    prefix = "rlfleet_serving_weights_info{"
     label = {f'version="{version}"', f'digest="{digest}"'}
     return any(
-        name.startswith("rlfleet_serving_weights_info{") and label <= set(name[29:-1].split(","))
-        for name, value in samples.items()
+        name.startswith(prefix) and label <= set(name[len(prefix) : -1].split(","))
+        for name, value in scrape(f"{pool.url}/metrics").items()
         if value == 1
     )
 
