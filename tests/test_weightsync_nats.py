@@ -335,3 +335,31 @@ def test_a_receiver_held_below_its_version_goes_back_to_it_exactly(
                 await following
 
     asyncio.run(scenario())
+
+
+def test_a_pinned_version_outlives_retention_with_the_snapshot_it_needs(
+    nats_servers: StandaloneNats,
+) -> None:
+    """A production pool's serving version stays on the stream however many snapshots
+    come after it: a set rolled back to it, or an evaluator asked for it, rebuilds it."""
+    run, versions = _run_name(), _versions(8)  # snapshots at 0, 3 and 6; one kept
+
+    async def scenario() -> None:
+        async with _connected(nats_servers.bed.hub) as (hub,):
+            await ensure_run_streams(hub, run, HUB_DOMAIN)
+            publisher = Publisher(WeightStream(hub, run, CONFIG), CONFIG)
+            publisher.pinned = 1
+            for version, tensors in enumerate(versions):
+                await publisher.publish(tensors, version)
+            receiver = Receiver(WeightStream(hub, run, CONFIG))
+            receiver.ceiling = 1
+            assert await receiver.sync() == 1
+            assert receiver.state.digest() == _digest(versions[1])
+            # Once nothing is pinned, retention takes it at the next snapshot.
+            publisher.pinned = None
+            await publisher.publish(_versions(10)[9], 9)
+            late = Receiver(WeightStream(hub, run, CONFIG))
+            late.ceiling = 1
+            assert await late.sync() is None
+
+    asyncio.run(scenario())

@@ -5,7 +5,10 @@ as a full snapshot, for receivers that join late, fell behind retention or faile
 verify. Shards go up before their manifest, so a manifest on the stream always means a
 complete version. After a snapshot, versions older than the `keep_snapshots`-th newest
 snapshot are purged, on the hub and on every region's mirror (purges do not travel
-down a mirror): every receiver can still reach the head from what remains.
+down a mirror): every receiver can still reach the head from what remains. A `pinned`
+version (what a production pool serves, to go back to) is kept too, with the snapshot
+it is rebuilt from; while that snapshot is unknown (a publisher restarted since), nothing
+is purged.
 
 A trainer whose ranks each hold part of the model publishes with a `Part` per rank: each
 rank encodes and puts only its own tensors' shards, streaming them out as they are made,
@@ -63,7 +66,9 @@ class Publisher:
         self.mirrors = list(mirrors)
         self.part = part or ALONE
         self._base: WeightState | None = None
-        self._snapshots: list[int] = []
+        self._snapshots: list[int] = []  # this publisher's, oldest first, none purged
+        self._purged_before = 0
+        self.pinned: int | None = None  # a version never purged, nor the snapshot before it
 
     async def publish(
         self, tensors: Mapping[str, torch.Tensor], version: int
@@ -224,13 +229,21 @@ class Publisher:
 
     async def _retire(self, snapshot: int) -> None:
         self._snapshots.append(snapshot)
-        if len(self._snapshots) > self.config.keep_snapshots:
-            self._snapshots = self._snapshots[-self.config.keep_snapshots :]
-            if self.part.rank == 0:  # every rank keeps the count; one purges
-                await self.stream.retire_before(self._snapshots[0])
-                await asyncio.gather(
-                    *(self._retire_mirror(m, self._snapshots[0]) for m in self.mirrors)
-                )
+        if len(self._snapshots) <= self.config.keep_snapshots:
+            return
+        oldest = self._snapshots[-self.config.keep_snapshots]
+        if self.pinned is not None:
+            under = [s for s in self._snapshots if s <= self.pinned]
+            if not under:
+                return  # the pinned version's snapshot is not known to be ours: keep all
+            oldest = min(oldest, under[-1])
+        self._snapshots = [s for s in self._snapshots if s >= oldest]
+        if oldest <= self._purged_before:
+            return
+        self._purged_before = oldest
+        if self.part.rank == 0:  # every rank keeps the count; one purges
+            await self.stream.retire_before(oldest)
+            await asyncio.gather(*(self._retire_mirror(m, oldest) for m in self.mirrors))
 
     async def _retire_mirror(self, mirror: WeightStream, snapshot: int) -> None:
         """A region that is cut off, or has no mirror yet, keeps its old versions until
