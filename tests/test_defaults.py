@@ -13,6 +13,7 @@ from conftest import ROOT
 from pydantic import BaseModel
 
 from rlfleet import launch
+from rlfleet.api.production import CanarySpec, CycleSpec, FeedbackSpec, GateSpec, ProductionSpec
 from rlfleet.api.rlrun import (
     STEP_TOKENS,
     EvaluationGate,
@@ -22,9 +23,14 @@ from rlfleet.api.rlrun import (
     WeightSyncSpec,
 )
 from rlfleet.launch.settings import (
+    CanaryPolicy,
+    CollectorConfig,
     EvaluatorConfig,
     FeedConfig,
+    GatePolicy,
+    ServingConfig,
     SessionConfig,
+    SignalRewards,
     SyncConfig,
     TrainerConfig,
     WorkerConfig,
@@ -60,6 +66,26 @@ SPEC_FIELDS = [
     (WeightSyncSpec, "snapshot_interval", SyncConfig, "snapshot_every", None),
     (WeightSyncSpec, "shard_size_mib", SyncConfig, "shard_bytes", lambda mib: mib * MIB),
     (EvaluationGate, "every_versions", EvaluatorConfig, "every_versions", None),
+    (ProductionSpec, "temperature", TrainerConfig, "temperature", None),
+    (ProductionSpec, "temperature", ServingConfig, "temperature", None),
+    (ProductionSpec, "sample_rate", ServingConfig, "sample_rate", None),
+    (FeedbackSpec, "window_seconds", ServingConfig, "feedback_window_s", float),
+    (FeedbackSpec, "custom_kinds", ServingConfig, "custom_kinds", None),
+    (FeedbackSpec, "window_seconds", SignalRewards, "window_s", float),
+    (FeedbackSpec, "weights", SignalRewards, "weights", None),
+    (FeedbackSpec, "max_per_user", SignalRewards, "max_per_user", None),
+    (CycleSpec, "group_size", SignalRewards, "group_size", None),
+    (CycleSpec, "interval_seconds", CollectorConfig, "interval_s", float),
+    (CycleSpec, "min_samples", CollectorConfig, "min_samples", None),
+    (CycleSpec, "max_samples", CollectorConfig, "max_samples", None),
+    (GateSpec, "max_regression", GatePolicy, "max_regression", None),
+    (GateSpec, "confidence", GatePolicy, "confidence", None),
+    (GateSpec, "max_empty_increase", GatePolicy, "max_empty_increase", None),
+    (GateSpec, "max_malformed_tool_calls", GatePolicy, "max_malformed_tool_calls", None),
+    (CanarySpec, "max_drop", CanaryPolicy, "max_drop", None),
+    (CanarySpec, "confidence", CanaryPolicy, "confidence", None),
+    (CanarySpec, "window_seconds", CanaryPolicy, "window_s", float),
+    (CanarySpec, "min_samples", CanaryPolicy, "min_samples", None),
 ]
 
 
@@ -92,14 +118,25 @@ def test_a_spec_that_says_nothing_gives_each_component_its_default_settings() ->
             "evaluation": {"suite": "toy"},
         }
     )
+    production = RLRunSpec.model_validate(
+        {
+            "model": {"uri": "file:///m"},
+            "production": {"pool": {"region": "a", "name": "chat"}},
+            "evaluation": {"suite": "toy"},
+        }
+    )
     at = launch.Placement("nats://hub:4222")
-    for component in launch.COMPONENTS.values():
-        built = component.for_pod("r", bare, at)
+    runs = [(spec, c) for spec in (bare, production) for c in launch.components_of(spec)]
+    for spec, component in runs:
+        built = component.for_pod("r", spec, at)
         for _, _, kind, setting, _ in SPEC_FIELDS:
             for struct in (
                 built,
                 getattr(built, "weightsync", None),
                 getattr(built, "session", None),
+                getattr(built, "rewards", None),
+                getattr(built, "gate", None),
+                getattr(built, "canary", None),
             ):
                 if isinstance(struct, kind):
                     assert getattr(struct, setting) == _setting_default(kind, setting), (

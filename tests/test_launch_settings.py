@@ -18,6 +18,7 @@ from rlfleet.launch.settings import PoolConfig, SyncConfig, from_json, to_json
 from rlfleet.local import plan
 
 AT = launch.Placement("nats://hub:4222", "hub", "region-a", "rollout-0")
+PRODUCTION = {"pool": {"region": "region-a", "name": "chat"}}
 
 
 def _spec(name: str = "rlrun.yaml", **rollout: object) -> RLRunSpec:
@@ -83,8 +84,12 @@ def test_a_pod_serves_metrics_where_its_environment_says_or_nowhere() -> None:
     env = {launch.NATS_URL_ENV: "nats://hub:4222", launch.METRICS_PORT_ENV: "9400"}
     at = launch.Placement.from_env(env)
     document = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())
-    spec = RLRunSpec.model_validate(document["spec"] | {"evaluation": {"suite": "rules"}})
-    for component in launch.COMPONENTS.values():
+    gated = document["spec"] | {"evaluation": {"suite": "rules"}}
+    rollouts = RLRunSpec.model_validate(gated)
+    production = RLRunSpec.model_validate(gated | {"rollout": None, "production": PRODUCTION})
+    runs = [(spec, c) for spec in (rollouts, production) for c in launch.components_of(spec)]
+    assert {component.name for _, component in runs} == set(launch.COMPONENTS)
+    for spec, component in runs:
         assert component.for_pod("r", spec, at).metrics_port == 9400
     assert launch.Placement.from_env({launch.NATS_URL_ENV: "nats://hub:4222"}).metrics_port is None
     with pytest.raises(ValueError, match="RLFLEET_METRICS_PORT='http'"):

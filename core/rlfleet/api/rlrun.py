@@ -19,6 +19,7 @@ from rlfleet.api.meta import (
     cel,
     map_list,
 )
+from rlfleet.api.production import ProductionSpec
 from rlfleet.api.wire import MAX_GROUP_SIZE
 
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
@@ -508,17 +509,40 @@ class EvaluationGate(ApiModel):
         return None
 
 
+ONE_SOURCE_RULE = cel(
+    "has(self.rollout) != has(self.production)",
+    "a run learns from rollouts of a task suite or from a production pool's users: give "
+    "exactly one of rollout and production",
+    ".production",
+)
+UNREPLAYED_PRODUCTION_RULE = cel(
+    "!has(self.production) || (has(self.trainer) && has(self.trainer.routerReplay) && "
+    "!self.trainer.routerReplay)",
+    "production needs trainer.routerReplay: false: a pool's capture does not record the "
+    "experts each token was routed to yet",
+    ".trainer.routerReplay",
+)
+GATED_PRODUCTION_RULE = cel(
+    "!has(self.production) || has(self.evaluation)",
+    "production needs evaluation: its suite is the gate every candidate passes before users see it",
+    ".evaluation",
+)
+
+
 class RLRunSpec(ApiModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
                     "!has(self.weightSync) || !has(self.weightSync.endpoints) || "
-                    "self.weightSync.endpoints.all(e, "
+                    "self.weightSync.endpoints.all(e, has(self.rollout) && "
                     "self.rollout.regions.exists(r, r.name == e.region))",
                     "every weightSync endpoint must name a region of rollout.regions",
                     ".weightSync.endpoints",
                 ),
+                ONE_SOURCE_RULE,
+                GATED_PRODUCTION_RULE,
+                UNREPLAYED_PRODUCTION_RULE,
                 # Here, not on trainer: a run created without `trainer` has no old one.
                 cel(
                     "(has(self.trainer) && has(self.trainer.checkpointStorage)) == "
@@ -540,7 +564,8 @@ class RLRunSpec(ApiModel):
         ),
     ]
     trainer: TrainerSpec = TrainerSpec()
-    rollout: RolloutSpec
+    rollout: RolloutSpec | None = None
+    production: ProductionSpec | None = None
     max_staleness: Annotated[
         int,
         Field(
@@ -569,6 +594,38 @@ class RLRunSpec(ApiModel):
         ),
     ] = 0
     suspend: bool = False
+
+    @model_validator(mode="after")
+    def _source_rules(self) -> RLRunSpec:
+        """The CEL rules on where experience comes from, for `rlfleet run`."""
+        if (self.rollout is None) == (self.production is None):
+            raise ValueError(ONE_SOURCE_RULE["message"])
+        if self.production is not None and self.evaluation is None:
+            raise ValueError(GATED_PRODUCTION_RULE["message"])
+        if self.production is not None and self.trainer.router_replay:
+            raise ValueError(UNREPLAYED_PRODUCTION_RULE["message"])
+        return self
+
+    @property
+    def region_names(self) -> list[str]:
+        """The regions the run's policy goes to: its rollouts', or its production pool's."""
+        if self.production is not None:
+            return [self.production.pool.region]
+        assert self.rollout is not None
+        return [region.name for region in self.rollout.regions]
+
+    @property
+    def rollout_regions(self) -> list[RegionDemand]:
+        """What the run asks of each region for rollouts: nothing, in a production run."""
+        return self.rollout.regions if self.rollout is not None else []
+
+    @property
+    def suite(self) -> str:
+        """The task suite the run is about: the one it rolls out, or its gate's."""
+        if self.rollout is not None:
+            return self.rollout.task_suite
+        assert self.evaluation is not None
+        return self.evaluation.suite
 
 
 Count = Annotated[int, Field(ge=0)]

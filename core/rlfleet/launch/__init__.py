@@ -22,17 +22,24 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from rlfleet.api.rlrun import STEP_TOKENS, RLRunSpec
+from rlfleet.api.production import ProductionSpec
+from rlfleet.api.rlrun import STEP_TOKENS, RLRunSpec, RolloutSpec
 from rlfleet.api.wire import BusRole
 from rlfleet.launch.caches import own_caches
 from rlfleet.launch.settings import (
+    CanaryPolicy,
+    CollectorConfig,
+    ConductorConfig,
     EvaluatorConfig,
     FeedConfig,
+    GatePolicy,
     JudgeConfig,
     PoolConfig,
     Ranks,
     RewardConfig,
+    ServingConfig,
     SessionConfig,
+    SignalRewards,
     SyncConfig,
     TrainerConfig,
     WorkerConfig,
@@ -260,8 +267,9 @@ def trainer_settings(
         clip_low=spec.trainer.clip_low,
         clip_high=spec.trainer.clip_high,
         is_cap=spec.trainer.importance_weight_cap,
-        temperature=spec.rollout.temperature,
+        temperature=_temperature(spec),
         max_staleness=spec.max_staleness,
+        production=spec.production is not None,
         weight_mirrors=_weight_mirrors(spec, at),
         deepspeed=deepspeed or {},
         weightsync=_sync(spec),
@@ -274,7 +282,26 @@ def _weight_mirrors(spec: RLRunSpec, at: Placement) -> list[str]:
     """Where streams are named by JetStream domain, each region has its own, named after
     it, holding a mirror of the run's weights (the run's owner makes it; workers bind to
     it): the trainer retires old versions there as on the hub."""
-    return [region.name for region in spec.rollout.regions] if at.jetstream_domain else []
+    return spec.region_names if at.jetstream_domain else []
+
+
+def _temperature(spec: RLRunSpec) -> float:
+    """What the trainer scores tokens at: the temperature they were sampled at."""
+    if spec.production is not None:
+        return spec.production.temperature
+    return _rollout(spec).temperature
+
+
+def _rollout(spec: RLRunSpec) -> RolloutSpec:
+    if spec.rollout is None:
+        raise ValueError("spec.rollout is not set: a production run has no rollouts")
+    return spec.rollout
+
+
+def _production(spec: RLRunSpec) -> ProductionSpec:
+    if spec.production is None:
+        raise ValueError("spec.production is not set: the run learns from rollouts")
+    return spec.production
 
 
 def _rewards(spec: RLRunSpec) -> RewardConfig:
@@ -297,7 +324,7 @@ def _rewards(spec: RLRunSpec) -> RewardConfig:
 
 
 def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> WorkerConfig:
-    region = at.region or "default"
+    region, rollout = at.region or "default", _rollout(spec)
     return WorkerConfig(
         run=name,
         nats_url=at.nats_url,
@@ -305,13 +332,13 @@ def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> W
         weights_domain=at.region if at.jetstream_domain else None,
         model=model,
         name=f"{region}/{at.pod or 'rollout-0'}",
-        group_size=spec.rollout.group_size,
+        group_size=rollout.group_size,
         session=SessionConfig(
-            max_turns=spec.rollout.max_turns,
-            turn_tokens=spec.rollout.turn_tokens,
-            context_tokens=spec.rollout.context_tokens,
-            summary_tokens=spec.rollout.summary_tokens,
-            temperature=spec.rollout.temperature,
+            max_turns=rollout.max_turns,
+            turn_tokens=rollout.turn_tokens,
+            context_tokens=rollout.context_tokens,
+            summary_tokens=rollout.summary_tokens,
+            temperature=rollout.temperature,
         ),
         rewards=_rewards(spec),
         weightsync=_sync(spec),
@@ -325,14 +352,15 @@ def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> W
 
 
 def feed_settings(name: str, spec: RLRunSpec, at: Placement) -> FeedConfig:
+    rollout = _rollout(spec)
     feed = FeedConfig(
         run=name,
         nats_url=at.nats_url,
         jetstream_domain=at.jetstream_domain,
-        suite=spec.rollout.task_suite,
+        suite=rollout.task_suite,
         max_staleness=spec.max_staleness,
-        group_size=spec.rollout.group_size,
-        revisit_uniform=spec.rollout.uniform_group_revisit,
+        group_size=rollout.group_size,
+        revisit_uniform=rollout.uniform_group_revisit,
         metrics_port=at.metrics_port,
     )
     # Steps of exactly `stepGroups` groups: the feed issues that many per version from the
@@ -352,8 +380,78 @@ def evaluator_settings(name: str, spec: RLRunSpec, model: str, at: Placement) ->
         model=model,
         suite=spec.evaluation.suite,
         every_versions=spec.evaluation.every_versions,
+        on_request=spec.production is not None,  # the gate's two versions, each cycle
         weightsync=_sync(spec),
         metrics_port=at.metrics_port,
+    )
+
+
+def _signal_rewards(production: ProductionSpec) -> SignalRewards:
+    feedback = production.feedback
+    return SignalRewards(
+        weights=dict(feedback.weights),
+        window_s=float(feedback.window_seconds),
+        max_per_user=feedback.max_per_user,
+        group_size=production.cycle.group_size,
+    )
+
+
+def collector_settings(name: str, spec: RLRunSpec, at: Placement) -> CollectorConfig:
+    """The collector reads the hub's capture and feedback streams."""
+    production = _production(spec)
+    return CollectorConfig(
+        run=name,
+        nats_url=at.nats_url,
+        jetstream_domain=at.jetstream_domain,
+        rewards=_signal_rewards(production),
+        interval_s=float(production.cycle.interval_seconds),
+        min_samples=production.cycle.min_samples,
+        max_samples=production.cycle.max_samples,
+        metrics_port=at.metrics_port,
+    )
+
+
+def conductor_settings(name: str, spec: RLRunSpec, at: Placement) -> ConductorConfig:
+    production = _production(spec)
+    gate, canary = production.gate, production.canary
+    return ConductorConfig(
+        run=name,
+        nats_url=at.nats_url,
+        jetstream_domain=at.jetstream_domain,
+        gate=GatePolicy(
+            max_regression=gate.max_regression,
+            confidence=gate.confidence,
+            max_empty_increase=gate.max_empty_increase,
+            length_ratio=(gate.min_length_ratio, gate.max_length_ratio),
+            max_malformed_tool_calls=gate.max_malformed_tool_calls,
+        ),
+        canary=CanaryPolicy(
+            max_drop=canary.max_drop,
+            confidence=canary.confidence,
+            window_s=float(canary.window_seconds),
+            min_samples=canary.min_samples,
+        ),
+        metrics_port=at.metrics_port,
+    )
+
+
+def serving_settings(
+    name: str, spec: RLRunSpec, at: Placement, replica_set: str | None
+) -> ServingConfig:
+    """A production pool's server, in its region: it publishes captures and feedback to
+    the hub's streams and reads versions from its region's mirror of the weights."""
+    production = _production(spec)
+    return ServingConfig(
+        run=name,
+        nats_url=at.nats_url,
+        jetstream_domain=at.jetstream_domain,
+        sample_rate=production.sample_rate,
+        temperature=production.temperature,
+        feedback_window_s=float(production.feedback.window_seconds),
+        custom_kinds=list(production.feedback.custom_kinds),
+        replica_set=replica_set,
+        weights_domain=at.region if at.jetstream_domain else None,
+        weightsync=_sync(spec),
     )
 
 
@@ -400,7 +498,22 @@ TRAINER = Component("rlfleet.trainer", "trainer", TrainerConfig, _trainer_pod)
 ROLLOUT = Component("rlfleet.rollout", "rollout", WorkerConfig, _rollout_pod)
 FEED = Component("rlfleet.rollout.feed", "feed", FeedConfig, feed_settings)
 EVALUATOR = Component("rlfleet.rollout.evaluator", "evaluator", EvaluatorConfig, _evaluator_pod)
-COMPONENTS = {c.name: c for c in (TRAINER, ROLLOUT, FEED, EVALUATOR)}
+# A production run's, in the hub: its cycles' experience, and its cycles.
+COLLECTOR = Component("rlfleet.rollout.collector", "collector", CollectorConfig, collector_settings)
+CONDUCTOR = Component(
+    "rlfleet.operator.conductor", "conductor", ConductorConfig, conductor_settings
+)
+COMPONENTS = {c.name: c for c in (TRAINER, ROLLOUT, FEED, EVALUATOR, COLLECTOR, CONDUCTOR)}
+
+
+def components_of(spec: RLRunSpec) -> list[Component]:
+    """The components a run has: a trainer; rollout workers and their feed, or a
+    production run's collector and conductor; and an evaluator, with an evaluation."""
+    found: list[Component] = [TRAINER]
+    found += [COLLECTOR, CONDUCTOR] if spec.production is not None else [ROLLOUT, FEED]
+    return found + ([EVALUATOR] if spec.evaluation is not None else [])
+
+
 # What `rlfleet run` runs besides: a tiny model's warm-up and a whole-suite evaluation.
 WARMUP = Program("rlfleet.rollout.warmup")
 EVALUATION = Program("rlfleet.rollout.evaluation")

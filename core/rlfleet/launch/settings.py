@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 import msgspec
 from pydantic import BaseModel
 
+from rlfleet.api.production import CanarySpec, CycleSpec, FeedbackSpec, GateSpec, ProductionSpec
 from rlfleet.api.rlrun import (
     STEP_TOKENS,
     EvaluationGate,
@@ -31,6 +32,7 @@ from rlfleet.api.wire import (
 )
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+Confidence = Annotated[float, msgspec.Meta(gt=0.5, lt=1)]
 Weight = Annotated[float, msgspec.Meta(ge=0)]
 MIB = 1 << 20
 # Where a component serves its Prometheus metrics (`rlfleet.launch.METRICS_PORT_ENV` in a
@@ -153,6 +155,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ack_wait_s: float = 600.0  # JetStream redelivers what a dead trainer never acknowledged
     keep_checkpoints: Positive = 2
     max_steps: int | None = None  # stop after this step (tests, fixed-budget runs)
+    # A production run's: keeps the serving version's checkpoint and goes back to it when
+    # its conductor says (`rlfleet.trainer.loop`).
+    production: bool = False
     seed: int = 0
     metrics_port: MetricsPort = None
     weightsync: SyncConfig = SyncConfig()
@@ -309,6 +314,8 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: str  # the run's model folder: its config and tokenizer, and version 0
     suite: str  # a shipped suite's name, or a path to a JSON Lines file
     every_versions: Positive = spec_default(EvaluationGate, "every_versions")
+    # A production run's: score the versions its conductor asks for, not every few.
+    on_request: bool = False
     jetstream_domain: str | None = None  # the hub's, where the weights and reports live
     attempts: Positive = 8  # per task: the k of pass@k
     poll_seconds: Annotated[float, msgspec.Meta(gt=0)] = 5.0
@@ -317,30 +324,26 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 # How long after a completion its users' feedback counts towards its reward.
-FEEDBACK_WINDOW_S = 3600.0
+FEEDBACK_WINDOW_S = float(spec_default(FeedbackSpec, "window_seconds"))
 
 
 class SignalRewards(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How users' feedback on a completion becomes its reward (`rlfleet.rollout.signals`)."""
 
     # Each kind's weight; a kind given a value (thumbs, a pool's own kinds) counts it
-    # times the weight. A kind without a weight counts nothing.
+    # times the weight; edited counts (2 x similarity of the final text - 1) times it. A
+    # kind without a weight counts nothing.
     weights: dict[FeedbackKindName, float] = msgspec.field(
-        default_factory=lambda: {
-            "accepted": 1.0,
-            "rejected": -1.0,
-            "edited": 1.0,  # times (2 x similarity of the final text - 1): a rewrite is -1
-            "retried": -0.5,
-            "follow-up": 0.25,
-            "thumbs": 1.0,
-        }
+        default_factory=lambda: spec_default(FeedbackSpec, "weights")
     )
     window_s: Annotated[float, msgspec.Meta(gt=0)] = FEEDBACK_WINDOW_S
     # Completions of one user (the request's `user`; all anonymous ones are one) trained
     # on per cycle, so one client cannot steer a cycle.
-    max_per_user: Positive = 64
+    max_per_user: Positive = spec_default(FeedbackSpec, "max_per_user")
     # Completions per baseline group (`rlfleet.rollout.signals.batch`).
-    group_size: Annotated[int, msgspec.Meta(ge=2, le=MAX_GROUP_SIZE)] = 8
+    group_size: Annotated[int, msgspec.Meta(ge=2, le=MAX_GROUP_SIZE)] = spec_default(
+        CycleSpec, "group_size"
+    )
 
 
 class CollectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -352,10 +355,10 @@ class CollectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nats_url: str
     jetstream_domain: str | None = None  # the hub's, where the run's streams live
     rewards: SignalRewards = SignalRewards()
-    interval_s: Annotated[float, msgspec.Meta(ge=0)] = 3600.0
-    min_samples: Positive = 64
+    interval_s: Annotated[float, msgspec.Meta(ge=0)] = spec_default(CycleSpec, "interval_seconds")
+    min_samples: Positive = spec_default(CycleSpec, "min_samples")
     # Completions one cycle takes at most (what it holds in memory); the rest wait.
-    max_samples: Positive = 10_000
+    max_samples: Positive = spec_default(CycleSpec, "max_samples")
     # After a completion's window closes, how long its last events may still be in flight.
     settle_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     poll_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
@@ -374,7 +377,11 @@ class ServingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     jetstream_domain: str | None = None  # the hub's, where the run's streams live
     base_version: Annotated[int, msgspec.Meta(ge=0)] = 0  # what the served checkpoint is
     # The share of eligible completions captured (a request may opt out).
-    sample_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
+    sample_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = spec_default(
+        ProductionSpec, "sample_rate"
+    )
+    # Only completions sampled at it are captured: the trainer scores at it.
+    temperature: Annotated[float, msgspec.Meta(gt=0)] = spec_default(ProductionSpec, "temperature")
     # Feedback later than this after its completion is kept and counted as late.
     feedback_window_s: Annotated[float, msgspec.Meta(gt=0)] = FEEDBACK_WINDOW_S
     custom_kinds: list[FeedbackKindName] = []
@@ -389,6 +396,72 @@ class ServingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     weights_domain: str | None = None  # where its region's copy of the weights is
     weightsync: SyncConfig = SyncConfig()
     poll_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # how often it reads its set's version
+
+
+class GatePolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """When a production candidate may go before users (`rlfleet.operator.promotion.gate`)."""
+
+    max_regression: Weight = spec_default(GateSpec, "max_regression")  # in suite reward
+    confidence: Confidence = spec_default(GateSpec, "confidence")  # of the paired bound
+    max_empty_increase: Weight = spec_default(GateSpec, "max_empty_increase")  # share
+    # The candidate's mean answer length over the serving version's, low and high.
+    length_ratio: tuple[Weight, Weight] = (
+        spec_default(GateSpec, "min_length_ratio"),
+        spec_default(GateSpec, "max_length_ratio"),
+    )
+    max_malformed_tool_calls: Annotated[float, msgspec.Meta(ge=0, le=1)] = spec_default(
+        GateSpec, "max_malformed_tool_calls"
+    )
+
+
+class CanaryPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How a candidate is judged on a share of live traffic
+    (`rlfleet.operator.promotion.judge_canary`)."""
+
+    max_drop: Weight = spec_default(CanarySpec, "max_drop")  # in mean live reward
+    confidence: Confidence = spec_default(CanarySpec, "confidence")
+    window_s: Annotated[float, msgspec.Meta(gt=0)] = spec_default(CanarySpec, "window_seconds")
+    # Answered canary completions before a verdict at the window's end.
+    min_samples: Positive = spec_default(CanarySpec, "min_samples")
+
+
+class ConductorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A production run's conductor's (`rlfleet.operator.conductor`): it runs the cycles."""
+
+    run: str
+    nats_url: str
+    jetstream_domain: str | None = None  # the hub's, where the run's streams live
+    base_version: Annotated[int, msgspec.Meta(ge=0)] = 0  # what production serves at first
+    gate: GatePolicy = GatePolicy()
+    canary: CanaryPolicy = CanaryPolicy()
+    poll_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    metrics_port: MetricsPort = None
+
+
+class UsersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A simulated population of a production pool's users (`rlfleet.rollout.users`), for
+    the local real-time run and its benchmark: it only speaks HTTP to the pool's servers.
+    The pool's API key is `VLLM_API_KEY` in its environment, as the servers have it."""
+
+    # The pool's servers by name (their replica set's in it), base URLs: asked in turn.
+    servers: Annotated[dict[str, str], msgspec.Meta(min_length=1)]
+    model: str  # the served model's name
+    suite: str  # what users ask: a shipped suite's name, or a JSON Lines file
+    record: Path  # one JSON line per request: what was asked, served and said
+    users: Positive = 16  # each asks, reads, answers, asks again
+    # Some questions are asked far more than others: the suite's n-th most popular task
+    # (a seeded order) is asked in proportion to 1 / n ** popularity (Zipf; 0: uniform).
+    popularity: Annotated[float, msgspec.Meta(ge=0, le=4)] = 1.0
+    # Users who never say anything about an answer, and the chance a user says the
+    # opposite of what they think (a misclick).
+    silent_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.25
+    noise: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.05
+    # While this file exists every user says the opposite: a broken client's events.
+    inverted_while: Path | None = None
+    max_tokens: Positive = 24
+    # A user's mean pause after an answer before asking again (exponential): the load.
+    think_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    seed: int = 0
 
 
 S = TypeVar("S", bound=msgspec.Struct)

@@ -160,7 +160,7 @@ class Hub:
         if self.dataplane is None:
             return
         meta = run["metadata"]
-        key, regions = nats_key(run), tuple(r.name for r in spec.rollout.regions)
+        key, regions = nats_key(run), tuple(spec.region_names)
         made = (meta["uid"], regions)
         if made in self._streams and not resync:
             return
@@ -272,7 +272,7 @@ class Hub:
         self._ensure_streams(run, spec, resync)
         trainer = self._apply_hub_objects(run, spec, old, verdict.held, resync)
         previous = {e.name: e for e in old.regions}
-        wanted = [r.name for r in spec.rollout.regions]
+        wanted = spec.region_names
         reports = at_once(
             [
                 partial(self._report, run, name, previous.get(name), resync, verdict.held, users)

@@ -262,7 +262,7 @@ class Region:
 
     def _demand(self, run: dict) -> RunDemand | None:
         spec = RLRunSpec.model_validate(run["spec"])
-        here = next((d for d in spec.rollout.regions if d.name == self.name), None)
+        here = next((d for d in spec.rollout_regions if d.name == self.name), None)
         if here is None:
             return None
         return RunDemand(
@@ -280,7 +280,8 @@ class Region:
         change (not a `resync`) also the run's spec for its pods."""
         meta = run["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        envpool = RLRunSpec.model_validate(run["spec"]).rollout.env_pool
+        rollout = RLRunSpec.model_validate(run["spec"]).rollout
+        envpool = rollout.env_pool if rollout is not None else None
         if not resync:
             self.local.apply(spec_config_map(run))
             if envpool:

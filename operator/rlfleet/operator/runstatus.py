@@ -169,7 +169,7 @@ def decide(observed: Observed) -> Decision:
     spec, old, verdict = observed.spec, observed.old, observed.verdict
     events: list[Event] = list(verdict.events)
     previous = {e.name: e for e in old.regions}
-    wanted = [r.name for r in spec.rollout.regions]
+    wanted = spec.region_names
     views = [
         region_view(
             report,
@@ -231,7 +231,7 @@ def degraded(
     no_envpool = [f"{e.name}: {e.env_pool_missing}" for e in reachable if e.env_pool_missing]
     below_floor = [
         f"{e.name} runs {e.running} of at least {d.min_gpus} GPUs"
-        for d in spec.rollout.regions
+        for d in spec.rollout_regions
         for e in reachable
         if e.name == d.name and e.running < d.min_gpus and not stopped  # stopped: no GPUs
     ]

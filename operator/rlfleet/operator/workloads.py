@@ -444,7 +444,7 @@ def _hub_component(
     reads the run's model."""
     name = run["metadata"]["name"]
     labels = {RUN_LABEL: name, COMPONENT_LABEL: component}
-    image = spec.rollout.image or images.rollout
+    image = (spec.rollout.image if spec.rollout is not None else None) or images.rollout
     container = _container(component, image, 0, _nats_env(nats), workloads)
     container["command"] = launch.COMPONENTS[component].command()
     pod = {"containers": [container], "volumes": [_spec_volume(name)]}
@@ -497,6 +497,8 @@ def rollout_deployment(
     its groups; past the pool's reclaim deadline it is killed."""
     name = run["metadata"]["name"]
     spec = RLRunSpec.model_validate(run["spec"])
+    rollout = spec.rollout
+    assert rollout is not None  # a production run asks no region for rollout GPUs
     labels = {RUN_LABEL: name, POOL_LABEL: pool, COMPONENT_LABEL: "rollout"}
     endpoints = {e.region: e.url for e in spec.weight_sync.endpoints}
     env = {launch.REGION_ENV: region, "RLFLEET_POOL": pool}
@@ -505,7 +507,7 @@ def rollout_deployment(
     domain = run["metadata"].get("annotations", {}).get(JETSTREAM_DOMAIN)
     if domain:
         env[launch.JETSTREAM_DOMAIN_ENV] = domain
-    image = spec.rollout.image or default_image
+    image = rollout.image or default_image
     container = _container("rollout", image, pool_spec.serving.gpus_per_replica, env, workloads)
     pod = _with_model(
         {
@@ -519,8 +521,8 @@ def rollout_deployment(
     pod = _on_gpu_type(pod, workloads, pool_spec.serving.gpu_type)
     minted = NATS_USER in run["metadata"].get("annotations", {})
     pod = _with_nats(pod, name, BusRole.ROLLOUT, minted)
-    if spec.rollout.env_pool:
-        pod = _with_envpool(pod, run, spec.rollout.env_pool)
+    if rollout.env_pool:
+        pod = _with_envpool(pod, run, rollout.env_pool)
     # Sandboxes are made by an EnvPool's servers, never here: the worker needs no privilege.
     pod = _least_privilege(pod, WORKLOAD_USER)
     return _deployment(run, rollout_name(name, pool), labels, replicas, pod)

@@ -1,0 +1,201 @@
+"""`spec.production`: a run that learns from a production pool's users, in cycles.
+
+Its experience is what the pool serves and what users say of it, not rollouts of a task
+suite: the pool's servers capture completions, users' feedback becomes rewards, and every
+cycle a candidate trained from the serving version goes through the gate (the run's
+evaluation suite, candidate against serving version) and a canary before it serves
+everyone. The defaults here are the one home of each; the components' settings take them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import ConfigDict, Field
+
+from rlfleet.api.meta import DNS_LABEL, ApiModel, cel
+from rlfleet.api.wire import FeedbackKind
+
+Name = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
+KindName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,31}$")]
+Share = Annotated[float, Field(ge=0, le=1)]
+Confidence = Annotated[float, Field(gt=0.5, lt=1)]
+DAY_S = 24 * 3600
+
+
+class ProductionPool(ApiModel):
+    """The InferencePool whose servers serve the run's policy to users."""
+
+    region: Annotated[Name, Field(description="The region (cluster) the pool is in.")]
+    name: Annotated[Name, Field(description="The InferencePool's name there.")]
+
+
+def _default_weights() -> dict[str, float]:
+    weights = {
+        FeedbackKind.ACCEPTED: 1.0,
+        FeedbackKind.REJECTED: -1.0,
+        FeedbackKind.EDITED: 1.0,  # times (2 x similarity of the final text - 1)
+        FeedbackKind.RETRIED: -0.5,
+        FeedbackKind.FOLLOW_UP: 0.25,
+        FeedbackKind.THUMBS: 1.0,
+    }
+    return {kind.value: weight for kind, weight in weights.items()}
+
+
+class FeedbackSpec(ApiModel):
+    """What users' signals on a completion are worth, and for how long they count."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.weights.all(k, k in ["
+                    + ", ".join(f"'{kind}'" for kind in FeedbackKind)
+                    + "] || (has(self.customKinds) && k in self.customKinds))",
+                    "weights: every kind must be a built-in one or in customKinds",
+                    ".weights",
+                )
+            ]
+        }
+    )
+
+    window_seconds: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=7 * DAY_S,
+            description="Signals later than this after a completion are kept, counted as "
+            "late, and not rewarded.",
+        ),
+    ] = 3600
+    custom_kinds: Annotated[
+        list[KindName],
+        Field(default_factory=list, max_length=16, description="Kinds of the pool's own."),
+    ]
+    weights: Annotated[
+        dict[KindName, Annotated[float, Field(ge=-10, le=10)]],
+        Field(
+            default_factory=_default_weights,
+            max_length=32,
+            description="Each kind's weight in a completion's reward (clipped to [-1, 1]); "
+            "a kind with a value (thumbs, custom kinds) counts it times the weight.",
+        ),
+    ]
+    max_per_user: Annotated[
+        int,
+        Field(ge=1, le=100000, description="Completions of one user trained on per cycle."),
+    ] = 64
+
+
+class CycleSpec(ApiModel):
+    """When a cycle stops collecting and trains."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.maxSamples >= self.minSamples",
+                    "maxSamples must be at least minSamples",
+                    ".maxSamples",
+                )
+            ]
+        }
+    )
+
+    interval_seconds: Annotated[
+        int, Field(ge=0, le=7 * DAY_S, description="At least this long between cycles.")
+    ] = 3600
+    min_samples: Annotated[
+        int, Field(ge=2, le=1000000, description="Answered completions a cycle needs.")
+    ] = 64
+    max_samples: Annotated[
+        int, Field(ge=2, le=1000000, description="Completions a cycle takes at most.")
+    ] = 10000
+    group_size: Annotated[
+        int,
+        Field(
+            ge=2,
+            le=1024,
+            description="Completions per baseline group: each one's advantage is its reward "
+            "over its group's mean.",
+        ),
+    ] = 8
+
+
+class GateSpec(ApiModel):
+    """Before any user sees a candidate: it and the serving version answer the run's
+    evaluation suite, item by item."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.maxLengthRatio > self.minLengthRatio",
+                    "maxLengthRatio must be above minLengthRatio",
+                    ".maxLengthRatio",
+                )
+            ]
+        }
+    )
+
+    max_regression: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=1,
+            description="How much worse than the serving version, in mean reward per item, "
+            "the candidate may be, shown at `confidence` (a paired bootstrap bound).",
+        ),
+    ] = 0.02
+    confidence: Confidence = 0.95
+    max_empty_increase: Annotated[
+        Share, Field(description="More empty answers than the serving version, as a share.")
+    ] = 0.02
+    min_length_ratio: Annotated[float, Field(ge=0, le=100)] = 0.5
+    max_length_ratio: Annotated[float, Field(gt=0, le=100)] = 2.0
+    max_malformed_tool_calls: Annotated[
+        Share, Field(description="Share of the candidate's tool calls that may be malformed.")
+    ] = 0.05
+
+
+class CanarySpec(ApiModel):
+    """A candidate that passed the gate serves on the canary replicas first."""
+
+    replicas: Annotated[
+        int, Field(ge=1, le=10000, description="Servers of the pool in the canary set.")
+    ] = 1
+    window_seconds: Annotated[int, Field(ge=1, le=7 * DAY_S)] = 1800
+    max_drop: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=2,
+            description="How far the canary's mean live reward may fall below the rest's.",
+        ),
+    ] = 0.05
+    confidence: Confidence = 0.95
+    min_samples: Annotated[
+        int, Field(ge=1, le=1000000, description="Answered canary completions to judge by.")
+    ] = 50
+
+
+class ProductionSpec(ApiModel):
+    """Learn from a production pool's users, in cycles: collect, train, gate, canary."""
+
+    pool: ProductionPool
+    temperature: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=10,
+            description="The sampling temperature the pool serves at: the trainer scores "
+            "captured tokens at it, so a request sampled at another is not captured.",
+        ),
+    ] = 1.0
+    sample_rate: Annotated[
+        Share, Field(description="The share of eligible completions captured.")
+    ] = 1.0
+    feedback: FeedbackSpec = FeedbackSpec()
+    cycle: CycleSpec = CycleSpec()
+    gate: GateSpec = GateSpec()
+    canary: CanarySpec = CanarySpec()
