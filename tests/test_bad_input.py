@@ -31,20 +31,33 @@ from hypothesis import strategies as st
 
 from rlfleet.api.wire import (
     CapturedCompletion,
+    CycleEvent,
+    CycleOutcome,
+    CyclePhase,
+    CycleState,
     EvaluationReport,
+    EvaluationRequest,
     Feedback,
+    FinishedCycle,
     GroupOutcome,
+    LiveRewards,
+    RewardTally,
     Segment,
     ShardRef,
     StepReport,
     Task,
     TaskMessage,
+    TrainerReset,
     Trajectory,
     decode_captured,
+    decode_cycle_state,
     decode_evaluation_report,
+    decode_evaluation_request,
     decode_feedback,
+    decode_live_rewards,
     decode_manifest,
     decode_step_report,
+    decode_trainer_reset,
     decode_trajectory,
 )
 from rlfleet.rollout.worker import read_task
@@ -197,6 +210,19 @@ def _feedback() -> dict:
     )
 
 
+def _live() -> dict:
+    tally = RewardTally().add(1.0).add(-0.5)
+    return msgspec.to_builtins(LiveRewards(RUN, 2, {4: tally, 3: tally}, 1e9), str_keys=True)
+
+
+def _cycle_state() -> dict:
+    done = FinishedCycle(1, CycleOutcome.PROMOTED, 4, "not worse", 1e9)
+    event = CycleEvent("CanaryStarted", "version 6 on the canary set")
+    return msgspec.to_builtins(
+        CycleState(RUN, 2, CyclePhase.CANARY, 1e9, 4, 6, 12, [done], [event])
+    )
+
+
 @dataclass
 class Door:
     name: str
@@ -337,6 +363,53 @@ DOORS = [
             ("kind", "edited"),  # with no final text
             ("late", "no"),
         ],
+    ),
+    Door(  # read by the conductor, to judge a canary
+        "live rewards",
+        _live,
+        _json,
+        decode_live_rewards,
+        [
+            *COMMON,
+            ("cycle", 0),
+            ("by_version", {"-1": {"count": 1, "total": 1.0, "total_squares": 1.0}}),
+            ("by_version", {"x": {}}),
+            ("by_version.4.count", -1),
+            ("by_version.4.total", NAN),
+            ("by_version.4.total_squares", -1.0),
+            ("at", math.inf),
+        ],
+    ),
+    Door(  # read by the collector, the trainer and the hub operator
+        "cycle state",
+        _cycle_state,
+        _json,
+        decode_cycle_state,
+        [
+            *COMMON,
+            ("number", 0),
+            ("phase", "Deploying"),
+            ("serving", -1),
+            ("since", NAN),
+            ("history", [{"number": 1, "outcome": "Shipped", "candidate": 1, "why": ""}]),
+            ("history", [{"number": 1, "outcome": "Promoted", "candidate": 1, "why": ""}] * 21),
+            ("events.0.reason", "not a reason"),
+            ("-phase", None),
+        ],
+    ),
+    Door(
+        "evaluation request",
+        lambda: msgspec.to_builtins(EvaluationRequest(RUN, 2, [6, 4])),
+        _json,
+        decode_evaluation_request,
+        [*COMMON, ("cycle", 0), ("versions", []), ("versions", [1, 2, 3]), ("versions.0", -6)],
+    ),
+    Door(
+        "trainer reset",
+        lambda: msgspec.to_builtins(TrainerReset(RUN, 2, 4)),
+        _json,
+        decode_trainer_reset,
+        [*COMMON, ("number", 0), ("version", -4), ("version", "4")],
     ),
 ]
 

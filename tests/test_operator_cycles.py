@@ -6,19 +6,20 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlfleet.api.wire import CycleReport
+from rlfleet.api.wire import CycleEvent, CycleReport, CycleState, RewardTally
+from rlfleet.launch.settings import CanaryPolicy
 from rlfleet.operator.cycles import (
     CANARY,
     STABLE,
     Act,
     Action,
-    CycleState,
     Observed,
     Outcome,
     Phase,
     advance,
+    first_state,
 )
-from rlfleet.operator.promotion import CanaryPolicy, GateVerdict, LiveRewards
+from rlfleet.operator.promotion import GateVerdict
 
 POLICY = CanaryPolicy(max_drop=0.05, confidence=0.95, window_s=600, min_samples=20)
 PASSED = GateVerdict(True, 0.01, -0.005, 200, ())
@@ -43,15 +44,15 @@ def report(cycle: int, trained_on: int) -> CycleReport:
     )
 
 
-def live(good: int, bad: int) -> LiveRewards:
-    rewards = LiveRewards()
+def live(good: int, bad: int) -> RewardTally:
+    rewards = RewardTally()
     for reward in [1.0] * good + [-1.0] * bad:
         rewards = rewards.add(reward)
     return rewards
 
 
 def test_a_cycle_collected_trained_gated_and_canaried_is_promoted():
-    state = CycleState.first(serving=0, now=0)
+    state = first_state("live", serving=0, now=0)
     state = advance(state, Observed(1, report(1, 16)), POLICY).state
     assert (state.phase, state.collected) == (Phase.TRAINING, 16)
     assert advance(state, Observed(2, None, taken=10, version_after=3), POLICY).state == state
@@ -59,7 +60,7 @@ def test_a_cycle_collected_trained_gated_and_canaried_is_promoted():
     assert step.actions == [Action(Act.EVALUATE, 4), Action(Act.EVALUATE, 0)]
     step = advance(step.state, Observed(4, None, gate=PASSED), POLICY)
     assert step.actions == [Action(Act.SERVE, 4, CANARY)]
-    assert step.events[0][0] == "CanaryStarted"
+    assert step.events[0].reason == "CanaryStarted"
     canary = step.state
     even = (live(30, 10), live(300, 100))
     assert advance(canary, Observed(100, None, live=even), POLICY).state == canary  # window
@@ -67,31 +68,33 @@ def test_a_cycle_collected_trained_gated_and_canaried_is_promoted():
     assert step.actions == [Action(Act.SERVE, 4, STABLE)]
     assert (step.state.serving, step.state.number, step.state.phase) == (4, 2, Phase.COLLECTING)
     assert step.state.history[-1].outcome == Outcome.PROMOTED
-    assert step.events[0][0] == "CheckpointPromoted"
+    assert step.events[0].reason == "CheckpointPromoted"
 
 
 def test_a_poisoned_candidate_is_rolled_back_and_the_trainer_sent_back():
-    state = CycleState(2, Phase.CANARY, since=0, serving=4, candidate=7)
+    state = CycleState(run="live", number=2, phase=Phase.CANARY, since=0, serving=4, candidate=7)
     poisoned = (live(2, 30), live(300, 100))
     step = advance(state, Observed(60, None, live=poisoned), POLICY)
     assert step.actions == [Action(Act.SERVE, 4, CANARY), Action(Act.RESET_TRAINER, 4)]
     assert step.state.serving == 4 and step.state.history[-1].outcome == Outcome.ROLLED_BACK
-    reason, message = step.events[0]
+    reason, message = step.events[0].reason, step.events[0].message
     assert reason == "CanaryRolledBack" and message.startswith("version 7: worse by more")
 
 
 def test_a_refused_candidate_never_reaches_users():
-    state = CycleState(3, Phase.EVALUATING, since=0, serving=4, candidate=9)
+    state = CycleState(
+        run="live", number=3, phase=Phase.EVALUATING, since=0, serving=4, candidate=9
+    )
     step = advance(state, Observed(1, None, gate=REFUSED), POLICY)
     assert step.actions == [Action(Act.RESET_TRAINER, 4)]
-    assert step.events == [("CandidateRejected", "version 9: not shown within 0.02")]
+    assert step.events == [CycleEvent("CandidateRejected", "version 9: not shown within 0.02")]
     assert step.state.history[-1].outcome == Outcome.REJECTED
 
 
 def test_a_cycle_with_nothing_to_train_on_is_skipped():
-    step = advance(CycleState.first(0, 0), Observed(1, report(1, 0)), POLICY)
+    step = advance(first_state("live", 0, 0), Observed(1, report(1, 0)), POLICY)
     assert step.state.number == 2 and step.state.history[-1].outcome == Outcome.SKIPPED
-    assert step.events[0][0] == "CycleSkipped"
+    assert step.events[0].reason == "CycleSkipped"
 
 
 @st.composite
@@ -116,7 +119,7 @@ def observation(draw, state: CycleState, now: float) -> Observed:
 @settings(max_examples=300, deadline=None)
 @given(st.data(), st.integers(1, 40))
 def test_every_cycle_ends_once_and_only_a_judged_candidate_is_served(data, steps):
-    state, now = CycleState.first(serving=0, now=0), 0.0
+    state, now = first_state("live", serving=0, now=0), 0.0
     passed: set[int] = set()  # candidates whose gate passed
     for _ in range(steps):
         now += data.draw(st.floats(0, 400))

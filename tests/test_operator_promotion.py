@@ -8,12 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlfleet.api.wire import AnswerStats, EvaluationReport
+from rlfleet.api.wire import AnswerStats, EvaluationReport, RewardTally
+from rlfleet.launch.settings import CanaryPolicy, GatePolicy
 from rlfleet.operator.promotion import (
     CanaryCall,
-    CanaryPolicy,
-    GatePolicy,
-    LiveRewards,
     gate,
     gate_reports,
     judge_canary,
@@ -84,8 +82,8 @@ def test_better_scores_never_turn_a_pass_into_a_rejection(serving, shift, lift):
     assert gate(candidate, serving, SAME, SAME, POLICY) == first  # the same verdict again
 
 
-def live(rewards: list[float]) -> LiveRewards:
-    total = LiveRewards()
+def live(rewards: list[float]) -> RewardTally:
+    total = RewardTally()
     for reward in rewards:
         total = total.add(reward)
     return total

@@ -429,6 +429,135 @@ def decode_cycle_report(data: bytes) -> CycleReport:
     return msgspec.json.decode(data, type=CycleReport)
 
 
+class RewardTally(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Users' rewards on some answered completions: count, sum and sum of squares, so
+    that tallies add up and a mean's spread is known without keeping every reward."""
+
+    count: Count = 0
+    total: float = 0.0
+    total_squares: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+    def __post_init__(self) -> None:
+        _finite("a tally's sums", self.total, self.total_squares)
+
+    def add(self, reward: float) -> RewardTally:
+        return RewardTally(self.count + 1, self.total + reward, self.total_squares + reward**2)
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+    @property
+    def variance(self) -> float:
+        if self.count < 2:
+            return 1.0  # rewards lie in [-1, 1]: the widest it can be, until measured
+        return max(0.0, (self.total_squares - self.count * self.mean**2) / (self.count - 1))
+
+
+class LiveRewards(WireMessage, tag="rlfleet.io/live-rewards/v1"):
+    """Users' rewards so far on the completions of the cycle being collected whose
+    feedback is in, by the policy version that served them, as the collector tallies
+    them: what a canary is judged on, the candidate's against the serving version's."""
+
+    run: str
+    cycle: Annotated[int, msgspec.Meta(ge=1)]
+    by_version: dict[int, RewardTally]
+    at: float
+
+    def __post_init__(self) -> None:
+        _finite("at", self.at)
+        if any(version < 0 for version in self.by_version):
+            raise ValueError("a policy version is never negative")
+
+
+def decode_live_rewards(data: bytes) -> LiveRewards:
+    return msgspec.json.decode(data, type=LiveRewards)
+
+
+class CyclePhase(StrEnum):
+    COLLECTING = "Collecting"
+    TRAINING = "Training"
+    EVALUATING = "Evaluating"
+    CANARY = "Canary"
+
+
+class CycleOutcome(StrEnum):
+    SKIPPED = "Skipped"  # nothing to train on
+    REJECTED = "Rejected"
+    ROLLED_BACK = "RolledBack"
+    PROMOTED = "Promoted"
+
+
+class FinishedCycle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    number: Annotated[int, msgspec.Meta(ge=1)]
+    outcome: CycleOutcome
+    candidate: Count | None
+    why: str
+    finished_at: float = 0.0
+
+
+class CycleEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A transition as on-call reads it: a Kubernetes event's reason and message."""
+
+    reason: Annotated[str, msgspec.Meta(pattern=r"^[A-Z][A-Za-z]{0,63}$")]
+    message: str
+
+
+# Finished cycles a run's cycle state keeps (and its status shows).
+CYCLE_HISTORY = 20
+
+
+class CycleState(WireMessage, tag="rlfleet.io/cycle-state/v1"):
+    """Where a production run's cycles stand, as its conductor publishes it after every
+    transition: its own memory across restarts, what the hub operator shows in the run's
+    status, and what the collector reads to know which cycle it may close. `events` are
+    the transition's that wrote it."""
+
+    run: str
+    number: Annotated[int, msgspec.Meta(ge=1)]  # the cycle under way
+    phase: CyclePhase
+    since: float  # when the phase began
+    serving: Count  # the version production's stable set serves
+    candidate: Count | None = None
+    collected: Count = 0  # trajectories the collector published for this cycle
+    history: Annotated[list[FinishedCycle], msgspec.Meta(max_length=CYCLE_HISTORY)] = []
+    events: list[CycleEvent] = []
+
+    def __post_init__(self) -> None:
+        _finite("since", self.since)
+
+
+def decode_cycle_state(data: bytes) -> CycleState:
+    return msgspec.json.decode(data, type=CycleState)
+
+
+class EvaluationRequest(WireMessage, tag="rlfleet.io/evaluation-request/v1"):
+    """The versions a production run's evaluator is to score on the whole suite, for the
+    gate of `cycle`: the candidate and the serving version, on the same items."""
+
+    run: str
+    cycle: Annotated[int, msgspec.Meta(ge=1)]
+    versions: Annotated[list[Count], msgspec.Meta(min_length=1, max_length=2)]
+
+
+def decode_evaluation_request(data: bytes) -> EvaluationRequest:
+    return msgspec.json.decode(data, type=EvaluationRequest)
+
+
+class TrainerReset(WireMessage, tag="rlfleet.io/trainer-reset/v1"):
+    """The trainer's weights go back to `version`'s (the serving one), as its next
+    candidate must grow from what users saw, not from a candidate that was refused.
+    `number` counts a run's resets, so the trainer applies each once."""
+
+    run: str
+    number: Annotated[int, msgspec.Meta(ge=1)]
+    version: Count
+
+
+def decode_trainer_reset(data: bytes) -> TrainerReset:
+    return msgspec.json.decode(data, type=TrainerReset)
+
+
 class ServingTarget(WireMessage, tag="rlfleet.io/serving-target/v1"):
     """The policy version one set of a production pool's servers is to serve (the canary
     set, or the stable rest), as whoever runs the run's cycles decides it."""
@@ -466,6 +595,7 @@ class BusRole(StrEnum):
     EVALUATOR = "evaluator"
     SERVING = "serving"  # a production pool's servers: capture and feedback
     COLLECTOR = "collector"  # turns captures and feedback into trajectories, by cycle
+    CONDUCTOR = "conductor"  # runs a production run's cycles: gate, canary, promotion
     OBSERVER = "observer"
 
 
@@ -521,6 +651,27 @@ def serving_subject(run: str, replica_set: str = "*") -> str:
 
 def cycle_subject(run: str) -> str:
     return f"rlfleet.collector.{run}.cycles"
+
+
+def live_subject(run: str) -> str:
+    return f"rlfleet.collector.{run}.live"
+
+
+def conductor_subjects(run: str) -> str:
+    """Every subject the run's conductor publishes on."""
+    return f"rlfleet.conductor.{run}.*"
+
+
+def cycle_state_subject(run: str) -> str:
+    return f"rlfleet.conductor.{run}.state"
+
+
+def evaluation_request_subject(run: str) -> str:
+    return f"rlfleet.conductor.{run}.evaluate"
+
+
+def trainer_reset_subject(run: str) -> str:
+    return f"rlfleet.conductor.{run}.reset"
 
 
 def feedback_stream(run: str) -> str:

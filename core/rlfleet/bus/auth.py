@@ -32,10 +32,12 @@ from rlfleet.api.wire import (
     BusRole,
     capture_stream,
     capture_subject,
+    conductor_subjects,
     cycle_subject,
     evaluation_subject,
     feedback_stream,
     feedback_subject,
+    live_subject,
     serving_stream,
     serving_subject,
     step_subject,
@@ -255,7 +257,8 @@ def role_access(run: str, role: BusRole) -> Access:
                 publishes=(step_subject(run), f"{weights_prefix(run)}.>"),
                 consumes=(trajectories,),
                 follows=(weights,),
-                reads=(trajectories, steps, weights),
+                # Cycles: a production run's resets, back to the serving version.
+                reads=(trajectories, steps, weights, cycles),
                 purges=(weights,),  # retires versions older than the kept snapshots
             )
         case BusRole.ROLLOUT:  # takes tasks; publishes trajectories; follows weights
@@ -271,7 +274,7 @@ def role_access(run: str, role: BusRole) -> Access:
             return Access(
                 publishes=(evaluation_subject(run),),
                 follows=(weights,),
-                reads=(evaluations, weights),
+                reads=(evaluations, weights, cycles),  # cycles: what a gate asks it to score
             )
         case BusRole.SERVING:  # captures what it serves; records feedback; loads versions
             return Access(
@@ -282,8 +285,13 @@ def role_access(run: str, role: BusRole) -> Access:
             )
         case BusRole.COLLECTOR:  # reads captures and feedback; publishes trajectories
             return Access(
-                publishes=(trajectory_subject(run), cycle_subject(run)),
+                publishes=(trajectory_subject(run), cycle_subject(run), live_subject(run)),
                 reads=(captures, feedback, cycles, trajectories),
+            )
+        case BusRole.CONDUCTOR:  # reads reports; publishes its state and its orders
+            return Access(
+                publishes=(conductor_subjects(run), serving_subject(run)),
+                reads=(steps, evaluations, cycles, serving),
             )
         case BusRole.OBSERVER:  # reads everything, writes nothing, acknowledges nothing
             return Access(
@@ -301,6 +309,8 @@ def role_access(run: str, role: BusRole) -> Access:
                     capture_subject(run),
                     feedback_subject(run),
                     cycle_subject(run),
+                    live_subject(run),
+                    conductor_subjects(run),
                     serving_subject(run),
                 ),
             )

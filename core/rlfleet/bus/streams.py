@@ -32,10 +32,12 @@ from rlfleet.api.wire import (
     WEIGHT_CHUNK_BYTES,
     capture_stream,
     capture_subject,
+    conductor_subjects,
     cycle_subject,
     evaluation_subject,
     feedback_stream,
     feedback_subject,
+    live_subject,
     serving_stream,
     serving_subject,
     step_subject,
@@ -173,8 +175,18 @@ def cycle_stream(run: str) -> str:
 
 
 def cycle_stream_config(run: str) -> StreamConfig:
-    """The collector's cycle reports: its progress, read back when it restarts."""
-    return _reports(cycle_stream(run), cycle_subject(run), CYCLES_KEPT)
+    """A production run's cycles: the collector's reports (its progress, read back when
+    it restarts) and live reward tallies, and the conductor's state, evaluation requests
+    and trainer resets. Each read by its subject's newest; each subject keeps its own
+    history, so frequent tallies never push out a cycle's report."""
+    return StreamConfig(
+        name=cycle_stream(run),
+        subjects=[cycle_subject(run), live_subject(run), conductor_subjects(run)],
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_msgs_per_subject=CYCLES_KEPT,
+        allow_direct=True,
+    )
 
 
 def weights_stream_config(run: str) -> StreamConfig:

@@ -20,10 +20,12 @@ from rlfleet.api.wire import (
     BusRole,
     capture_stream,
     capture_subject,
+    cycle_state_subject,
     cycle_subject,
     evaluation_subject,
     feedback_stream,
     feedback_subject,
+    live_subject,
     serving_stream,
     serving_subject,
     step_subject,
@@ -44,7 +46,7 @@ VERDICT_WAIT_S = 10.0  # the longest to wait for the servers' refusals
 _STREAMS = ("STEPS", "EVALS", "TRAJ", "WEIGHTS", "CAPTURE", "FEEDBACK", "CYCLES", "SERVING")
 _SUBJECTS = (
     *("steps", "evaluations", "tasks", "trajectories"),
-    *("captures", "feedback", "cycles", "serving"),
+    *("captures", "feedback", "cycles", "live", "conductor", "serving"),
 )
 
 # What each component needs, by the kinds of operations below (on its own run only).
@@ -52,7 +54,7 @@ NEEDS: dict[BusRole, set[str]] = {
     BusRole.TRAINER: {
         "publish steps",
         "publish weights",
-        *(f"{op} {s}" for op in ("info", "get") for s in ("TRAJ", "STEPS", "WEIGHTS")),
+        *(f"{op} {s}" for op in ("info", "get") for s in ("TRAJ", "STEPS", "WEIGHTS", "CYCLES")),
         "consume TRAJ",
         "ack TRAJ",
         "consume WEIGHTS",  # reads its own manifests back on a restart
@@ -72,7 +74,7 @@ NEEDS: dict[BusRole, set[str]] = {
     },
     BusRole.EVALUATOR: {
         "publish evaluations",
-        *(f"{op} {s}" for op in ("info", "get") for s in ("EVALS", "WEIGHTS")),
+        *(f"{op} {s}" for op in ("info", "get") for s in ("EVALS", "WEIGHTS", "CYCLES")),
         "consume WEIGHTS",
     },
     BusRole.SERVING: {
@@ -84,7 +86,13 @@ NEEDS: dict[BusRole, set[str]] = {
     BusRole.COLLECTOR: {
         "publish trajectories",
         "publish cycles",
+        "publish live",
         *(f"{op} {s}" for op in ("info", "get") for s in ("CAPTURE", "FEEDBACK", "CYCLES", "TRAJ")),
+    },
+    BusRole.CONDUCTOR: {
+        "publish conductor",
+        "publish serving",
+        *(f"{op} {s}" for op in ("info", "get") for s in ("STEPS", "EVALS", "CYCLES", "SERVING")),
     },
     BusRole.OBSERVER: {
         *(f"{op} {s}" for op in ("info", "get") for s in (*_STREAMS, "TASKS")),
@@ -131,6 +139,8 @@ def _operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
         "captures": capture_subject(run, "chatcmpl-1"),
         "feedback": feedback_subject(run, "chatcmpl-1", "event-1"),
         "cycles": cycle_subject(run),
+        "live": live_subject(run),
+        "conductor": cycle_state_subject(run),
         "serving": serving_subject(run, "stable"),
     }
     found = []

@@ -17,57 +17,29 @@ version, so the next candidate is trained from what users actually saw.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 
-from rlfleet.api.wire import CycleReport
-from rlfleet.operator.promotion import (
-    CanaryCall,
-    CanaryPolicy,
-    GateVerdict,
-    LiveRewards,
-    judge_canary,
+from msgspec.structs import replace
+
+from rlfleet.api.wire import (
+    CYCLE_HISTORY,
+    CycleEvent,
+    CycleReport,
+    CycleState,
+    FinishedCycle,
+    RewardTally,
 )
+from rlfleet.api.wire import CycleOutcome as Outcome
+from rlfleet.api.wire import CyclePhase as Phase
+from rlfleet.launch.settings import CanaryPolicy
+from rlfleet.operator.promotion import CanaryCall, GateVerdict, judge_canary
 
 CANARY, STABLE = "canary", "stable"  # the pool's replica sets
-HISTORY = 20  # finished cycles kept in the status
 
 
-class Phase(StrEnum):
-    COLLECTING = "Collecting"
-    TRAINING = "Training"
-    EVALUATING = "Evaluating"
-    CANARY = "Canary"
-
-
-class Outcome(StrEnum):
-    SKIPPED = "Skipped"  # nothing to train on
-    REJECTED = "Rejected"
-    ROLLED_BACK = "RolledBack"
-    PROMOTED = "Promoted"
-
-
-@dataclass(frozen=True)
-class Finished:
-    number: int
-    outcome: Outcome
-    candidate: int | None
-    why: str
-
-
-@dataclass(frozen=True)
-class CycleState:
-    number: int  # the cycle under way; the collector numbers its reports alike
-    phase: Phase
-    since: float  # when the phase began
-    serving: int  # the version production's stable set serves
-    candidate: int | None = None
-    collected: int = 0  # trajectories the collector published for this cycle
-    history: tuple[Finished, ...] = ()
-
-    @classmethod
-    def first(cls, serving: int, now: float) -> CycleState:
-        return cls(number=1, phase=Phase.COLLECTING, since=now, serving=serving)
+def first_state(run: str, serving: int, now: float) -> CycleState:
+    return CycleState(run=run, number=1, phase=Phase.COLLECTING, since=now, serving=serving)
 
 
 @dataclass(frozen=True)
@@ -79,7 +51,7 @@ class Observed:
     taken: int = 0
     version_after: int | None = None
     gate: GateVerdict | None = None  # once both versions are evaluated on the suite
-    live: tuple[LiveRewards, LiveRewards] | None = None  # canary, stable
+    live: tuple[RewardTally, RewardTally] | None = None  # canary, stable
 
 
 class Act(StrEnum):
@@ -99,7 +71,7 @@ class Action:
 class Step:
     state: CycleState
     actions: list[Action] = field(default_factory=list)
-    events: list[tuple[str, str]] = field(default_factory=list)  # (reason, message)
+    events: list[CycleEvent] = field(default_factory=list)
 
 
 def advance(state: CycleState, seen: Observed, canary: CanaryPolicy) -> Step:
@@ -119,14 +91,19 @@ def _phase(state: CycleState, phase: Phase, now: float, **changes) -> CycleState
 
 
 def _finish(state: CycleState, outcome: Outcome, why: str, now: float, serving: int) -> CycleState:
-    done = Finished(state.number, outcome, state.candidate, why)
+    done = FinishedCycle(state.number, outcome, state.candidate, why, now)
     return CycleState(
+        run=state.run,
         number=state.number + 1,
         phase=Phase.COLLECTING,
         since=now,
         serving=serving,
-        history=(*state.history, done)[-HISTORY:],
+        history=[*state.history, done][-CYCLE_HISTORY:],
     )
+
+
+def _event(reason: str, message: str) -> list[CycleEvent]:
+    return [CycleEvent(reason, message)]
 
 
 def _collecting(state: CycleState, seen: Observed) -> Step:
@@ -140,9 +117,9 @@ def _collecting(state: CycleState, seen: Observed) -> Step:
     if report.trained_on == 0:
         why = f"{numbers}: nothing to train on"
         skipped = _finish(state, Outcome.SKIPPED, why, seen.now, state.serving)
-        return Step(skipped, events=[("CycleSkipped", why)])
+        return Step(skipped, events=_event("CycleSkipped", why))
     training = _phase(state, Phase.TRAINING, seen.now, collected=report.trained_on)
-    return Step(training, events=[("CycleCollected", numbers)])
+    return Step(training, events=_event("CycleCollected", numbers))
 
 
 def _training(state: CycleState, seen: Observed) -> Step:
@@ -154,7 +131,7 @@ def _training(state: CycleState, seen: Observed) -> Step:
     return Step(
         evaluating,
         [Action(Act.EVALUATE, candidate), Action(Act.EVALUATE, state.serving)],
-        [("CandidateTrained", message)],
+        _event("CandidateTrained", message),
     )
 
 
@@ -166,14 +143,16 @@ def _evaluating(state: CycleState, seen: Observed) -> Step:
         why = f"version {candidate}: " + "; ".join(gate.reasons)
         rejected = _finish(state, Outcome.REJECTED, why, seen.now, state.serving)
         return Step(
-            rejected, [Action(Act.RESET_TRAINER, state.serving)], [("CandidateRejected", why)]
+            rejected,
+            [Action(Act.RESET_TRAINER, state.serving)],
+            _event("CandidateRejected", why),
         )
     message = (
         f"version {candidate} on the canary set: {gate.mean_difference:+.4f} over "
         f"{gate.items} items, lower bound {gate.lower_bound:+.4f}"
     )
     canary = _phase(state, Phase.CANARY, seen.now)
-    return Step(canary, [Action(Act.SERVE, candidate, CANARY)], [("CanaryStarted", message)])
+    return Step(canary, [Action(Act.SERVE, candidate, CANARY)], _event("CanaryStarted", message))
 
 
 def _canary(state: CycleState, seen: Observed, policy: CanaryPolicy) -> Step:
@@ -186,10 +165,12 @@ def _canary(state: CycleState, seen: Observed, policy: CanaryPolicy) -> Step:
     why = f"version {candidate}: {verdict.reason}"
     if verdict.call == CanaryCall.PROMOTE:
         promoted = _finish(state, Outcome.PROMOTED, why, seen.now, serving=candidate)
-        return Step(promoted, [Action(Act.SERVE, candidate, STABLE)], [("CheckpointPromoted", why)])
+        return Step(
+            promoted, [Action(Act.SERVE, candidate, STABLE)], _event("CheckpointPromoted", why)
+        )
     rolled_back = _finish(state, Outcome.ROLLED_BACK, why, seen.now, state.serving)
     return Step(
         rolled_back,
         [Action(Act.SERVE, state.serving, CANARY), Action(Act.RESET_TRAINER, state.serving)],
-        [("CanaryRolledBack", why)],
+        _event("CanaryRolledBack", why),
     )

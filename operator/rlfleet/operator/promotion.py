@@ -38,19 +38,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from statistics import NormalDist, fmean
 
-from rlfleet.api.wire import AnswerStats, EvaluationReport
+from rlfleet.api.wire import AnswerStats, EvaluationReport, RewardTally
+from rlfleet.launch.settings import CanaryPolicy, GatePolicy
 
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0  # the same scores give the same verdict, on every operator replica
-
-
-@dataclass(frozen=True)
-class GatePolicy:
-    max_regression: float  # in reward units of the eval suite
-    confidence: float  # of the bound, e.g. 0.95
-    max_empty_increase: float  # in share of answers
-    length_ratio: tuple[float, float]  # candidate mean length / serving mean length
-    max_malformed_tool_calls: float  # share of the candidate's tool calls
 
 
 @dataclass(frozen=True)
@@ -142,36 +134,6 @@ def _drift(candidate: AnswerStats, serving: AnswerStats, policy: GatePolicy) -> 
     return reasons
 
 
-@dataclass(frozen=True)
-class CanaryPolicy:
-    max_drop: float  # in mean live reward
-    confidence: float
-    window_s: float
-    min_samples: int  # answered canary completions before a verdict at the window's end
-
-
-@dataclass(frozen=True)
-class LiveRewards:
-    """The rewards of one set's answered completions so far: count, sum, sum of squares."""
-
-    count: int = 0
-    total: float = 0.0
-    total_squares: float = 0.0
-
-    def add(self, reward: float) -> LiveRewards:
-        return LiveRewards(self.count + 1, self.total + reward, self.total_squares + reward**2)
-
-    @property
-    def mean(self) -> float:
-        return self.total / self.count if self.count else 0.0
-
-    @property
-    def variance(self) -> float:
-        if self.count < 2:
-            return 1.0  # rewards lie in [-1, 1]: the widest it can be, until measured
-        return max(0.0, (self.total_squares - self.count * self.mean**2) / (self.count - 1))
-
-
 class CanaryCall(StrEnum):
     WAIT = "wait"
     PROMOTE = "promote"
@@ -188,7 +150,7 @@ class CanaryVerdict:
 
 
 def judge_canary(
-    canary: LiveRewards, stable: LiveRewards, elapsed_s: float, policy: CanaryPolicy
+    canary: RewardTally, stable: RewardTally, elapsed_s: float, policy: CanaryPolicy
 ) -> CanaryVerdict:
     difference = canary.mean - stable.mean
     spread = math.sqrt(

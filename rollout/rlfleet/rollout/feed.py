@@ -36,9 +36,9 @@ from rlfleet.api.wire import (
 from rlfleet.bus import auth
 from rlfleet.bus.streams import bind_stream, step_stream
 from rlfleet.launch.settings import FeedConfig
+from rlfleet.launch.stopping import run_until_signalled
 from rlfleet.rollout.admission import Admission
 from rlfleet.rollout.curriculum import Curriculum
-from rlfleet.rollout.stopping import run_until_signalled
 from rlfleet.rollout.tasks import load_suite, suite_path
 
 log = logging.getLogger(__name__)
