@@ -18,9 +18,13 @@ from conftest import wait_for
 from rlfleet.api.wire import (
     BusRole,
     CapturedCompletion,
+    CyclePhase,
+    CycleState,
     Feedback,
     Segment,
     capture_subject,
+    cycle_state_subject,
+    cycle_subject,
     decode_trajectory,
     encode,
     encode_captured,
@@ -160,13 +164,16 @@ def test_the_collector_runs_as_its_own_process_until_signalled(nats_servers, tmp
         admin = await bed.hub.connect()
         await ensure_run_streams(admin, run, None)
         await _store(admin, captures, [_event(c, "accepted") for c in captures])
+        # The conductor's word that cycle 1 is collecting: without it nothing closes.
+        state = CycleState(run=run, number=1, phase=CyclePhase.COLLECTING, since=0, serving=0)
+        await admin.jetstream().publish(cycle_state_subject(run), encode(state))
         await admin.close()
 
     async def reports() -> int:
         admin = await bed.hub.connect()
-        info = await admin.jetstream().stream_info(cycle_stream(run))
+        info = await admin.jetstream().stream_info(cycle_stream(run), subjects_filter=">")
         await admin.close()
-        return info.state.messages
+        return (info.state.subjects or {}).get(cycle_subject(run), 0)
 
     asyncio.run(store())
     env = os.environ | {CREDENTIALS_ENV: str(tmp_path / "collector.creds")}

@@ -3,6 +3,8 @@ answers and on generated cycles for the properties every cycle must keep."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,8 +17,12 @@ RUN = "live"
 REWARDS = SignalRewards(max_per_user=3, group_size=4)
 
 
-def capture(response_id: str, user: str = "ada", served_at: float = 0.0, text: str = "four"):
-    segment = Segment(tokens=[1, 2, 3], prompt_len=2, generated=[1], logprobs=[-0.1], versions=[0])
+def capture(
+    response_id: str, user: str = "ada", served_at: float = 0.0, text: str = "four", prompt=1
+):
+    segment = Segment(
+        tokens=[prompt, 2, 3], prompt_len=2, generated=[1], logprobs=[-0.1], versions=[0]
+    )
     return CapturedCompletion(RUN, response_id, user, segment, text, "stop", served_at)
 
 
@@ -56,13 +62,15 @@ def test_late_feedback_and_silence_teach_nothing():
 
 users = st.sampled_from(["ada", "grace", "", "lin"])
 kinds = st.sampled_from(["accepted", "rejected", "retried", "follow-up", "copied"])
+prompts = st.integers(1, 12)
 
 
 @st.composite
 def cycles(draw):
     count = draw(st.integers(0, 40))
-    captures = [
-        capture(f"c{i}", draw(users), served_at=draw(st.floats(0, 100))) for i in range(count)
+    captures = [  # prompts of a few kinds: some asked often, some once
+        capture(f"c{i}", draw(users), served_at=draw(st.floats(0, 100)), prompt=draw(prompts))
+        for i in range(count)
     ]
     feedback = {
         c.response_id: [event(k, late=draw(st.booleans())) for k in draw(st.sets(kinds))]
@@ -77,6 +85,7 @@ def test_every_capture_is_trained_on_once_or_dropped_with_a_reason(cycle, group_
     captures, feedback = cycle
     samples = score_cycle(captures, feedback, REWARDS)
     trajectories = batch(samples, "cycle-1", group_size, "serving")
+    trained = {s.capture.response_id: s.capture for s in samples.scored}
     assert len(samples.scored) + sum(samples.dropped.values()) - samples.dropped[
         Dropped.NO_BASELINE
     ] == len(captures)
@@ -95,7 +104,30 @@ def test_every_capture_is_trained_on_once_or_dropped_with_a_reason(cycle, group_
         groups.setdefault(t.group_id, []).append(t)
     sizes = [len(g) for g in groups.values()]
     assert all(2 <= size <= max(group_size, 3) for size in sizes)  # 3 for 3 in groups of 2
-    assert max(sizes, default=0) - min(sizes, default=0) <= 1
+    # A group is of one prompt, or of prompts asked once in the cycle, never a mix.
+    asked = Counter(c.segment.tokens[0] for c in captures if c.response_id in trained)
+    for group in groups.values():
+        prompts_in = {trained[t.task_id].segment.tokens[0] for t in group}
+        assert len(prompts_in) == 1 or all(asked[p] == 1 for p in prompts_in)
     for group in groups.values():
         assert sorted(t.attempt for t in group) == list(range(len(group)))
         assert all(t.group_size == len(group) for t in group)
+
+
+def test_completions_of_one_prompt_are_each_others_baseline():
+    """A popular question asked four times is one group, so each answer is judged against
+    the others' rewards for the same question; the questions asked once share a group."""
+    popular = [capture(f"p{i}", f"u{i}", prompt=7, served_at=i) for i in range(4)]
+    once = [capture(f"o{i}", f"v{i}", prompt=20 + i, served_at=10 + i) for i in range(3)]
+    kinds = ["accepted", "rejected", "rejected", "rejected", "accepted", "accepted", "rejected"]
+    feedback = {c.response_id: [event(kind)] for c, kind in zip(popular + once, kinds, strict=True)}
+    samples = score_cycle(popular + once, feedback, REWARDS)
+    trajectories = batch(samples, "cycle-1", 8, "serving")
+    groups: dict[str, set[str]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, set()).add(t.task_id)
+    assert sorted(groups.values(), key=len) == [{"o0", "o1", "o2"}, {"p0", "p1", "p2", "p3"}]
+    # One left alone has nothing to compare with.
+    lonely = score_cycle(popular + once[:1], feedback, REWARDS)
+    assert len(batch(lonely, "cycle-1", 8, "serving")) == 4
+    assert lonely.dropped[Dropped.NO_BASELINE] == 1

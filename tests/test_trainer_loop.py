@@ -22,11 +22,20 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlfleet.api.wire import (
+    CyclePhase,
+    CycleState,
     Segment,
+    TrainerReset,
     Trajectory,
+    cycle_state_subject,
+    decode_manifest,
+    encode,
     encode_trajectory,
+    trainer_reset_subject,
     trajectory_stream,
     trajectory_subject,
+    weights_prefix,
+    weights_stream,
 )
 from rlfleet.bus.streams import ensure_run_streams
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
@@ -341,3 +350,67 @@ def test_trainer_raises_the_reward_of_a_fixed_policy_on_a_verifiable_task(
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.15, rewards
     assert "dropped stale" not in process.log.read_text()
+
+
+async def _state_digest(hub: NatsServer, run: str, version: int) -> str:
+    """The state digest the trainer published for `version` (on its delta or snapshot)."""
+    nc = await hub.connect()
+    try:
+        js = nc.jetstream(domain=HUB_DOMAIN)
+        for kind in ("delta", "full"):
+            subject = f"{weights_prefix(run)}.{version}.manifest.{kind}"
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                message = await js.get_last_msg(weights_stream(run), subject)
+                return decode_manifest(message.data).state_digest
+        raise AssertionError(f"no manifest of version {version}")
+    finally:
+        await nc.close()
+
+
+async def _conduct(hub: NatsServer, message: CycleState | TrainerReset) -> None:
+    """Publishes what a production run's conductor would."""
+    nc = await hub.connect()
+    try:
+        run = message.run
+        subject = (
+            cycle_state_subject(run)
+            if isinstance(message, CycleState)
+            else trainer_reset_subject(run)
+        )
+        await nc.jetstream(domain=HUB_DOMAIN).publish(subject, encode(message))
+    finally:
+        await nc.close()
+
+
+def test_a_production_trainer_told_to_reset_trains_on_from_the_serving_weights(
+    tmp_path: Path, tiny_moe: Path, nats_servers: StandaloneNats
+) -> None:
+    """After two steps and a reset to version 0, the next version is bit for bit what a
+    fresh trainer makes from version 0 on the same batch: weights and optimiser went back,
+    and the version number went on."""
+    hub = nats_servers.bed.hub
+    (tmp_path / "reset").mkdir()
+    with trainer(tmp_path / "reset", tiny_moe, nats_servers, max_steps=3, production=True) as a:
+        serving = CycleState(run=a.run, number=1, phase=CyclePhase.TRAINING, since=0, serving=0)
+        asyncio.run(_conduct(hub, serving))
+        payloads = [p for name in "abcd" for p in group(a.run, name, 0)]
+        asyncio.run(publish(hub, a.run, payloads))
+        a.start()
+        a.wait(lambda: len(a.steps()) == 2)
+        asyncio.run(_conduct(hub, TrainerReset(run=a.run, number=1, version=0)))
+        a.wait(lambda: "reset 1: back to version 0" in a.log.read_text())
+        asyncio.run(publish(hub, a.run, [p for name in "ef" for p in group(a.run, name, 0)]))
+        a.wait(lambda: len(a.steps()) == 3)
+        after_reset = asyncio.run(_state_digest(hub, a.run, 3))
+        assert a.proc is not None and a.proc.wait(timeout=60) == 0
+    (tmp_path / "fresh").mkdir()
+    with trainer(tmp_path / "fresh", tiny_moe, nats_servers, max_steps=1) as b:
+        asyncio.run(publish(hub, b.run, [p for name in "ef" for p in group(b.run, name, 0)]))
+        b.start()
+        b.wait(lambda: len(b.steps()) == 1)
+        fresh = asyncio.run(_state_digest(hub, b.run, 1))
+    assert after_reset == fresh
+    assert after_reset != asyncio.run(_state_digest(hub, a.run, 2))
+    # The serving version's checkpoint was kept, as the newest two were.
+    kept = sorted(p.name for p in (tmp_path / "reset" / "checkpoints").glob("step-*"))
+    assert kept == ["step-00000000", "step-00000002", "step-00000003"]

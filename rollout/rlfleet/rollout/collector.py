@@ -12,6 +12,12 @@ at least `min_samples` of the completions it would take were answered (or it hol
 `max_samples`, answered or not, so silence cannot stall the collector); its
 trajectories are published (a retry after a crash is deduplicated by id within the
 stream's window), then its report.
+
+The run's conductor paces it: a cycle closes only while the conductor's state says that
+cycle is collecting, so the trainer never learns from the next cycle's traffic while a
+candidate is still being judged. During a canary it also tallies users' rewards so far
+on the completions served since the canary began, by the version that served them
+(`LiveRewards`): what the conductor judges the canary on.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -32,25 +39,32 @@ from nats.js.errors import NotFoundError
 
 from rlfleet.api.wire import (
     CapturedCompletion,
+    CyclePhase,
     CycleReport,
+    CycleState,
     Feedback,
+    LiveRewards,
+    RewardTally,
     capture_stream,
     capture_subject,
+    cycle_state_subject,
     cycle_subject,
     decode_captured,
     decode_cycle_report,
+    decode_cycle_state,
     decode_feedback,
     encode,
     encode_trajectory,
     feedback_stream,
     feedback_subject,
+    live_subject,
     trajectory_subject,
 )
 from rlfleet.bus.auth import connect
 from rlfleet.bus.streams import cycle_stream
 from rlfleet.launch.settings import CollectorConfig, from_json
-from rlfleet.rollout.signals import CycleSamples, batch, score_cycle
-from rlfleet.rollout.stopping import run_until_signalled
+from rlfleet.launch.stopping import run_until_signalled
+from rlfleet.rollout.signals import CycleSamples, batch, reward, score_cycle
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +79,20 @@ malformed = prometheus_client.Counter(
 WORKER = "collector"  # what the trajectories name as their worker
 
 
+@dataclass
+class _Tally:
+    """A canary's live rewards as they come in (`Collector.tally`)."""
+
+    canary: tuple[int, float]  # its cycle and when it began
+    cursor: int  # the capture stream's last sequence read
+    pending: dict[str, CapturedCompletion] = field(default_factory=dict)  # no feedback yet
+    by_version: dict[int, RewardTally] = field(default_factory=dict)
+
+
 class Collector:
     def __init__(self, config: CollectorConfig) -> None:
         self.config = config
+        self.live: _Tally | None = None
 
     async def run(self, stopping: asyncio.Event) -> None:
         nc = await connect(self.config.nats_url)
@@ -75,7 +100,11 @@ class Collector:
             js = nc.jetstream(domain=self.config.jetstream_domain)
             last = await self.last_report(js)
             while not stopping.is_set():
-                last = await self.cycle(js, last, time.time()) or last
+                state = await self.conductor_state(js)
+                if may_close(state, last):
+                    last = await self.cycle(js, last, time.time()) or last
+                elif state is not None and state.phase == CyclePhase.CANARY:
+                    await self.tally(js, state, last)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stopping.wait(), self.config.poll_s)
         finally:
@@ -88,6 +117,48 @@ class Collector:
         except NotFoundError:
             return None
         return decode_cycle_report(message.data)
+
+    async def conductor_state(self, js) -> CycleState | None:
+        run = self.config.run
+        try:
+            message = await js.get_last_msg(
+                cycle_stream(run), cycle_state_subject(run), direct=True
+            )
+            return decode_cycle_state(message.data)
+        except NotFoundError:
+            return None
+        except msgspec.DecodeError:
+            malformed.inc()
+            return None
+
+    async def tally(self, js, state: CycleState, last: CycleReport | None) -> LiveRewards:
+        """Rewards so far on what was served since the canary began, by version; published.
+        Each capture is read once; its feedback is looked up until some comes or its
+        window closes (silence: nothing to tally)."""
+        run, rewards = self.config.run, self.config.rewards
+        if self.live is None or self.live.canary != (state.number, state.since):
+            self.live = _Tally((state.number, state.since), last.capture_seq if last else 0)
+        live = self.live
+        async for seq, capture in self._captures(js, live.cursor):
+            if len(live.pending) >= self.config.max_samples:
+                break  # the rest wait for the next poll
+            live.cursor = seq
+            if capture is not None and capture.served_at >= state.since:
+                live.pending[capture.response_id] = capture
+        now = time.time()
+        for response_id, capture in list(live.pending.items()):
+            events = [e for e in await self._events(js, response_id) if not e.late]
+            scored = reward(capture, events, rewards) if events else None
+            if scored is not None:
+                version = capture.segment.versions[0]
+                live.by_version[version] = live.by_version.get(version, RewardTally()).add(
+                    scored.reward
+                )
+            if events or now - capture.served_at > rewards.window_s:
+                del live.pending[response_id]
+        tallied = LiveRewards(run=run, cycle=state.number, by_version=live.by_version, at=now)
+        await js.publish(live_subject(run), encode(tallied))
+        return tallied
 
     async def cycle(self, js, last: CycleReport | None, now: float) -> CycleReport | None:
         """Close the next cycle if it is due and has enough answered completions."""
@@ -153,24 +224,31 @@ class Collector:
     ) -> tuple[list[CapturedCompletion], int]:
         """Captures after sequence `after` whose window has closed, in order, up to the
         first that has not (or `max_samples`); and the last sequence taken."""
-        run, ready = self.config.run, now - self.config.rewards.window_s - self.config.settle_s
+        ready = now - self.config.rewards.window_s - self.config.settle_s
         captures, seq = [], after
+        async for at, capture in self._captures(js, after):
+            if capture is not None:
+                if len(captures) >= self.config.max_samples or capture.served_at > ready:
+                    break
+                captures.append(capture)
+            seq = at  # an unreadable one is passed over for good
+        return captures, seq
+
+    async def _captures(
+        self, js, after: int
+    ) -> AsyncIterator[tuple[int, CapturedCompletion | None]]:
+        """The run's captures after sequence `after`, in order, with their sequences; an
+        unreadable one is counted and comes as None."""
+        run = self.config.run
         async for message in _messages(js, capture_stream(run), capture_subject(run), after):
-            if len(captures) >= self.config.max_samples:
-                break
             try:
                 capture = decode_captured(message.data)
                 if capture.run != run:
                     raise msgspec.ValidationError(f"a capture of run {capture.run!r}")
             except msgspec.DecodeError:
                 malformed.inc()
-                seq = message.seq
-                continue
-            if capture.served_at > ready:
-                break
-            captures.append(capture)
-            seq = message.seq
-        return captures, seq
+                capture = None
+            yield message.seq, capture
 
     async def _events(self, js, response_id: str) -> list[Feedback]:
         run, events = self.config.run, []
@@ -186,6 +264,12 @@ class Collector:
             else:
                 malformed.inc()
         return events
+
+
+def may_close(state: CycleState | None, last: CycleReport | None) -> bool:
+    """Whether the conductor's state lets the next cycle close: it is the one collecting."""
+    following = (last.cycle if last else 0) + 1
+    return state is not None and (state.number, state.phase) == (following, CyclePhase.COLLECTING)
 
 
 async def _messages(js, stream: str, subject: str, after: int) -> AsyncIterator:

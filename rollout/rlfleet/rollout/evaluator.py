@@ -5,6 +5,11 @@ to the newest version, and when that version is `every_versions` past the last o
 scored (or it has scored none), it evaluates it (`rlfleet.rollout.evaluation`) and
 publishes an `EvaluationReport`. The hub operator holds the run to the gate's floor. The
 reports are its memory: a restarted evaluator reads the last one and carries on after it.
+
+A production run's evaluator (`on_request`) scores the versions its conductor asks for
+instead (`EvaluationRequest`: a candidate and the serving version, for the gate), each
+rebuilt from the weight stream however old, and each version once: the reports say which
+it has scored.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import nats
 import nats.errors
 import nats.js.errors
@@ -24,15 +30,18 @@ import prometheus_client
 from rlfleet import launch
 from rlfleet.api.wire import (
     EvaluationReport,
+    EvaluationRequest,
     decode_evaluation_report,
+    decode_evaluation_request,
     encode,
+    evaluation_request_subject,
     evaluation_subject,
 )
 from rlfleet.bus import auth
-from rlfleet.bus.streams import bind_stream, evaluation_stream
+from rlfleet.bus.streams import bind_stream, cycle_stream, evaluation_stream
 from rlfleet.launch.settings import EvaluatorConfig
+from rlfleet.launch.stopping import run_until_signalled
 from rlfleet.rollout.evaluation import evaluable, evaluate
-from rlfleet.rollout.stopping import run_until_signalled
 from rlfleet.rollout.tasks import load_suite, suite_path
 from rlfleet.weightsync import Receiver, WeightStream
 
@@ -55,6 +64,40 @@ async def _last_report(js, run: str) -> EvaluationReport | None:
     return decode_evaluation_report(message.data)
 
 
+async def _scored_versions(js, run: str) -> set[int]:
+    """Every version the run's evaluation reports score."""
+    stream, scored = evaluation_stream(run), set()
+    state = (await js.stream_info(stream)).state
+    for seq in range(state.first_seq, state.last_seq + 1) if state.messages else ():
+        with contextlib.suppress(nats.js.errors.NotFoundError, msgspec.DecodeError):
+            message = await js.get_msg(stream, seq, direct=True)
+            scored.add(decode_evaluation_report(message.data).policy_version)
+    return scored
+
+
+async def _requested(js, run: str) -> EvaluationRequest | None:
+    try:
+        message = await js.get_last_msg(
+            cycle_stream(run), evaluation_request_subject(run), direct=True
+        )
+        return decode_evaluation_request(message.data)
+    except (nats.js.errors.NotFoundError, nats.errors.NoRespondersError):
+        return None
+    except msgspec.DecodeError as error:
+        log.warning("an unreadable evaluation request: %s", error)
+        return None
+
+
+async def _wanted(js, config: EvaluatorConfig, receiver: Receiver, last: int | None) -> list[int]:
+    """The versions to score now, oldest first."""
+    if not config.on_request:
+        receiver.ceiling = None  # the newest there is
+        version = await receiver.sync()
+        return [version] if due(version, last, config.every_versions) else []
+    request = await _requested(js, config.run)
+    return [] if request is None or request.run != config.run else sorted(request.versions)
+
+
 async def run_evaluator(config: EvaluatorConfig, stop: asyncio.Event) -> None:
     tasks = load_suite(suite_path(config.suite))
     if not evaluable(tasks):
@@ -67,41 +110,57 @@ async def run_evaluator(config: EvaluatorConfig, stop: asyncio.Event) -> None:
         await stream.bind()
         last_report = await _last_report(js, config.run)
         last = last_report.policy_version if last_report else None
+        scored = await _scored_versions(js, config.run) if config.on_request else set()
         receiver = Receiver(stream)
         while not stop.is_set():
-            version = await receiver.sync()
-            if due(version, last, config.every_versions):
-                found = await asyncio.to_thread(
-                    evaluate,
-                    Path(config.model),
-                    tasks,
-                    receiver.state.tensors,
-                    version=version,
-                    attempts=config.attempts,
-                )
-                report = EvaluationReport(
-                    run=config.run,
-                    suite=config.suite,
-                    policy_version=found.version,
-                    reward=found.reward,
-                    pass_at_k=found.pass_at_k,
-                    attempts=found.attempts,
-                    tasks=found.tasks,
-                    finished_at=time.time(),
-                    task_rewards=found.task_rewards,
-                    answers=found.answers,
-                )
+            for version in await _wanted(js, config, receiver, last):
+                if version in scored or not await _hold(receiver, version):
+                    continue
+                report = await _score(config, tasks, receiver)
                 await js.publish(evaluation_subject(config.run), encode(report))
-                log.info(
-                    "version %d: reward %.4f, pass@%d %.4f on %d tasks of %s",
-                    *(found.version, found.reward, found.attempts, found.pass_at_k),
-                    *(found.tasks, config.suite),
-                )
+                scored.add(version)
                 last = version
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), config.poll_seconds)
     finally:
         await nc.close()
+
+
+async def _hold(receiver: Receiver, version: int) -> bool:
+    """Rebuild `version` from the stream, forward or back; False if it cannot be had."""
+    receiver.ceiling = version
+    if receiver.version == version or await receiver.sync() == version:
+        return True
+    log.warning("version %d is not on the weight stream (holding %s)", version, receiver.version)
+    return False
+
+
+async def _score(config: EvaluatorConfig, tasks, receiver: Receiver) -> EvaluationReport:
+    found = await asyncio.to_thread(
+        evaluate,
+        Path(config.model),
+        tasks,
+        receiver.state.tensors,
+        version=receiver.version,
+        attempts=config.attempts,
+    )
+    log.info(
+        "version %d: reward %.4f, pass@%d %.4f on %d tasks of %s",
+        *(found.version, found.reward, found.attempts, found.pass_at_k),
+        *(found.tasks, config.suite),
+    )
+    return EvaluationReport(
+        run=config.run,
+        suite=config.suite,
+        policy_version=found.version,
+        reward=found.reward,
+        pass_at_k=found.pass_at_k,
+        attempts=found.attempts,
+        tasks=found.tasks,
+        finished_at=time.time(),
+        task_rewards=found.task_rewards,
+        answers=found.answers,
+    )
 
 
 def main() -> None:

@@ -10,15 +10,16 @@ Feedback after the window was decided without it (the stream keeps it, marked la
 A completion nobody answered within the window teaches nothing and is dropped, counted:
 silence is not a rejection (many clients never send feedback at all).
 
-**The baseline.** Production traffic has no GRPO groups: each prompt is asked once. The
-trainer's group normalisation needs a baseline, so completions are grouped `group_size`
-at a time in the order they were served (`batch`), and each group's mean reward is the
-baseline of its members: a batch-mean baseline, as REINFORCE uses. It is chosen over a
-running mean per task kind because it keeps no state across cycles, so a restart
-resumes exactly and a drifting accept rate is followed at once; and over leave-one-out
-among requests that share a prompt because production prompts rarely repeat. Its cost
-is variance (the baseline does not know the prompt's difficulty), paid by larger groups;
-a member's own reward in the mean shrinks its advantage by 1/group_size.
+**The baseline.** Production traffic has no GRPO groups of its own, but the trainer's
+group normalisation needs a baseline. Completions of one prompt (a popular question, a
+retry) are grouped together: their mean reward is the baseline of each, which knows the
+prompt's difficulty, as GRPO's does. The rest are grouped `group_size` at a time in the
+order they were served (`batch`), and each group's mean is its members' baseline: a
+batch-mean baseline, as REINFORCE uses. Both keep no state across cycles, so a restart
+resumes exactly and a drifting accept rate is followed at once (a running mean per task
+kind would not). The batch mean's cost is variance (the baseline does not know the
+prompt's difficulty), paid by larger groups; a member's own reward in the mean shrinks
+its advantage by 1/group_size.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ SIMILARITY_CHARS = 4096
 class Dropped(StrEnum):
     NO_SIGNAL = "no_signal"  # nobody answered within the window
     USER_CAP = "user_cap"  # its user had given this cycle `max_per_user` already
-    NO_BASELINE = "no_baseline"  # the cycle's only completion: nothing to compare with
+    # The cycle's only completion of a prompt not asked twice: nothing to compare with.
+    NO_BASELINE = "no_baseline"
 
 
 @dataclass(frozen=True)
@@ -113,32 +115,50 @@ def score_cycle(
 
 
 def batch(samples: CycleSamples, cycle: str, group_size: int, worker: str) -> list[Trajectory]:
-    """The cycle's scored completions as trajectories, in baseline groups as near to
-    `group_size` as splits them evenly and at least two each (a cycle's only completion
-    has nothing to compare with and is dropped)."""
-    count = len(samples.scored)
-    if count == 1:
+    """The cycle's scored completions as trajectories, in baseline groups of at most
+    `group_size` (or three, where two would leave one alone), at least two each: first
+    the completions that share a prompt, then the rest in the order served. A completion
+    with nothing to compare with (the only one of the rest) is dropped, counted."""
+    by_prompt: dict[tuple[int, ...], list[Scored]] = {}
+    for scored in samples.scored:
+        segment = scored.capture.segment
+        by_prompt.setdefault(tuple(segment.tokens[: segment.prompt_len]), []).append(scored)
+    shared = [group for group in by_prompt.values() if len(group) > 1]
+    alone = [group[0] for group in by_prompt.values() if len(group) == 1]
+    if len(alone) == 1:  # nothing to compare it with
         samples.dropped[Dropped.NO_BASELINE] += 1
-        return []
+        alone = []
+    groups = [g for members in [*shared, alone] for g in _split(members, group_size)]
+    return [
+        _trajectory(scored, f"{cycle}/{index}", len(group), attempt, worker)
+        for index, group in enumerate(groups)
+        for attempt, scored in enumerate(group)
+    ]
+
+
+def _split(members: list[Scored], group_size: int) -> list[list[Scored]]:
+    """`members` in groups as near to `group_size` as splits them evenly, two at least."""
+    count = len(members)
     groups = min(math.ceil(count / group_size), count // 2)
-    trajectories, start = [], 0
+    found, start = [], 0
     for index in range(groups):
         size = count // groups + (index < count % groups)
-        for attempt, scored in enumerate(samples.scored[start : start + size]):
-            capture = scored.capture
-            trajectories.append(
-                Trajectory(
-                    run=capture.run,
-                    task_id=capture.response_id,
-                    group_id=f"{cycle}/{index}",
-                    group_size=size,
-                    attempt=attempt,
-                    reward=scored.reward,
-                    reward_breakdown=scored.breakdown,
-                    segments=[capture.segment],
-                    worker=worker,
-                    created_at=capture.served_at,
-                )
-            )
+        found.append(members[start : start + size])
         start += size
-    return trajectories
+    return found
+
+
+def _trajectory(scored: Scored, group: str, size: int, attempt: int, worker: str) -> Trajectory:
+    capture = scored.capture
+    return Trajectory(
+        run=capture.run,
+        task_id=capture.response_id,
+        group_id=group,
+        group_size=size,
+        attempt=attempt,
+        reward=scored.reward,
+        reward_breakdown=scored.breakdown,
+        segments=[capture.segment],
+        worker=worker,
+        created_at=capture.served_at,
+    )

@@ -78,6 +78,7 @@ def world() -> int:
 
 class Kind(Enum):
     STEP = "step"
+    RESTORE = "restore"  # back to step `step`'s checkpoint (a production run's reset)
     IDLE = "idle"
     STOP = "stop"
 
@@ -85,12 +86,14 @@ class Kind(Enum):
 @dataclass
 class Order:
     """What rank 0 tells a rank to do next: for a step, its number (the checkpoint's tag),
-    this rank's micro-batches and the whole step's generated tokens."""
+    this rank's micro-batches, the whole step's generated tokens and the checkpoint to keep
+    however old (`Policy.save`)."""
 
     kind: Kind
     step: int = 0
     micro_batches: list[Rows] = field(default_factory=list)
     tokens: int = 0
+    pinned: int | None = None
 
 
 def share(micro_batches: list[Rows], ranks: int) -> list[list[Rows]]:

@@ -95,15 +95,18 @@ class GroupBuffer:
             key=lambda items: min(i.seq for i in items),
         )
 
-    def take(self, token_budget: int, token_cap: int, now: float) -> list[list[Received]]:
-        """Ready groups, oldest first: nothing until `token_budget` tokens are ready, then
-        as many as fit in `token_cap` (at least up to the budget).
+    def take(
+        self, token_budget: int, token_cap: int, now: float, partial: bool = False
+    ) -> list[list[Received]]:
+        """Ready groups, oldest first: nothing until `token_budget` tokens are ready (with
+        `partial`, what is ready), then as many as fit in `token_cap` (at least up to the
+        budget).
 
         Every step is full; and a synchronous run (staleness bound 0), where whatever a
         step leaves behind goes stale, can take a whole version's batch in one step.
         """
         ready = self.ready(now)
-        if sum(i.tokens for items in ready for i in items) < token_budget:
+        if not partial and sum(i.tokens for items in ready for i in items) < token_budget:
             return []
         taken, tokens = [], 0
         for items in ready:
@@ -114,11 +117,12 @@ class GroupBuffer:
             tokens += size
         return self._remove(taken)
 
-    def take_groups(self, count: int, now: float) -> list[list[Received]]:
-        """The `count` oldest ready groups, or nothing until that many are ready: a batch
-        of a fixed number of tasks, which the task feed can issue exactly."""
+    def take_groups(self, count: int, now: float, partial: bool = False) -> list[list[Received]]:
+        """The `count` oldest ready groups, or nothing until that many are ready (with
+        `partial`, fewer if that is all): a batch of a fixed number of tasks, which the
+        task feed can issue exactly."""
         ready = self.ready(now)
-        return self._remove(ready[:count]) if len(ready) >= count else []
+        return self._remove(ready[:count]) if partial or len(ready) >= count else []
 
     def _remove(self, taken: list[list[Received]]) -> list[list[Received]]:
         for items in taken:

@@ -8,6 +8,12 @@ checkpoint that names the stream sequences it consumed, publish the new weights,
 only then acknowledge those sequences. A trainer killed anywhere resumes from its last
 checkpoint: trajectories it had not trained on are redelivered; ones the checkpoint
 already holds are recognised by sequence and acknowledged without training twice.
+
+A production run's trainer (`production`) also follows its conductor: it keeps the
+checkpoint of the version production serves, and that version on the weight stream (for
+a canary's rollback and the gate's evaluation), and when a candidate is refused it goes
+back to it (`TrainerReset`), weights and optimiser, so the next candidate grows from
+what users saw. Versions count on: the next one after a reset is a new number.
 """
 
 from __future__ import annotations
@@ -15,28 +21,35 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 
 import msgspec
 import nats
+import nats.js.errors
 import prometheus_client
 import torch
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from rlfleet.api.wire import (
+    CyclePhase,
     GroupOutcome,
     StepReport,
     Trajectory,
     WeightManifest,
+    cycle_state_subject,
+    decode_cycle_state,
+    decode_trainer_reset,
     decode_trajectory,
     encode,
     step_subject,
+    trainer_reset_subject,
     trajectory_stream,
     trajectory_subject,
 )
 from rlfleet.bus import auth
-from rlfleet.bus.streams import bind_stream, step_stream
+from rlfleet.bus.streams import bind_stream, cycle_stream, step_stream
 from rlfleet.launch.settings import TrainerConfig
 from rlfleet.trainer import distributed, metrics
 from rlfleet.trainer.distributed import Kind, Order
@@ -51,6 +64,7 @@ log = logging.getLogger(__name__)
 
 CONSUMER = "trainer"
 FETCH_WAIT_S = 0.2  # the longest a fetch waits for trajectories before the loop goes on
+CONDUCTOR_POLL_S = 1.0  # how often a production run's trainer reads its conductor's word
 
 
 class Trainer:
@@ -65,10 +79,21 @@ class Trainer:
         self.stopping = asyncio.Event()
         self.ready_at = time.perf_counter()  # when the trainer last became free to train
         self.log_path = config.checkpoint_dir / "steps.jsonl"
+        self.resets = 0  # the conductor's resets applied (`TrainerReset.number`)
+        self.pinned: int | None = None  # the serving version, whose checkpoint is kept
+        self.cycle_phase: CyclePhase | None = None  # a production run's, as last read
+        self.conductor_due = 0.0
 
     @property
     def version(self) -> int:
         return self.step
+
+    @property
+    def max_staleness(self) -> int:
+        """A production run's cycles bound staleness instead: a cycle's trajectories are
+        all of the serving version, taken before the next cycle is collected; and after a
+        reset version numbers run ahead of the weights' distance from it."""
+        return sys.maxsize if self.config.production else self.config.max_staleness
 
     async def run(self) -> None:
         config = self.config
@@ -76,13 +101,17 @@ class Trainer:
         if config.metrics_port is not None:
             prometheus_client.start_http_server(config.metrics_port)
         self.policy = await asyncio.to_thread(Policy, config)
-        self._resume(await asyncio.to_thread(self.policy.load))
+        state = await asyncio.to_thread(self.policy.load)
+        self._resume(state)
+        if state is None and config.production:  # version 0 is a serving version too
+            await asyncio.to_thread(self.policy.save, 0, self._client_state([], None))
         nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
         try:
             js = nc.jetstream(domain=config.jetstream_domain)
             for stream in (trajectory_stream(config.run), step_stream(config.run)):
                 await bind_stream(js, stream)
             self.publisher = await rank_publisher(nc, config)
+            self.publisher.pinned = self.pinned  # a production run's serving version
             subscription = await js.pull_subscribe(
                 trajectory_subject(config.run),
                 durable=CONSUMER,
@@ -96,6 +125,7 @@ class Trainer:
             await self._publish_weights()
             self.ready_at = time.perf_counter()
             while not self.stopping.is_set() and not self._done():
+                await self._follow_conductor(js)
                 await self._receive(subscription)
                 if not await self._maybe_step(js) and distributed.world() > 1:
                     await asyncio.to_thread(self._order, Kind.IDLE)
@@ -118,6 +148,7 @@ class Trainer:
         self.consumed = set(state["consumed"])
         self.dropped_stale = state["dropped_stale"]
         self.rejected = state["rejected"]
+        self.resets, self.pinned = state.get("resets", 0), state.get("pinned")
         # The step log line is written after the checkpoint; a crash between them loses it.
         logged = self._logged_steps()
         if self.step not in logged:
@@ -157,7 +188,7 @@ class Trainer:
             if trajectory is None:
                 await msg.term()  # it can never become valid: do not redeliver
                 continue
-            if staleness(trajectory, self.version) > self.config.max_staleness:
+            if staleness(trajectory, self.version) > self.max_staleness:
                 self._drop_stale([Received(seq, trajectory, now)])
                 await msg.ack()
                 continue
@@ -200,7 +231,7 @@ class Trainer:
                 item.trajectory.policy_version,
                 staleness(item.trajectory, self.version),
                 self.version,
-                self.config.max_staleness,
+                self.max_staleness,
             )
 
     async def _ack(self, seqs) -> None:
@@ -209,13 +240,13 @@ class Trainer:
             if msg is not None:
                 await msg.ack_sync()
 
-    def _order(self, kind: Kind) -> None:
-        distributed.send([Order(kind)] * distributed.world())
+    def _order(self, kind: Kind, step: int = 0) -> None:
+        distributed.send([Order(kind, step)] * distributed.world())
 
     def _train(self, micro_batches: list[Rows], tokens: int) -> StepResult:
         """Deals the step's micro-batches to the ranks and trains on rank 0's share."""
         orders = [
-            Order(Kind.STEP, self.step + 1, share, tokens)
+            Order(Kind.STEP, self.step + 1, share, tokens, self.pinned)
             for share in distributed.share(micro_batches, distributed.world())
         ]
         mine = distributed.send(orders)
@@ -224,17 +255,23 @@ class Trainer:
     async def _maybe_step(self, js) -> bool:
         """Trains one step if one is ready; returns whether it did."""
         now = time.monotonic()
-        stale = self.buffer.drop_stale(self.version, self.config.max_staleness)
+        stale = self.buffer.drop_stale(self.version, self.max_staleness)
         expired = self.buffer.expire(now)
         if expired:
             metrics.trajectories.labels("expired").inc(len(expired))
             log.warning("dropped %d trajectories whose groups never filled", len(expired))
         self._drop_stale(stale)
         await self._ack(item.seq for item in stale + expired)
+        # A production cycle trains once it is collected (all its trajectories are out);
+        # its last groups may not fill a step, and nothing more comes until the cycle is
+        # decided: its trainer takes what is ready, up to a step.
+        partial = self.config.production
+        if partial and self.cycle_phase != CyclePhase.TRAINING:
+            return False
         if self.config.step_groups is not None:
-            groups = self.buffer.take_groups(self.config.step_groups, now)
+            groups = self.buffer.take_groups(self.config.step_groups, now, partial)
         else:
-            groups = self.buffer.take(self.config.step_tokens, self._step_token_cap(), now)
+            groups = self.buffer.take(self.config.step_tokens, self._step_token_cap(), now, partial)
         if not groups:
             return False
         started = time.perf_counter()
@@ -287,15 +324,7 @@ class Trainer:
         seqs = [item.seq for item in items]
         record = msgspec.to_builtins(report)
         await asyncio.to_thread(
-            self.policy.save,
-            self.step,
-            {
-                "step": self.step,
-                "consumed": seqs,
-                "dropped_stale": self.dropped_stale,
-                "rejected": self.rejected,
-                "report": record,
-            },
+            self.policy.save, self.step, self._client_state(seqs, record), self.pinned
         )
         self.consumed = set(seqs)
         weight_bytes, weight_seconds = await self._publish_weights()
@@ -328,6 +357,39 @@ class Trainer:
         )
         return True
 
+    def _client_state(self, consumed: list[int], report: dict | None) -> dict:
+        """What a checkpoint holds beside the model: what a resumed trainer goes on from."""
+        return {
+            "step": self.step,
+            "consumed": consumed,
+            "dropped_stale": self.dropped_stale,
+            "rejected": self.rejected,
+            "resets": self.resets,
+            "pinned": self.pinned,
+            "report": report,
+        }
+
+    async def _follow_conductor(self, js) -> None:
+        """A production run's: note the serving version, and go back to it when told."""
+        if not self.config.production or time.monotonic() < self.conductor_due:
+            return
+        self.conductor_due = time.monotonic() + CONDUCTOR_POLL_S
+        run = self.config.run
+        state = await _newest(js, run, cycle_state_subject(run), decode_cycle_state)
+        if state is not None and state.run == run:
+            self.pinned = self.publisher.pinned = state.serving
+            self.cycle_phase = state.phase
+        reset = await _newest(js, run, trainer_reset_subject(run), decode_trainer_reset)
+        if reset is None or reset.run != run or reset.number <= self.resets:
+            return
+        if distributed.world() > 1:
+            await asyncio.to_thread(self._order, Kind.RESTORE, reset.version)
+        if await asyncio.to_thread(self.policy.restore, reset.version):
+            log.warning("reset %d: back to version %d's weights", reset.number, reset.version)
+        else:
+            log.error("reset %d: no checkpoint of version %d", reset.number, reset.version)
+        self.resets = reset.number  # saved with the next step: a crash before it resets again
+
     async def _publish_weights(self) -> tuple[int, float]:
         """Publishes the current version; returns the bytes a follower fetches for it (the
         delta when there is one) and the seconds publishing took."""
@@ -336,6 +398,19 @@ class Trainer:
         metrics.policy_version.set(self.version)
         shipped = next((m for m in manifests if m.kind == "delta"), manifests[0])
         return sum(s.size for s in shipped.shards), time.perf_counter() - started
+
+
+async def _newest(js, run: str, subject: str, decode):
+    """The newest message on one of the run's cycle subjects, decoded; None if there is
+    none or it cannot be read (logged)."""
+    try:
+        message = await js.get_last_msg(cycle_stream(run), subject, direct=True)
+        return decode(message.data)
+    except nats.js.errors.NotFoundError:
+        return None
+    except (msgspec.ValidationError, msgspec.DecodeError) as error:
+        log.warning("ignored an unreadable message on %s: %s", subject, error)
+        return None
 
 
 async def rank_publisher(nc, config: TrainerConfig) -> Publisher:
@@ -360,6 +435,8 @@ async def follow(config: TrainerConfig, local_rank: int) -> None:
     training its share of each step, saving, publishing) until told to stop."""
     policy = await asyncio.to_thread(Policy, config, local_rank)
     state = await asyncio.to_thread(policy.load)
+    if state is None and config.production:  # with rank 0's save of version 0
+        await asyncio.to_thread(policy.save, 0, {"step": 0})
     nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
     try:
         publisher = await rank_publisher(nc, config)
@@ -369,8 +446,11 @@ async def follow(config: TrainerConfig, local_rank: int) -> None:
                 await asyncio.to_thread(policy.train_step, order.micro_batches, order.tokens)
                 # Rank 0's client state is the one resumed from; this node's own checkpoint
                 # says which version it holds.
-                await asyncio.to_thread(policy.save, order.step, {"step": order.step})
-                await publish(policy, publisher, order.step)
+                step = order.step
+                await asyncio.to_thread(policy.save, step, {"step": step}, order.pinned)
+                await publish(policy, publisher, step)
+            elif order.kind is Kind.RESTORE:
+                await asyncio.to_thread(policy.restore, order.step)
     finally:
         await nc.close()
     log.info("rank %d: stopped with rank 0", distributed.rank())

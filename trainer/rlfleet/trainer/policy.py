@@ -176,16 +176,26 @@ class Policy:
                     state[name] = tensor.detach().to(self.serve_dtype, copy=partitioned)
         return revert_weight_conversion(module, state)
 
-    def save(self, step: int, client_state: dict[str, Any]) -> None:
+    def save(self, step: int, client_state: dict[str, Any], pinned: int | None = None) -> None:
         """Collective: every rank saves its part, into its node's `checkpoint_dir` (a volume
-        per pod); rank 0's `client_state` is the one resumed from."""
+        per pod); rank 0's `client_state` is the one resumed from. The newest few are kept,
+        and step `pinned`'s too (a production run's serving version, to go back to)."""
         directory = self.config.checkpoint_dir
-        tag = f"step-{step:08d}"
-        self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state)
+        self.engine.save_checkpoint(str(directory), tag=_tag(step), client_state=client_state)
         if self.local_rank == 0:  # once every rank has written (the save ends in a barrier)
             tags = sorted(p for p in directory.glob("step-*") if p.is_dir())
             for old in tags[: -self.config.keep_checkpoints]:
-                shutil.rmtree(old)
+                if pinned is None or old.name != _tag(pinned):
+                    shutil.rmtree(old)
+
+    def restore(self, step: int) -> bool:
+        """Collective: the weights and optimiser state back to step `step`'s checkpoint,
+        if this node still has it. The caller keeps counting versions from where it is:
+        a version number is never used twice."""
+        if not (self.config.checkpoint_dir / _tag(step)).is_dir():
+            return False
+        self.engine.load_checkpoint(str(self.config.checkpoint_dir), tag=_tag(step))
+        return True
 
     def load(self) -> dict[str, Any] | None:
         """Collective: restores on every rank the step rank 0's newest checkpoint holds and
@@ -201,3 +211,7 @@ class Policy:
         )
         log.info("resumed from %s", path)
         return client_state
+
+
+def _tag(step: int) -> str:
+    return f"step-{step:08d}"
