@@ -193,8 +193,10 @@ def test_a_served_completion_is_captured_and_the_client_sees_only_what_it_asked(
 
     opted_out = pool.chat("two plus two?", headers={"x-rlfleet-capture": "off"})
     assert opted_out["choices"][0]["message"] == choice["message"]
+    # Sampled at another temperature than the trainer scores at: served, not captured.
+    greedy = pool.chat("two plus two?", temperature=0)
     time.sleep(1)
-    assert pool.capture(opted_out["id"]) is None
+    assert pool.capture(opted_out["id"]) is None and pool.capture(greedy["id"]) is None
 
 
 def test_feedback_gets_an_answer_for_each_kind_of_request(pool: Pool):
@@ -328,8 +330,18 @@ def test_a_set_told_a_version_serves_it_in_place_and_back_and_no_request_fails(
     assert {status for status, _ in served} == {200}, served
     # The traffic spanned the switch: served by version 0, then by 1 (those sampled
     # across it are not captured).
+    time.sleep(1)  # the last captures are stored
     captures = [pool.capture(response_id) for _, response_id in served]
     assert {tuple(set(c.segment.versions)) for c in captures if c} == {(0,), (1,)}
+    # Feedback on one that spanned it is acknowledged: there is nothing to learn from it.
+    spanned = pool.metric('rlfleet_serving_capture_skipped_total{reason="version_changed"}')
+    told = [
+        pool.post("/v1/feedback", {"response_id": r, "event_id": "e1", "kind": "accepted"})
+        for (_, r), captured in zip(served, captures, strict=True)
+        if captured is None
+    ]
+    # (The rest were captured, some dropped from this pool's small buffer unstored.)
+    assert sum(answer == (200, {"status": "not_captured"}) for answer in told) == spanned
     after = pool.chat("what is seven?", max_tokens=12, logprobs=True)
     captured = wait_for("the capture", lambda: pool.capture(after["id"]), timeout=30)
     assert set(captured.segment.versions) == {1}
@@ -360,7 +372,7 @@ def _chat(content: str, **fields) -> dict:
     return {
         "model": "tiny",
         "messages": [{"role": "user", "content": content}],
-        "temperature": 0,
+        "seed": 7,  # sampled at the pool's temperature, the same tokens every time
         **fields,
     }
 

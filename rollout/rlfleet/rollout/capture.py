@@ -58,6 +58,7 @@ class Skip(StrEnum):
     SAMPLED_OUT = "sampled_out"  # outside the pool's sample rate
     STREAM = "stream"  # streamed responses are not captured yet
     SEVERAL = "several_choices"  # n > 1: feedback names a response, not one of its choices
+    TEMPERATURE = "temperature"  # sampled at another than the trainer scores at
     VERSION_CHANGED = "version_changed"  # the weights changed while it was generated
     FAILED = "failed"  # vLLM did not answer 200
     UNREADABLE = "unreadable"  # a request or response not of the shape expected
@@ -71,13 +72,18 @@ class Asked:
     token_ids: bool
 
 
-def prepare(request: dict[str, Any]) -> tuple[dict[str, Any], Asked] | Skip:
+def prepare(request: dict[str, Any], temperature: float) -> tuple[dict[str, Any], Asked] | Skip:
     """The chat completion request to send vLLM so that its answer can be captured, and
-    what the client asked for; or why this one is not captured."""
+    what the client asked for; or why this one is not captured. Its log-probs are of the
+    distribution it was sampled from, so only one sampled at `temperature` (the trainer's,
+    and vLLM's default) can be scored by the trainer as it was served."""
     if request.get("stream"):
         return Skip.STREAM
     if request.get("n", 1) != 1:
         return Skip.SEVERAL
+    asked_temperature = request.get("temperature")
+    if (1.0 if asked_temperature is None else asked_temperature) != temperature:
+        return Skip.TEMPERATURE
     asked = Asked(bool(request.get("logprobs")), bool(request.get("return_token_ids")))
     return {**request, "logprobs": True, "return_token_ids": True}, asked
 

@@ -3,10 +3,11 @@
 Each answer says what happened: 200 once the event is stored in the run's feedback
 stream (or was already: the stream keeps one message per response and event id, so a
 client's retry is recorded once however late it comes), 400 naming what is wrong with
-the body, 401 without the pool's API key, 404 for a response this pool did not
-capture, 413 for a body over `MAX_BODY_BYTES`, 503 while the stream cannot be reached
-(nothing is stored; retry). Feedback after the pool's window is stored too, marked and
-counted as late.
+the body, 401 without the pool's API key, 404 for a response this pool did not capture
+(200 `not_captured` for one this server served without capturing, as it spanned a
+version switch), 413 for a body over `MAX_BODY_BYTES`, 503 while the stream cannot be
+reached (nothing is stored; retry). Feedback after the pool's window is stored too,
+marked and counted as late.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from rlfleet.rollout.capture import Bus
 answered = Counter(
     "rlfleet_serving_feedback_total",
     "Feedback requests, by answer",
-    ["outcome"],  # recorded, late, duplicate, unauthorized, malformed, unknown_kind,
-    # unknown_response, unavailable
+    ["outcome"],  # recorded, late, duplicate, not_captured, unauthorized, malformed,
+    # unknown_kind, unknown_response, unavailable
 )
 
 # JetStream's answer to a second message on a subject that keeps one and refuses more.
@@ -76,6 +77,9 @@ class Answer:
 class Served:
     user: str
     served_at: float
+    # False: served here but not captured (it spanned a version switch), so there is
+    # nothing to learn from feedback on it; the client is told so, not that it is unknown.
+    captured: bool = True
 
 
 class Remembered:
@@ -131,6 +135,9 @@ class FeedbackDesk:
         if served is None:
             error = f"response {request.response_id!r} was not captured by this pool"
             return Answer.refuse(404, "unknown_response", error)
+        if not served.captured:
+            answered.labels("not_captured").inc()
+            return Answer(200, {"status": "not_captured"})
         now = time.time()
         try:
             feedback = Feedback(

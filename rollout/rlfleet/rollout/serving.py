@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 SETTINGS_ENV = "RLFLEET_SERVING_SETTINGS"
 MIDDLEWARE = "rlfleet.rollout.serving.CaptureMiddleware"  # as vLLM imports it, by name
 COMPLETIONS, FEEDBACK = "/v1/chat/completions", "/v1/feedback"
+# On a captured completion's answer: the policy version that generated all of it.
+VERSION_HEADER = b"x-rlfleet-policy-version"
 
 
 async def _read_body(receive, limit: int | None = None) -> bytes | None:
@@ -121,7 +123,7 @@ class CaptureMiddleware:
         request = capture.decode_request(body)
         if request is None:
             return Skip.UNREADABLE
-        prepared = capture.prepare(request)
+        prepared = capture.prepare(request, self.config.temperature)
         if isinstance(prepared, Skip):
             return prepared
         user = request.get("user")
@@ -151,7 +153,14 @@ class CaptureMiddleware:
             capture.skipped.labels(Skip.FAILED).inc()
             return await _respond(send, start["status"], answer, start.get("headers", []))
         reply = self._capture(answer, asked, user, before, after)
-        await _respond(send, 200, reply, start.get("headers", []))
+        headers = list(start.get("headers", []))
+        if before == after:  # which version answered: for clients, and users' records
+            headers.append((VERSION_HEADER, str(self._version(before)).encode()))
+        await _respond(send, 200, reply, headers)
+
+    def _version(self, engine_version: str) -> int:
+        """vLLM's weight version as a policy version: "default" is the served checkpoint's."""
+        return self.config.base_version if engine_version == "default" else int(engine_version)
 
     def _capture(self, answer: bytes, asked: Asked, user: str, before: str, after: str) -> bytes:
         """The answer as the client asked for it; its capture offered to the buffer."""
@@ -163,9 +172,11 @@ class CaptureMiddleware:
             return answer
         if before != after:
             capture.skipped.labels(Skip.VERSION_CHANGED).inc()
+            if isinstance(response.get("id"), str):
+                self.desk.remembered.add(response["id"], Served(user, time.time(), False))
             return reply
         try:
-            version = self.config.base_version if before == "default" else int(before)
+            version = self._version(before)
             captured = capture.extract(self.config.run, response, user, version, time.time())
         except (ValueError, KeyError, TypeError, msgspec.DecodeError):
             capture.skipped.labels(Skip.UNREADABLE).inc()
