@@ -30,7 +30,9 @@ def _run(args: argparse.Namespace) -> int:
             return operated.run(
                 args.file, args.state, args.minutes, args.warmup_steps, args.bed, tuple(args.spike)
             )
-        return run.run(args.file, args.state, args.minutes, args.warmup_steps)
+        return run.run(
+            args.file, args.state, args.minutes, args.warmup_steps, invert_cycle=args.invert_cycle
+        )
     except run.InvalidRun as error:  # what the API server would refuse, refused as plainly
         print(f"rlfleet run: {error}", file=sys.stderr)
         return 2
@@ -50,6 +52,14 @@ def register(groups: argparse._SubParsersAction) -> None:
     )
     command.add_argument(
         "--warmup-steps", type=int, default=None, help="supervised warm-up (default: Tuning's)"
+    )
+    command.add_argument(
+        "--invert-cycle",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a production run: its simulated users say the opposite of what they think "
+        "about what cycle N collects, as a client with broken instrumentation would",
     )
     operator = command.add_argument_group(
         "through the operators",

@@ -92,8 +92,13 @@ class Tuning:
 class Process:
     name: str
     argv: list[str]
-    config: msgspec.Struct  # its settings, written as JSON where the argv's last word says
+    config: msgspec.Struct  # its settings, written as JSON where `settings_path` says
     env: dict[str, str]
+    settings_file: Path | None = None  # None: the argv's last word
+
+    @property
+    def settings_path(self) -> Path:
+        return self.settings_file or Path(self.argv[-1])
 
     @property
     def metrics_url(self) -> str | None:
@@ -128,7 +133,7 @@ def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
     return cores[:half], cores[half:]
 
 
-def _pinned(component: launch.Component, cores: list[int], config_path: Path) -> list[str]:
+def pinned(component: launch.Program, cores: list[int], config_path: Path) -> list[str]:
     cpus = ",".join(map(str, cores))
     return ["taskset", "-c", cpus, *component.command(sys.executable), str(config_path)]
 
@@ -161,7 +166,7 @@ def processes(
     ) -> None:
         path = layout.configs / f"{process_name}.json"
         env = env | {CREDENTIALS_ENV: str(layout.credentials(BusRole(component.name)))}
-        found.append(Process(process_name, _pinned(component, cores, path), config, env))
+        found.append(Process(process_name, pinned(component, cores, path), config, env))
 
     def metered(at: launch.Placement) -> launch.Placement:
         return dataclasses.replace(at, metrics_port=free_port())
@@ -185,7 +190,7 @@ def processes(
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
     dtype = serving_dtype(cpu_flags())
-    for demand in spec.rollout.regions:
+    for demand in spec.rollout_regions:
         at = launch.Placement(nats.leaves[demand.name].url, HUB_DOMAIN, demand.name, "0")
         worker = launch.rollout_settings(name, spec, model, metered(at))
         add(

@@ -37,19 +37,23 @@ from rich.table import Table
 from rlfleet.api.rlrun import EvaluationGate, RLRunSpec, check_run_name
 from rlfleet.api.wire import (
     BusRole,
+    CyclePhase,
+    CycleState,
     EvaluationReport,
     StepReport,
+    cycle_state_subject,
+    decode_cycle_state,
     decode_evaluation_report,
     decode_step_report,
     evaluation_subject,
     step_subject,
 )
 from rlfleet.bus import auth
-from rlfleet.bus.streams import ensure_run_streams, step_stream
+from rlfleet.bus.streams import cycle_stream, ensure_run_streams, step_stream
 from rlfleet.launch import EVALUATION, WARMUP
 from rlfleet.launch.caches import own_caches
 from rlfleet.launch.settings import to_json
-from rlfleet.local import plan, report
+from rlfleet.local import plan, realtime, report
 from rlfleet.local.files import write_secret
 from rlfleet.local.nats import NatsBed, start_nats
 from rlfleet.local.processes import Supervisor, stop_pids
@@ -85,12 +89,12 @@ def make_model(spec: RLRunSpec, layout: plan.Layout, warmup_steps: int) -> None:
     kind = spec.model.uri.removeprefix(plan.TINY_SCHEME)
     staging = layout.root / "model.partial"
     shutil.rmtree(staging, ignore_errors=True)  # what an interrupted warm-up left
-    console.print(f"making a {kind} model and warming it up on the {spec.rollout.task_suite} suite")
+    console.print(f"making a {kind} model and warming it up on the {spec.suite} suite")
     subprocess.run(
         [sys.executable, "-m", "rlfleet.cli", "model", "init", "--kind", kind, str(staging)],
         check=True,
     )
-    suite = spec.rollout.task_suite
+    suite = spec.suite
     subprocess.run(
         [*WARMUP.command(sys.executable), str(staging), suite, "--steps", str(warmup_steps)],
         check=True,
@@ -99,6 +103,9 @@ def make_model(spec: RLRunSpec, layout: plan.Layout, warmup_steps: int) -> None:
 
 
 EVALUATION_START, EVALUATION_END = "evaluation-start.json", "evaluation-end.json"
+# While this file is in the run folder, a production run's simulated users say the
+# opposite of what they think (`--invert-cycle`).
+INVERTED = "inverted"
 STARTUP_LIMIT_S = 900  # the first step must come within this; DeepSpeed and vLLM start slowly
 
 
@@ -141,14 +148,20 @@ async def follow(
     budget_s: float,
     stop: asyncio.Event,
     gate: EvaluationGate | None,
+    invert_cycle: int | None = None,
 ) -> list[EvaluationReport]:
     """Shows step reports as they come until the training budget (counted from the first
     step, so start-up is not charged to it) is spent, `stop` is set, or an evaluation the
-    gate rules on (under its floor, at its target) ends the run. Returns the evaluations."""
+    gate rules on (under its floor, at its target) ends the run. Returns the evaluations.
+
+    A production run's budget counts from its start (its first step waits for a cycle),
+    its cycles are shown as they turn, and with `invert_cycle` its users say the opposite
+    of what they think about all that cycle collects."""
     steps: list[StepReport] = []
     scores: list[EvaluationReport] = []
+    cycles: list[CycleState] = []
     launched = time.monotonic()
-    first_step: float | None = None
+    first_step: float | None = launched if plane.production else None
 
     def trained_s() -> float:
         return 0.0 if first_step is None else time.monotonic() - first_step
@@ -163,15 +176,29 @@ async def follow(
         with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
             scores.append(decode_evaluation_report(message.data))
 
+    async def on_cycle(message: Msg) -> None:
+        with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+            cycles.append(decode_cycle_state(message.data))
+            if invert_cycle is not None:
+                inverted = plane.root / INVERTED
+                if inverting(cycles[-1], invert_cycle):
+                    inverted.touch()
+                else:
+                    inverted.unlink(missing_ok=True)
+
     def ruled() -> bool:  # on the newest score, as the hub operator judges
         return gate is not None and bool(scores) and gate.verdict(scores[-1].reward) is not None
 
     def shown() -> Table:
-        return table(name, steps, scores, trained_s(), budget_s, plane.status(trained_s()))
+        status = plane.status(trained_s())
+        if cycles:
+            status = "\n".join(filter(None, [cycle_line(cycles[-1]), status]))
+        return table(name, steps, scores, trained_s(), budget_s, status)
 
     nc = await auth.connect(plane.url, plane.credentials)
     await nc.subscribe(step_subject(plane.key), cb=on_step)
     await nc.subscribe(evaluation_subject(plane.key), cb=on_score)
+    await nc.subscribe(cycle_state_subject(plane.key), cb=on_cycle)
     try:
         with Live(shown(), console=console) as live:
             while not stop.is_set() and trained_s() < budget_s and not ruled():
@@ -184,6 +211,21 @@ async def follow(
     finally:
         await nc.close()
     return scores
+
+
+def inverting(state: CycleState, cycle: int) -> bool:
+    """Whether what is served now is decided in `cycle`: from the close of the cycle before
+    it (that one trains, is judged) until `cycle` itself closes."""
+    collecting = state.phase == CyclePhase.COLLECTING
+    return (state.number, collecting) in ((cycle - 1, False), (cycle, True))
+
+
+def cycle_line(state: CycleState) -> str:
+    done = ", ".join(f"{c.number} {c.outcome}" for c in state.history[-6:])
+    line = f"cycle {state.number}: {state.phase}, production serves version {state.serving}"
+    if state.candidate is not None:
+        line += f", candidate {state.candidate}"
+    return line + (f" (before: {done})" if done else "")
 
 
 async def recorded_steps(run: str, url: str, credentials: Path) -> list[StepReport]:
@@ -226,7 +268,7 @@ def evaluate(
 
 def launch(process: plan.Process, supervisor: Supervisor) -> None:
     """Writes the process's settings where its argv names it, then starts it."""
-    Path(process.argv[-1]).write_bytes(to_json(process.config))
+    process.settings_path.write_bytes(to_json(process.config))
     supervisor.start(process.name, process.argv, process.env)
 
 
@@ -235,6 +277,7 @@ class Trained:
     steps: list[StepReport]  # every step the run has recorded, re-runs included
     end: dict | None  # the last version's evaluation on the whole suite
     scores: list[EvaluationReport]  # the gate's evaluator's, this time round
+    cycles: CycleState | None = None  # a production run's conductor's, at the end
 
     def verdict(self, spec: RLRunSpec) -> str | None:
         """`Failed` or `Succeeded` when the evaluation gate ended the run."""
@@ -248,6 +291,8 @@ class Plane(Protocol):
 
     url: str  # the hub's NATS
     key: str  # the run's name there: its streams, subjects and user
+    root: Path  # the run's folder
+    production: bool  # learns from a production pool's users (`spec.production`)
     credentials: Path  # the run's observer: reads all of it, changes nothing
 
     def __enter__(self) -> Plane: ...
@@ -294,19 +339,26 @@ class LocalPlane:
     ) -> None:
         self.name, self.spec, self.layout, self.tuning = name, spec, layout, tuning
         self.key = name  # the run has NATS to itself
+        self.root, self.production = layout.root, spec.production is not None
         self.credentials = layout.credentials(BusRole.OBSERVER)
         self.supervisor = Supervisor(layout.logs, attached=True)
         self.components: list[str] = []
 
     def __enter__(self) -> LocalPlane:
         try:
-            regions = [r.name for r in self.spec.rollout.regions]
+            regions = self.spec.region_names
             bed = start_nats(regions, self.supervisor, self.layout.nats)
             self.url = bed.hub.url
             for role in BusRole:
                 write_secret(self.layout.credentials(role), bed.run_user(self.key, role))
             asyncio.run(make_streams(bed, self.key))
-            processes = plan.processes(self.key, self.spec, self.layout, bed, self.tuning)
+            if self.spec.production is not None:
+                processes = realtime.processes(
+                    self.key, self.spec, self.layout, bed, self.tuning,
+                    inverted_while=self.layout.root / INVERTED,
+                )  # fmt: skip
+            else:
+                processes = plan.processes(self.key, self.spec, self.layout, bed, self.tuning)
             for process in processes:
                 launch(process, self.supervisor)
                 self.components.append(process.name)
@@ -339,9 +391,12 @@ def train(
     budget_s: float,
     tuning: plan.Tuning,
     plane_for: PlaneFactory = LocalPlane,
+    invert_cycle: int | None = None,
 ) -> Trained:
     """Runs the RLRun's processes until `budget_s` of training, Ctrl-C or the evaluation
-    gate's verdict, then stops them, and evaluates the last version."""
+    gate's verdict, then stops them, and evaluates the last version. A production run
+    goes on until its budget (its gate judges each candidate, not the run), and its
+    conductor's last state says what its cycles did."""
     for folder in (layout.root, layout.logs, layout.configs, layout.nats):
         folder.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
@@ -351,16 +406,21 @@ def train(
             loop = asyncio.get_running_loop()
             loop.add_signal_handler(signal.SIGINT, stop.set)
             loop.add_signal_handler(signal.SIGTERM, stop.set)
-            return await follow(name, plane, budget_s, stop, spec.evaluation)
+            gate = None if spec.production is not None else spec.evaluation
+            return await follow(name, plane, budget_s, stop, gate, invert_cycle)
 
         scores = asyncio.run(watched())
         # The run's own processes stop first, so the trainer's last step gets out, and the
         # evaluation reads the version it made while NATS is still there.
         plane.stop_run()
+        if spec.production is not None:
+            state = asyncio.run(last_cycle_state(plane.key, plane.url, plane.credentials))
+            steps = asyncio.run(recorded_steps(plane.key, plane.url, plane.credentials))
+            return Trained(steps, None, scores, state)
         console.print("evaluating the last version on the whole suite")
         end = evaluate(
             plan.model_path(spec, layout),
-            spec.rollout.task_suite,
+            spec.suite,
             layout.report / EVALUATION_END,
             *("--run", plane.key, "--nats-url", plane.url),
             credentials=plane.credentials,
@@ -369,12 +429,25 @@ def train(
     return Trained(steps, end, scores)
 
 
+async def last_cycle_state(run: str, url: str, credentials: Path) -> CycleState | None:
+    nc = await auth.connect(url, credentials)
+    try:
+        subject = cycle_state_subject(run)
+        message = await nc.jetstream().get_last_msg(cycle_stream(run), subject, direct=True)
+        return decode_cycle_state(message.data)
+    except nats.js.errors.NotFoundError:
+        return None
+    finally:
+        await nc.close()
+
+
 def run(
     path: Path,
     root: Path | None,
     minutes: float,
     warmup_steps: int | None,
     plane_for: PlaneFactory = LocalPlane,
+    invert_cycle: int | None = None,
 ) -> int:
     """Trains the run; exits 1 when its evaluation gate failed it."""
     name, spec = load(path)
@@ -385,8 +458,13 @@ def run(
     start = layout.report / EVALUATION_START
     if not start.exists():  # the model a run starts from never changes: once is enough
         console.print("evaluating the starting model on the whole suite")
-        evaluate(plan.model_path(spec, layout), spec.rollout.task_suite, start)
-    trained = train(name, spec, layout, minutes * 60, tuning, plane_for)
+        evaluate(plan.model_path(spec, layout), spec.suite, start)
+    trained = train(name, spec, layout, minutes * 60, tuning, plane_for, invert_cycle)
+    if spec.production is not None:
+        found = realtime.write_report(layout, trained.cycles, invert_cycle)
+        console.print_json(data=found)
+        console.print(f"report in {layout.report}")
+        return 0
     evaluated = json.loads(start.read_text()) if start.exists() and trained.end else None
     verdict = trained.verdict(spec)
     gate = {

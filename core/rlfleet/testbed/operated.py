@@ -224,12 +224,13 @@ class OperatedPlane:
         self.bed, self.namespace, self.spikes = bed, namespace, spikes
         self.document = borrowing(document)
         self.document["metadata"].pop("namespace", None)  # applied into `namespace`
-        self.regions = [r.name for r in spec.rollout.regions]
+        self.regions = spec.region_names
         missing = sorted(set(self.regions) - set(bed.kubeconfigs))
         if missing:
             raise ValueError(f"the bed has no cluster for region(s) {', '.join(missing)}")
         self.url = bed.nats.hub.url
         self.key = pods.run_key(namespace, name)  # as the hub names the run on NATS
+        self.root, self.production = layout.root, False  # production runs are not operated
         self.credentials = layout.credentials(BusRole.OBSERVER)
         self.fleet = Fleet(bed, layout.root / "fleet", [namespace], self.regions)
         self.fleet.values = OPERATOR_VALUES
@@ -390,7 +391,13 @@ def run(
     time round is a new RLRun, with new streams, in a namespace of its own, deleted at the
     end; the trainer resumes from its checkpoint in the run folder."""
     name, spec = local_run.load(path)
-    strays = sorted({s.region for s in spikes} - {r.name for r in spec.rollout.regions})
+    if spec.production is not None:
+        console.print(
+            f"[red]{name}: a production run runs without --operator for now; the operators "
+            "do not run its cycles yet[/red]"
+        )
+        return 2
+    strays = sorted({s.region for s in spikes} - set(spec.region_names))
     if strays:
         console.print(f"[red]--spike in {', '.join(strays)}: not a region of {name}[/red]")
         return 2

@@ -1,0 +1,51 @@
+"""Real-time RL benchmark: `examples/realtime.yaml` run end to end on this machine.
+
+The tiny MoE serves "production" from two vLLM OpenAI-compatible servers (one canary,
+one stable); simulated users ask them the rules suite's questions over HTTP and accept
+right answers, reject wrong ones; every cycle a candidate is trained on their signals,
+gated on the whole suite against the serving version, canaried and promoted or sent
+back. One cycle's feedback is inverted (`--invert-cycle`), as a client with broken
+instrumentation would report: the gate or the canary must stop that candidate.
+
+The figures are `rlfleet run`'s own report of the run (`rlfleet.local.realtime.summary`):
+cycles and their outcomes, the accept rate of what production served per cycle (the
+users' own judgement, right or wrong, not what they said), requests and feedback lost,
+serving p99 latency in steady state and around version switches, and the share of
+requests the inverted cycle's candidate answered. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from rlfleet.launch.caches import own_temporary_caches
+from rlfleet.local.run import run
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "realtime.yaml"
+
+
+def main() -> None:
+    own_temporary_caches("rlfleet-bench-realtime-caches-")  # this invocation's, removed after
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=15.0, help="the run's budget")
+    parser.add_argument("--invert-cycle", type=int, default=3)
+    parser.add_argument("--file", type=Path, default=EXAMPLE)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-realtime-") as root:
+        started = time.monotonic()
+        code = run(args.file, Path(root), args.minutes, None, invert_cycle=args.invert_cycle)
+        found = json.loads((Path(root) / "report" / "realtime.json").read_text())
+    found |= {
+        "exit_code": code,
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "invert_cycle": args.invert_cycle,
+    }
+    print(json.dumps(found))
+
+
+if __name__ == "__main__":
+    main()

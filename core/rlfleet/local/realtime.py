@@ -1,0 +1,262 @@
+"""What `rlfleet run` starts for a production run (`spec.production`) on one machine,
+decided without starting it: the whole real-time loop, with production made up of real
+parts and simulated users.
+
+- In the hub, as in a cluster: the trainer (following its conductor), the evaluator (the
+  gate's versions), the collector and the conductor, each as its own NATS user.
+- The pool, in its region behind the region's NATS leaf: vLLM OpenAI-compatible servers
+  started by `rlfleet.rollout.serving`, `spec.production.canary.replicas` of them in the
+  canary set and one in the stable set, capturing what they serve and taking feedback.
+- Users (`rlfleet.rollout.users`), who speak only HTTP to the servers, spread over them
+  as a Service spreads requests.
+
+The pool's servers share the rollout cores (they generate), the trainer has its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+from msgspec.structs import replace
+
+from rlfleet import launch
+from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.api.wire import BusRole, CycleOutcome, CycleState
+from rlfleet.bus.auth import CREDENTIALS_ENV
+from rlfleet.launch.settings import UsersConfig
+from rlfleet.local import plan
+from rlfleet.local.nats import HUB_DOMAIN, NatsBed
+from rlfleet.local.processes import free_port
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt
+
+SERVING = launch.Program("rlfleet.rollout.serving")
+USERS = launch.Program("rlfleet.rollout.users")
+CANARY, STABLE = "canary", "stable"  # the pool's replica sets, as the conductor names them
+SERVED_MODEL = "policy"
+API_KEY_FILE = "api-key"  # under the run's NATS folder: the pool's key, for its users too
+REQUESTS = "requests.jsonl"  # the users' records, in the run's report folder
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How fast a cycle turns on this machine: seconds, where production waits minutes.
+    What the spec says of cycles (sizes, windows, bounds) is the spec's."""
+
+    settle_s: float = 1.0  # after a completion's feedback window, before it is decided
+    poll_s: float = 1.0  # the collector's, the conductor's and the evaluator's
+    serving_poll_s: float = 0.5  # how often a server reads its set's version
+    attempts: int = 4  # per task, when the gate evaluates a version
+    users: int = 12
+    max_model_len: int = 512
+
+
+def api_key(layout: plan.Layout) -> str:
+    """The pool's API key (vLLM's `VLLM_API_KEY`), made once per run folder."""
+    path = layout.nats / API_KEY_FILE
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(24))
+        path.chmod(0o600)
+    return path.read_text()
+
+
+def server_urls(processes: list[plan.Process]) -> dict[str, str]:
+    """Each pool server's base URL, by process name."""
+    return {
+        p.name: f"http://127.0.0.1:{p.argv[p.argv.index('--port') + 1]}"
+        for p in processes
+        if p.name.startswith("serving-")
+    }
+
+
+def processes(
+    name: str,
+    spec: RLRunSpec,
+    layout: plan.Layout,
+    nats: NatsBed,
+    tuning: plan.Tuning,
+    pace: Pace = Pace(),
+    inverted_while: Path | None = None,
+) -> list[plan.Process]:
+    production = spec.production
+    assert production is not None and spec.evaluation is not None
+    trainer_cores, pool_cores = plan.split_cores(sorted(os.sched_getaffinity(0)))
+    model = str(plan.model_path(spec, layout))
+    hub = launch.Placement(nats.hub.url, HUB_DOMAIN)
+    region = production.pool.region
+    found: list[plan.Process] = []
+
+    def metered(at: launch.Placement) -> launch.Placement:
+        return dataclasses.replace(at, metrics_port=free_port())
+
+    def env(role: BusRole, cores: list[int], extra: dict | None = None) -> dict[str, str]:
+        threads = {"OMP_NUM_THREADS": str(len(cores))}
+        return threads | (extra or {}) | {CREDENTIALS_ENV: str(layout.credentials(role))}
+
+    def add(process: str, component: launch.Component, cores: list[int], config) -> None:
+        path = layout.configs / f"{process}.json"
+        argv = plan.pinned(component, cores, path)
+        found.append(plan.Process(process, argv, config, env(BusRole(component.name), cores)))
+
+    trainer = launch.trainer_settings(name, spec, model, str(layout.checkpoints), metered(hub))
+    add(
+        "trainer",
+        launch.TRAINER,
+        trainer_cores,
+        replace(trainer, zero_stage=min(trainer.zero_stage, 2)),
+    )
+    evaluator = launch.evaluator_settings(name, spec, model, metered(hub))
+    evaluator = replace(evaluator, attempts=pace.attempts, poll_seconds=pace.poll_s)
+    add("evaluator", launch.EVALUATOR, pool_cores, evaluator)
+    collector = launch.collector_settings(name, spec, metered(hub))
+    add(
+        "collector",
+        launch.COLLECTOR,
+        pool_cores,
+        replace(collector, settle_s=pace.settle_s, poll_s=pace.poll_s),
+    )
+    conductor = launch.conductor_settings(name, spec, metered(hub))
+    add("conductor", launch.CONDUCTOR, pool_cores, replace(conductor, poll_s=pace.poll_s))
+
+    key = api_key(layout)
+    at = launch.Placement(nats.leaves[region].url, HUB_DOMAIN, region)
+    serving_env = {
+        "VLLM_API_KEY": key,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, pool_cores)),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    sets = [CANARY] * production.canary.replicas + [STABLE]
+    for n, replica_set in enumerate(sets):
+        process = f"serving-{replica_set}-{n}"
+        path = layout.configs / f"{process}.json"
+        config = replace(
+            launch.serving_settings(name, spec, at, replica_set), poll_s=pace.serving_poll_s
+        )
+        vllm = [
+            *("--model", model, "--served-model-name", SERVED_MODEL, "--port", str(free_port())),
+            *("--dtype", plan.serving_dtype(plan.cpu_flags())),
+            *("--max-model-len", str(pace.max_model_len), "--seed", str(n)),
+        ]
+        argv = [*plan.pinned(SERVING, pool_cores, path), *vllm]
+        found.append(
+            plan.Process(process, argv, config, env(BusRole.SERVING, pool_cores, serving_env), path)
+        )
+
+    users = UsersConfig(
+        servers=server_urls(found),
+        model=SERVED_MODEL,
+        suite=spec.suite,
+        record=layout.report / REQUESTS,
+        users=pace.users,
+        inverted_while=inverted_while,
+    )
+    path = layout.configs / "users.json"
+    argv = [*USERS.command(sys.executable), str(path)]
+    found.append(plan.Process("users", argv, users, {"VLLM_API_KEY": key}))
+    return found
+
+
+def _p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 2)
+
+
+def _swaps(records: list[dict]) -> list[tuple[str, float, float]]:
+    """(server, from, to): each time a server's answers changed version, the span from
+    sending the last request the old version answered to the first new answer's end."""
+    found, last = [], {}
+    for r in sorted((r for r in records if r.get("version") is not None), key=lambda r: r["at"]):
+        before = last.get(r["server"])
+        if before is not None and before["version"] != r["version"]:
+            found.append((r["server"], before["at"], r["at"] + r["latency_ms"] / 1000))
+        last[r["server"]] = r
+    return found
+
+
+def summary(records: list[dict], state: CycleState | None, invert_cycle: int | None) -> dict:
+    """What a production run did, from its users' records of every request and the
+    conductor's last state (the cycles it finished)."""
+    history = state.history if state is not None else []
+    outcomes = [c.outcome for c in history]
+    accept, start = [], min((r["at"] for r in records), default=0.0)
+    for cycle in history:  # a cycle's traffic: from the cycle before's end to its own
+        judged = [r["right"] for r in records if start <= r["at"] < cycle.finished_at]
+        judged = [right for right in judged if right is not None]
+        accept.append(round(sum(judged) / len(judged), 4) if judged else None)
+        start = cycle.finished_at
+    known = [rate for rate in accept if rate is not None]
+    swaps = _swaps(records)
+
+    def during_swap(r: dict) -> bool:
+        end = r["at"] + r["latency_ms"] / 1000
+        return any(s == r["server"] and r["at"] <= to and end >= since for s, since, to in swaps)
+
+    served = [r for r in records if r["status"] == 200]
+    poisoned = next((c.candidate for c in history if c.number == invert_cycle), None)
+    ends = [c.finished_at for c in history]
+    servers = {r["server"] for r in records}
+    return {
+        "cycles": len(history),
+        "promoted": outcomes.count(CycleOutcome.PROMOTED),
+        "rejected": outcomes.count(CycleOutcome.REJECTED),
+        "rolled_back": outcomes.count(CycleOutcome.ROLLED_BACK),
+        "skipped": outcomes.count(CycleOutcome.SKIPPED),
+        "outcomes": [f"{c.number}: {c.outcome} ({c.why})" for c in history],
+        "accept_rate_by_cycle": accept,
+        "accept_rate_first": known[0] if known else None,
+        "accept_rate_last": known[-1] if known else None,
+        "requests_total": len(records),
+        "requests_failed": len(records) - len(served),
+        "feedback_lost": sum(
+            r["said"] is not None and r["feedback_status"] != 200 for r in records
+        ),
+        "serving_p99_ms_steady": _p99([r["latency_ms"] for r in served if not during_swap(r)]),
+        "serving_p99_ms_during_swap": _p99([r["latency_ms"] for r in served if during_swap(r)]),
+        "swaps": len(swaps),
+        "poisoned_served_fraction": (
+            round(sum(r.get("version") == poisoned for r in served) / max(len(served), 1), 4)
+            if poisoned is not None
+            else None
+        ),
+        "canary_fraction": round(sum("canary" in s for s in servers) / max(len(servers), 1), 4),
+        "cycle_seconds_mean": (
+            round((ends[-1] - ends[0]) / (len(ends) - 1), 1) if len(ends) > 1 else None
+        ),
+    }
+
+
+def write_report(layout: plan.Layout, state: CycleState | None, invert_cycle: int | None) -> dict:
+    """`realtime.json` and a plot of the accept rate per cycle, in the run's report."""
+    path = layout.report / REQUESTS
+    lines = path.read_text().splitlines() if path.exists() else []
+    found = summary([json.loads(line) for line in lines], state, invert_cycle)
+    layout.report.mkdir(parents=True, exist_ok=True)
+    (layout.report / "realtime.json").write_text(json.dumps(found, indent=2) + "\n")
+    rates = found["accept_rate_by_cycle"]
+    if rates:
+        figure, axes = plt.subplots(figsize=(6, 3.5))
+        colours = {"Promoted": "tab:green", "Rejected": "tab:red", "RolledBack": "tab:orange"}
+        history = state.history if state is not None else []
+        axes.bar(
+            [c.number for c in history],
+            [rate or 0.0 for rate in rates],
+            color=[colours.get(c.outcome, "tab:grey") for c in history],
+        )
+        axes.set_xlabel("cycle (colour: its candidate promoted, rejected, rolled back)")
+        axes.set_ylabel("share of answers users accept")
+        axes.set_title("accept rate of what production served, per cycle")
+        figure.tight_layout()
+        figure.savefig(layout.report / "accept-rate.png", dpi=120)
+        plt.close(figure)
+    return found

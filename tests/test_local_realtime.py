@@ -1,0 +1,128 @@
+"""`rlfleet run` of a production run: what it starts, decided without starting it, and
+the figures it reports from its users' records and its conductor's last state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import yaml
+from conftest import ROOT
+
+from rlfleet import launch
+from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.api.wire import BusRole, CycleOutcome, CyclePhase, CycleState, FinishedCycle
+from rlfleet.bus.auth import CREDENTIALS_ENV
+from rlfleet.launch.settings import ServingConfig, UsersConfig, to_json
+from rlfleet.local import plan, realtime
+from rlfleet.local.run import inverting
+
+
+def _spec() -> RLRunSpec:
+    document = yaml.safe_load((ROOT / "examples" / "realtime.yaml").read_text())
+    return RLRunSpec.model_validate(document["spec"])
+
+
+def test_a_production_run_starts_the_hubs_components_its_pool_and_its_users(tmp_path):
+    spec = _spec()
+    nats = SimpleNamespace(
+        hub=SimpleNamespace(url="nats://hub:4222"),
+        leaves={"region-a": SimpleNamespace(url="nats://region-a:4222")},
+    )
+    layout = plan.Layout(tmp_path)
+    layout.nats.mkdir(parents=True)
+    processes = {
+        p.name: p
+        for p in realtime.processes("rt", spec, layout, nats, plan.Tuning())  # type: ignore[arg-type]
+    }
+    assert set(processes) == {
+        "trainer", "evaluator", "collector", "conductor",
+        "serving-canary-0", "serving-stable-1", "users",
+    }  # fmt: skip
+    for name in ("trainer", "evaluator", "collector", "conductor"):
+        component = launch.COMPONENTS[name]
+        process = processes[name]
+        assert process.env[CREDENTIALS_ENV] == str(layout.credentials(BusRole(name)))
+        process.settings_path.parent.mkdir(parents=True, exist_ok=True)
+        process.settings_path.write_bytes(to_json(process.config))
+        assert component.read(process.settings_path) == process.config
+    assert processes["trainer"].config.production and not processes["trainer"].config.router_replay
+    assert processes["evaluator"].config.on_request
+    canary: ServingConfig = processes["serving-canary-0"].config
+    assert (canary.replica_set, canary.weights_domain, canary.jetstream_domain) == (
+        "canary", "region-a", "hub"
+    )  # fmt: skip
+    assert canary.feedback_window_s == spec.production.feedback.window_seconds
+    # Each server reads its settings from the file its command names, and its pool's key
+    # is in its environment, never in its arguments.
+    serving = processes["serving-stable-1"]
+    assert serving.argv[serving.argv.index("rlfleet.rollout.serving") + 1] == str(
+        serving.settings_path
+    )
+    key = realtime.api_key(layout)
+    assert serving.env["VLLM_API_KEY"] == key and key not in " ".join(serving.argv)
+    users: UsersConfig = processes["users"].config
+    assert set(users.servers) == {"serving-canary-0", "serving-stable-1"}
+    assert processes["users"].env == {"VLLM_API_KEY": key}
+
+
+def _state(*outcomes: tuple[int, CycleOutcome, int, float]) -> CycleState:
+    history = [FinishedCycle(n, o, c, "why", at) for n, o, c, at in outcomes]
+    return CycleState("rt", len(history) + 1, CyclePhase.COLLECTING, 0.0, 0, history=history)
+
+
+def _request(at: float, server: str, version: int, right: bool, latency_ms=10.0, **fields):
+    return {
+        "at": at, "server": server, "user": "user-1", "task": "t", "status": 200,
+        "latency_ms": latency_ms, "response_id": f"r{at}", "version": version,
+        "right": right, "said": "accepted", "inverted": False, "feedback_status": 200,
+    } | fields  # fmt: skip
+
+
+def test_the_report_counts_cycles_accept_rates_losses_and_the_poisoned_share():
+    state = _state(
+        (1, CycleOutcome.PROMOTED, 3, 100.0),
+        (2, CycleOutcome.REJECTED, 6, 200.0),
+        (3, CycleOutcome.ROLLED_BACK, 9, 300.0),
+    )
+    records = [
+        _request(10, "serving-stable-1", 0, False),
+        _request(20, "serving-canary-0", 0, True),
+        _request(150, "serving-stable-1", 3, True),
+        _request(160, "serving-canary-0", 3, True),
+        _request(250, "serving-canary-0", 9, False, latency_ms=40.0),
+        _request(260, "serving-stable-1", None, None, status=500, said=None),
+        _request(270, "serving-stable-1", 3, True, feedback_status=503),
+    ]
+    found = realtime.summary(records, state, invert_cycle=3)
+    assert (found["cycles"], found["promoted"], found["rejected"], found["rolled_back"]) == (
+        3, 1, 1, 1
+    )  # fmt: skip
+    assert found["accept_rate_by_cycle"] == [0.5, 1.0, 0.5]
+    assert (found["requests_total"], found["requests_failed"], found["feedback_lost"]) == (7, 1, 1)
+    assert found["poisoned_served_fraction"] == round(1 / 6, 4)  # cycle 3's candidate: 9
+    assert found["canary_fraction"] == 0.5
+    assert found["cycle_seconds_mean"] == 100.0
+    # The canary server went 0 -> 3 -> 9: two switches; the stable one 0 -> 3.
+    assert found["swaps"] == 3
+
+
+def test_users_misreport_what_the_inverted_cycle_collects():
+    """From the cycle before's close (it trains, it is judged) until the cycle closes."""
+    states = [
+        (2, CyclePhase.COLLECTING, False),
+        (2, CyclePhase.TRAINING, True),
+        (2, CyclePhase.CANARY, True),
+        (3, CyclePhase.COLLECTING, True),
+        (3, CyclePhase.TRAINING, False),
+        (4, CyclePhase.COLLECTING, False),
+    ]
+    for number, phase, inverted in states:
+        state = CycleState("rt", number, phase, 0.0, 0)
+        assert inverting(state, 3) is inverted, (number, phase)
+
+
+def test_the_example_is_a_run_the_api_takes(tmp_path: Path):
+    spec = _spec()
+    assert spec.production is not None and spec.rollout is None
+    assert spec.region_names == ["region-a"] and spec.suite == "rules"
