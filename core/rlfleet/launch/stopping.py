@@ -1,10 +1,36 @@
-"""How a one-loop component process runs: until SIGTERM (a pod stopping) or SIGINT."""
+"""How a one-loop component process runs: from its settings file, until SIGTERM (a pod
+stopping) or SIGINT."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+
+from rlfleet.launch.settings import from_json
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def process_settings(program: str, kind: type[S]) -> S:
+    """A process's start: logging as every component logs, then its settings from its one
+    argument, CONFIG.json. One that cannot read them exits with the reason, naming the
+    field, not with a traceback."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: python -m {program} CONFIG.json")
+    try:
+        return from_json(Path(sys.argv[1]).read_bytes(), kind)
+    except (OSError, msgspec.DecodeError) as error:
+        sys.exit(f"{program}: cannot read {sys.argv[1]}: {error}")
 
 
 def run_until_signalled(loop: Callable[[asyncio.Event], Awaitable[None]]) -> None:

@@ -19,10 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import TypeVar
 
 import msgspec
@@ -56,8 +54,8 @@ from rlfleet.api.wire import (
 )
 from rlfleet.bus import auth
 from rlfleet.bus.streams import cycle_stream, evaluation_stream, step_stream
-from rlfleet.launch.settings import ConductorConfig, from_json
-from rlfleet.launch.stopping import run_until_signalled
+from rlfleet.launch.settings import ConductorConfig
+from rlfleet.launch.stopping import process_settings, run_until_signalled
 from rlfleet.operator.cycles import Act, Action, Observed, Phase, Step, advance, first_state
 from rlfleet.operator.promotion import gate_reports
 
@@ -220,15 +218,7 @@ async def conduct(config: ConductorConfig, stopping: asyncio.Event) -> None:
 
 
 def main() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m rlfleet.operator.conductor CONFIG.json")
-    try:
-        config = from_json(Path(sys.argv[1]).read_bytes(), ConductorConfig)
-    except (OSError, msgspec.DecodeError) as error:
-        sys.exit(f"rlfleet.operator.conductor: cannot read {sys.argv[1]}: {error}")
+    config = process_settings("rlfleet.operator.conductor", ConductorConfig)
     if config.metrics_port is not None:
         prometheus_client.start_http_server(config.metrics_port)
     run_until_signalled(lambda stopping: conduct(config, stopping))

@@ -26,12 +26,10 @@ import asyncio
 import contextlib
 import logging
 import math
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import msgspec
 import prometheus_client
@@ -62,8 +60,8 @@ from rlfleet.api.wire import (
 )
 from rlfleet.bus.auth import connect
 from rlfleet.bus.streams import cycle_stream
-from rlfleet.launch.settings import CollectorConfig, from_json
-from rlfleet.launch.stopping import run_until_signalled
+from rlfleet.launch.settings import CollectorConfig
+from rlfleet.launch.stopping import process_settings, run_until_signalled
 from rlfleet.rollout.signals import CycleSamples, batch, reward, score_cycle
 
 log = logging.getLogger(__name__)
@@ -286,15 +284,7 @@ async def _messages(js, stream: str, subject: str, after: int) -> AsyncIterator:
 
 
 def main() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m rlfleet.rollout.collector CONFIG.json")
-    try:
-        config = from_json(Path(sys.argv[1]).read_bytes(), CollectorConfig)
-    except (OSError, msgspec.DecodeError) as error:
-        sys.exit(f"rlfleet.rollout.collector: cannot read {sys.argv[1]}: {error}")
+    config = process_settings("rlfleet.rollout.collector", CollectorConfig)
     if config.metrics_port is not None:
         prometheus_client.start_http_server(config.metrics_port)
     run_until_signalled(Collector(config).run)

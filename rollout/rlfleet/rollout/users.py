@@ -24,16 +24,14 @@ import itertools
 import logging
 import os
 import random
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import msgspec
 
-from rlfleet.launch.settings import UsersConfig, from_json
-from rlfleet.launch.stopping import run_until_signalled
+from rlfleet.launch.settings import UsersConfig
+from rlfleet.launch.stopping import process_settings, run_until_signalled
 from rlfleet.rollout.rewards import matches
 from rlfleet.rollout.tasks import load_suite, suite_path
 
@@ -159,16 +157,8 @@ def _ms(started: float) -> float:
 
 
 def main() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    config = process_settings("rlfleet.rollout.users", UsersConfig)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # every request is in the record
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m rlfleet.rollout.users CONFIG.json")
-    try:
-        config = from_json(Path(sys.argv[1]).read_bytes(), UsersConfig)
-    except (OSError, msgspec.DecodeError) as error:
-        sys.exit(f"rlfleet.rollout.users: cannot read {sys.argv[1]}: {error}")
     api_key = os.environ.get("VLLM_API_KEY", "")
     run_until_signalled(Population(config, api_key).run)
 
