@@ -391,15 +391,30 @@ def test_a_production_trainer_told_to_reset_trains_on_from_the_serving_weights(
     hub = nats_servers.bed.hub
     (tmp_path / "reset").mkdir()
     with trainer(tmp_path / "reset", tiny_moe, nats_servers, max_steps=3, production=True) as a:
-        serving = CycleState(run=a.run, number=1, phase=CyclePhase.TRAINING, since=0, serving=0)
-        asyncio.run(_conduct(hub, serving))
-        payloads = [p for name in "abcd" for p in group(a.run, name, 0)]
-        asyncio.run(publish(hub, a.run, payloads))
+
+        def cycle(number: int, phase: CyclePhase) -> None:
+            state = CycleState(run=a.run, number=number, phase=phase, since=0, serving=0)
+            asyncio.run(_conduct(hub, state))
+
+        def collected(names: str) -> None:
+            """A cycle's trajectories, all in the trainer's buffer before it may train on
+            them: its steps take the same groups every time."""
+            asyncio.run(publish(hub, a.run, [p for name in names for p in group(a.run, name, 0)]))
+            time.sleep(2)  # fetched (every 0.2 s); the conductor is read every second
+            cycle(len(names), CyclePhase.TRAINING)
+
+        cycle(1, CyclePhase.COLLECTING)
+        # Killed once version 0's checkpoint is saved, before any step: it comes back.
         a.start()
+        a.wait((tmp_path / "reset" / "checkpoints" / "latest").exists)
+        a.kill()
+        a.start()
+        collected("abcd")
         a.wait(lambda: len(a.steps()) == 2)
+        cycle(5, CyclePhase.COLLECTING)
         asyncio.run(_conduct(hub, TrainerReset(run=a.run, number=1, version=0)))
         a.wait(lambda: "reset 1: back to version 0" in a.log.read_text())
-        asyncio.run(publish(hub, a.run, [p for name in "ef" for p in group(a.run, name, 0)]))
+        collected("ef")
         a.wait(lambda: len(a.steps()) == 3)
         after_reset = asyncio.run(_state_digest(hub, a.run, 3))
         assert a.proc is not None and a.proc.wait(timeout=60) == 0

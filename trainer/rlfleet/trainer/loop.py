@@ -150,8 +150,8 @@ class Trainer:
         self.rejected = state["rejected"]
         self.resets, self.pinned = state.get("resets", 0), state.get("pinned")
         # The step log line is written after the checkpoint; a crash between them loses it.
-        logged = self._logged_steps()
-        if self.step not in logged:
+        # (A production run's version 0 checkpoint has no step to log.)
+        if state["report"] is not None and self.step not in self._logged_steps():
             self._append_log(state["report"])
         log.info("resumed at step %d (policy version %d)", self.step, self.version)
 
