@@ -65,3 +65,20 @@ def test_models_reject_what_the_api_server_rejects() -> None:
         RLRUN.spec.model_validate({**spec, "maxStaleness": -1})
     with pytest.raises(ValidationError, match="maxStalenes"):
         RLRUN.spec.model_validate({**spec, "maxStalenes": 1})
+
+
+@pytest.mark.parametrize(
+    ("production", "message"),
+    [
+        ({"feedback": {"weights": {"clicked": 1.0}}}, "every kind must be a built-in"),
+        ({"cycle": {"minSamples": 64, "maxSamples": 10}}, "maxSamples must be at least"),
+        ({"gate": {"minLengthRatio": 2, "maxLengthRatio": 1}}, "maxLengthRatio must be above"),
+    ],
+)
+def test_production_models_reject_what_its_cel_rules_reject(production, message) -> None:
+    """`rlfleet run` has no API server: the models hold the same rules."""
+    spec = yaml.safe_load((ROOT / "examples" / "realtime.yaml").read_text())["spec"]
+    with pytest.raises(ValidationError, match=message):
+        RLRUN.spec.model_validate(spec | {"production": spec["production"] | production})
+    custom = {"feedback": {"customKinds": ["clicked"], "weights": {"clicked": 1.0}}}
+    RLRUN.spec.model_validate(spec | {"production": spec["production"] | custom})

@@ -118,12 +118,51 @@ def _rlrun_with_rollout(**rollout_changes: object) -> dict:
     return document
 
 
+def _production(**spec_changes: object) -> dict:
+    document = yaml.safe_load((ROOT / "examples" / "realtime.yaml").read_text())
+    document["metadata"]["name"] = f"bad-{uuid.uuid4().hex[:6]}"
+    document["spec"].update(spec_changes)
+    document["spec"] = {k: v for k, v in document["spec"].items() if v is not None}
+    return document
+
+
+def _production_with(**production_changes: object) -> dict:
+    document = _production()
+    document["spec"]["production"].update(production_changes)
+    return document
+
+
 BAD_SPECS = {
     "wrong type": (_rlrun(maxStaleness="two"), "spec.maxStaleness"),
     "out of range": (_rlrun(maxStaleness=5000), "spec.maxStaleness"),
     "missing required field": (
+        _rlrun() | {"spec": {"rollout": {"regions": [{"name": "region-a", "maxGpus": 1}]}}},
+        "spec.model",
+    ),
+    # Experience from rollouts or from a production pool's users: exactly one.
+    "neither rollouts nor production": (
         _rlrun() | {"spec": {"model": {"uri": "file:///m"}}},
-        "spec.rollout",
+        "spec.production",
+    ),
+    "rollouts and production": (
+        _rlrun(production={"pool": {"region": "region-a", "name": "chat"}}),
+        "spec.production",
+    ),
+    "production without the gate's suite": (
+        _production(evaluation=None),
+        "spec.evaluation",
+    ),
+    "production replaying routes a pool does not capture": (
+        _production(trainer={"routerReplay": True}),
+        "spec.trainer.routerReplay",
+    ),
+    "a weight for a feedback kind nobody sends": (
+        _production_with(feedback={"weights": {"clicked": 1.0}}),
+        "spec.production.feedback.weights",
+    ),
+    "a cycle that may take fewer completions than it needs": (
+        _production_with(cycle={"minSamples": 64, "maxSamples": 10}),
+        "spec.production.cycle.maxSamples",
     ),
     "unknown field": (_rlrun(maxStalenes=1), "maxStalenes"),
     "cross-field rule": (

@@ -86,7 +86,10 @@ def test_a_pod_serves_metrics_where_its_environment_says_or_nowhere() -> None:
     document = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())
     gated = document["spec"] | {"evaluation": {"suite": "rules"}}
     rollouts = RLRunSpec.model_validate(gated)
-    production = RLRunSpec.model_validate(gated | {"rollout": None, "production": PRODUCTION})
+    trainer = gated.get("trainer", {}) | {"routerReplay": False}
+    production = RLRunSpec.model_validate(
+        gated | {"rollout": None, "production": PRODUCTION, "trainer": trainer}
+    )
     runs = [(spec, c) for spec in (rollouts, production) for c in launch.components_of(spec)]
     assert {component.name for _, component in runs} == set(launch.COMPONENTS)
     for spec, component in runs:

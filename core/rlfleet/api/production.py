@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from rlfleet.api.meta import DNS_LABEL, ApiModel, cel
 from rlfleet.api.wire import FeedbackKind
@@ -42,22 +42,27 @@ def _default_weights() -> dict[str, float]:
     return {kind.value: weight for kind, weight in weights.items()}
 
 
+KNOWN_KINDS_RULE = cel(
+    "self.weights.all(k, k in ["
+    + ", ".join(f"'{kind}'" for kind in FeedbackKind)
+    + "] || (has(self.customKinds) && k in self.customKinds))",
+    "weights: every kind must be a built-in one or in customKinds",
+    ".weights",
+)
+SAMPLES_RULE = cel(
+    "self.maxSamples >= self.minSamples", "maxSamples must be at least minSamples", ".maxSamples"
+)
+LENGTH_RULE = cel(
+    "self.maxLengthRatio > self.minLengthRatio",
+    "maxLengthRatio must be above minLengthRatio",
+    ".maxLengthRatio",
+)
+
+
 class FeedbackSpec(ApiModel):
     """What users' signals on a completion are worth, and for how long they count."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    "self.weights.all(k, k in ["
-                    + ", ".join(f"'{kind}'" for kind in FeedbackKind)
-                    + "] || (has(self.customKinds) && k in self.customKinds))",
-                    "weights: every kind must be a built-in one or in customKinds",
-                    ".weights",
-                )
-            ]
-        }
-    )
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [KNOWN_KINDS_RULE]})
 
     window_seconds: Annotated[
         int,
@@ -72,8 +77,9 @@ class FeedbackSpec(ApiModel):
         list[KindName],
         Field(default_factory=list, max_length=16, description="Kinds of the pool's own."),
     ]
+    # Keys: a CRD schema takes no key pattern; the CEL rule above names the kinds.
     weights: Annotated[
-        dict[KindName, Annotated[float, Field(ge=-10, le=10)]],
+        dict[str, Annotated[float, Field(ge=-10, le=10)]],
         Field(
             default_factory=_default_weights,
             max_length=32,
@@ -86,21 +92,19 @@ class FeedbackSpec(ApiModel):
         Field(ge=1, le=100000, description="Completions of one user trained on per cycle."),
     ] = 64
 
+    @model_validator(mode="after")
+    def _kinds_known(self) -> FeedbackSpec:
+        """The CEL rule, for a spec no API server checks (`rlfleet run`)."""
+        known = {*FeedbackKind, *self.custom_kinds}
+        if any(kind not in known for kind in self.weights):
+            raise ValueError(KNOWN_KINDS_RULE["message"])
+        return self
+
 
 class CycleSpec(ApiModel):
     """When a cycle stops collecting and trains."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    "self.maxSamples >= self.minSamples",
-                    "maxSamples must be at least minSamples",
-                    ".maxSamples",
-                )
-            ]
-        }
-    )
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [SAMPLES_RULE]})
 
     interval_seconds: Annotated[
         int, Field(ge=0, le=7 * DAY_S, description="At least this long between cycles.")
@@ -121,22 +125,18 @@ class CycleSpec(ApiModel):
         ),
     ] = 8
 
+    @model_validator(mode="after")
+    def _samples_ordered(self) -> CycleSpec:
+        if self.max_samples < self.min_samples:
+            raise ValueError(SAMPLES_RULE["message"])
+        return self
+
 
 class GateSpec(ApiModel):
     """Before any user sees a candidate: it and the serving version answer the run's
     evaluation suite, item by item."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    "self.maxLengthRatio > self.minLengthRatio",
-                    "maxLengthRatio must be above minLengthRatio",
-                    ".maxLengthRatio",
-                )
-            ]
-        }
-    )
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [LENGTH_RULE]})
 
     max_regression: Annotated[
         float,
@@ -156,6 +156,12 @@ class GateSpec(ApiModel):
     max_malformed_tool_calls: Annotated[
         Share, Field(description="Share of the candidate's tool calls that may be malformed.")
     ] = 0.05
+
+    @model_validator(mode="after")
+    def _lengths_ordered(self) -> GateSpec:
+        if self.max_length_ratio <= self.min_length_ratio:
+            raise ValueError(LENGTH_RULE["message"])
+        return self
 
 
 class CanarySpec(ApiModel):
