@@ -17,7 +17,13 @@ import pytest
 from conftest import wait_for
 from safetensors.torch import load_file
 
-from rlfleet.api.wire import EvaluationReport, decode_evaluation_report
+from rlfleet.api.wire import (
+    EvaluationReport,
+    EvaluationRequest,
+    decode_evaluation_report,
+    encode,
+    evaluation_request_subject,
+)
 from rlfleet.bus.streams import ensure_run_streams, evaluation_stream
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.local.processes import Supervisor
@@ -134,3 +140,55 @@ def test_a_restarted_evaluator_goes_on_from_its_last_report(
     log = (tmp_path / "logs" / "evaluator.log").read_text()
     assert "Traceback" not in log, log
     assert scored() == [0, 2], "a version was scored twice"
+
+
+async def _request(hub: NatsServer, run: str, cycle: int, versions: list[int]) -> None:
+    nc = await hub.connect()
+    try:
+        request = EvaluationRequest(run, cycle, versions)
+        await nc.jetstream(domain=HUB_DOMAIN).publish(
+            evaluation_request_subject(run), encode(request)
+        )
+    finally:
+        await nc.close()
+
+
+def test_a_production_runs_evaluator_scores_what_the_gate_asks_each_version_once(
+    nats_servers: StandaloneNats, tmp_path: Path
+) -> None:
+    """The candidate and the serving version, whichever is newest on the stream: each is
+    rebuilt and scored once, however often a gate asks for it."""
+    run = f"eval-{uuid.uuid4().hex[:6]}"
+    hub = nats_servers.bed.hub
+    model = init_model("tiny-moe", tmp_path / "model")
+    suite = tmp_path / "suite.jsonl"
+    write_suite(rules_suite(3, seed=1), suite)
+    config = {
+        "run": run,
+        "nats_url": hub.url,
+        "jetstream_domain": HUB_DOMAIN,
+        "model": str(model),
+        "suite": str(suite),
+        "on_request": True,
+        "attempts": 2,
+        "poll_seconds": 0.5,
+    }
+    (tmp_path / "evaluator.json").write_text(json.dumps(config))
+    argv = [sys.executable, "-m", "rlfleet.rollout.evaluator", str(tmp_path / "evaluator.json")]
+    supervisor = Supervisor(tmp_path / "logs", attached=True)
+
+    def scored() -> list[int]:
+        return sorted(r.policy_version for r in asyncio.run(_reports(hub, run)))
+
+    asyncio.run(_make_streams(hub, run))
+    try:
+        Trainer(hub, run, model).publish(0, 1, 2, 3)
+        supervisor.start("evaluator", argv, hub.client_env())
+        asyncio.run(_request(hub, run, 1, [2, 0]))  # an older version than the newest, too
+        wait_for("versions 0 and 2 scored", lambda: scored() == [0, 2], timeout=120)
+        asyncio.run(_request(hub, run, 2, [3, 2]))
+        wait_for("version 3 scored", lambda: scored() == [0, 2, 3], timeout=120)
+        assert supervisor.stop("evaluator") == 0
+        assert scored() == [0, 2, 3]  # version 2 once, though asked twice
+    finally:
+        supervisor.stop_all()
