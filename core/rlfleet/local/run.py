@@ -353,6 +353,8 @@ class LocalPlane:
                 write_secret(self.layout.credentials(role), bed.run_user(self.key, role))
             asyncio.run(make_streams(bed, self.key))
             if self.spec.production is not None:
+                # Left by a run stopped while its users misreported: they start honest.
+                (self.layout.root / INVERTED).unlink(missing_ok=True)
                 processes = realtime.processes(
                     self.key, self.spec, self.layout, bed, self.tuning,
                     inverted_while=self.layout.root / INVERTED,
