@@ -42,8 +42,8 @@ def _default_weights() -> dict[str, float]:
     return {kind.value: weight for kind, weight in weights.items()}
 
 
-KNOWN_KINDS_RULE = cel(
-    "self.weights.all(k, k in ["
+KNOWN_KINDS_RULE = cel(  # weights left out get their default in the model, not the schema
+    "!has(self.weights) || self.weights.all(k, k in ["
     + ", ".join(f"'{kind}'" for kind in FeedbackKind)
     + "] || (has(self.customKinds) && k in self.customKinds))",
     "weights: every kind must be a built-in one or in customKinds",
