@@ -49,6 +49,7 @@ from rlfleet.api.wire import (
     step_subject,
 )
 from rlfleet.bus import auth
+from rlfleet.bus.reading import decoded
 from rlfleet.bus.streams import cycle_stream, ensure_run_streams, step_stream
 from rlfleet.launch import EVALUATION, WARMUP
 from rlfleet.launch.caches import own_caches
@@ -232,16 +233,8 @@ async def recorded_steps(run: str, url: str, credentials: Path) -> list[StepRepo
     """Every step report the run's stream holds, re-runs included, oldest first."""
     nc = await auth.connect(url, credentials)
     try:
-        js = nc.jetstream()
-        state = (await js.stream_info(step_stream(run))).state
-        found = []
-        for seq in range(state.first_seq, state.last_seq + 1) if state.messages else []:
-            try:
-                message = await js.get_msg(step_stream(run), seq, direct=True)
-                found.append(decode_step_report(message.data))
-            except (nats.js.errors.NotFoundError, msgspec.ValidationError):
-                continue
-        return found
+        steps = decoded(nc.jetstream(), step_stream(run), step_subject(run), decode_step_report)
+        return [report async for _, report in steps]
     finally:
         await nc.close()
 

@@ -20,14 +20,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TypeVar
 
-import msgspec
 import prometheus_client
 from msgspec.structs import replace
-from nats.errors import NoRespondersError
-from nats.js.errors import NotFoundError
 
 from rlfleet.api.wire import (
     CycleState,
@@ -53,6 +50,7 @@ from rlfleet.api.wire import (
     trainer_reset_subject,
 )
 from rlfleet.bus import auth
+from rlfleet.bus.reading import newest, recent
 from rlfleet.bus.streams import cycle_stream, evaluation_stream, step_stream
 from rlfleet.launch.settings import ConductorConfig
 from rlfleet.launch.stopping import process_settings, run_until_signalled
@@ -141,7 +139,7 @@ class Conductor:
         lets no later cycle's trajectories out before this one is decided."""
         prefix, taken, after = f"cycle-{cycle}/", 0, None
         steps = step_stream(self.run_name), step_subject(self.run_name)
-        async for report in self._reports(*steps, decode_step_report):
+        for report in await self._reports(*steps, decode_step_report):
             mine = sum(t.startswith(prefix) for t in report.trajectories)
             if not mine:
                 break
@@ -154,7 +152,7 @@ class Conductor:
         wanted = {state.candidate, state.serving}
         found: dict[int, EvaluationReport] = {}
         stream, subject = evaluation_stream(self.run_name), evaluation_subject(self.run_name)
-        async for report in self._reports(stream, subject, decode_evaluation_report):
+        for report in await self._reports(stream, subject, decode_evaluation_report):
             if report.policy_version in wanted:
                 found.setdefault(report.policy_version, report)
             if len(found) == len(wanted):
@@ -174,31 +172,11 @@ class Conductor:
         return tallies.get(state.candidate, nothing), tallies.get(state.serving, nothing)
 
     async def _newest(self, subject: str, decode: Callable[[bytes], M]) -> M | None:
-        try:
-            message = await self.js.get_last_msg(cycle_stream(self.run_name), subject, direct=True)
-            return decode(message.data)
-        except (NotFoundError, NoRespondersError):
-            return None
-        except (msgspec.ValidationError, msgspec.DecodeError) as error:
-            unreadable.inc()
-            log.warning("ignored an unreadable message on %s: %s", subject, error)
-            return None
+        return await newest(self.js, cycle_stream(self.run_name), subject, decode, unreadable.inc)
 
-    async def _reports(
-        self, stream: str, subject: str, decode: Callable[[bytes], M]
-    ) -> AsyncIterator[M]:
-        """The stream's reports, newest first, up to `LOOK_BACK` of them."""
-        info = await self.js.stream_info(stream)
-        last, first = info.state.last_seq, info.state.first_seq
-        for seq in range(last, max(first, last - LOOK_BACK + 1) - 1, -1) if last else ():
-            try:
-                message = await self.js.get_msg(stream, seq, direct=True)
-                if message.subject == subject:
-                    yield decode(message.data)
-            except NotFoundError:
-                continue
-            except (msgspec.ValidationError, msgspec.DecodeError):
-                unreadable.inc()
+    async def _reports(self, stream: str, subject: str, decode: Callable[[bytes], M]) -> list[M]:
+        """The stream's reports, newest first, among its last `LOOK_BACK`."""
+        return await recent(self.js, stream, subject, decode, LOOK_BACK, unreadable.inc)
 
 
 async def conduct(config: ConductorConfig, stopping: asyncio.Event) -> None:

@@ -14,7 +14,6 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import msgspec
 import nats
 import nats.errors
 import nats.js.errors
@@ -30,6 +29,7 @@ from rlfleet.api.wire import (
     step_subject,
 )
 from rlfleet.bus import auth
+from rlfleet.bus.reading import newest
 from rlfleet.bus.streams import (
     delete_run_streams,
     ensure_run_streams,
@@ -136,13 +136,4 @@ class DataPlane:
         )
 
     async def _last(self, stream: str, subject: str, decode: Callable[[bytes], T]) -> T | None:
-        js = (await self._client()).jetstream()
-        try:
-            message = await js.get_last_msg(stream, subject, direct=True)
-        except (nats.js.errors.NotFoundError, nats.errors.NoRespondersError):
-            return None  # nothing yet, or no stream yet
-        try:
-            return decode(message.data)
-        except msgspec.DecodeError as error:  # malformed, or not of this schema
-            log.warning("%s: the newest message is not one we read: %s", subject, error)
-            return None
+        return await newest((await self._client()).jetstream(), stream, subject, decode)

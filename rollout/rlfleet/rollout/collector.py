@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 import msgspec
 import prometheus_client
-from nats.js.errors import NotFoundError
 
 from rlfleet.api.wire import (
     CapturedCompletion,
@@ -59,6 +58,7 @@ from rlfleet.api.wire import (
     trajectory_subject,
 )
 from rlfleet.bus.auth import connect
+from rlfleet.bus.reading import messages, newest
 from rlfleet.bus.streams import cycle_stream
 from rlfleet.launch.settings import CollectorConfig
 from rlfleet.launch.stopping import process_settings, run_until_signalled
@@ -110,24 +110,12 @@ class Collector:
 
     async def last_report(self, js) -> CycleReport | None:
         run = self.config.run
-        try:
-            message = await js.get_last_msg(cycle_stream(run), cycle_subject(run), direct=True)
-        except NotFoundError:
-            return None
-        return decode_cycle_report(message.data)
+        return await newest(js, cycle_stream(run), cycle_subject(run), decode_cycle_report)
 
     async def conductor_state(self, js) -> CycleState | None:
         run = self.config.run
-        try:
-            message = await js.get_last_msg(
-                cycle_stream(run), cycle_state_subject(run), direct=True
-            )
-            return decode_cycle_state(message.data)
-        except NotFoundError:
-            return None
-        except msgspec.DecodeError:
-            malformed.inc()
-            return None
+        subject = cycle_state_subject(run)
+        return await newest(js, cycle_stream(run), subject, decode_cycle_state, malformed.inc)
 
     async def tally(self, js, state: CycleState, last: CycleReport | None) -> LiveRewards:
         """Rewards so far on what was served since the canary began, by version; published.
@@ -238,7 +226,7 @@ class Collector:
         """The run's captures after sequence `after`, in order, with their sequences; an
         unreadable one is counted and comes as None."""
         run = self.config.run
-        async for message in _messages(js, capture_stream(run), capture_subject(run), after):
+        async for message in messages(js, capture_stream(run), capture_subject(run), after):
             try:
                 capture = decode_captured(message.data)
                 if capture.run != run:
@@ -251,7 +239,7 @@ class Collector:
     async def _events(self, js, response_id: str) -> list[Feedback]:
         run, events = self.config.run, []
         subject = feedback_subject(run, response_id)
-        async for message in _messages(js, feedback_stream(run), subject, 0):
+        async for message in messages(js, feedback_stream(run), subject, 0):
             try:
                 event = decode_feedback(message.data)
             except msgspec.DecodeError:
@@ -268,19 +256,6 @@ def may_close(state: CycleState | None, last: CycleReport | None) -> bool:
     """Whether the conductor's state lets the next cycle close: it is the one collecting."""
     following = (last.cycle if last else 0) + 1
     return state is not None and (state.number, state.phase) == (following, CyclePhase.COLLECTING)
-
-
-async def _messages(js, stream: str, subject: str, after: int) -> AsyncIterator:
-    """The stream's messages on `subject` after sequence `after`, in order, one direct get
-    each (the server finds the next by its subject index)."""
-    seq = after
-    while True:
-        try:
-            message = await js.get_msg(stream, seq=seq + 1, subject=subject, next=True, direct=True)
-        except NotFoundError:
-            return
-        seq = message.seq
-        yield message
 
 
 def main() -> None:

@@ -21,10 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
-import nats
-import nats.errors
-import nats.js.errors
 import prometheus_client
 
 from rlfleet import launch
@@ -38,6 +34,7 @@ from rlfleet.api.wire import (
     evaluation_subject,
 )
 from rlfleet.bus import auth
+from rlfleet.bus.reading import decoded, newest
 from rlfleet.bus.streams import bind_stream, cycle_stream, evaluation_stream
 from rlfleet.launch.settings import EvaluatorConfig
 from rlfleet.launch.stopping import run_until_signalled
@@ -55,37 +52,22 @@ def due(version: int | None, last: int | None, every: int) -> bool:
 
 
 async def _last_report(js, run: str) -> EvaluationReport | None:
-    try:
-        message = await js.get_last_msg(
-            evaluation_stream(run), evaluation_subject(run), direct=True
-        )
-    except (nats.js.errors.NotFoundError, nats.errors.NoRespondersError):
-        return None
-    return decode_evaluation_report(message.data)
+    return await newest(
+        js, evaluation_stream(run), evaluation_subject(run), decode_evaluation_report
+    )
 
 
 async def _scored_versions(js, run: str) -> set[int]:
     """Every version the run's evaluation reports score."""
-    stream, scored = evaluation_stream(run), set()
-    state = (await js.stream_info(stream)).state
-    for seq in range(state.first_seq, state.last_seq + 1) if state.messages else ():
-        with contextlib.suppress(nats.js.errors.NotFoundError, msgspec.DecodeError):
-            message = await js.get_msg(stream, seq, direct=True)
-            scored.add(decode_evaluation_report(message.data).policy_version)
-    return scored
+    stream, subject = evaluation_stream(run), evaluation_subject(run)
+    return {
+        r.policy_version async for _, r in decoded(js, stream, subject, decode_evaluation_report)
+    }
 
 
 async def _requested(js, run: str) -> EvaluationRequest | None:
-    try:
-        message = await js.get_last_msg(
-            cycle_stream(run), evaluation_request_subject(run), direct=True
-        )
-        return decode_evaluation_request(message.data)
-    except (nats.js.errors.NotFoundError, nats.errors.NoRespondersError):
-        return None
-    except msgspec.DecodeError as error:
-        log.warning("an unreadable evaluation request: %s", error)
-        return None
+    subject = evaluation_request_subject(run)
+    return await newest(js, cycle_stream(run), subject, decode_evaluation_request)
 
 
 async def _wanted(js, config: EvaluatorConfig, receiver: Receiver, last: int | None) -> list[int]:

@@ -49,6 +49,7 @@ from rlfleet.api.wire import (
     trajectory_subject,
 )
 from rlfleet.bus import auth
+from rlfleet.bus.reading import newest
 from rlfleet.bus.streams import bind_stream, cycle_stream, step_stream
 from rlfleet.launch.settings import TrainerConfig
 from rlfleet.trainer import distributed, metrics
@@ -375,11 +376,13 @@ class Trainer:
             return
         self.conductor_due = time.monotonic() + CONDUCTOR_POLL_S
         run = self.config.run
-        state = await _newest(js, run, cycle_state_subject(run), decode_cycle_state)
+        state = await newest(js, cycle_stream(run), cycle_state_subject(run), decode_cycle_state)
         if state is not None and state.run == run:
             self.pinned = self.publisher.pinned = state.serving
             self.cycle_phase = state.phase
-        reset = await _newest(js, run, trainer_reset_subject(run), decode_trainer_reset)
+        reset = await newest(
+            js, cycle_stream(run), trainer_reset_subject(run), decode_trainer_reset
+        )
         if reset is None or reset.run != run or reset.number <= self.resets:
             return
         if distributed.world() > 1:
@@ -398,19 +401,6 @@ class Trainer:
         metrics.policy_version.set(self.version)
         shipped = next((m for m in manifests if m.kind == "delta"), manifests[0])
         return sum(s.size for s in shipped.shards), time.perf_counter() - started
-
-
-async def _newest(js, run: str, subject: str, decode):
-    """The newest message on one of the run's cycle subjects, decoded; None if there is
-    none or it cannot be read (logged)."""
-    try:
-        message = await js.get_last_msg(cycle_stream(run), subject, direct=True)
-        return decode(message.data)
-    except nats.js.errors.NotFoundError:
-        return None
-    except (msgspec.ValidationError, msgspec.DecodeError) as error:
-        log.warning("ignored an unreadable message on %s: %s", subject, error)
-        return None
 
 
 async def rank_publisher(nc, config: TrainerConfig) -> Publisher:
