@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import itertools
 import json
 import re
 import threading
@@ -30,8 +31,16 @@ import images
 from rlfleet import launch
 from rlfleet.api.meta import GPU_TYPE_LABEL
 from rlfleet.api.wire import (
+    CycleEvent,
+    CycleOutcome,
+    CyclePhase,
+    CycleReport,
+    CycleState,
     EvaluationReport,
+    FinishedCycle,
     StepReport,
+    cycle_state_subject,
+    cycle_subject,
     encode,
     evaluation_subject,
     step_subject,
@@ -1032,6 +1041,151 @@ def test_the_evaluation_gate_holds_a_run_that_fails_or_reaches_its_target(
     wait_for("the evaluator gone", lambda: replicas("evaluator") == [])
     wait_for("running without a gate", lambda: world.run_status().get("phase") == "Running")
     assert not world.condition("Failed") and not world.condition("Succeeded")
+
+
+PRODUCTION_RUN = "tiny-moe-realtime"  # examples/realtime.yaml
+
+
+def test_a_production_runs_cycles_show_in_its_status_columns_and_events(world: World) -> None:
+    """A production run gets a collector and a conductor (in the operator's image) in the
+    hub instead of a feed, each with its own NATS user, and its pool's servers theirs in
+    the pool's region. What its conductor publishes becomes the run's status, its
+    printer columns, and an event per transition, in order and once."""
+    document = example("realtime.yaml")
+    world.apply(HUB, document)
+    key = run_key(world.ns, PRODUCTION_RUN)
+
+    def components() -> dict[str, dict]:
+        found = world.items(HUB, "deployments", "-l", f"rlfleet.io/run={PRODUCTION_RUN}")
+        return {d["metadata"]["labels"]["rlfleet.io/component"]: d for d in found}
+
+    made = wait_for("a collector and a conductor", lambda: len(components()) == 3 and components())
+    assert set(made) == {"collector", "conductor", "evaluator"}  # no feed: no task suite
+    conductor = made["conductor"]["spec"]["template"]["spec"]["containers"][0]
+    assert conductor["image"].startswith("ghcr.io/rlfleet/operator:")
+    assert conductor["command"] == ["python", "-m", "rlfleet.operator.conductor"]
+
+    def creds(cluster: str, role: str) -> str:
+        secret = wait_for(
+            f"{role}'s NATS user in {cluster}",
+            lambda: world.items(
+                cluster,
+                "secrets",
+                "--field-selector",
+                f"metadata.name={PRODUCTION_RUN}-nats-{role}",
+            ),
+        )[0]
+        return base64.b64decode(secret["data"]["creds"]).decode()
+
+    serving = auth.claims_of(auth.parse_creds(creds("region-a", "serving"))[0])
+    assert serving["name"] == f"run:{key}:serving"
+
+    def state(number: int, phase: CyclePhase, serving: int, **more) -> CycleState:
+        return CycleState(
+            run=key, number=number, phase=phase, since=time.time(), serving=serving, **more
+        )
+
+    rejected = FinishedCycle(1, CycleOutcome.REJECTED, 3, "version 3: suite reward -0.0800", 1.0)
+    promoted = FinishedCycle(2, CycleOutcome.PROMOTED, 5, "version 5: canary +0.0200", 2.0)
+    states = [
+        state(1, CyclePhase.COLLECTING, 2),
+        state(1, CyclePhase.TRAINING, 2, events=[CycleEvent("CycleCollected", "cycle 1: 64")]),
+        state(
+            2,
+            CyclePhase.COLLECTING,
+            2,
+            history=[rejected],
+            events=[CycleEvent("CandidateRejected", rejected.why)],
+        ),
+        state(
+            2,
+            CyclePhase.CANARY,
+            2,
+            candidate=5,
+            history=[rejected],
+            events=[CycleEvent("CanaryStarted", "version 5 on the canary set")],
+        ),
+        state(
+            3,
+            CyclePhase.COLLECTING,
+            5,
+            history=[rejected, promoted],
+            events=[CycleEvent("CheckpointPromoted", promoted.why)],
+        ),
+    ]
+    report = CycleReport(
+        run=key,
+        cycle=2,
+        capture_seq=90,
+        captured=80,
+        with_feedback=70,
+        trained_on=64,
+        dropped={"silent": 10, "capped": 6},
+        signals={"accepted": 50},
+        late_feedback=1,
+        reward_mean=0.25,
+        served_from=1.0,
+        served_to=2.0,
+        finished_at=3.0,
+    )
+
+    async def publish(as_conductor: str, as_collector: str) -> None:
+        url = world.fleet.bed.nats.hub.url
+        for user, subject, messages in (
+            (as_collector, cycle_subject(key), [report]),
+            (as_conductor, cycle_state_subject(key), states),
+        ):
+            nc = await auth.connect(url, user)
+            try:
+                for message in messages:
+                    await nc.jetstream().publish(subject, encode(message))
+            finally:
+                await nc.close()
+
+    # As the conductor and the collector would, with the users the hub minted them.
+    asyncio.run(publish(creds(HUB, "conductor"), creds(HUB, "collector")))
+
+    def production() -> dict:
+        return world.get(HUB, "rlrun", PRODUCTION_RUN).get("status", {}).get("production", {})
+
+    wait_for("cycle 3 in the status", lambda: production().get("cycle") == 3)
+    shown = production()
+    assert (shown["phase"], shown["servingVersion"]) == ("Collecting", 5)
+    assert [(c["number"], c["outcome"], c["candidateVersion"]) for c in shown["history"]] == [
+        (1, "Rejected", 3),
+        (2, "Promoted", 5),
+    ]
+    assert shown["history"][0]["reason"] == rejected.why
+    collected = shown["lastCollection"]
+    assert (collected["cycle"], collected["trainedOn"], collected["withFeedback"]) == (2, 64, 70)
+    assert collected["dropped"] == [
+        {"reason": "capped", "count": 6},
+        {"reason": "silent", "count": 10},
+    ]
+    header, row = world.fleet.kubectl(
+        HUB, "-n", world.ns, "get", "rlrun", PRODUCTION_RUN
+    ).splitlines()
+    # Columns left empty print blank: each is read where its header starts.
+    starts = [m.start() for m in re.finditer(r"\S+", header)] + [None]
+    columns = {header[a:b].strip(): row[a:b].strip() for a, b in itertools.pairwise(starts)}
+    assert (columns["CYCLE"], columns["SERVING"]) == ("3", "5")
+    posted = world.events(HUB, PRODUCTION_RUN)
+    events = {e["reason"]: e for e in posted}
+    for reason in ("CycleCollected", "CandidateRejected", "CanaryStarted", "CheckpointPromoted"):
+        # Each transition once, however often the hub reconciled since.
+        assert [e.get("count", 1) for e in posted if e["reason"] == reason] == [1], reason
+    assert events["CandidateRejected"]["type"] == "Warning"
+    assert events["CheckpointPromoted"]["message"] == promoted.why
+
+    world.fleet.kubectl(HUB, "-n", world.ns, "delete", "rlrun", PRODUCTION_RUN, "--wait=false")
+    wait_for(
+        "its pool's NATS user gone with the run",
+        lambda: not world.items("region-a", "secrets", "-l", f"rlfleet.io/run={PRODUCTION_RUN}"),
+    )
+    wait_for(
+        "its hub objects gone",
+        lambda: not world.items(HUB, "deployments", "-l", f"rlfleet.io/run={PRODUCTION_RUN}"),
+    )
 
 
 def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:

@@ -41,6 +41,7 @@ RESTRICTED = {
 # Only the operator talks to the API server.
 NEEDS_TOKEN = {"operator-hub", "operator-region"}
 WORKLOADS = ("StatefulSet", "Deployment")
+PRODUCTION = ("collector", "conductor")  # a production run's own components
 
 
 def _example(name: str) -> dict:
@@ -51,14 +52,20 @@ def _example(name: str) -> dict:
 
 def operator_pod_specs() -> dict[str, dict]:
     """What every pod the operator makes for a run runs as: the trainer (with checkpoint
-    claims and a NATS user), the feed, the evaluator, and a rollout worker (with its
-    EnvPool's token)."""
+    claims and a NATS user), the feed, the evaluator, a rollout worker (with its
+    EnvPool's token), and a production run's collector and conductor."""
     run = _example("rlrun")
     run["spec"]["evaluation"] = {"suite": "rules", "everyVersions": 10}
     run["spec"].setdefault("trainer", {})["checkpointStorage"] = {"size": "10Gi"}
     nats = NatsAccess(url="nats://nats.hub:4222", credentials_secret="rlfleet-nats")
     workloads = Workloads()
     made = [o for o in hub_objects(run, Images(), workloads, nats) if o["kind"] in WORKLOADS]
+    production = hub_objects(_example("realtime"), Images(), workloads, nats)
+    made += [
+        o
+        for o in production
+        if o["kind"] in WORKLOADS and o["metadata"]["labels"][COMPONENT_LABEL] in PRODUCTION
+    ]
     copy = mirror(run, "hub", nats) | {"apiVersion": run["apiVersion"]}
     copy["metadata"]["uid"] = "mirror-uid"
     pool_spec = InferencePoolSpec.model_validate(_example("inferencepool")["spec"])

@@ -13,8 +13,8 @@ from typing import Annotated
 
 from pydantic import ConfigDict, Field, model_validator
 
-from rlfleet.api.meta import DNS_LABEL, ApiModel, cel
-from rlfleet.api.wire import FeedbackKind
+from rlfleet.api.meta import DNS_LABEL, ApiModel, cel, map_list
+from rlfleet.api.wire import CYCLE_HISTORY, CycleOutcome, CyclePhase, FeedbackKind
 
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
 KindName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,31}$")]
@@ -205,3 +205,65 @@ class ProductionSpec(ApiModel):
     cycle: CycleSpec = CycleSpec()
     gate: GateSpec = GateSpec()
     canary: CanarySpec = CanarySpec()
+
+
+Moment = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
+Count = Annotated[int, Field(ge=0)]
+Number = Annotated[int, Field(ge=1)]
+
+
+class FinishedCycleStatus(ApiModel):
+    """One finished cycle: how it ended and why, with the numbers that decided it."""
+
+    number: Number
+    outcome: CycleOutcome
+    candidate_version: Count | None = None
+    reason: str
+    finished: Moment
+
+
+class Dropped(ApiModel):
+    reason: str
+    count: Count
+
+
+class CollectionStatus(ApiModel):
+    """What the newest collected cycle took from production, as its collector reported."""
+
+    cycle: Number
+    captured: Annotated[Count, Field(description="Completions it took.")]
+    with_feedback: Annotated[Count, Field(description="Of those, answered within the window.")]
+    trained_on: Annotated[Count, Field(description="Trajectories it published for the trainer.")]
+    dropped: Annotated[
+        list[Dropped],
+        Field(
+            default_factory=list,
+            description="Completions left out, by why.",
+            json_schema_extra=map_list("reason"),
+        ),
+    ]
+    late_feedback: Count = 0
+    reward_mean: float
+
+
+class ProductionStatus(ApiModel):
+    """Where a production run's cycles stand, as its conductor last published: the one
+    under way, the version production serves, and the last finished cycles."""
+
+    cycle: Annotated[Number, Field(description="The cycle under way.")]
+    phase: CyclePhase
+    since: Annotated[Moment, Field(description="When the phase began.")]
+    serving_version: Annotated[Count, Field(description="What production's stable set serves.")]
+    candidate_version: Count | None = None
+    last_collection: CollectionStatus | None = None
+    history: Annotated[
+        list[FinishedCycleStatus],
+        Field(default_factory=list, max_length=CYCLE_HISTORY, description="Newest last."),
+    ]
+    state_sequence: Annotated[
+        Count,
+        Field(
+            description="The conductor's state shown here, by its sequence on the run's "
+            "cycle stream: every transition up to it has had its event."
+        ),
+    ]

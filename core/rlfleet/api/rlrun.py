@@ -19,7 +19,7 @@ from rlfleet.api.meta import (
     cel,
     map_list,
 )
-from rlfleet.api.production import ProductionSpec
+from rlfleet.api.production import ProductionSpec, ProductionStatus
 from rlfleet.api.wire import MAX_GROUP_SIZE
 
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
@@ -713,6 +713,7 @@ class RLRunStatus(ApiModel):
     ]
     last_weight_sync: WeightSyncStatus | None = None
     last_evaluation: EvaluationStatus | None = None
+    production: ProductionStatus | None = None
 
 
 RLRUN = ResourceKind(
@@ -735,6 +736,13 @@ RLRUN = ResourceKind(
         ),
         PrinterColumn("GPUs-Lent", ".status.gpusLent", "integer", "Rollout GPUs borrowed"),
         PrinterColumn("Running", ".status.gpusRunning", "integer", "Rollout GPUs in running pods"),
+        PrinterColumn("Cycle", ".status.production.cycle", "integer", "Production cycle under way"),
+        PrinterColumn(
+            "Serving",
+            ".status.production.servingVersion",
+            "integer",
+            "Version production serves",
+        ),
         PrinterColumn(
             "Eval", ".status.lastEvaluation.reward", "number", "Newest evaluation reward"
         ),

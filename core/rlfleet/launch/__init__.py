@@ -169,12 +169,9 @@ def envpool_token_secret(run: str) -> str:
     return f"{run}-envpool"
 
 
-# The users whose Secrets the hub operator writes for a run: its components' in the hub
-# (and the observer's, for people and tools: `kubectl get secret <run>-nats-observer`),
-# the rollout workers' in each region. A production pool's servers and collector get
-# theirs once the operator runs production cycles.
-HUB_ROLES = (BusRole.TRAINER, BusRole.FEED, BusRole.EVALUATOR, BusRole.OBSERVER)
-POD_ROLES = (*HUB_ROLES, BusRole.ROLLOUT)
+# Every user the hub operator mints a run, whatever its kind: one per component, and the
+# observer, for people and tools (`kubectl get secret <run>-nats-observer`).
+POD_ROLES = tuple(BusRole)
 
 
 def nats_credentials_secret(run: str, role: BusRole) -> str:
@@ -512,6 +509,18 @@ def components_of(spec: RLRunSpec) -> list[Component]:
     found: list[Component] = [TRAINER]
     found += [COLLECTOR, CONDUCTOR] if spec.production is not None else [ROLLOUT, FEED]
     return found + ([EVALUATOR] if spec.evaluation is not None else [])
+
+
+def hub_roles(spec: RLRunSpec) -> list[BusRole]:
+    """The users whose Secrets the hub operator writes in the hub: its components' there,
+    and the observer's."""
+    return [BusRole(c.name) for c in components_of(spec) if c is not ROLLOUT] + [BusRole.OBSERVER]
+
+
+def region_role(spec: RLRunSpec) -> BusRole:
+    """The user whose Secret the hub writes in each region of the run: its rollout
+    workers', or its production pool's servers'."""
+    return BusRole.SERVING if spec.production is not None else BusRole.ROLLOUT
 
 
 # What `rlfleet run` runs besides: a tiny model's warm-up and a whole-suite evaluation.

@@ -277,7 +277,8 @@ class OperatedPlane:
         fleet.start_all()
         self.apply(HUB, self.document)
         console.print(f"applied RLRun {self.name}; waiting for the hub to mint its NATS users")
-        for role in pods.POD_ROLES:
+        spec = RLRunSpec.model_validate(self.document["spec"])
+        for role in [*pods.hub_roles(spec), pods.region_role(spec)]:
             write_secret(self.layout.credentials(role), self._minted_user(role))
         self.binding = Binding(self.runner)
 
@@ -290,7 +291,7 @@ class OperatedPlane:
         """The `.creds` the hub wrote for the pods of a component (rollout workers': in
         their regions): its processes log in as them."""
         secret = pods.nats_credentials_secret(self.name, role)
-        cluster = self.regions[0] if role == BusRole.ROLLOUT else HUB
+        cluster = self.regions[0] if role in (BusRole.ROLLOUT, BusRole.SERVING) else HUB
         return self._minted(cluster, secret, pods.NATS_CREDENTIALS_KEY, "the hub", "NATS user")
 
     def _minted(self, cluster: str, secret: str, key: str, who: str, what: str) -> str:

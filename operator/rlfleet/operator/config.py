@@ -31,6 +31,8 @@ class Images(BaseModel):
 
     trainer: str = "ghcr.io/rlfleet/trainer:0.1.0"
     rollout: str = "ghcr.io/rlfleet/rollout:0.1.0"
+    # A production run's conductor runs in the operator's own image (the chart's image).
+    operator: str = "ghcr.io/rlfleet/operator:0.1.0"
 
 
 class Amounts(BaseModel):
@@ -61,7 +63,7 @@ class Resources(BaseModel):
         return self
 
 
-ComponentName = Literal["trainer", "feed", "evaluator", "rollout"]
+ComponentName = Literal["trainer", "feed", "evaluator", "rollout", "collector", "conductor"]
 
 # The one home of each workload's CPU and memory; the chart's `workloads.resources` is
 # merged over it key by key. GPUs come from the run (a trainer replica's
@@ -73,7 +75,9 @@ ComponentName = Literal["trainer", "feed", "evaluator", "rollout"]
 # holds a suite and a queue. The evaluator is CPU-only: it generates with Hugging Face
 # `generate` in float32 on the host (`rlfleet.rollout.evaluation`), so a GPU would sit
 # idle; its memory must hold two float32 copies of the model (the weights it received and
-# the model it loads): 32Gi suits models of up to about 4B parameters.
+# the model it loads): 32Gi suits models of up to about 4B parameters. A production run's
+# collector holds one cycle's completions (`maxSamples`, token ids and log-probs: 20 000
+# of 4k tokens are ~1 GiB) and its conductor a few reports.
 DEFAULT_RESOURCES: dict[str, dict[str, dict[str, str]]] = {
     "trainer": {
         "requests": {"cpu": "16", "memory": "256Gi"},
@@ -90,6 +94,14 @@ DEFAULT_RESOURCES: dict[str, dict[str, dict[str, str]]] = {
     "evaluator": {
         "requests": {"cpu": "8", "memory": "32Gi"},
         "limits": {"cpu": "16", "memory": "32Gi"},
+    },
+    "collector": {
+        "requests": {"cpu": "1", "memory": "2Gi"},
+        "limits": {"cpu": "2", "memory": "2Gi"},
+    },
+    "conductor": {
+        "requests": {"cpu": "100m", "memory": "256Mi"},
+        "limits": {"cpu": "500m", "memory": "256Mi"},
     },
 }
 

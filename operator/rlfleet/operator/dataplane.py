@@ -23,21 +23,30 @@ from rlfleet.api.wire import (
     BusRole,
     EvaluationReport,
     StepReport,
+    cycle_state_subject,
+    cycle_subject,
+    decode_cycle_report,
+    decode_cycle_state,
     decode_evaluation_report,
     decode_step_report,
     evaluation_subject,
     step_subject,
 )
 from rlfleet.bus import auth
-from rlfleet.bus.reading import newest
+from rlfleet.bus.reading import decoded, newest
 from rlfleet.bus.streams import (
+    cycle_stream,
     delete_run_streams,
     ensure_run_streams,
     evaluation_stream,
     step_stream,
 )
+from rlfleet.operator.production import CycleUpdates
 
 log = logging.getLogger(__name__)
+# Conductor states a reconcile reads at most: one per transition, a few per cycle. A hub
+# that was away longer posts the newest transitions' events, not every one.
+STATES_READ = 100
 T = TypeVar("T")
 
 
@@ -134,6 +143,25 @@ class DataPlane:
         return self._run(
             self._last(evaluation_stream(run), evaluation_subject(run), decode_evaluation_report)
         )
+
+    def cycle_updates(self, run: str, after: int) -> CycleUpdates:
+        """A production run's conductor states after sequence `after` (at most
+        `STATES_READ`, the oldest of them first), and its collector's newest report."""
+        return self._run(self._cycle_updates(run, after))
+
+    async def _cycle_updates(self, run: str, after: int) -> CycleUpdates:
+        js = (await self._client()).jetstream()
+        stream, subject = cycle_stream(run), cycle_state_subject(run)
+        report = await newest(js, stream, cycle_subject(run), decode_cycle_report)
+        try:
+            last = (await js.get_last_msg(stream, subject, direct=True)).seq or 0
+        except (nats.js.errors.NotFoundError, nats.errors.NoRespondersError):
+            return CycleUpdates(run, (), report)
+        if last < after:  # the stream was made anew: its history starts again
+            after = 0
+        start = max(after, last - STATES_READ)
+        states = [s async for s in decoded(js, stream, subject, decode_cycle_state, start)]
+        return CycleUpdates(run, states, report)
 
     async def _last(self, stream: str, subject: str, decode: Callable[[bytes], T]) -> T | None:
         return await newest((await self._client()).jetstream(), stream, subject, decode)

@@ -27,6 +27,7 @@ from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable
 from rlfleet.operator.kube import Kube, Ref, Unreachable
 from rlfleet.operator.parallel import at_once
+from rlfleet.operator.production import CycleUpdates
 from rlfleet.operator.regions import RegionClients, RegionCredentials
 from rlfleet.operator.runstatus import Decision, Observed, RegionReport, decide
 from rlfleet.operator.status import is_present, now, parse_time
@@ -83,7 +84,7 @@ class Hub:
                 log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
                 return None
         users = self._users[meta["uid"]]
-        for role in launch.HUB_ROLES:
+        for role in launch.hub_roles(RLRunSpec.model_validate(run["spec"])):
             self._place_user(self.local, run, self.config.cluster, role, users, owned=True)
         return users
 
@@ -113,7 +114,8 @@ class Hub:
     ) -> RegionReport:
         try:
             kube = self.regions.client(region)
-            self._place_user(kube, run, region, BusRole.ROLLOUT, users, owned=False)
+            role = launch.region_role(RLRunSpec.model_validate(run["spec"]))
+            self._place_user(kube, run, region, role, users, owned=False)
             # A resync reads the mirror; it writes only what is missing, was out of reach,
             # or is held (or let go) since.
             wanted = mirror(run, self.config.cluster, self.config.nats, held)
@@ -186,6 +188,19 @@ class Hub:
             log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
             return False, None
 
+    def _cycles(self, run: dict, spec: RLRunSpec, old: RLRunStatus) -> CycleUpdates | None:
+        """A production run's conductor states since the status's; None when it is not
+        one, or NATS did not answer."""
+        if spec.production is None or self.dataplane is None:
+            return None
+        after = old.production.state_sequence if old.production is not None else 0
+        try:
+            return self.dataplane.cycle_updates(nats_key(run), after)
+        except DataPlaneUnavailable as error:
+            meta = run["metadata"]
+            log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
+            return None
+
     def _forget(self, run: dict, region: str) -> bool:
         """Deletes the run's mirror in a region; False if the region could not be reached."""
         if region not in self.regions.access:
@@ -193,7 +208,8 @@ class Hub:
         try:
             kube = self.regions.client(region)
             kube.delete(_mirror_ref(run))
-            secret = launch.nats_credentials_secret(run["metadata"]["name"], BusRole.ROLLOUT)
+            role = launch.region_role(RLRunSpec.model_validate(run["spec"]))
+            secret = launch.nats_credentials_secret(run["metadata"]["name"], role)
             kube.delete(Ref("v1", "Secret", secret, run["metadata"]["namespace"]))
         except (RegionCredentials, Unreachable):
             return False
@@ -201,7 +217,7 @@ class Hub:
             if error.status not in (401, 403):
                 raise
             return False  # the region refuses the hub's credentials: try again later
-        self._placed.discard((run["metadata"]["uid"], region, BusRole.ROLLOUT))
+        self._placed.discard((run["metadata"]["uid"], region, role))
         return True
 
     def _listed(self, ref: Ref, component: str) -> dict | None:
@@ -298,6 +314,7 @@ class Hub:
             },
             stepped=stepped,
             step=step,
+            cycles=self._cycles(run, spec, old),
             moment=now(),
             region_timeout_s=self.config.region_timeout_seconds,
         )
@@ -306,7 +323,7 @@ class Hub:
         """Deletes every mirror of the run, then its NATS streams (the hub's and each
         region's copy of its weights); returns what is left for a later try."""
         uid = run["metadata"]["uid"]
-        named = {r["name"] for r in run["spec"]["rollout"]["regions"]}
+        named = set(RLRunSpec.model_validate(run["spec"]).region_names)
         named |= {e["name"] for e in (run.get("status") or {}).get("regions", [])}
         for region in named:
             self._answered.pop((uid, region), None)

@@ -17,8 +17,9 @@ from datetime import datetime
 from rlfleet.api.meta import Condition
 from rlfleet.api.rlrun import RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.api.wire import StepReport
-from rlfleet.operator import progress
+from rlfleet.operator import production, progress
 from rlfleet.operator.gate import Verdict
+from rlfleet.operator.production import CycleUpdates
 from rlfleet.operator.status import Event, condition, find, merged, parse_time, timestamp
 
 LAST_SEEN_REFRESH_S = 60
@@ -53,6 +54,8 @@ class Observed:
     step: StepReport | None  # the trainer's newest step report
     moment: datetime
     region_timeout_s: float
+    # A production run's conductor states since the status's; None when not read.
+    cycles: CycleUpdates | None = None
 
 
 @dataclass
@@ -202,6 +205,10 @@ def decide(observed: Observed) -> Decision:
         regions=entries,
     )
     parts = [status] + ([found.fields] if found is not None else []) + [verdict.fields]
+    if observed.cycles is not None:
+        cycles = production.fold(observed.cycles, old.production)
+        parts.append(RLRunStatus(production=cycles.status))
+        events += cycles.events
     return Decision(merged(RLRunStatus, *parts), events)
 
 

@@ -327,9 +327,11 @@ def hub_objects(
     }
     statefulset = _trainer(run, spec, images, workloads, nats, stopped, labels)
     objects = [spec_config_map(run), statefulset, service, budget]
-    objects.append(_hub_component(run, spec, images, workloads, nats, "feed", stopped))
-    if spec.evaluation is not None:
-        objects.append(_hub_component(run, spec, images, workloads, nats, "evaluator", stopped))
+    for component in launch.components_of(spec):
+        if component not in (launch.TRAINER, launch.ROLLOUT):
+            objects.append(
+                _hub_component(run, spec, images, workloads, nats, component.name, stopped)
+            )
     return objects
 
 
@@ -438,13 +440,16 @@ def _hub_component(
     component: str,
     stopped: bool,
 ) -> dict:
-    """One pod of a rollout-image component in the hub, never two at once (`Recreate`):
-    the task feed (`rlfleet.rollout.feed`), which counts what it has queued against the
-    trainer's staleness bound, or the evaluator (`rlfleet.rollout.evaluator`), which
-    reads the run's model."""
+    """One pod of a component in the hub, never two at once (`Recreate`): the task feed
+    (`rlfleet.rollout.feed`), which counts what it has queued against the trainer's
+    staleness bound; the evaluator (`rlfleet.rollout.evaluator`), which reads the run's
+    model; a production run's collector, whose cycles' trajectories would be made twice;
+    its conductor (in the operator's image), whose orders would be given twice."""
     name = run["metadata"]["name"]
     labels = {RUN_LABEL: name, COMPONENT_LABEL: component}
     image = (spec.rollout.image if spec.rollout is not None else None) or images.rollout
+    if component == launch.CONDUCTOR.name:
+        image = images.operator
     container = _container(component, image, 0, _nats_env(nats), workloads)
     container["command"] = launch.COMPONENTS[component].command()
     pod = {"containers": [container], "volumes": [_spec_volume(name)]}
@@ -465,7 +470,8 @@ def mirror(run: dict, origin: str, nats: NatsAccess | None, held: bool = False) 
     spec = run["spec"] | {"suspend": True} if held else run["spec"]
     annotations = {ORIGIN_UID: meta["uid"]} | ({JETSTREAM_DOMAIN: nats.domain} if nats else {})
     if mints_users(nats):
-        annotations[NATS_USER] = launch.nats_credentials_secret(meta["name"], BusRole.ROLLOUT)
+        role = launch.region_role(RLRunSpec.model_validate(run["spec"]))
+        annotations[NATS_USER] = launch.nats_credentials_secret(meta["name"], role)
     return {
         "apiVersion": API_VERSION,
         "kind": "RLRun",
