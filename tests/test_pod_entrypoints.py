@@ -24,9 +24,12 @@ from nats.js.api import StreamInfo
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.wire import (
     BusRole,
+    CycleState,
     EvaluationReport,
     StepReport,
     Trajectory,
+    cycle_state_subject,
+    decode_cycle_state,
     decode_evaluation_report,
     decode_step_report,
     decode_trajectory,
@@ -35,7 +38,8 @@ from rlfleet.api.wire import (
     trajectory_stream,
 )
 from rlfleet.bus.auth import CREDENTIALS_ENV
-from rlfleet.bus.streams import evaluation_stream, step_stream
+from rlfleet.bus.reading import newest
+from rlfleet.bus.streams import cycle_stream, evaluation_stream, step_stream
 from rlfleet.launch import METRICS_PORT_ENV, SPEC_FILE, STATE_DIR_ENV, run_key
 from rlfleet.local.files import write_secret
 from rlfleet.local.nats import HUB_DOMAIN, NatsBed, NatsServer, start_nats
@@ -269,6 +273,62 @@ def test_the_operators_pods_train_from_the_mounted_spec_alone(pods) -> None:
     assert (evaluation.tasks, evaluation.attempts) == (EVALUATION_TASKS, 8)
     logs = {p.stem: p.read_text() for p in (work / "logs").glob("*.log")}
     assert "Traceback" not in logs["trainer"] + logs["feed"] + logs["evaluator"], logs
+
+
+def served(url: str) -> dict[str, float] | None:
+    """A process's metrics, once it serves them."""
+    try:
+        return scrape(url)
+    except OSError:
+        return None
+
+
+def test_a_production_runs_collector_and_conductor_start_from_the_mounted_spec(
+    tmp_path: Path,
+) -> None:
+    """The hub's pods of a production run, as their images run them: the conductor (in
+    the operator's image) reads the mounted spec, connects as its own user and opens
+    the first cycle; the collector waits for it, serving its metrics."""
+    supervisor = Supervisor(tmp_path / "logs", attached=True)
+    try:
+        bed = start_nats([REGION], supervisor, tmp_path / "nats")
+        run = yaml.safe_load((ROOT / "examples" / "realtime.yaml").read_text())
+        run["metadata"] |= {"namespace": "team-a", "uid": "hub-uid"}
+        key = run_key("team-a", run["metadata"]["name"])
+        asyncio.run(make_streams(bed, key))
+        access = NatsAccess(url=bed.hub.url, domain=HUB_DOMAIN, credentials_secret="nats")
+        made = hub_objects(run, Images(), Workloads(), access)
+        mounted = tmp_path / "rlrun.json"
+        mounted.write_text(next(o for o in made if o["kind"] == "ConfigMap")["data"]["rlrun.json"])
+        metrics = {}
+        for workload in made:
+            component = workload["metadata"]["labels"].get(COMPONENT_LABEL)
+            if component not in ("collector", "conductor"):
+                continue
+            assert workload["kind"] == "Deployment"
+            user = tmp_path / f"{component}.creds"
+            write_secret(user, bed.run_user(key, BusRole(component)))
+            pod_spec = workload["spec"]["template"]["spec"]
+            argv, env = as_process(pod_spec, f"{component}-7d9f-x2x4q", mounted, tmp_path, user)
+            supervisor.start(component, argv, env)
+            metrics[component] = f"http://127.0.0.1:{env[METRICS_PORT_ENV]}/metrics"
+
+        async def first_state() -> CycleState | None:
+            nc = await bed.hub.connect()
+            try:
+                return await newest(
+                    nc.jetstream(), cycle_stream(key), cycle_state_subject(key), decode_cycle_state
+                )
+            finally:
+                await nc.close()
+
+        state = wait_for("the conductor's first cycle", lambda: asyncio.run(first_state()))
+        assert (state.run, state.number, state.phase) == (key, 1, "Collecting")
+        for component, url in metrics.items():
+            wait_for(f"{component}'s metrics", lambda u=url: served(u))
+        supervisor.check_alive()
+    finally:
+        supervisor.stop_all()
 
 
 def test_a_pod_told_no_nats_or_given_a_model_it_cannot_read_says_so(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ from rlfleet.launch.settings import (
     WorkerConfig,
     from_json,
 )
+from rlfleet.launch.stopping import log_as_components_do
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -529,10 +530,12 @@ EVALUATION = Program("rlfleet.rollout.evaluation")
 
 
 def component_settings(argv: list[str], component: Component[S]) -> S:
-    """A component's settings from its command line: `CONFIG.json` (its own settings, as
+    """A component's start: logging as every component logs, then its settings from its
+    command line: `CONFIG.json` (its own settings, as
     `rlfleet run` writes them) or `--rlrun [SPEC]` (a pod: the mounted spec, `SPEC_FILE`
     by default, placed by the environment). A pod that cannot run as told exits with the
     reason, not a traceback, so `kubectl logs` says what to fix."""
+    log_as_components_do()
     program = " ".join(component.command())
     parser = argparse.ArgumentParser(prog=program)
     source = parser.add_mutually_exclusive_group(required=True)
@@ -542,10 +545,10 @@ def component_settings(argv: list[str], component: Component[S]) -> S:
     )
     args = parser.parse_args(argv)
     own_caches(None)  # a pod's under the root the operator mounts; a local tree's as set
-    if args.config:
-        return component.read(args.config)
     try:
+        if args.config:
+            return component.read(args.config)
         run, spec = read_spec(args.rlrun)
         return component.for_pod(run, spec, Placement.from_env(os.environ))
-    except (OSError, ValueError, msgspec.ValidationError) as error:
-        sys.exit(f"{program}: cannot run {args.rlrun}: {error}")
+    except (OSError, ValueError, msgspec.DecodeError) as error:
+        sys.exit(f"{program}: cannot run {args.config or args.rlrun}: {error}")

@@ -18,13 +18,17 @@ from rlfleet.launch.settings import from_json
 S = TypeVar("S", bound=msgspec.Struct)
 
 
-def process_settings(program: str, kind: type[S]) -> S:
-    """A process's start: logging as every component logs, then its settings from its one
-    argument, CONFIG.json. One that cannot read them exits with the reason, naming the
-    field, not with a traceback."""
+def log_as_components_do() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+
+
+def process_settings(program: str, kind: type[S]) -> S:
+    """A local process's start (one no pod runs): logging as every component logs, then
+    its settings from its one argument, CONFIG.json. One that cannot read them exits
+    with the reason, naming the field, not with a traceback."""
+    log_as_components_do()
     if len(sys.argv) != 2:
         sys.exit(f"usage: python -m {program} CONFIG.json")
     try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -26,6 +27,7 @@ from typing import TypeVar
 import prometheus_client
 from msgspec.structs import replace
 
+from rlfleet import launch
 from rlfleet.api.wire import (
     CycleState,
     EvaluationReport,
@@ -53,7 +55,7 @@ from rlfleet.bus import auth
 from rlfleet.bus.reading import newest, recent
 from rlfleet.bus.streams import cycle_stream, evaluation_stream, step_stream
 from rlfleet.launch.settings import ConductorConfig
-from rlfleet.launch.stopping import process_settings, run_until_signalled
+from rlfleet.launch.stopping import run_until_signalled
 from rlfleet.operator.cycles import Act, Action, Observed, Phase, Step, advance, first_state
 from rlfleet.operator.promotion import gate_reports
 
@@ -196,7 +198,7 @@ async def conduct(config: ConductorConfig, stopping: asyncio.Event) -> None:
 
 
 def main() -> None:
-    config = process_settings("rlfleet.operator.conductor", ConductorConfig)
+    config = launch.component_settings(sys.argv[1:], launch.CONDUCTOR)
     if config.metrics_port is not None:
         prometheus_client.start_http_server(config.metrics_port)
     run_until_signalled(lambda stopping: conduct(config, stopping))

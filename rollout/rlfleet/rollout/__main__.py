@@ -17,9 +17,6 @@ log = logging.getLogger("rlfleet.rollout")
 
 
 def main() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     config = launch.component_settings(sys.argv[1:], launch.ROLLOUT)
     try:
         chosen = engine_layout(config)

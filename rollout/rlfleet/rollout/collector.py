@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 import msgspec
 import prometheus_client
 
+from rlfleet import launch
 from rlfleet.api.wire import (
     CapturedCompletion,
     CyclePhase,
@@ -61,7 +63,7 @@ from rlfleet.bus.auth import connect
 from rlfleet.bus.reading import messages, newest
 from rlfleet.bus.streams import cycle_stream
 from rlfleet.launch.settings import CollectorConfig
-from rlfleet.launch.stopping import process_settings, run_until_signalled
+from rlfleet.launch.stopping import run_until_signalled
 from rlfleet.rollout.signals import CycleSamples, batch, reward, score_cycle
 
 log = logging.getLogger(__name__)
@@ -259,7 +261,7 @@ def may_close(state: CycleState | None, last: CycleReport | None) -> bool:
 
 
 def main() -> None:
-    config = process_settings("rlfleet.rollout.collector", CollectorConfig)
+    config = launch.component_settings(sys.argv[1:], launch.COLLECTOR)
     if config.metrics_port is not None:
         prometheus_client.start_http_server(config.metrics_port)
     run_until_signalled(Collector(config).run)

@@ -146,9 +146,6 @@ async def _score(config: EvaluatorConfig, tasks, receiver: Receiver) -> Evaluati
 
 
 def main() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     config = launch.component_settings(sys.argv[1:], launch.EVALUATOR)
     if config.metrics_port is not None:
         prometheus_client.start_http_server(config.metrics_port)

@@ -170,9 +170,6 @@ async def _queue_state(js, run: str) -> StreamState:
 
 
 def main() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     config = launch.component_settings(sys.argv[1:], launch.FEED)
     if config.metrics_port is not None:
         prometheus_client.start_http_server(config.metrics_port)

@@ -1,7 +1,6 @@
 """`python -m rlfleet.trainer CONFIG.json`, or `--rlrun [SPEC]` in a pod: run this pod's
 trainer ranks (`config.ranks`) until stopped or max_steps."""
 
-import logging
 import sys
 
 import torch
@@ -13,9 +12,6 @@ from rlfleet.trainer.ranks import too_few_gpus
 
 
 def main() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     config = launch.component_settings(sys.argv[1:], launch.TRAINER)
     try:
         deepspeed_config(config)  # a user's DeepSpeed file is refused before anything loads
