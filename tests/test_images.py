@@ -131,6 +131,26 @@ def test_each_image_runs_its_component(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("image", "module"),
+    [("operator", "rlfleet.operator.conductor"), ("rollout", "rlfleet.rollout.collector")],
+)
+def test_each_image_runs_a_production_runs_components(
+    image: str, module: str, image_environments: images.Environments
+) -> None:
+    """The hub's pods of a production run start in the images the operator names."""
+    result = subprocess.run(
+        [str(image_environments.python(image)), "-m", module, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--rlrun" in result.stdout
+
+
+@pytest.mark.slow
 def test_the_operator_image_holds_no_data_plane_library(
     image_environments: images.Environments,
 ) -> None:
