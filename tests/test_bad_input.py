@@ -43,6 +43,7 @@ from rlfleet.api.wire import (
     LiveRewards,
     RewardTally,
     Segment,
+    ServeOrder,
     ShardRef,
     StepReport,
     Task,
@@ -56,6 +57,7 @@ from rlfleet.api.wire import (
     decode_feedback,
     decode_live_rewards,
     decode_manifest,
+    decode_serve_order,
     decode_step_report,
     decode_trainer_reset,
     decode_trajectory,
@@ -410,6 +412,13 @@ DOORS = [
         _json,
         decode_trainer_reset,
         [*COMMON, ("number", 0), ("version", -4), ("version", "4")],
+    ),
+    Door(  # read by the conductor, as the hub passes an on-call order on
+        "serve order",
+        lambda: msgspec.to_builtins(ServeOrder(RUN, 1, 4)),
+        _json,
+        decode_serve_order,
+        [*COMMON, ("number", 0), ("number", 1.5), ("version", -1), ("-version", None)],
     ),
 ]
 

@@ -115,7 +115,7 @@ def test_cycles_take_each_completion_once_and_score_it_from_its_signals(
         nc = await connect(config.nats_url)
         js = nc.jetstream()
         collector = Collector(config)
-        first = await collector.cycle(js, await collector.last_report(js), time.time())
+        first = await collector.cycle(js, await collector.last_report(js), 1, time.time())
         assert first is not None and first.cycle == 1
         assert (first.captured, first.with_feedback, first.trained_on) == (10, 8, 6)
         assert first.dropped == {"user_cap": 2, "no_signal": 2}
@@ -136,10 +136,10 @@ def test_cycles_take_each_completion_once_and_score_it_from_its_signals(
         again = Collector(config)
         last = await again.last_report(js)
         assert last == first
-        assert await again.cycle(js, last, time.time()) is None
+        assert await again.cycle(js, last, 2, time.time()) is None
         later = [_capture(run, f"later-{i}", f"u{i}", time.time()) for i in range(4)]
         await _store(serving, later, [_event(c, "accepted") for c in later])
-        second = await again.cycle(js, last, time.time() + WINDOW_S + 1)
+        second = await again.cycle(js, last, 2, time.time() + WINDOW_S + 1)
         assert (second.cycle, second.captured, second.trained_on) == (2, 5, 5)
         assert second.dropped == {}
         assert len(await _trajectories(admin, run)) == 11  # nothing of cycle 1 again
@@ -212,9 +212,9 @@ def test_a_cycle_full_of_silence_closes_so_the_collector_goes_on(nats_servers, t
         await ensure_run_streams(admin, run, None)
         await _store(admin, silent, [])
         collector, js = Collector(config), admin.jetstream()
-        first = await collector.cycle(js, None, time.time())
+        first = await collector.cycle(js, None, 1, time.time())
         assert (first.captured, first.trained_on, first.dropped) == (3, 0, {"no_signal": 3})
-        assert await collector.cycle(js, first, time.time()) is None  # one left, unanswered
+        assert await collector.cycle(js, first, 2, time.time()) is None  # one left, unanswered
         await admin.close()
 
     asyncio.run(scenario())

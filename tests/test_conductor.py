@@ -18,6 +18,7 @@ from rlfleet.api.wire import (
     EvaluationReport,
     LiveRewards,
     RewardTally,
+    ServeOrder,
     StepReport,
     cycle_state_subject,
     cycle_subject,
@@ -29,6 +30,7 @@ from rlfleet.api.wire import (
     evaluation_request_subject,
     evaluation_subject,
     live_subject,
+    serve_order_subject,
     serving_stream,
     serving_subject,
     step_subject,
@@ -182,12 +184,30 @@ def test_cycles_promote_refuse_and_roll_back_through_the_runs_streams(
         reset = await newest(cycle_stream(run), trainer_reset_subject(run), decode_trainer_reset)
         assert (reset.number, reset.version) == (3, 2)
 
+        # On call, as the hub passes `rlfleet rollback` on: back to the version before 2.
+        assert (state.serving, state.previous) == (2, 0)
+        await js.publish(serve_order_subject(run), encode(ServeOrder(run, 1, 0)))
+        state = await turn(state)
+        assert (state.number, state.serving, state.previous, state.orders) == (5, 0, 2, 1)
+        assert state.history[-1].outcome == CycleOutcome.OVERRIDDEN
+        assert [e.reason for e in state.events] == ["ServingOverridden"]
+        assert (await target("canary"), await target("stable")) == (0, 0)
+        reset = await newest(cycle_stream(run), trainer_reset_subject(run), decode_trainer_reset)
+        assert (reset.number, reset.version) == (4, 0)
+        assert await turn(state) == state  # carried out once
+        # Version 4 was rolled back: its weights are not kept, so no order can serve it.
+        await js.publish(serve_order_subject(run), encode(ServeOrder(run, 2, 4)))
+        state = await turn(state)
+        assert (state.serving, state.orders) == (0, 2)
+        assert [e.reason for e in state.events] == ["OrderRefused"]
+
         # A restarted conductor goes on from the state it published.
         again = await Conductor(config, users[BusRole.CONDUCTOR]).start()
         assert again == state
         published = await newest(cycle_stream(run), cycle_state_subject(run), decode_cycle_state)
         assert published == state and [c.outcome for c in state.history] == [
-            CycleOutcome.PROMOTED, CycleOutcome.REJECTED, CycleOutcome.ROLLED_BACK
+            CycleOutcome.PROMOTED, CycleOutcome.REJECTED, CycleOutcome.ROLLED_BACK,
+            CycleOutcome.OVERRIDDEN,
         ]  # fmt: skip
         await admin.close()
 

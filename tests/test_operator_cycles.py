@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from msgspec.structs import replace
 
-from rlfleet.api.wire import CycleEvent, CycleReport, CycleState, RewardTally
+from rlfleet.api.wire import CycleEvent, CycleReport, CycleState, RewardTally, ServeOrder
 from rlfleet.launch.settings import CanaryPolicy
 from rlfleet.operator.cycles import (
     CANARY,
@@ -141,3 +142,37 @@ def test_every_cycle_ends_once_and_only_a_judged_candidate_is_served(data, steps
         else:
             assert new.serving == state.serving and new.history == state.history
         state = new
+
+
+def test_an_on_call_order_serves_only_a_kept_version_once_and_ends_the_cycle():
+    canary = CycleState(
+        run="live", number=5, phase=Phase.CANARY, since=0, serving=4, candidate=7, previous=2
+    )
+    everywhere = [Action(Act.SERVE, 7, CANARY), Action(Act.SERVE, 7, STABLE)]
+    step = advance(canary, Observed(1, None, order=ServeOrder("live", 1, 7)), POLICY)
+    assert step.actions == everywhere  # the trainer already holds the candidate
+    done = step.state
+    assert (done.number, done.serving, done.previous, done.orders) == (6, 7, 4, 1)
+    assert done.history[-1].outcome == Outcome.PROMOTED
+    assert step.events[0].message == "version 7: promoted by on-call order 1"
+    # The same order again is not carried out twice.
+    assert advance(done, Observed(2, None, order=ServeOrder("live", 1, 7)), POLICY).actions == []
+
+    step = advance(canary, Observed(1, None, order=ServeOrder("live", 1, 4)), POLICY)
+    assert step.actions[-1] == Action(Act.RESET_TRAINER, 4)
+    assert step.state.history[-1].outcome == Outcome.ROLLED_BACK
+    assert (step.state.serving, step.state.previous) == (4, 2)
+
+    # Back past a promotion, then forward again: each is the other's previous.
+    collecting = replace(canary, phase=Phase.COLLECTING, candidate=None)
+    back = advance(collecting, Observed(1, None, order=ServeOrder("live", 1, 2)), POLICY)
+    assert (back.state.serving, back.state.previous) == (2, 4)
+    assert back.state.history[-1].outcome == Outcome.OVERRIDDEN
+    assert back.events[0].reason == "ServingOverridden"
+    forth = advance(back.state, Observed(2, None, order=ServeOrder("live", 2, 4)), POLICY)
+    assert (forth.state.serving, forth.state.previous) == (4, 2)
+
+    # A version whose weights are gone: refused, heard, nothing served.
+    refused = advance(collecting, Observed(1, None, order=ServeOrder("live", 1, 7)), POLICY)
+    assert refused.actions == [] and refused.state == replace(collecting, orders=1)
+    assert refused.events[0].reason == "OrderRefused"

@@ -14,7 +14,10 @@ import base64
 import contextlib
 import itertools
 import json
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -38,18 +41,22 @@ from rlfleet.api.wire import (
     CycleState,
     EvaluationReport,
     FinishedCycle,
+    ServeOrder,
     StepReport,
     cycle_state_subject,
     cycle_subject,
+    decode_serve_order,
     encode,
     evaluation_subject,
+    serve_order_subject,
     step_subject,
     task_stream,
     trajectory_stream,
     weights_stream,
 )
 from rlfleet.bus import auth
-from rlfleet.bus.streams import step_stream
+from rlfleet.bus.reading import newest
+from rlfleet.bus.streams import cycle_stream, step_stream
 from rlfleet.launch import run_key
 from rlfleet.operator.workloads import ENVPOOL_PORT, rollout_name
 from rlfleet.rollout.envclient import EnvClient, EnvServerError
@@ -1111,6 +1118,7 @@ def test_a_production_runs_cycles_show_in_its_status_columns_and_events(world: W
             5,
             history=[rejected, promoted],
             events=[CycleEvent("CheckpointPromoted", promoted.why)],
+            previous=2,
         ),
     ]
     report = CycleReport(
@@ -1176,6 +1184,30 @@ def test_a_production_runs_cycles_show_in_its_status_columns_and_events(world: W
         assert [e.get("count", 1) for e in posted if e["reason"] == reason] == [1], reason
     assert events["CandidateRejected"]["type"] == "Warning"
     assert events["CheckpointPromoted"]["message"] == promoted.why
+
+    assert shown["previousVersion"] == 2
+
+    # On call: `rlfleet rollback` writes the order into the spec; the hub passes it on.
+    rollback = [sys.executable, "-m", "rlfleet.cli", "rollback", PRODUCTION_RUN, "-n", world.ns]
+    env = os.environ | {"KUBECONFIG": str(world.fleet.bed.kubeconfig)}
+    done = subprocess.run(
+        [*rollback, "--context", HUB], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("order 1: tiny-moe-realtime serves version 2")
+    spec = world.get(HUB, "rlrun", PRODUCTION_RUN)["spec"]["production"]
+    assert spec["order"] == {"number": 1, "version": 2}
+
+    async def passed_on(nc) -> ServeOrder | None:
+        subject = serve_order_subject(key)
+        return await newest(nc.jetstream(), cycle_stream(key), subject, decode_serve_order)
+
+    order = wait_for("the order on NATS", lambda: on_hub_nats(world, passed_on))
+    assert (order.run, order.number, order.version) == (key, 1, 2)
+    # Asked again for version 5's (not kept) weights: refused before anything is written.
+    promote = [*rollback[:3], "promote", PRODUCTION_RUN, "9", "-n", world.ns, "--context", HUB]
+    done = subprocess.run(promote, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1 and "version 9 cannot be served: only 2, 5" in done.stderr
 
     world.fleet.kubectl(HUB, "-n", world.ns, "delete", "rlrun", PRODUCTION_RUN, "--wait=false")
     wait_for(

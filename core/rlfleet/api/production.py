@@ -185,6 +185,22 @@ class CanarySpec(ApiModel):
     ] = 50
 
 
+class ServingOrder(ApiModel):
+    """An on-call engineer's order, as `rlfleet promote` and `rlfleet rollback` write it:
+    production serves `version` on every replica set now, and the cycle under way ends.
+    Carried out once per `number`; the spec keeps the last one given."""
+
+    number: Annotated[int, Field(ge=1, description="Counts the run's orders: one more each.")]
+    version: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="The serving version, the one before it, or a candidate under "
+            "evaluation: no other version's weights are kept.",
+        ),
+    ]
+
+
 class ProductionSpec(ApiModel):
     """Learn from a production pool's users, in cycles: collect, train, gate, canary."""
 
@@ -205,6 +221,7 @@ class ProductionSpec(ApiModel):
     cycle: CycleSpec = CycleSpec()
     gate: GateSpec = GateSpec()
     canary: CanarySpec = CanarySpec()
+    order: ServingOrder | None = None
 
 
 Moment = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
@@ -254,7 +271,14 @@ class ProductionStatus(ApiModel):
     phase: CyclePhase
     since: Annotated[Moment, Field(description="When the phase began.")]
     serving_version: Annotated[Count, Field(description="What production's stable set serves.")]
+    previous_version: Annotated[
+        Count | None,
+        Field(description="What it served before, kept to go back to (`rlfleet rollback`)."),
+    ] = None
     candidate_version: Count | None = None
+    orders_done: Annotated[
+        Count, Field(description="The newest spec.production.order carried out, by number.")
+    ] = 0
     last_collection: CollectionStatus | None = None
     history: Annotated[
         list[FinishedCycleStatus],

@@ -486,6 +486,7 @@ class CycleOutcome(StrEnum):
     REJECTED = "Rejected"
     ROLLED_BACK = "RolledBack"
     PROMOTED = "Promoted"
+    OVERRIDDEN = "Overridden"  # an on-call order ended it (`ServeOrder`)
 
 
 class FinishedCycle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -522,9 +523,24 @@ class CycleState(WireMessage, tag="rlfleet.io/cycle-state/v1"):
     collected: Count = 0  # trajectories the collector published for this cycle
     history: Annotated[list[FinishedCycle], msgspec.Meta(max_length=CYCLE_HISTORY)] = []
     events: list[CycleEvent] = []
+    # The version served before `serving`, kept (weights and checkpoint) to go back to.
+    previous: Count | None = None
+    orders: Count = 0  # the newest on-call order (`ServeOrder.number`) carried out
 
     def __post_init__(self) -> None:
         _finite("since", self.since)
+
+
+def servable(
+    phase: CyclePhase, serving: int, previous: int | None, candidate: int | None
+) -> list[int]:
+    """The versions an on-call order may have production serve: those whose weights and
+    checkpoint are kept, the serving one, the one before it, and a candidate under
+    evaluation or in its canary."""
+    kept = {serving} | ({previous} if previous is not None else set())
+    if phase in (CyclePhase.EVALUATING, CyclePhase.CANARY) and candidate is not None:
+        kept.add(candidate)
+    return sorted(kept)
 
 
 def decode_cycle_state(data: bytes) -> CycleState:
@@ -556,6 +572,21 @@ class TrainerReset(WireMessage, tag="rlfleet.io/trainer-reset/v1"):
 
 def decode_trainer_reset(data: bytes) -> TrainerReset:
     return msgspec.json.decode(data, type=TrainerReset)
+
+
+class ServeOrder(WireMessage, tag="rlfleet.io/serve-order/v1"):
+    """An on-call engineer's order (`spec.production.order`, which `rlfleet promote` and
+    `rlfleet rollback` write), as the hub operator passes it to the run's conductor:
+    production serves `version` on every replica set now, and the cycle under way ends.
+    `number` counts a run's orders, so the conductor carries out each once."""
+
+    run: str
+    number: Annotated[int, msgspec.Meta(ge=1)]
+    version: Count
+
+
+def decode_serve_order(data: bytes) -> ServeOrder:
+    return msgspec.json.decode(data, type=ServeOrder)
 
 
 class ServingTarget(WireMessage, tag="rlfleet.io/serving-target/v1"):
@@ -672,6 +703,12 @@ def evaluation_request_subject(run: str) -> str:
 
 def trainer_reset_subject(run: str) -> str:
     return f"rlfleet.conductor.{run}.reset"
+
+
+def serve_order_subject(run: str) -> str:
+    """The hub operator's orders to the conductor. On the conductor's stream subjects:
+    the conductor may publish there too, but it would only be ordering itself."""
+    return f"rlfleet.conductor.{run}.order"
 
 
 def feedback_stream(run: str) -> str:

@@ -42,11 +42,13 @@ from rlfleet.api.wire import (
     decode_cycle_state,
     decode_evaluation_report,
     decode_live_rewards,
+    decode_serve_order,
     decode_step_report,
     encode,
     evaluation_request_subject,
     evaluation_subject,
     live_subject,
+    serve_order_subject,
     serving_subject,
     step_subject,
     trainer_reset_subject,
@@ -103,17 +105,20 @@ class Conductor:
         return new
 
     async def observe(self, state: CycleState, now: float) -> Observed:
+        order = await self._newest(serve_order_subject(self.run_name), decode_serve_order)
+        if order is not None and order.run != self.run_name:
+            order = None  # not this run's: a forgery, or a bug
         match state.phase:
             case Phase.COLLECTING:
                 report = await self._newest(cycle_subject(self.run_name), decode_cycle_report)
-                return Observed(now, report)
+                return Observed(now, report, order=order)
             case Phase.TRAINING:
                 taken, after = await self._taken(state.number)
-                return Observed(now, None, taken=taken, version_after=after)
+                return Observed(now, None, taken=taken, version_after=after, order=order)
             case Phase.EVALUATING:
-                return Observed(now, None, gate=await self._gate(state))
+                return Observed(now, None, gate=await self._gate(state), order=order)
             case Phase.CANARY:
-                return Observed(now, None, live=await self._live(state))
+                return Observed(now, None, live=await self._live(state), order=order)
 
     async def act(self, state: CycleState, step: Step) -> None:
         run, now = self.run_name, time.time()

@@ -13,6 +13,12 @@ Every cycle ends in exactly one outcome, then the next cycle collects. Only a pr
 changes what production serves, and only to a candidate that passed the gate and its
 canary. A cycle whose candidate is not promoted sends the trainer back to the serving
 version, so the next candidate is trained from what users actually saw.
+
+An on-call order (`ServeOrder`: `rlfleet promote`, `rlfleet rollback`) overrides all of
+it, in any phase: every set serves the version named and the cycle under way ends
+(Promoted when it names the candidate, RolledBack when it names the serving version
+during a canary, Overridden otherwise). Only a version whose weights and checkpoint are
+kept can be named: the serving one, the one before it, or a candidate under evaluation.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from rlfleet.api.wire import (
     CycleState,
     FinishedCycle,
     RewardTally,
+    ServeOrder,
+    servable,
 )
 from rlfleet.api.wire import CycleOutcome as Outcome
 from rlfleet.api.wire import CyclePhase as Phase
@@ -52,6 +60,7 @@ class Observed:
     version_after: int | None = None
     gate: GateVerdict | None = None  # once both versions are evaluated on the suite
     live: tuple[RewardTally, RewardTally] | None = None  # canary, stable
+    order: ServeOrder | None = None  # the newest on-call order, in any phase
 
 
 class Act(StrEnum):
@@ -75,6 +84,8 @@ class Step:
 
 
 def advance(state: CycleState, seen: Observed, canary: CanaryPolicy) -> Step:
+    if seen.order is not None and seen.order.number > state.orders:
+        return _ordered(state, seen.order, seen.now)
     match state.phase:
         case Phase.COLLECTING:
             return _collecting(state, seen)
@@ -99,7 +110,38 @@ def _finish(state: CycleState, outcome: Outcome, why: str, now: float, serving: 
         since=now,
         serving=serving,
         history=[*state.history, done][-CYCLE_HISTORY:],
+        previous=state.serving if serving != state.serving else state.previous,
+        orders=state.orders,
     )
+
+
+def _ordered(state: CycleState, order: ServeOrder, now: float) -> Step:
+    version, heard = order.version, replace(state, orders=order.number)
+    serve = [Action(Act.SERVE, version, CANARY), Action(Act.SERVE, version, STABLE)]
+    kept = servable(state.phase, state.serving, state.previous, state.candidate)
+    if version not in kept:
+        why = (
+            f"order {order.number}: version {version} cannot be served, only "
+            f"{', '.join(map(str, kept))} (the serving version, the one before it, a "
+            "candidate under evaluation): the weights of others are not kept"
+        )
+        return Step(heard, events=_event("OrderRefused", why))
+    by = f"by on-call order {order.number}"
+    if state.phase == Phase.COLLECTING and version == state.serving:
+        why = f"order {order.number}: production already serves version {version}"
+        return Step(heard, serve, _event("ServingOverridden", why))
+    if version == state.candidate and state.phase in (Phase.EVALUATING, Phase.CANARY):
+        why = f"version {version}: promoted {by}"
+        promoted = _finish(heard, Outcome.PROMOTED, why, now, serving=version)
+        return Step(promoted, serve, _event("CheckpointPromoted", why))
+    back = [Action(Act.RESET_TRAINER, version)]
+    if state.phase == Phase.CANARY and version == state.serving:
+        why = f"version {state.candidate}: rolled back {by}"
+        rolled_back = _finish(heard, Outcome.ROLLED_BACK, why, now, state.serving)
+        return Step(rolled_back, serve + back, _event("CanaryRolledBack", why))
+    why = f"production serves version {version} {by}, was {state.serving}"
+    overridden = _finish(heard, Outcome.OVERRIDDEN, why, now, serving=version)
+    return Step(overridden, serve + back, _event("ServingOverridden", why))
 
 
 def _event(reason: str, message: str) -> list[CycleEvent]:

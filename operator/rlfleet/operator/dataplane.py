@@ -22,14 +22,18 @@ from rlfleet import launch
 from rlfleet.api.wire import (
     BusRole,
     EvaluationReport,
+    ServeOrder,
     StepReport,
     cycle_state_subject,
     cycle_subject,
     decode_cycle_report,
     decode_cycle_state,
     decode_evaluation_report,
+    decode_serve_order,
     decode_step_report,
+    encode,
     evaluation_subject,
+    serve_order_subject,
     step_subject,
 )
 from rlfleet.bus import auth
@@ -162,6 +166,20 @@ class DataPlane:
         start = max(after, last - STATES_READ)
         states = [s async for s in decoded(js, stream, subject, decode_cycle_state, start)]
         return CycleUpdates(run, states, report)
+
+    def pass_order(self, order: ServeOrder) -> bool:
+        """Publishes an on-call order to the run's conductor unless it has it (a newer or
+        the same number is on the stream); returns whether it published."""
+        return self._run(self._pass_order(order))
+
+    async def _pass_order(self, order: ServeOrder) -> bool:
+        nc = await self._client()
+        subject = serve_order_subject(order.run)
+        passed = await newest(nc.jetstream(), cycle_stream(order.run), subject, decode_serve_order)
+        if passed is not None and passed.number >= order.number:
+            return False
+        await nc.jetstream().publish(subject, encode(order))
+        return True
 
     async def _last(self, stream: str, subject: str, decode: Callable[[bytes], T]) -> T | None:
         return await newest((await self._client()).jetstream(), stream, subject, decode)

@@ -20,8 +20,9 @@ from kubernetes.client.exceptions import ApiException
 
 from rlfleet import launch
 from rlfleet.api.meta import API_VERSION
+from rlfleet.api.production import ServingOrder
 from rlfleet.api.rlrun import RegionStatus, RLRunSpec, RLRunStatus
-from rlfleet.api.wire import BusRole, StepReport
+from rlfleet.api.wire import BusRole, ServeOrder, StepReport
 from rlfleet.operator import gate
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable
@@ -68,6 +69,7 @@ class Hub:
         self._users: dict[str, dict[BusRole, str]] = {}  # run uid -> its NATS users (.creds)
         # (run uid, cluster, role) whose user's Secret is there
         self._placed: set[tuple[str, str, BusRole]] = set()
+        self._orders: dict[str, ServingOrder] = {}  # run uid -> its order last passed on
 
     def _nats_users(self, run: dict) -> dict[BusRole, str] | None:
         """The run's NATS users, minted once per operator process; the hub's components'
@@ -188,6 +190,24 @@ class Hub:
             log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
             return False, None
 
+    def _pass_order(self, run: dict, spec: RLRunSpec) -> None:
+        """Passes the spec's on-call order (`rlfleet promote`, `rlfleet rollback`) to the
+        run's conductor over NATS, once per order and process."""
+        order = spec.production.order if spec.production is not None else None
+        meta = run["metadata"]
+        if order is None or self.dataplane is None or self._orders.get(meta["uid"]) == order:
+            return
+        message = ServeOrder(nats_key(run), order.number, order.version)
+        try:
+            if self.dataplane.pass_order(message):
+                log.info(
+                    "run %s/%s: order %d passed on", meta["namespace"], meta["name"], order.number
+                )
+        except DataPlaneUnavailable as error:
+            log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
+            return
+        self._orders[meta["uid"]] = order
+
     def _cycles(self, run: dict, spec: RLRunSpec, old: RLRunStatus) -> CycleUpdates | None:
         """A production run's conductor states since the status's; None when it is not
         one, or NATS did not answer."""
@@ -286,6 +306,7 @@ class Hub:
         verdict = self._verdict(run, spec, old)
         users = self._nats_users(run)
         self._ensure_streams(run, spec, resync)
+        self._pass_order(run, spec)
         trainer = self._apply_hub_objects(run, spec, old, verdict.held, resync)
         previous = {e.name: e for e in old.regions}
         wanted = spec.region_names
@@ -328,6 +349,7 @@ class Hub:
         for region in named:
             self._answered.pop((uid, region), None)
         self._users.pop(uid, None)
+        self._orders.pop(uid, None)
         self._placed.discard((uid, self.config.cluster))
         left = [f"its mirror in {r}" for r in sorted(named) if not self._forget(run, r)]
         if self.dataplane is not None:

@@ -24,7 +24,9 @@ from rlfleet.api.wire import CycleReport, CycleState
 from rlfleet.operator.status import Event, timestamp
 
 # Transitions an on-call engineer is warned of: a candidate users will not get.
-WARNINGS = frozenset({"CandidateRejected", "CanaryRolledBack", "CycleSkipped"})
+WARNINGS = frozenset(
+    {"CandidateRejected", "CanaryRolledBack", "CycleSkipped", "OrderRefused", "ServingOverridden"}
+)
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,9 @@ def _status(state: CycleState, seq: int, collection: CollectionStatus | None) ->
         phase=state.phase,
         since=_moment(state.since),
         serving_version=state.serving,
+        previous_version=state.previous,
         candidate_version=state.candidate,
+        orders_done=state.orders,
         last_collection=collection,
         history=history,
         state_sequence=seq,

@@ -101,8 +101,8 @@ class Collector:
             last = await self.last_report(js)
             while not stopping.is_set():
                 state = await self.conductor_state(js)
-                if may_close(state, last):
-                    last = await self.cycle(js, last, time.time()) or last
+                if state is not None and may_close(state, last):
+                    last = await self.cycle(js, last, state.number, time.time()) or last
                 elif state is not None and state.phase == CyclePhase.CANARY:
                     await self.tally(js, state, last)
                 with contextlib.suppress(TimeoutError):
@@ -148,8 +148,10 @@ class Collector:
         await js.publish(live_subject(run), encode(tallied))
         return tallied
 
-    async def cycle(self, js, last: CycleReport | None, now: float) -> CycleReport | None:
-        """Close the next cycle if it is due and has enough answered completions."""
+    async def cycle(
+        self, js, last: CycleReport | None, number: int, now: float
+    ) -> CycleReport | None:
+        """Close cycle `number` if it is due and has enough answered completions."""
         if last is not None and now - last.finished_at < self.config.interval_s:
             return None
         captures, seq = await self._ready_captures(js, last.capture_seq if last else 0, now)
@@ -158,7 +160,6 @@ class Collector:
         # A cycle full of completions nobody answered closes anyway, so the next is read.
         if answered < self.config.min_samples and len(captures) < self.config.max_samples:
             return None
-        number = (last.cycle if last else 0) + 1
         samples = score_cycle(captures, feedback, self.config.rewards)
         trajectories = batch(samples, f"cycle-{number}", self.config.rewards.group_size, WORKER)
         run = self.config.run
@@ -255,9 +256,11 @@ class Collector:
 
 
 def may_close(state: CycleState | None, last: CycleReport | None) -> bool:
-    """Whether the conductor's state lets the next cycle close: it is the one collecting."""
-    following = (last.cycle if last else 0) + 1
-    return state is not None and (state.number, state.phase) == (following, CyclePhase.COLLECTING)
+    """Whether the conductor's state lets a cycle close: it collects one not closed yet.
+    Cycles are the conductor's to number: one an on-call order ended while collecting
+    is never closed, and what it had gathered goes to the next."""
+    closed = last.cycle if last else 0
+    return state is not None and state.phase == CyclePhase.COLLECTING and state.number > closed
 
 
 def main() -> None:

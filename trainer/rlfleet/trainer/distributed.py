@@ -93,7 +93,7 @@ class Order:
     step: int = 0
     micro_batches: list[Rows] = field(default_factory=list)
     tokens: int = 0
-    pinned: int | None = None
+    pinned: tuple[int, ...] = ()
 
 
 def share(micro_batches: list[Rows], ranks: int) -> list[list[Rows]]:

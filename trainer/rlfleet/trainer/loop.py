@@ -81,7 +81,9 @@ class Trainer:
         self.ready_at = time.perf_counter()  # when the trainer last became free to train
         self.log_path = config.checkpoint_dir / "steps.jsonl"
         self.resets = 0  # the conductor's resets applied (`TrainerReset.number`)
-        self.pinned: int | None = None  # the serving version, whose checkpoint is kept
+        # A production run's serving version and the one before it, whose checkpoints
+        # and weights are kept to go back to.
+        self.pinned: tuple[int, ...] = ()
         self.cycle_phase: CyclePhase | None = None  # a production run's, as last read
         self.conductor_due = 0.0
 
@@ -112,7 +114,7 @@ class Trainer:
             for stream in (trajectory_stream(config.run), step_stream(config.run)):
                 await bind_stream(js, stream)
             self.publisher = await rank_publisher(nc, config)
-            self.publisher.pinned = self.pinned  # a production run's serving version
+            self.publisher.pinned = min(self.pinned, default=None)  # and all after it
             subscription = await js.pull_subscribe(
                 trajectory_subject(config.run),
                 durable=CONSUMER,
@@ -149,7 +151,11 @@ class Trainer:
         self.consumed = set(state["consumed"])
         self.dropped_stale = state["dropped_stale"]
         self.rejected = state["rejected"]
-        self.resets, self.pinned = state.get("resets", 0), state.get("pinned")
+        self.resets, pinned = state.get("resets", 0), state.get("pinned")
+        # One version, an int, in checkpoints from before the one before it was kept too.
+        self.pinned = (
+            tuple(pinned) if isinstance(pinned, list) else () if pinned is None else (pinned,)
+        )
         # The step log line is written after the checkpoint; a crash between them loses it.
         # (A production run's version 0 checkpoint has no step to log.)
         if state["report"] is not None and self.step not in self._logged_steps():
@@ -366,7 +372,7 @@ class Trainer:
             "dropped_stale": self.dropped_stale,
             "rejected": self.rejected,
             "resets": self.resets,
-            "pinned": self.pinned,
+            "pinned": list(self.pinned),
             "report": report,
         }
 
@@ -378,7 +384,8 @@ class Trainer:
         run = self.config.run
         state = await newest(js, cycle_stream(run), cycle_state_subject(run), decode_cycle_state)
         if state is not None and state.run == run:
-            self.pinned = self.publisher.pinned = state.serving
+            self.pinned = (state.serving,) + (() if state.previous is None else (state.previous,))
+            self.publisher.pinned = min(self.pinned)
             self.cycle_phase = state.phase
         reset = await newest(
             js, cycle_stream(run), trainer_reset_subject(run), decode_trainer_reset

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,16 +177,17 @@ class Policy:
                     state[name] = tensor.detach().to(self.serve_dtype, copy=partitioned)
         return revert_weight_conversion(module, state)
 
-    def save(self, step: int, client_state: dict[str, Any], pinned: int | None = None) -> None:
+    def save(self, step: int, client_state: dict[str, Any], pinned: Collection[int] = ()) -> None:
         """Collective: every rank saves its part, into its node's `checkpoint_dir` (a volume
         per pod); rank 0's `client_state` is the one resumed from. The newest few are kept,
-        and step `pinned`'s too (a production run's serving version, to go back to)."""
+        and the `pinned` steps' too (a production run's serving version and the one before
+        it, to go back to)."""
         directory = self.config.checkpoint_dir
         self.engine.save_checkpoint(str(directory), tag=_tag(step), client_state=client_state)
         if self.local_rank == 0:  # once every rank has written (the save ends in a barrier)
             tags = sorted(p for p in directory.glob("step-*") if p.is_dir())
             for old in tags[: -self.config.keep_checkpoints]:
-                if pinned is None or old.name != _tag(pinned):
+                if old.name not in {_tag(version) for version in pinned}:
                     shutil.rmtree(old)
 
     def restore(self, step: int) -> bool:
