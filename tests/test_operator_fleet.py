@@ -1183,6 +1183,20 @@ def test_a_production_runs_cycles_show_in_its_status_columns_and_events(world: W
         # Each transition once, however often the hub reconciled since.
         assert [e.get("count", 1) for e in posted if e["reason"] == reason] == [1], reason
     assert events["CandidateRejected"]["type"] == "Warning"
+    assert "GPUsLent" not in events  # it borrows none
+    # Ready with its trainer up: it waits for no rollout GPUs.
+    ready = wait_for(
+        "Ready",
+        lambda: next(
+            (
+                c
+                for c in world.get(HUB, "rlrun", PRODUCTION_RUN)["status"]["conditions"]
+                if c["type"] == "Ready" and c["status"] == "True"
+            ),
+            None,
+        ),
+    )
+    assert ready["message"] == "training from the users of production pool chat"
     assert events["CheckpointPromoted"]["message"] == promoted.why
 
     assert shown["previousVersion"] == 2

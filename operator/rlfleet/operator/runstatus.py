@@ -188,7 +188,9 @@ def decide(observed: Observed) -> Decision:
     entries = [v.entry for v in views]
     events += region_problem_events(previous, entries)
     entries += [previous[n].model_copy(update={"reachable": False}) for n in observed.leftover]
-    lent_event = lending_event(entries, wanted, old.gpus_lent)
+    # A production run borrows no GPUs: its pool's region has nothing to lend it.
+    borrowing = [d.name for d in spec.rollout_regions]
+    lent_event = lending_event(entries, borrowing, old.gpus_lent)
     events += [lent_event] if lent_event is not None else []
     stopped = spec.suspend or verdict.held
     training = not stopped and observed.ready >= spec.trainer.replicas
@@ -301,7 +303,9 @@ def _conditions(
         *([synced] if synced is not None else []),
         *verdict.conditions,
     ]
-    healthy = training and not why and running > 0 and not stalled
+    # A production run learns from its pool's users, with no rollout GPUs to wait for.
+    rolling = running > 0 or spec.production is not None
+    healthy = training and not why and rolling and not stalled
     return [_ready(observed, healthy, why, stalled), *rest]
 
 
@@ -318,8 +322,14 @@ def _ready(observed: Observed, healthy: bool, degraded: list[str], stalled: bool
         "Ready",
         healthy,
         "Healthy" if healthy else "NotReady",
-        "training with rollouts in every region" if healthy else "; ".join(waiting),
+        _healthy(observed.spec) if healthy else "; ".join(waiting),
     )
+
+
+def _healthy(spec: RLRunSpec) -> str:
+    if spec.production is not None:
+        return "training from the users of production pool " + spec.production.pool.name
+    return "training with rollouts in every region"
 
 
 def _condition(observed: Observed, kind: str, true: bool, reason: str, message: str) -> Condition:
