@@ -12,6 +12,10 @@ cycles and their outcomes, the accept rate of what production served per cycle (
 users' own judgement, right or wrong, not what they said), requests and feedback lost,
 serving p99 latency in steady state and around version switches, and the share of
 requests the inverted cycle's candidate answered. Prints one JSON object.
+
+`--operator` runs it through the operators on a four-cluster bed of its own (`rlfleet
+run --operator`): the hub makes the run's trainer, evaluator, collector and conductor,
+whose pods run as local processes, and the pool serves from region-a.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from rlfleet.launch.caches import own_temporary_caches
 from rlfleet.local.run import run
+from rlfleet.testbed import operated
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "realtime.yaml"
 
@@ -34,15 +39,23 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=15.0, help="the run's budget")
     parser.add_argument("--invert-cycle", type=int, default=3)
     parser.add_argument("--file", type=Path, default=EXAMPLE)
+    parser.add_argument("--operator", action="store_true", help="through the operators")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-realtime-") as root:
         started = time.monotonic()
-        code = run(args.file, Path(root), args.minutes, None, invert_cycle=args.invert_cycle)
+        if args.operator:
+            bed = Path(root) / "bed"
+            code = operated.run(
+                args.file, Path(root), args.minutes, None, bed, (), args.invert_cycle
+            )
+        else:
+            code = run(args.file, Path(root), args.minutes, None, invert_cycle=args.invert_cycle)
         found = json.loads((Path(root) / "report" / "realtime.json").read_text())
     found |= {
         "exit_code": code,
         "wall_seconds": round(time.monotonic() - started, 1),
         "invert_cycle": args.invert_cycle,
+        "operator": args.operator,
     }
     print(json.dumps(found))
 

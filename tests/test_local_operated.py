@@ -17,7 +17,7 @@ from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.local.plan import Process
 from rlfleet.local.processes import Supervisor
 from rlfleet.testbed.operated import GPUS_PER_REPLICA, POOL, Binding, Spike, borrowing
-from rlfleet.testbed.pods import PodRunner
+from rlfleet.testbed.pods import PodRunner, live_pods, process_for
 
 
 def test_a_spike_is_a_region_and_a_window_in_minutes_of_training() -> None:
@@ -107,3 +107,22 @@ def test_stopping_the_pod_binding_lets_each_process_finish_before_it_exits(tmp_p
         time.sleep(0.1)
     binding.stop()
     assert config.with_suffix(".finished").exists()
+
+
+def test_each_pod_of_a_production_run_stands_for_its_planned_process() -> None:
+    """A production run's hub pods (trainer, evaluator, collector, conductor) each start
+    the local run's process of that name; a pod of no such component starts nothing."""
+
+    def pod(name: str, component: str) -> dict:
+        labels = {RUN_LABEL: "run", COMPONENT_LABEL: component}
+        return {
+            "metadata": {"name": name, "labels": labels},
+            "spec": {"containers": [{"env": []}]},
+            "status": {"phase": "Running"},
+        }
+
+    components = ("trainer", "evaluator", "collector", "conductor")
+    planned = {c: Process(c, [sys.executable, "-m", c], {}, {}) for c in components}
+    items = [pod(f"run-{c}-0", c) for c in components] + [pod("run-users-0", "users")]
+    bound = {p.component: process_for(p, planned) for p in live_pods("hub", "run", items)}
+    assert bound == planned

@@ -28,7 +28,8 @@ def _run(args: argparse.Namespace) -> int:
             from rlfleet.testbed import operated
 
             return operated.run(
-                args.file, args.state, args.minutes, args.warmup_steps, args.bed, tuple(args.spike)
+                *(args.file, args.state, args.minutes, args.warmup_steps, args.bed),
+                *(tuple(args.spike), args.invert_cycle),
             )
         return run.run(
             args.file, args.state, args.minutes, args.warmup_steps, invert_cycle=args.invert_cycle

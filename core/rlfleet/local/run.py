@@ -25,9 +25,6 @@ from pathlib import Path
 from typing import Protocol
 
 import msgspec
-import nats
-import nats.errors
-import nats.js.errors
 import yaml
 from nats.aio.msg import Msg
 from rich.console import Console
@@ -49,7 +46,7 @@ from rlfleet.api.wire import (
     step_subject,
 )
 from rlfleet.bus import auth
-from rlfleet.bus.reading import decoded
+from rlfleet.bus.reading import decoded, newest
 from rlfleet.bus.streams import cycle_stream, ensure_run_streams, step_stream
 from rlfleet.launch import EVALUATION, WARMUP
 from rlfleet.launch.caches import own_caches
@@ -324,6 +321,16 @@ def print_metrics(processes: list[plan.Process]) -> None:
             console.print(f"  {process.name} metrics: {process.metrics_url}")
 
 
+def production_processes(
+    key: str, spec: RLRunSpec, layout: plan.Layout, bed: NatsBed, tuning: plan.Tuning
+) -> list[plan.Process]:
+    """A production run's processes, its pool's servers and simulated users with them,
+    whose users start honest (a run stopped while they misreported left its file)."""
+    (layout.root / INVERTED).unlink(missing_ok=True)
+    inverted = layout.root / INVERTED
+    return realtime.processes(key, spec, layout, bed, tuning, inverted_while=inverted)
+
+
 class LocalPlane:
     """An embedded NATS hub with a leaf node per region, and the run's processes."""
 
@@ -346,12 +353,7 @@ class LocalPlane:
                 write_secret(self.layout.credentials(role), bed.run_user(self.key, role))
             asyncio.run(make_streams(bed, self.key))
             if self.spec.production is not None:
-                # Left by a run stopped while its users misreported: they start honest.
-                (self.layout.root / INVERTED).unlink(missing_ok=True)
-                processes = realtime.processes(
-                    self.key, self.spec, self.layout, bed, self.tuning,
-                    inverted_while=self.layout.root / INVERTED,
-                )  # fmt: skip
+                processes = production_processes(self.key, self.spec, self.layout, bed, self.tuning)
             else:
                 processes = plan.processes(self.key, self.spec, self.layout, bed, self.tuning)
             for process in processes:
@@ -428,10 +430,7 @@ async def last_cycle_state(run: str, url: str, credentials: Path) -> CycleState 
     nc = await auth.connect(url, credentials)
     try:
         subject = cycle_state_subject(run)
-        message = await nc.jetstream().get_last_msg(cycle_stream(run), subject, direct=True)
-        return decode_cycle_state(message.data)
-    except nats.js.errors.NotFoundError:
-        return None
+        return await newest(nc.jetstream(), cycle_stream(run), subject, decode_cycle_state)
     finally:
         await nc.close()
 

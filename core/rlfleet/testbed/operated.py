@@ -40,11 +40,11 @@ from rlfleet.launch.settings import PoolConfig
 from rlfleet.local import plan
 from rlfleet.local import run as local_run
 from rlfleet.local.files import write_secret
-from rlfleet.local.processes import Supervisor
+from rlfleet.local.processes import Supervisor, stop_pids
 from rlfleet.local.run import console
 from rlfleet.testbed.bed import STATE_FILE, Bed, BedInfo, stop_recorded
 from rlfleet.testbed.fleet import GVISOR, HUB, Fleet, TrafficServer, serving_deployment
-from rlfleet.testbed.pods import Pod, PodRunner, kube_pods
+from rlfleet.testbed.pods import BOUND, Pod, PodRunner, kube_pods
 
 POOL = "chat-prod"  # each region's simulated serving fleet
 ENVPOOL = "sandboxes"  # each region's EnvPool, unless the run names its own
@@ -93,6 +93,8 @@ def borrowing(document: dict) -> dict:
     the bed's serving fleet there (GPUs are lent a whole replica at a time), and its
     agents acting in each region's EnvPool."""
     borrowed = copy.deepcopy(document)
+    if "rollout" not in borrowed["spec"]:
+        return borrowed  # a production run borrows nothing: it serves
     borrowed["spec"]["rollout"].setdefault("envPool", ENVPOOL)
     for region in borrowed["spec"]["rollout"]["regions"]:
         if not region.get("inferencePools"):
@@ -230,15 +232,23 @@ class OperatedPlane:
             raise ValueError(f"the bed has no cluster for region(s) {', '.join(missing)}")
         self.url = bed.nats.hub.url
         self.key = pods.run_key(namespace, name)  # as the hub names the run on NATS
-        self.root, self.production = layout.root, False  # production runs are not operated
+        self.root, self.production = layout.root, spec.production is not None
         self.credentials = layout.credentials(BusRole.OBSERVER)
         self.fleet = Fleet(bed, layout.root / "fleet", [namespace], self.regions)
         self.fleet.values = OPERATOR_VALUES
         self.traffic = TrafficServer()
         self.supervisor = Supervisor(layout.logs, attached=True)
+        if self.production:
+            found = local_run.production_processes(self.key, spec, layout, bed.nats, tuning)
+        else:
+            found = plan.processes(self.key, spec, layout, bed.nats, tuning)
+        # A production pool's servers and its users are production's own, not the run's
+        # pods: they start beside the bed, as a pool's Deployment runs in its region.
+        own = [p for p in found if p.name not in BOUND] if self.production else []
+        self.production_own = own
         self.runner = PodRunner(
             name,
-            {p.name: p for p in plan.processes(self.key, spec, layout, bed.nats, tuning)},
+            {p.name: p for p in found if p not in own},
             kube_pods(bed.kubeconfig, namespace, name),
             [HUB, *self.regions],
             self.supervisor,
@@ -280,6 +290,8 @@ class OperatedPlane:
         spec = RLRunSpec.model_validate(self.document["spec"])
         for role in [*pods.hub_roles(spec), pods.region_role(spec)]:
             write_secret(self.layout.credentials(role), self._minted_user(role))
+        for process in self.production_own:
+            local_run.launch(process, self.supervisor)
         self.binding = Binding(self.runner)
 
     def apply(self, cluster: str, document: dict) -> None:
@@ -340,6 +352,8 @@ class OperatedPlane:
 
     def status(self, trained_s: float) -> str | None:
         """Sets each region's traffic for the spikes, and says where workers run."""
+        if self.production:
+            return None  # the followed cycles say it: it borrows no GPUs
         self.busy = {s.region for s in self.spikes if s.busy(trained_s)}
         for region in self.regions:
             self.traffic.load[region] = BUSY if region in self.busy else QUIET
@@ -353,6 +367,8 @@ class OperatedPlane:
     def stop_run(self) -> None:
         if self.binding is not None:
             self.binding.stop()
+        own = [p.name for p in self.production_own]
+        stop_pids([pid for name, pid in self.supervisor.pids().items() if name in own], 30)
 
     def __exit__(self, *exc: object) -> None:
         self.stop_run()
@@ -387,17 +403,12 @@ def run(
     warmup_steps: int | None,
     bed_state: Path,
     spikes: tuple[Spike, ...],
+    invert_cycle: int | None = None,
 ) -> int:
     """`rlfleet run FILE --operator`: as `rlfleet run`, through the bed's operators. Each
     time round is a new RLRun, with new streams, in a namespace of its own, deleted at the
     end; the trainer resumes from its checkpoint in the run folder."""
     name, spec = local_run.load(path)
-    if spec.production is not None:
-        console.print(
-            f"[red]{name}: a production run runs without --operator for now; the operators "
-            "do not run its cycles yet[/red]"
-        )
-        return 2
     strays = sorted({s.region for s in spikes} - set(spec.region_names))
     if strays:
         console.print(f"[red]--spike in {', '.join(strays)}: not a region of {name}[/red]")
@@ -413,4 +424,4 @@ def run(
             OperatedPlane, bed=bed, document=document, namespace=namespace, spikes=spikes
         )
         folder = root or Path(".rlfleet") / "runs" / f"{name}-operator"
-        return local_run.run(path, folder, minutes, warmup_steps, plane_for)
+        return local_run.run(path, folder, minutes, warmup_steps, plane_for, invert_cycle)

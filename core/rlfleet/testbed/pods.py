@@ -1,11 +1,11 @@
 """The operator-driven local mode: the pods the operator creates run as local processes.
 
 On the test bed nodes are kwok's, so a pod reaches Running and nothing runs in it. Here
-each of a run's trainer, feed and rollout pods is bound to a local process made by the same
-plan as `rlfleet run`, so the data plane runs under the control plane's decisions: a
-rollout pod the operator creates on lent GPUs starts a worker; a pod deleted on reclaim
-stops it (SIGTERM: the worker stops taking tasks and publishes the groups under way);
-training goes on with the workers left.
+each of a run's pods is bound to a local process made by the same plan as `rlfleet run`,
+so the data plane runs under the control plane's decisions: a rollout pod the operator
+creates on lent GPUs starts a worker; a pod deleted on reclaim stops it (SIGTERM: the
+worker stops taking tasks and publishes the groups under way); training goes on with the
+workers left.
 """
 
 from __future__ import annotations
@@ -41,14 +41,19 @@ class Pod:
         return f"{self.cluster}/{self.name}"
 
 
+# The components whose pods stand for a local process: the trainer, the feed, the rollout
+# workers, the evaluator, and a production run's collector and conductor.
+BOUND = ("trainer", "feed", "rollout", "evaluator", "collector", "conductor")
+
+
 def live_pods(cluster: str, run: str, items: Iterable[dict]) -> list[Pod]:
-    """The run's trainer, feed and rollout pods that are Running and not being deleted."""
+    """The run's pods that stand for a process and are Running, not being deleted."""
     found = []
     for item in items:
         meta, status = item["metadata"], item.get("status", {})
         labels = meta.get("labels", {})
         component = labels.get(COMPONENT_LABEL)
-        if labels.get(RUN_LABEL) != run or component not in ("trainer", "feed", "rollout"):
+        if labels.get(RUN_LABEL) != run or component not in BOUND:
             continue
         if meta.get("deletionTimestamp") or status.get("phase") != "Running":
             continue
@@ -64,12 +69,13 @@ def live_pods(cluster: str, run: str, items: Iterable[dict]) -> list[Pod]:
 def process_for(
     pod: Pod, plan: dict[str, Process], envpool: PoolConfig | None = None
 ) -> Process | None:
-    """The local process a pod stands for: the plan's trainer or feed, or its region's
-    rollout worker named after the pod (`cluster/pod`, so trajectories say which pod made
-    them), with a metrics port of its own (two pods of a region may run at once), claiming
-    its sandboxes from `envpool` (its region's EnvPool), if given."""
-    if pod.component in ("trainer", "feed"):
-        return plan[pod.component]
+    """The local process a pod stands for: the plan's process of its component (one pod
+    each), or its region's rollout worker named after the pod (`cluster/pod`, so
+    trajectories say which pod made them), with a metrics port of its own (two pods of a
+    region may run at once), claiming its sandboxes from `envpool` (its region's
+    EnvPool), if given."""
+    if pod.component != "rollout":
+        return plan.get(pod.component)
     template = plan.get(f"rollout-{pod.region}")
     if template is None:
         return None
