@@ -109,21 +109,26 @@ def _import_all(python: Path, *packages: str) -> list[str]:
     return json.loads(result.stdout.splitlines()[-1])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("component", sorted(COMPONENTS))
-def test_each_image_runs_its_component(
-    component: str, image_environments: images.Environments
-) -> None:
-    python = image_environments.python(component)
+def _help(python: Path, module: str) -> str:
+    """`python -m MODULE --help` in an image's environment: what it prints, once it ran."""
     result = subprocess.run(
-        [str(python), "-m", COMPONENTS[component], "--help"],
+        [str(python), "-m", module, "--help"],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "usage:" in result.stdout
+    return result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("component", sorted(COMPONENTS))
+def test_each_image_runs_its_component(
+    component: str, image_environments: images.Environments
+) -> None:
+    python = image_environments.python(component)
+    assert "usage:" in _help(python, COMPONENTS[component])
     packages = [COMPONENTS[component]] + (["rlfleet.api"] if component == "operator" else [])
     heavy = _import_all(python, *packages)
     if component == "operator":
@@ -139,15 +144,7 @@ def test_each_image_runs_a_production_runs_components(
     image: str, module: str, image_environments: images.Environments
 ) -> None:
     """The hub's pods of a production run start in the images the operator names."""
-    result = subprocess.run(
-        [str(image_environments.python(image)), "-m", module, "--help"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "--rlrun" in result.stdout
+    assert "--rlrun" in _help(image_environments.python(image), module)
 
 
 @pytest.mark.slow
