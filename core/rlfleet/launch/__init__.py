@@ -531,10 +531,10 @@ EVALUATION = Program("rlfleet.rollout.evaluation")
 
 def component_settings(argv: list[str], component: Component[S]) -> S:
     """A component's start: logging as every component logs, then its settings from its
-    command line: `CONFIG.json` (its own settings, as
-    `rlfleet run` writes them) or `--rlrun [SPEC]` (a pod: the mounted spec, `SPEC_FILE`
-    by default, placed by the environment). A pod that cannot run as told exits with the
-    reason, not a traceback, so `kubectl logs` says what to fix."""
+    command line: `CONFIG.json` (its own settings, as `rlfleet run` writes them) or
+    `--rlrun [SPEC]` (a pod: the mounted spec, `SPEC_FILE` by default, placed by the
+    environment). One that cannot run as told exits with the reason, not a traceback, so
+    `kubectl logs` says what to fix."""
     log_as_components_do()
     program = " ".join(component.command())
     parser = argparse.ArgumentParser(prog=program)

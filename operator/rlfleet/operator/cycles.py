@@ -139,7 +139,8 @@ def _ordered(state: CycleState, order: ServeOrder, now: float) -> Step:
         why = f"version {state.candidate}: rolled back {by}"
         rolled_back = _finish(heard, Outcome.ROLLED_BACK, why, now, state.serving)
         return Step(rolled_back, serve + back, _event("CanaryRolledBack", why))
-    why = f"production serves version {version} {by}, was {state.serving}"
+    was = f" (was {state.serving})" if version != state.serving else ""
+    why = f"cycle {state.number} ended {by}: production serves version {version}{was}"
     overridden = _finish(heard, Outcome.OVERRIDDEN, why, now, serving=version)
     return Step(overridden, serve + back, _event("ServingOverridden", why))
 
