@@ -91,6 +91,8 @@ def test_examples_apply_and_show_printer_columns(kubectl: Kubectl, namespace: st
         "STALENESS",
         "GPUS-LENT",
         "RUNNING",
+        "CYCLE",
+        "SERVING",
         "EVAL",
         "READY",
         "AGE",

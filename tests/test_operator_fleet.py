@@ -940,17 +940,20 @@ def test_the_hub_mints_each_component_its_own_nats_user_where_its_pods_run(
 ) -> None:
     """Each component's pods connect as a user the hub minted for that component of this
     run alone, from a Secret beside them: the rollout workers' in each region, the
-    others' and the observer's in the hub. A worker's reaches its run's streams, cannot
-    publish what the trainer does, and reaches no other run's."""
+    others' (those the run has) and the observer's in the hub. A worker's reaches its
+    run's streams, cannot publish what the trainer does, and reaches no other run's."""
 
     def minted(cluster: str, role: str) -> tuple[dict, str]:
         secret = world.get(cluster, "secret", f"{RUN}-nats-{role}")
         return secret["metadata"], base64.b64decode(secret["data"]["creds"]).decode()
 
-    for role in ("trainer", "feed", "evaluator", "observer"):
+    for role in ("trainer", "feed", "observer"):
         meta, creds = minted(HUB, role)
         assert [o["kind"] for o in meta["ownerReferences"]] == ["RLRun"]  # it goes with the run
         assert auth.claims_of(auth.parse_creds(creds)[0])["name"] == f"run:{world.key}:{role}"
+    # None for a component the run does not have (no evaluation yet: no evaluator).
+    hub_secrets = world.items(HUB, "secrets", "-l", f"rlfleet.io/run={RUN}")
+    assert f"{RUN}-nats-evaluator" not in {s["metadata"]["name"] for s in hub_secrets}
     for region in REGIONS:
         region_meta, creds = minted(region, "rollout")
         assert "ownerReferences" not in region_meta  # the hub deletes it with the mirror
