@@ -11,8 +11,6 @@ import uuid
 from pathlib import Path
 
 import msgspec
-import nats
-import nats.js.errors
 import pytest
 from conftest import wait_for
 from safetensors.torch import load_file
@@ -23,7 +21,9 @@ from rlfleet.api.wire import (
     decode_evaluation_report,
     encode,
     evaluation_request_subject,
+    evaluation_subject,
 )
+from rlfleet.bus.reading import decoded
 from rlfleet.bus.streams import ensure_run_streams, evaluation_stream
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.local.processes import Supervisor
@@ -76,24 +76,17 @@ async def _reports(hub: NatsServer, run: str) -> list[EvaluationReport]:
     nc = await hub.connect()
     try:
         js = nc.jetstream(domain=HUB_DOMAIN)
-        try:
-            state = (await js.stream_info(evaluation_stream(run))).state
-        except nats.js.errors.NotFoundError:
-            return []
-        found = []
-        for seq in range(state.first_seq, state.last_seq + 1) if state.messages else []:
-            message = await js.get_msg(evaluation_stream(run), seq)
-            found.append(decode_evaluation_report(message.data))
-        return found
+        stream, subject = evaluation_stream(run), evaluation_subject(run)
+        return [r async for _, r in decoded(js, stream, subject, decode_evaluation_report)]
     finally:
         await nc.close()
 
 
-def test_a_restarted_evaluator_goes_on_from_its_last_report(
-    nats_servers: StandaloneNats, tmp_path: Path
-) -> None:
-    run = f"eval-{uuid.uuid4().hex[:6]}"
-    hub = nats_servers.bed.hub
+def _evaluator(
+    tmp_path: Path, hub: NatsServer, run: str, **mode: object
+) -> tuple[Path, Path, list[str]]:
+    """The tiny model, a three-task suite and an evaluator's settings for `run` (scoring in
+    `mode`); returns the model, the suite and the evaluator's command."""
     model = init_model("tiny-moe", tmp_path / "model")
     suite = tmp_path / "suite.jsonl"
     write_suite(rules_suite(3, seed=1), suite)
@@ -103,12 +96,20 @@ def test_a_restarted_evaluator_goes_on_from_its_last_report(
         "jetstream_domain": HUB_DOMAIN,
         "model": str(model),
         "suite": str(suite),
-        "every_versions": 2,
         "attempts": 2,
         "poll_seconds": 0.5,
-    }
-    (tmp_path / "evaluator.json").write_text(json.dumps(config))
-    argv = [sys.executable, "-m", "rlfleet.rollout.evaluator", str(tmp_path / "evaluator.json")]
+    } | mode
+    settings = tmp_path / "evaluator.json"
+    settings.write_text(json.dumps(config))
+    return model, suite, [sys.executable, "-m", "rlfleet.rollout.evaluator", str(settings)]
+
+
+def test_a_restarted_evaluator_goes_on_from_its_last_report(
+    nats_servers: StandaloneNats, tmp_path: Path
+) -> None:
+    run = f"eval-{uuid.uuid4().hex[:6]}"
+    hub = nats_servers.bed.hub
+    model, suite, argv = _evaluator(tmp_path, hub, run, every_versions=2)
     supervisor = Supervisor(tmp_path / "logs", attached=True)
     trainer = Trainer(hub, run, model)
 
@@ -160,21 +161,7 @@ def test_a_production_runs_evaluator_scores_what_the_gate_asks_each_version_once
     rebuilt and scored once, however often a gate asks for it."""
     run = f"eval-{uuid.uuid4().hex[:6]}"
     hub = nats_servers.bed.hub
-    model = init_model("tiny-moe", tmp_path / "model")
-    suite = tmp_path / "suite.jsonl"
-    write_suite(rules_suite(3, seed=1), suite)
-    config = {
-        "run": run,
-        "nats_url": hub.url,
-        "jetstream_domain": HUB_DOMAIN,
-        "model": str(model),
-        "suite": str(suite),
-        "on_request": True,
-        "attempts": 2,
-        "poll_seconds": 0.5,
-    }
-    (tmp_path / "evaluator.json").write_text(json.dumps(config))
-    argv = [sys.executable, "-m", "rlfleet.rollout.evaluator", str(tmp_path / "evaluator.json")]
+    model, _, argv = _evaluator(tmp_path, hub, run, on_request=True)
     supervisor = Supervisor(tmp_path / "logs", attached=True)
 
     def scored() -> list[int]:

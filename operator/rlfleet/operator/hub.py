@@ -71,7 +71,7 @@ class Hub:
         self._placed: set[tuple[str, str, BusRole]] = set()
         self._orders: dict[str, ServingOrder] = {}  # run uid -> its order last passed on
 
-    def _nats_users(self, run: dict) -> dict[BusRole, str] | None:
+    def _nats_users(self, run: dict, spec: RLRunSpec) -> dict[BusRole, str] | None:
         """The run's NATS users, minted once per operator process; the hub's components'
         and the observer's are written to the hub's Secrets unless there (its pods may
         hold those: both stay valid). None without NATS users, or when none can be made
@@ -86,7 +86,7 @@ class Hub:
                 log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
                 return None
         users = self._users[meta["uid"]]
-        for role in launch.hub_roles(RLRunSpec.model_validate(run["spec"])):
+        for role in launch.hub_roles(spec):
             self._place_user(self.local, run, self.config.cluster, role, users, owned=True)
         return users
 
@@ -113,10 +113,10 @@ class Hub:
         resync: bool,
         held: bool,
         users: dict[BusRole, str] | None,
+        role: BusRole,  # the user the run's pods in a region log in as
     ) -> RegionReport:
         try:
             kube = self.regions.client(region)
-            role = launch.region_role(RLRunSpec.model_validate(run["spec"]))
             self._place_user(kube, run, region, role, users, owned=False)
             # A resync reads the mirror; it writes only what is missing, was out of reach,
             # or is held (or let go) since.
@@ -221,14 +221,13 @@ class Hub:
             log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
             return None
 
-    def _forget(self, run: dict, region: str) -> bool:
+    def _forget(self, run: dict, region: str, role: BusRole) -> bool:
         """Deletes the run's mirror in a region; False if the region could not be reached."""
         if region not in self.regions.access:
             return True  # never configured, so the hub never mirrored anything there
         try:
             kube = self.regions.client(region)
             kube.delete(_mirror_ref(run))
-            role = launch.region_role(RLRunSpec.model_validate(run["spec"]))
             secret = launch.nats_credentials_secret(run["metadata"]["name"], role)
             kube.delete(Ref("v1", "Secret", secret, run["metadata"]["namespace"]))
         except (RegionCredentials, Unreachable):
@@ -304,7 +303,7 @@ class Hub:
         meta = run["metadata"]
         old = RLRunStatus.model_validate(run.get("status") or {})
         verdict = self._verdict(run, spec, old)
-        users = self._nats_users(run)
+        users, role = self._nats_users(run, spec), launch.region_role(spec)
         self._ensure_streams(run, spec, resync)
         self._pass_order(run, spec)
         trainer = self._apply_hub_objects(run, spec, old, verdict.held, resync)
@@ -312,12 +311,14 @@ class Hub:
         wanted = spec.region_names
         reports = at_once(
             [
-                partial(self._report, run, name, previous.get(name), resync, verdict.held, users)
+                partial(
+                    self._report, run, name, previous.get(name), resync, verdict.held, users, role
+                )
                 for name in wanted
             ]
         )
         # Regions dropped from the spec lose their mirror; one not answering is retried.
-        leftover = [n for n in previous if n not in wanted and not self._forget(run, n)]
+        leftover = [n for n in previous if n not in wanted and not self._forget(run, n, role)]
         stepped, step = self._step(run)
         return Observed(
             spec=spec,
@@ -344,14 +345,15 @@ class Hub:
         """Deletes every mirror of the run, then its NATS streams (the hub's and each
         region's copy of its weights); returns what is left for a later try."""
         uid = run["metadata"]["uid"]
-        named = set(RLRunSpec.model_validate(run["spec"]).region_names)
+        spec = RLRunSpec.model_validate(run["spec"])
+        named, role = set(spec.region_names), launch.region_role(spec)
         named |= {e["name"] for e in (run.get("status") or {}).get("regions", [])}
         for region in named:
             self._answered.pop((uid, region), None)
         self._users.pop(uid, None)
         self._orders.pop(uid, None)
         self._placed.discard((uid, self.config.cluster))
-        left = [f"its mirror in {r}" for r in sorted(named) if not self._forget(run, r)]
+        left = [f"its mirror in {r}" for r in sorted(named) if not self._forget(run, r, role)]
         if self.dataplane is not None:
             # Only regions the hub reaches: one never configured has no copy to delete.
             regions = sorted(r for r in named if r in self.regions.access)
