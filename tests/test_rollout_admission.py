@@ -34,7 +34,7 @@ from rlfleet.bus import auth, streams
 from rlfleet.bus.auth import CREDENTIALS_ENV
 from rlfleet.bus.streams import StreamMissing, ensure_run_streams
 from rlfleet.local.nats import StandaloneNats
-from rlfleet.rollout.admission import Admission
+from rlfleet.pipeline.admission import Admission
 from rlfleet.rollout.curriculum import Curriculum
 from rlfleet.rollout.feed import FeedConfig, feed, passes
 from rlfleet.rollout.tasks import write_suite

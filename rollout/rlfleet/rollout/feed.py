@@ -37,7 +37,7 @@ from rlfleet.bus import auth
 from rlfleet.bus.streams import bind_stream, step_stream
 from rlfleet.launch.settings import FeedConfig
 from rlfleet.launch.stopping import run_until_signalled
-from rlfleet.rollout.admission import Admission
+from rlfleet.pipeline.admission import Admission
 from rlfleet.rollout.curriculum import Curriculum
 from rlfleet.rollout.tasks import load_suite, suite_path
 
