@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlfleet import launch
 from rlfleet.api.profile import (
     Profile,
     RegionLink,
@@ -24,7 +25,7 @@ from rlfleet.api.profile import (
 )
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.pipeline.model import Pipeline, Region, simulate
-from rlfleet.pipeline.sizing import Split, best_split, pipeline_for
+from rlfleet.pipeline.sizing import Split, best_split, pipeline_for, predict
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -202,3 +203,21 @@ def test_rlfleet_plan_names_a_bad_profile_field(tmp_path):
     assert done.returncode == 1
     assert "seconds_per_token" in done.stderr and "Traceback" not in done.stderr
 
+
+def test_a_fleets_feed_keeps_its_workers_busy():
+    """The feed in pods keeps room for every group the regions' workers can run. With
+    the 8 tasks it kept before, a run of 64 rollout GPUs in batches of 32 groups made
+    a fraction of the steps its workers could."""
+    spec = RLRunSpec.model_validate(
+        {
+            "model": {"uri": "file:///m"},
+            "trainer": {"gpusPerReplica": 8, "stepGroups": 32},
+            "rollout": {"groupSize": 8, "regions": [{"name": "region-a", "maxGpus": 64}]},
+        }
+    )
+    depth = launch.feed_settings("r", spec, launch.Placement("nats://x")).depth
+    split = Split(8, {"region-a": 64})
+    fleet = predict(spec, profile(2000, 1e-5), split, depth)
+    eight = predict(spec, profile(2000, 1e-5), split, 8)
+    assert fleet.steps_per_hour > 2 * eight.steps_per_hour
+    assert fleet.rollout_utilisation > 0.8

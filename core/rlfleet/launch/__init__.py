@@ -349,6 +349,20 @@ def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> W
     )
 
 
+def feed_depth(rollout: RolloutSpec) -> int:
+    """Tasks the feed keeps published and unfinished: room for every group the regions'
+    workers can run at once (a worker per GPU at most). A fixed 8 left all but a few
+    workers of a fleet idle: `rlfleet plan` put examples/rlrun.yaml's 40 rollout GPUs at
+    14% busy. Admission still bounds what runs ahead of the trainer."""
+    groups = max(1, _default(WorkerConfig, "max_sessions") // rollout.group_size)
+    gpus = sum(demand.max_gpus for demand in rollout.regions)
+    return max(_default(FeedConfig, "depth"), gpus * groups)
+
+
+def _default(config: type[msgspec.Struct], name: str) -> Any:
+    return next(f.default for f in msgspec.structs.fields(config) if f.name == name)
+
+
 def feed_settings(name: str, spec: RLRunSpec, at: Placement) -> FeedConfig:
     rollout = _rollout(spec)
     feed = FeedConfig(
@@ -360,6 +374,7 @@ def feed_settings(name: str, spec: RLRunSpec, at: Placement) -> FeedConfig:
         group_size=rollout.group_size,
         revisit_uniform=rollout.uniform_group_revisit,
         metrics_port=at.metrics_port,
+        depth=feed_depth(rollout),
     )
     # Steps of exactly `stepGroups` groups: the feed issues that many per version from the
     # start, rather than guessing and learning the size from step reports.
