@@ -16,8 +16,6 @@ from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.rlrun import EvaluationGate, RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.api.wire import EvaluationReport
 from rlfleet.operator.gate import judge
-from rlfleet.operator.lending import Decision as Lending
-from rlfleet.operator.lending import PoolState
 from rlfleet.operator.region import decision_events, reclaim_clock
 from rlfleet.operator.runstatus import (
     REGION_PROBLEMS,
@@ -27,6 +25,8 @@ from rlfleet.operator.runstatus import (
     region_view,
 )
 from rlfleet.operator.status import differs, timestamp
+from rlfleet.pipeline.lending import Decision as Lending
+from rlfleet.pipeline.lending import PoolState
 
 NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
 SPEC = RLRunSpec.model_validate(

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlfleet.api.inferencepool import OffPeakWindow
-from rlfleet.operator.lending import (
+from rlfleet.pipeline.lending import (
     PoolState,
     RunDemand,
     decide,

@@ -34,15 +34,6 @@ from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.envpools import DELETION_COST, ServerSeen, plan_pool
 from rlfleet.operator.envtokens import TokenMint
 from rlfleet.operator.kube import Kube, Ref
-from rlfleet.operator.lending import (
-    Decision,
-    PoolState,
-    RunDemand,
-    decide,
-    lent_elsewhere,
-    unknown_time_zones,
-    unserved_gpu_types,
-)
 from rlfleet.operator.locks import KeyedLocks
 from rlfleet.operator.parallel import at_once
 from rlfleet.operator.status import (
@@ -67,6 +58,15 @@ from rlfleet.operator.workloads import (
     envpool_token,
     rollout_deployment,
     spec_config_map,
+)
+from rlfleet.pipeline.lending import (
+    Decision,
+    PoolState,
+    RunDemand,
+    decide,
+    lent_elsewhere,
+    unknown_time_zones,
+    unserved_gpu_types,
 )
 
 
