@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlfleet import launch
+from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.profile import (
     Profile,
     RegionLink,
@@ -24,6 +26,8 @@ from rlfleet.api.profile import (
     encode_profile,
 )
 from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.api.traffic import decode_traffic
+from rlfleet.pipeline.day import Pool, lent_by_hour
 from rlfleet.pipeline.model import Pipeline, Region, simulate
 from rlfleet.pipeline.sizing import Split, best_split, pipeline_for, predict
 
@@ -140,8 +144,8 @@ def test_a_slower_trainer_gets_more_of_the_gpus():
             "rollout": {
                 "groupSize": 8,
                 "regions": [
-                    {"name": "region-a", "maxGpus": 32},
-                    {"name": "region-b", "maxGpus": 32},
+                    {"name": "region-a", "maxGpus": 96},
+                    {"name": "region-b", "maxGpus": 96},
                 ],
             },
         }
@@ -221,3 +225,52 @@ def test_a_fleets_feed_keeps_its_workers_busy():
     eight = predict(spec, profile(2000, 1e-5), split, 8)
     assert fleet.steps_per_hour > 2 * eight.steps_per_hour
     assert fleet.rollout_utilisation > 0.8
+
+
+def _example_pools() -> list[Pool]:
+    traffic = decode_traffic((EXAMPLES / "traffic.yaml").read_bytes())
+    document = yaml.safe_load((EXAMPLES / "inferencepool.yaml").read_text())
+    spec = InferencePoolSpec.model_validate(document["spec"])
+    return [Pool("chat-prod", p.region, spec, tuple(p.hourly_load)) for p in traffic.pools]
+
+
+def test_pools_lend_by_the_operators_rule_hour_by_hour():
+    """examples/traffic.yaml through the region operator's own decision: a region lends
+    its pool's half (two 8-GPU replicas) in its night, nothing at its peak, and between
+    the two holds what it lent (hysteresis), never past the run's maxGpus."""
+    spec = RLRunSpec.model_validate(yaml.safe_load((EXAMPLES / "rlrun.yaml").read_text())["spec"])
+    hours = lent_by_hour(spec, _example_pools())
+    assert len(hours) == 24
+    region_b = [h["region-b"] for h in hours]  # Central Europe, UTC+1
+    assert region_b[2] == 16  # load 5: 1.25 a replica, lend the half the pool may
+    assert region_b[21] == 8  # load 12: three replicas keep it below 4 each, one lent
+    assert region_b[7] == 16  # load 22: 11 a serving replica, between the thresholds: hold
+    assert region_b[8] == 0  # load 30: 15 a serving replica, above 12: all back
+    assert region_b[11] == 0
+    assert max(h["region-c"] for h in hours) == 8  # the run's maxGpus there
+
+
+def test_rlfleet_plan_plans_a_day_of_traffic(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_bytes(encode_profile(profile(2000, 1e-4)))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlfleet.cli",
+            "plan",
+            str(EXAMPLES / "rlrun.yaml"),
+            "--profile",
+            str(path),
+            "--traffic",
+            str(EXAMPLES / "traffic.yaml"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    planned = json.loads(done.stdout)["day"]
+    assert [h["hour"] for h in planned["hours"]] == list(range(24))
+    assert planned["best_steps"] >= planned["steps"] * 0.99  # the split as lent is a candidate
+    assert planned["gpu_hours"]["trainer"] == 24 * 8

@@ -19,8 +19,11 @@ import pydantic
 import yaml
 
 from rlfleet import launch
+from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.profile import Profile, decode_profile
 from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.api.traffic import decode_traffic
+from rlfleet.pipeline.day import Pool, plan_day
 from rlfleet.pipeline.model import Prediction
 from rlfleet.pipeline.sizing import Split, best_split, predict, spec_split, third_rule_split
 
@@ -52,6 +55,28 @@ def _profile(path: Path) -> Profile:
         raise PlanError(f"{path}: {error}") from error
 
 
+def _pools(path: Path) -> list[Pool]:
+    """The traffic file's pools, each with its InferencePool manifest read and checked."""
+    try:
+        traffic = decode_traffic(path.read_bytes())
+    except (OSError, msgspec.DecodeError) as error:
+        raise PlanError(f"{path}: {error}") from error
+    pools = []
+    for index, entry in enumerate(traffic.pools):
+        manifest = path.parent / entry.pool
+        where = f"{path}: pools[{index}].pool {entry.pool}"
+        try:
+            document = yaml.safe_load(manifest.read_text())
+            if not isinstance(document, dict) or document.get("kind") != "InferencePool":
+                raise PlanError(f"{where}: not an InferencePool document")
+            spec = InferencePoolSpec.model_validate(document.get("spec"))
+        except (OSError, yaml.YAMLError, pydantic.ValidationError) as error:
+            raise PlanError(f"{where}: {error}") from error
+        name = (document.get("metadata") or {}).get("name")
+        pools.append(Pool(str(name), entry.region, spec, tuple(entry.hourly_load)))
+    return pools
+
+
 def figures(split: Split, prediction: Prediction, profile: Profile) -> dict:
     """What one split does, per hour of the pipeline's steady running."""
     hours = prediction.seconds / 3600
@@ -76,8 +101,48 @@ def figures(split: Split, prediction: Prediction, profile: Profile) -> dict:
     }
 
 
+def _depth(spec: RLRunSpec) -> int:
+    return launch.feed_settings("planned", spec, launch.Placement("nats://planned")).depth
+
+
+def day(spec: RLRunSpec, profile: Profile, pools: list[Pool]) -> dict:
+    """Hour by hour: what the pools lend, the steps the run makes of it, and what the best
+    split and the one-third rule would make of the same GPUs (the rollout share placed
+    where GPUs are lent that hour)."""
+    depth, hours = _depth(spec), []
+    for hour in plan_day(spec, profile, pools, depth):
+        split, prediction = hour.split, hour.prediction
+        where = {r: n for r, n in split.rollout_gpus.items() if n}
+        best = best_split(spec, profile, split.total, depth, where) if where else None
+        third = third_rule_split(spec, profile, split.total, where) if where else None
+        hours.append(
+            {
+                "hour": hour.hour,
+                "trainer_gpus": split.trainer_gpus,
+                "rollout_gpus": split.rollout_gpus,
+                "steps_per_hour": round(prediction.steps_per_hour, 1) if prediction else 0.0,
+                "staleness_mean": round(prediction.staleness_mean, 3) if prediction else None,
+                "best_trainer_gpus": best[0].trainer_gpus if best else None,
+                "best_steps_per_hour": round(best[1].steps_per_hour, 1) if best else 0.0,
+                "one_third_rule_steps_per_hour": (
+                    round(predict(spec, profile, third, depth).steps_per_hour, 1) if third else 0.0
+                ),
+            }
+        )
+    gpu_hours = {"trainer": sum(h["trainer_gpus"] for h in hours)}
+    for demand in spec.rollout_regions:
+        gpu_hours[demand.name] = sum(h["rollout_gpus"].get(demand.name, 0) for h in hours)
+    return {
+        "hours": hours,
+        "steps": round(sum(h["steps_per_hour"] for h in hours)),
+        "best_steps": round(sum(h["best_steps_per_hour"] for h in hours)),
+        "one_third_rule_steps": round(sum(h["one_third_rule_steps_per_hour"] for h in hours)),
+        "gpu_hours": gpu_hours,
+    }
+
+
 def plan(spec: RLRunSpec, profile: Profile, gpus: int | None) -> dict:
-    depth = launch.feed_settings("planned", spec, launch.Placement("nats://planned")).depth
+    depth = _depth(spec)
     written = spec_split(spec)
     total = gpus if gpus is not None else written.total
     result: dict = {"as_written": figures(written, predict(spec, profile, written, depth), profile)}
@@ -120,16 +185,86 @@ def _show(result: dict) -> None:
             print(f"{'  ' + region:18}" + "".join(f"{c:>16.4g}" for c in cells))
 
 
+def _show_day(planned: dict) -> None:
+    regions = list(planned["gpu_hours"])[1:]
+    head = ["hour (UTC)", *regions, "steps/h", "best", "trainer", "1/3 rule"]
+    print("\n" + "".join(f"{h:>11}" for h in head))
+    for hour in planned["hours"]:
+        cells = [
+            hour["hour"],
+            *(hour["rollout_gpus"].get(r, 0) for r in regions),
+            hour["steps_per_hour"],
+            hour["best_steps_per_hour"],
+            hour["best_trainer_gpus"] or "-",
+            hour["one_third_rule_steps_per_hour"],
+        ]
+        print("".join(f"{c!s:>11}" for c in cells))
+    print(
+        f"steps in the day: {planned['steps']} as written, {planned['best_steps']} with "
+        f"each hour's best split, {planned['one_third_rule_steps']} by the one-third rule; "
+        "GPU-hours: " + ", ".join(f"{k} {v}" for k, v in planned["gpu_hours"].items())
+    )
+
+
+def _plot(planned: dict, path: Path) -> None:
+    """GPUs by kind and region over the day, stacked, and the predicted steps per hour."""
+    import matplotlib  # the local dependency set's: only for a plot
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    hours = [h["hour"] for h in planned["hours"]]
+    layers = {"trainer": [h["trainer_gpus"] for h in planned["hours"]]}
+    for region in list(planned["gpu_hours"])[1:]:
+        layers[region] = [h["rollout_gpus"].get(region, 0) for h in planned["hours"]]
+    figure, gpus = pyplot.subplots(figsize=(9, 4.5))
+    gpus.stackplot(hours, *layers.values(), labels=list(layers), step="post", alpha=0.6)
+    gpus.set_xlabel("hour of the day (UTC)")
+    gpus.set_ylabel("GPUs")
+    gpus.legend(loc="upper left")
+    steps = gpus.twinx()
+    steps.step(
+        hours,
+        [h["steps_per_hour"] for h in planned["hours"]],
+        "k-",
+        where="post",
+        label="steps/hour (predicted)",
+    )
+    steps.step(
+        hours,
+        [h["one_third_rule_steps_per_hour"] for h in planned["hours"]],
+        "k--",
+        where="post",
+        label="steps/hour, one-third rule",
+    )
+    steps.set_ylabel("steps per hour")
+    steps.set_ylim(bottom=0)
+    steps.legend(loc="upper right")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+
+
 def _plan(args: argparse.Namespace) -> int:
     try:
-        result = plan(_spec(args.file), _profile(args.profile), args.gpus)
+        spec, profile = _spec(args.file), _profile(args.profile)
+        result = plan(spec, profile, args.gpus)
+        if args.traffic is not None:
+            result["day"] = day(spec, profile, _pools(args.traffic))
     except (PlanError, ValueError) as error:
         print(f"rlfleet plan: {error}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(result))
     else:
-        _show(result)
+        _show({k: v for k, v in result.items() if k != "day"})
+        if "day" in result:
+            _show_day(result["day"])
+    if args.plot is not None:
+        if "day" not in result:
+            print("rlfleet plan: --plot draws the day: give --traffic", file=sys.stderr)
+            return 1
+        _plot(result["day"], args.plot)
     return 0
 
 
@@ -144,5 +279,12 @@ def register(groups: argparse._SubParsersAction) -> None:
     command.add_argument(
         "--gpus", type=int, default=None, help="GPUs to split (default: what the spec asks)"
     )
+    command.add_argument(
+        "--traffic",
+        type=Path,
+        default=None,
+        help="a day of the regions' InferencePool traffic: plan each hour of it",
+    )
+    command.add_argument("--plot", type=Path, default=None, help="the day's GPUs and steps, PNG")
     command.add_argument("--json", action="store_true", help="one JSON object, for tools")
     command.set_defaults(handler=_plan)

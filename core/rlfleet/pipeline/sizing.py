@@ -9,6 +9,7 @@ how many each region lends to rollouts.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rlfleet.api.profile import Profile
@@ -107,36 +108,49 @@ def predict(spec: RLRunSpec, profile: Profile, split: Split, queue_depth: int) -
     return simulate(pipeline, horizon_s(pipeline))
 
 
-def splits(spec: RLRunSpec, profile: Profile, gpus: int) -> list[Split]:
+def splits(
+    spec: RLRunSpec, profile: Profile, gpus: int, where: Mapping[str, int] | None = None
+) -> list[Split]:
     """Every way to share `gpus` between whole trainer replicas and whole rollout engines,
-    the rollout GPUs spread over the spec's regions in proportion to their `maxGpus`."""
+    the rollout GPUs spread over the regions in proportion to `where` (GPUs each region
+    can lend; default: the spec's `maxGpus`) and never past it."""
     replica = max(1, spec.trainer.gpus_per_replica)
     engine = profile.rollout.gpus_per_engine
-    demands = spec.rollout_regions
-    weights = sum(d.max_gpus for d in demands)
+    if where is None:
+        where = {d.name: d.max_gpus for d in spec.rollout_regions}
+    weights = sum(where.values())
     found = []
     for trainer in range(replica, gpus, replica):
         left = gpus - trainer
-        shares = {d.name: (left * d.max_gpus // weights) // engine * engine for d in demands}
+        shares = {
+            region: min(most, left * most // weights) // engine * engine
+            for region, most in where.items()
+        }
         if any(shares.values()):
             found.append(Split(trainer, shares))
     return found
 
 
 def best_split(
-    spec: RLRunSpec, profile: Profile, gpus: int, queue_depth: int
+    spec: RLRunSpec,
+    profile: Profile,
+    gpus: int,
+    queue_depth: int,
+    where: Mapping[str, int] | None = None,
 ) -> tuple[Split, Prediction] | None:
     """The split of `gpus` that makes the most steps an hour (the staleness bound holds in
     every split: the model drops what the trainer would)."""
     best: tuple[Split, Prediction] | None = None
-    for split in splits(spec, profile, gpus):
+    for split in splits(spec, profile, gpus, where):
         prediction = predict(spec, profile, split, queue_depth)
         if best is None or prediction.steps_per_hour > best[1].steps_per_hour:
             best = (split, prediction)
     return best
 
 
-def third_rule_split(spec: RLRunSpec, profile: Profile, gpus: int) -> Split | None:
+def third_rule_split(
+    spec: RLRunSpec, profile: Profile, gpus: int, where: Mapping[str, int] | None = None
+) -> Split | None:
     """Seed 001's rule of thumb: a third of the GPUs sample, two thirds train."""
-    candidates = splits(spec, profile, gpus)
+    candidates = splits(spec, profile, gpus, where)
     return min(candidates, key=lambda s: abs(s.trainer_share - 2 / 3), default=None)
