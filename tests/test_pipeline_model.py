@@ -28,7 +28,7 @@ from rlfleet.api.profile import (
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.traffic import decode_traffic
 from rlfleet.pipeline.day import Pool, lent_by_hour
-from rlfleet.pipeline.model import Pipeline, Region, simulate
+from rlfleet.pipeline.model import Feed, Pipeline, Region, simulate
 from rlfleet.pipeline.sizing import Split, best_split, pipeline_for, predict
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -43,10 +43,11 @@ def pipeline(**changes) -> Pipeline:
         group_size=4,
         max_staleness=0,
         tokens_per_attempt=25,
+        group_tokens_cv=0.0,
         step_overhead_s=0.5,
         seconds_per_token=0.0,
         publish_s=0.1,
-        queue_depth=8,
+        feed=Feed(depth=8),
         regions=(region,),
     )
     return Pipeline(**(base | changes))
@@ -92,12 +93,13 @@ costs = st.floats(min_value=0.01, max_value=10)
     engines=st.integers(1, 6),
     slots=st.integers(1, 4),
     depth=st.integers(1, 32),
+    poll=st.sampled_from([0.0, 0.05, 0.25]),
     step=costs,
     arrival=costs,
     rate=st.floats(min_value=10, max_value=1e4),
 )
 def test_any_pipeline_steps_within_its_bound(
-    staleness, groups, engines, slots, depth, step, arrival, rate
+    staleness, groups, engines, slots, depth, poll, step, arrival, rate
 ):
     """Whatever the costs, the feed's admission and the engines' holding of tasks never
     deadlock the pipeline (a step at least every step's worth of generation and
@@ -108,10 +110,10 @@ def test_any_pipeline_steps_within_its_bound(
         max_staleness=staleness,
         step_groups=groups,
         step_overhead_s=step,
-        queue_depth=depth,
+        feed=Feed(depth, poll),
         regions=(region,),
     )
-    one_step = groups * shaped.group_tokens / rate + step + 0.1 + 1.5 * arrival
+    one_step = groups * shaped.group_tokens / rate + step + 0.1 + 1.5 * arrival + poll
     predicted = simulate(shaped, 10 * one_step)
     assert predicted.steps >= 5
     assert predicted.staleness_max <= staleness
@@ -152,34 +154,36 @@ def test_a_slower_trainer_gets_more_of_the_gpus():
     )
     shares = {}
     for name, seconds_per_token in (("fast", 1e-5), ("slow", 1e-3)):
-        best = best_split(spec, profile(2000, seconds_per_token), 96, queue_depth=256)
+        best = best_split(spec, profile(2000, seconds_per_token), 96, Feed(256))
         assert best is not None
         shares[name] = best[0].trainer_share
     assert shares["slow"] > shares["fast"]
     # A region behind a slow link waits longer for each version.
     split = Split(8, {"region-a": 32, "region-b": 32})
-    a, b = pipeline_for(spec, profile(2000, 1e-4), split, 256).regions
+    a, b = pipeline_for(spec, profile(2000, 1e-4), split, Feed(256)).regions
     assert b.arrival_s == pytest.approx(a.arrival_s + 10 - 0, rel=1e-6)
 
 
-def test_rlfleet_plan_predicts_an_example(tmp_path):
-    path = tmp_path / "profile.json"
-    path.write_bytes(encode_profile(profile(2000, 1e-4)))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlfleet.cli",
-            "plan",
-            str(EXAMPLES / "rlrun.yaml"),
-            "--profile",
-            str(path),
-            "--json",
-        ],
+def plan(profile_file: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`rlfleet plan examples/rlrun.yaml --profile PROFILE_FILE ARGS...`."""
+    command = [sys.executable, "-m", "rlfleet.cli", "plan", str(EXAMPLES / "rlrun.yaml")]
+    return subprocess.run(
+        [*command, "--profile", str(profile_file), *args],
         capture_output=True,
         text=True,
-        check=True,
+        check=check,
     )
+
+
+@pytest.fixture
+def gpu_profile(tmp_path) -> Path:
+    path = tmp_path / "profile.json"
+    path.write_bytes(encode_profile(profile(2000, 1e-4)))
+    return path
+
+
+def test_rlfleet_plan_predicts_an_example(gpu_profile):
+    done = plan(gpu_profile, "--json")
     result = json.loads(done.stdout)
     assert set(result) == {"as_written", "best", "one_third_rule"}
     assert result["best"]["steps_per_hour"] >= result["one_third_rule"]["steps_per_hour"]
@@ -191,19 +195,7 @@ def test_rlfleet_plan_names_a_bad_profile_field(tmp_path):
     path.write_text(
         "kind: rlfleet.io/profile/v1\nmeasured_on: x\ntrainer: {seconds_per_token: -1}\n"
     )
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlfleet.cli",
-            "plan",
-            str(EXAMPLES / "rlrun.yaml"),
-            "--profile",
-            str(path),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    done = plan(path, check=False)
     assert done.returncode == 1
     assert "seconds_per_token" in done.stderr and "Traceback" not in done.stderr
 
@@ -221,8 +213,8 @@ def test_a_fleets_feed_keeps_its_workers_busy():
     )
     depth = launch.feed_settings("r", spec, launch.Placement("nats://x")).depth
     split = Split(8, {"region-a": 64})
-    fleet = predict(spec, profile(2000, 1e-5), split, depth)
-    eight = predict(spec, profile(2000, 1e-5), split, 8)
+    fleet = predict(spec, profile(2000, 1e-5), split, Feed(depth))
+    eight = predict(spec, profile(2000, 1e-5), split, Feed(8))
     assert fleet.steps_per_hour > 2 * eight.steps_per_hour
     assert fleet.rollout_utilisation > 0.8
 
@@ -250,26 +242,8 @@ def test_pools_lend_by_the_operators_rule_hour_by_hour():
     assert max(h["region-c"] for h in hours) == 8  # the run's maxGpus there
 
 
-def test_rlfleet_plan_plans_a_day_of_traffic(tmp_path):
-    path = tmp_path / "profile.json"
-    path.write_bytes(encode_profile(profile(2000, 1e-4)))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlfleet.cli",
-            "plan",
-            str(EXAMPLES / "rlrun.yaml"),
-            "--profile",
-            str(path),
-            "--traffic",
-            str(EXAMPLES / "traffic.yaml"),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+def test_rlfleet_plan_plans_a_day_of_traffic(gpu_profile):
+    done = plan(gpu_profile, "--traffic", str(EXAMPLES / "traffic.yaml"), "--json")
     planned = json.loads(done.stdout)["day"]
     assert [h["hour"] for h in planned["hours"]] == list(range(24))
     assert planned["best_steps"] >= planned["steps"] * 0.99  # the split as lent is a candidate

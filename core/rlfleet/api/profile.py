@@ -21,7 +21,7 @@ class _Costs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pass
 
 
-class TrainerCosts(_Costs):
+class TrainerCosts(_Costs, kw_only=True):
     """One optimiser step: `step_overhead_s + tokens * seconds_per_token / speedup(ranks)`,
     where `speedup(n) = 1 + (n - 1) * rank_efficiency` (`bench/trainer_ranks.py` measures the
     efficiency as its two-rank speedup less one)."""
@@ -32,13 +32,20 @@ class TrainerCosts(_Costs):
     rank_efficiency: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
 
 
-class RolloutCosts(_Costs):
+class RolloutCosts(_Costs, kw_only=True):
     """One rollout engine (a lent replica's GPUs together, or a CPU core here) when busy."""
 
     tokens_per_s: Positive  # generated tokens per second of one engine, all its groups
     groups_at_once: Annotated[int, msgspec.Meta(ge=1)]  # an engine's concurrent groups
     tokens_per_attempt: Positive  # mean generated tokens of one attempt at a task
+    # The spread of a group's tokens (standard deviation over mean): groups of one batch
+    # finish apart, so engines and the feed's looks are not in step.
+    group_tokens_cv: NonNegative = 0.0
     load_s: NonNegative  # generation paused while an engine loads a policy version
+    # From a version at hand until an engine starts loading it: engines poll for newer
+    # versions, and how soon they look differs while they generate and while they wait.
+    notice_busy_s: NonNegative = 0.0
+    notice_idle_s: NonNegative = 0.0
     gpus_per_engine: Annotated[int, msgspec.Meta(ge=1)] = 1
     engines_per_device: Annotated[int, msgspec.Meta(ge=1)] = 1  # >1: engines share a device
     # How a device's speed falls when it runs fewer groups than it has room for: with k of
@@ -48,7 +55,7 @@ class RolloutCosts(_Costs):
     batch_exponent: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
 
 
-class WeightCosts(_Costs):
+class WeightCosts(_Costs, kw_only=True):
     """A version's way from the hub's stream to an engine generating with it:
     `latency_s + bytes_per_version / gbps`, where `gbps` is the slower of the region's link
     and `receive_gbps`, then `RolloutCosts.load_s`."""
@@ -59,12 +66,12 @@ class WeightCosts(_Costs):
     receive_gbps: Positive | None = None
 
 
-class RegionLink(_Costs):
+class RegionLink(_Costs, kw_only=True):
     region: str
     gbps: Positive  # the hub-to-region link's bandwidth, gigabytes per second
 
 
-class OperatorCosts(_Costs):
+class OperatorCosts(_Costs, kw_only=True):
     lend_s: NonNegative  # an RLRun applied until its rollout pods run on lent GPUs
     reclaim_s: NonNegative  # a traffic spike until serving has its GPUs back
 

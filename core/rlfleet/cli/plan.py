@@ -24,7 +24,7 @@ from rlfleet.api.profile import Profile, decode_profile
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.traffic import decode_traffic
 from rlfleet.pipeline.day import Pool, plan_day
-from rlfleet.pipeline.model import Prediction
+from rlfleet.pipeline.model import Feed, Prediction
 from rlfleet.pipeline.sizing import Split, best_split, predict, spec_split, third_rule_split
 
 
@@ -101,19 +101,21 @@ def figures(split: Split, prediction: Prediction, profile: Profile) -> dict:
     }
 
 
-def _depth(spec: RLRunSpec) -> int:
-    return launch.feed_settings("planned", spec, launch.Placement("nats://planned")).depth
+def _feed(spec: RLRunSpec) -> Feed:
+    """The feed as its pod runs for this spec."""
+    settings = launch.feed_settings("planned", spec, launch.Placement("nats://planned"))
+    return Feed(settings.depth, settings.poll_s)
 
 
 def day(spec: RLRunSpec, profile: Profile, pools: list[Pool]) -> dict:
     """Hour by hour: what the pools lend, the steps the run makes of it, and what the best
     split and the one-third rule would make of the same GPUs (the rollout share placed
     where GPUs are lent that hour)."""
-    depth, hours = _depth(spec), []
-    for hour in plan_day(spec, profile, pools, depth):
+    feed, hours = _feed(spec), []
+    for hour in plan_day(spec, profile, pools, feed):
         split, prediction = hour.split, hour.prediction
         where = {r: n for r, n in split.rollout_gpus.items() if n}
-        best = best_split(spec, profile, split.total, depth, where) if where else None
+        best = best_split(spec, profile, split.total, feed, where) if where else None
         third = third_rule_split(spec, profile, split.total, where) if where else None
         hours.append(
             {
@@ -125,7 +127,7 @@ def day(spec: RLRunSpec, profile: Profile, pools: list[Pool]) -> dict:
                 "best_trainer_gpus": best[0].trainer_gpus if best else None,
                 "best_steps_per_hour": round(best[1].steps_per_hour, 1) if best else 0.0,
                 "one_third_rule_steps_per_hour": (
-                    round(predict(spec, profile, third, depth).steps_per_hour, 1) if third else 0.0
+                    round(predict(spec, profile, third, feed).steps_per_hour, 1) if third else 0.0
                 ),
             }
         )
@@ -142,16 +144,16 @@ def day(spec: RLRunSpec, profile: Profile, pools: list[Pool]) -> dict:
 
 
 def plan(spec: RLRunSpec, profile: Profile, gpus: int | None) -> dict:
-    depth = _depth(spec)
+    feed = _feed(spec)
     written = spec_split(spec)
     total = gpus if gpus is not None else written.total
-    result: dict = {"as_written": figures(written, predict(spec, profile, written, depth), profile)}
-    best = best_split(spec, profile, total, depth)
+    result: dict = {"as_written": figures(written, predict(spec, profile, written, feed), profile)}
+    best = best_split(spec, profile, total, feed)
     if best is not None:
         result["best"] = figures(*best, profile)
     third = third_rule_split(spec, profile, total)
     if third is not None:
-        result["one_third_rule"] = figures(third, predict(spec, profile, third, depth), profile)
+        result["one_third_rule"] = figures(third, predict(spec, profile, third, feed), profile)
     return result
 
 
@@ -223,20 +225,13 @@ def _plot(planned: dict, path: Path) -> None:
     gpus.set_ylabel("GPUs")
     gpus.legend(loc="upper left")
     steps = gpus.twinx()
-    steps.step(
-        hours,
-        [h["steps_per_hour"] for h in planned["hours"]],
-        "k-",
-        where="post",
-        label="steps/hour (predicted)",
-    )
-    steps.step(
-        hours,
-        [h["one_third_rule_steps_per_hour"] for h in planned["hours"]],
-        "k--",
-        where="post",
-        label="steps/hour, one-third rule",
-    )
+    for key, style, label in (
+        ("steps_per_hour", "k-", "steps/hour as lent (predicted)"),
+        ("best_steps_per_hour", "b:", "steps/hour, best split"),
+        ("one_third_rule_steps_per_hour", "k--", "steps/hour, one-third rule"),
+    ):
+        values = [h[key] for h in planned["hours"]]
+        steps.step(hours, values, style, where="post", label=label)
     steps.set_ylabel("steps per hour")
     steps.set_ylim(bottom=0)
     steps.legend(loc="upper right")

@@ -19,7 +19,7 @@ from rlfleet.api.profile import Profile
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.traffic import HOURS
 from rlfleet.pipeline.lending import PoolState, RunDemand, decide, lent_elsewhere
-from rlfleet.pipeline.model import Prediction
+from rlfleet.pipeline.model import Feed, Prediction
 from rlfleet.pipeline.sizing import Split, predict, spec_split
 
 RUN = "planned"
@@ -77,12 +77,12 @@ def _gpus(lent: dict[tuple[str, str], dict[str, int]], pool: Pool) -> dict[str, 
     return {run: n * pool.spec.serving.gpus_per_replica for run, n in replicas.items()}
 
 
-def plan_day(spec: RLRunSpec, profile: Profile, pools: list[Pool], depth: int) -> list[Hour]:
+def plan_day(spec: RLRunSpec, profile: Profile, pools: list[Pool], feed: Feed) -> list[Hour]:
     trainer = spec_split(spec).trainer_gpus
     found = []
     for hour, gpus in enumerate(lent_by_hour(spec, pools)):
         split = Split(trainer, gpus)
         engines = sum(g // profile.rollout.gpus_per_engine for g in gpus.values())
-        prediction = predict(spec, profile, split, depth) if engines else None
+        prediction = predict(spec, profile, split, feed) if engines else None
         found.append(Hour(hour, split, prediction))
     return found

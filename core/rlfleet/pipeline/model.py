@@ -2,8 +2,9 @@
 
 It plays the rules the processes play, at the grain of a GRPO group:
 
-- the feed keeps at most `queue_depth` tasks waiting or under way, and publishes them by
-  `Admission` (the feed's own rule), each carrying the oldest version that may attempt it;
+- the feed keeps at most `Feed.depth` tasks waiting or under way, and publishes them by
+  `Admission` (the feed's own rule), each carrying the oldest version that may attempt it,
+  every `Feed.poll_s` (it looks at its queue that often);
 - an engine takes tasks while it has room for `groups_at_once` groups, holds a task until it
   runs the version the task needs, and shares its device's tokens per second among the
   groups it generates (continuous batching; a device short of groups is slower by
@@ -12,17 +13,21 @@ It plays the rules the processes play, at the grain of a GRPO group:
   started on;
 - the trainer drops groups more than `max_staleness` versions behind, steps on the first
   `step_groups` fresh ones in arrival order, then publishes the version;
-- a version reaches a region `arrival_s` after it is on the hub's stream, and each engine
-  there stops generating for `load_s` to load it.
+- a version reaches a region `arrival_s` after it is on the hub's stream; an engine there
+  notices it `notice_busy_s` later while it generates, `notice_idle_s` while it waits
+  (each polls for newer versions), then stops generating for `load_s` to load it.
 
-What it leaves out, on purpose: the spread of attempt lengths (a group's tail), task
-failures and retries, network time of trajectories (small next to generation). The model
-is checked against measured runs by `bench/plan.py`.
+A group's tokens are drawn around the mean with the profile's spread (a seeded, normal
+draw: the model is deterministic). What it leaves out, on purpose: a group's own tail
+(its longest attempt), task failures and retries, network time of trajectories (small
+next to generation). The model is checked against measured runs by `bench/plan.py`.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -39,8 +44,16 @@ class Region:
     groups_at_once: int  # per engine
     arrival_s: float  # from the hub's stream to fetched and decoded here
     load_s: float  # generation paused to load a version
+    notice_busy_s: float = 0.0  # from arrival until a generating engine starts loading
+    notice_idle_s: float = 0.0  # the same for an engine with nothing to generate
     engines_per_device: int = 1
     batch_exponent: float = 0.0  # `RolloutCosts.batch_exponent`
+
+
+@dataclass(frozen=True)
+class Feed:
+    depth: int  # tasks published and not yet done, at most (`FeedConfig.depth`)
+    poll_s: float = 0.0  # how often it publishes (`FeedConfig.poll_s`); 0: at once
 
 
 @dataclass(frozen=True)
@@ -49,10 +62,11 @@ class Pipeline:
     group_size: int
     max_staleness: int
     tokens_per_attempt: float
+    group_tokens_cv: float  # the spread of a group's tokens, standard deviation over mean
     step_overhead_s: float
     seconds_per_token: float  # of the trainer as a whole: its ranks' speedup included
     publish_s: float
-    queue_depth: int
+    feed: Feed
     regions: tuple[Region, ...]
 
     def step_s(self, tokens: float) -> float:
@@ -101,6 +115,7 @@ class _Engine:
     version: int = 0
     held: deque[int] = field(default_factory=deque)  # min versions of tasks waiting
     active: list[_Group] = field(default_factory=list)
+    load_from: float = -1.0  # when the pending load pauses generation; -1: none pending
     loading_until: float = -1.0
     loading: int = 0  # the version being loaded
 
@@ -109,7 +124,7 @@ class _Engine:
         return self.region.groups_at_once - len(self.held) - len(self.active)
 
     def generating(self, now: float) -> bool:
-        return bool(self.active) and now >= self.loading_until
+        return bool(self.active) and not self.load_from <= now < self.loading_until
 
 
 class _Model:
@@ -119,6 +134,7 @@ class _Model:
         self.admission = Admission(pipeline.max_staleness, pipeline.step_groups)
         self.queue: deque[int] = deque()  # min versions of published, untaken tasks
         self.outstanding = 0  # tasks published and not yet finished
+        self.feed_at = -1.0  # the feed's next look, when it has work
         self.engines: list[_Engine] = []
         device = 0
         for region in pipeline.regions:
@@ -143,6 +159,7 @@ class _Model:
         self.dropped = 0
         self.generated = 0
         self.tokens = 0.0  # generated, groups under way included
+        self.draws = random.Random(0)
 
     # -- the next event ----------------------------------------------------------------
 
@@ -159,6 +176,9 @@ class _Model:
 
     def _next(self) -> float:
         times = [t for t, _, _ in self.arrivals]
+        if self.feed_at > self.now:
+            times.append(self.feed_at)
+        times += [e.load_from for e in self.engines if e.load_from > self.now]
         times += [e.loading_until for e in self.engines if e.loading_until > self.now]
         if self.busy_until > self.now:
             times.append(self.busy_until)
@@ -201,9 +221,9 @@ class _Model:
             self.arrived[region] = max(self.arrived[region], version)
         for engine in self.engines:
             self._load(engine)
-            while engine.held and engine.held[0] <= engine.version and engine.loading_until < 0:
+            while engine.held and engine.held[0] <= engine.version:
                 engine.held.popleft()
-                engine.active.append(_Group(self.p.group_tokens, engine.version))
+                engine.active.append(self._group(engine.version))
 
     def _load(self, engine: _Engine) -> None:
         """Finish a load that is due, and start one of a newer version that has arrived
@@ -211,11 +231,16 @@ class _Model:
         while True:
             if engine.loading_until >= 0 and self.now >= engine.loading_until:
                 engine.version, engine.loading_until = engine.loading, -1.0
+                engine.load_from = -1.0
             newest = self.arrived[engine.region.name]
             if engine.loading_until >= 0 or newest <= engine.version:
                 return
+            region = engine.region
             engine.loading = newest
-            engine.loading_until = self.now + engine.region.load_s
+            engine.load_from = self.now + (
+                region.notice_busy_s if engine.active else region.notice_idle_s
+            )
+            engine.loading_until = engine.load_from + region.load_s
 
     def _finish_groups(self) -> None:
         for engine in self.engines:
@@ -244,8 +269,20 @@ class _Model:
         self.step_ends.append(self.busy_until)
         self.waiting_since = self.busy_until
 
+    def _group(self, version: int) -> _Group:
+        spread = self.p.group_tokens_cv * self.draws.gauss(0.0, 1.0)
+        return _Group(self.p.group_tokens * max(0.1, 1.0 + spread), version)
+
     def _feed(self) -> None:
-        for target in self.admission.admit(self.p.queue_depth - self.outstanding):
+        room = self.p.feed.depth - self.outstanding
+        poll = self.p.feed.poll_s
+        if poll > 0 and not math.isclose(self.now / poll, round(self.now / poll), abs_tol=1e-9):
+            # Not the feed's moment: if it will have work, its next look is an event.
+            if copy.deepcopy(self.admission).admit(room):
+                self.feed_at = math.ceil(self.now / poll) * poll
+            return
+        self.feed_at = -1.0
+        for target in self.admission.admit(room):
             self.queue.append(self.admission.min_version(target))
             self.outstanding += 1
 
@@ -259,8 +296,8 @@ class _Model:
                 if not self.queue:
                     return
                 need = self.queue.popleft()
-                if need <= engine.version and engine.loading_until < 0:
-                    engine.active.append(_Group(self.p.group_tokens, engine.version))
+                if need <= engine.version:
+                    engine.active.append(self._group(engine.version))
                 else:
                     engine.held.append(need)
 

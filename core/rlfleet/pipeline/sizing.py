@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from rlfleet.api.profile import Profile
 from rlfleet.api.rlrun import STEP_TOKENS, RLRunSpec
-from rlfleet.pipeline.model import Pipeline, Prediction, Region, simulate
+from rlfleet.pipeline.model import Feed, Pipeline, Prediction, Region, simulate
 
 # Steps a prediction plays: enough for the pipeline to reach its steady state (the first
 # batch waits for rollouts from nothing) and to average over it.
@@ -56,9 +56,9 @@ def spec_split(spec: RLRunSpec) -> Split:
     return Split(trainer, {d.name: d.max_gpus for d in spec.rollout_regions})
 
 
-def pipeline_for(spec: RLRunSpec, profile: Profile, split: Split, queue_depth: int) -> Pipeline:
-    """The pipeline `split` makes of the spec, at the profile's costs. `queue_depth` is the
-    feed's bound on tasks published and not yet done (`FeedConfig.depth`)."""
+def pipeline_for(spec: RLRunSpec, profile: Profile, split: Split, feed: Feed) -> Pipeline:
+    """The pipeline `split` makes of the spec, at the profile's costs, fed as `feed` says
+    (the feed's settings for the spec: `FeedConfig`)."""
     rollout, trainer = profile.rollout, profile.trainer
     links = {link.region: link.gbps for link in profile.links}
     weights = profile.weights
@@ -73,6 +73,8 @@ def pipeline_for(spec: RLRunSpec, profile: Profile, split: Split, queue_depth: i
                 groups_at_once=rollout.groups_at_once,
                 arrival_s=weights.latency_s + weights.bytes_per_version / (gbps * 1e9),
                 load_s=rollout.load_s,
+                notice_busy_s=rollout.notice_busy_s,
+                notice_idle_s=rollout.notice_idle_s,
                 engines_per_device=rollout.engines_per_device,
                 batch_exponent=rollout.batch_exponent,
             )
@@ -83,10 +85,11 @@ def pipeline_for(spec: RLRunSpec, profile: Profile, split: Split, queue_depth: i
         group_size=_group_size(spec),
         max_staleness=spec.max_staleness,
         tokens_per_attempt=rollout.tokens_per_attempt,
+        group_tokens_cv=rollout.group_tokens_cv,
         step_overhead_s=trainer.step_overhead_s,
         seconds_per_token=trainer.seconds_per_token / speedup,
         publish_s=trainer.publish_s,
-        queue_depth=queue_depth,
+        feed=feed,
         regions=tuple(regions),
     )
 
@@ -97,12 +100,15 @@ def horizon_s(pipeline: Pipeline) -> float:
     rate = sum(r.engines * r.tokens_per_s / r.engines_per_device for r in pipeline.regions)
     generate = batch / rate if rate else math.inf
     train = pipeline.step_s(batch) + pipeline.publish_s
-    arrival = max((r.arrival_s + r.load_s for r in pipeline.regions), default=0.0)
+    arrival = max(
+        (r.arrival_s + max(r.notice_busy_s, r.notice_idle_s) + r.load_s for r in pipeline.regions),
+        default=0.0,
+    )
     return STEPS_PLAYED * max(generate, train) + arrival
 
 
-def predict(spec: RLRunSpec, profile: Profile, split: Split, queue_depth: int) -> Prediction:
-    pipeline = pipeline_for(spec, profile, split, queue_depth)
+def predict(spec: RLRunSpec, profile: Profile, split: Split, feed: Feed) -> Prediction:
+    pipeline = pipeline_for(spec, profile, split, feed)
     if not any(r.engines for r in pipeline.regions):
         raise ValueError("the split lends no region a whole rollout engine")
     return simulate(pipeline, horizon_s(pipeline))
@@ -135,14 +141,14 @@ def best_split(
     spec: RLRunSpec,
     profile: Profile,
     gpus: int,
-    queue_depth: int,
+    feed: Feed,
     where: Mapping[str, int] | None = None,
 ) -> tuple[Split, Prediction] | None:
     """The split of `gpus` that makes the most steps an hour (the staleness bound holds in
     every split: the model drops what the trainer would)."""
     best: tuple[Split, Prediction] | None = None
     for split in splits(spec, profile, gpus, where):
-        prediction = predict(spec, profile, split, queue_depth)
+        prediction = predict(spec, profile, split, feed)
         if best is None or prediction.steps_per_hour > best[1].steps_per_hour:
             best = (split, prediction)
     return best
