@@ -19,11 +19,14 @@ import msgspec
 from msgspec.structs import replace
 
 from rlfleet import launch
+from rlfleet.api.profile import Profile
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import BusRole
 from rlfleet.bus.auth import CREDENTIALS_ENV
 from rlfleet.local.nats import HUB_DOMAIN, NatsBed
 from rlfleet.local.processes import free_port
+from rlfleet.pipeline.model import Feed, Pipeline
+from rlfleet.pipeline.sizing import Split, pipeline_for
 
 TINY_SCHEME = "tiny://"  # model.uri tiny://tiny-moe: made on the spot, then warmed up
 
@@ -105,6 +108,14 @@ class Process:
         """Where the process serves its Prometheus metrics, if it does."""
         port = getattr(self.config, "metrics_port", None)
         return None if port is None else f"http://127.0.0.1:{port}{launch.METRICS_PATH}"
+
+
+def local_pipeline(spec: RLRunSpec, profile: Profile, tuning: Tuning) -> Pipeline:
+    """`rlfleet plan`'s model of what `processes` starts: one trainer rank, and one worker
+    per region, all on the one rollout core (`split_cores`)."""
+    split = Split(trainer_gpus=1, rollout_gpus={"local": len(spec.rollout_regions)})
+    feed = launch.feed_settings("local", spec, launch.Placement("nats://local"))
+    return pipeline_for(spec, profile, split, Feed(tuning.queue_depth, feed.poll_s))
 
 
 def serving_dtype(cpu_flags: set[str]) -> str:

@@ -166,11 +166,20 @@ class Engine:
         held = await self.call(vllm_held, self.llm)
         if held is None or held <= self.version:
             return
+        running = len(self._running)
         update = await self.call(vllm_update, self.llm, held)
         self.version = update.version
         self.stats.updates.append((update.version, update.pause_s))
         metrics.policy_version.set(update.version)
-        log.info("policy version %s loaded; generation paused %.3fs", *self.stats.updates[-1])
+        # The time and the requests under way let `rlfleet.local.profiling` tell how long a
+        # version waited for this poll, busy or idle (vLLM's log times are to the second).
+        log.info(
+            "policy version %s loaded at %.3f with %d requests running; generation paused %.3fs",
+            update.version,
+            time.time(),
+            running,
+            update.pause_s,
+        )
 
     async def _finish(self, outputs) -> None:
         experts = (
