@@ -73,14 +73,16 @@ def _pools(path: Path) -> list[Pool]:
         except (OSError, yaml.YAMLError, pydantic.ValidationError) as error:
             raise PlanError(f"{where}: {error}") from error
         name = (document.get("metadata") or {}).get("name")
-        pools.append(Pool(str(name), entry.region, spec, tuple(entry.hourly_load)))
+        if not isinstance(name, str) or not name:
+            raise PlanError(f"{where}: metadata.name is missing")
+        pools.append(Pool(name, entry.region, spec, tuple(entry.hourly_load)))
     return pools
 
 
 def figures(split: Split, prediction: Prediction, profile: Profile) -> dict:
     """What one split does, per hour of the pipeline's steady running."""
     hours = prediction.seconds / 3600
-    versions_per_hour = prediction.versions / hours
+    versions_per_hour = prediction.steps / hours  # a version a step
     generated = max(1, prediction.groups_generated)
     return {
         "trainer_gpus": split.trainer_gpus,

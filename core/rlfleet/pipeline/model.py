@@ -8,8 +8,8 @@ It plays the rules the processes play, at the grain of a GRPO group:
 - an engine takes tasks while it has room for `groups_at_once` groups, holds a task until it
   runs the version the task needs, and shares its device's tokens per second among the
   groups it generates (continuous batching; a device short of groups is slower by
-  `batch_exponent`); a group is done
-  when its `group_size * tokens_per_attempt` tokens are, and is as old as the version it
+  `batch_exponent`); a group is done when its tokens are (about `group_size *
+  tokens_per_attempt`, drawn with the profile's spread), and is as old as the version it
   started on;
 - the trainer drops groups more than `max_staleness` versions behind, steps on the first
   `step_groups` fresh ones in arrival order, then publishes the version;
@@ -17,8 +17,7 @@ It plays the rules the processes play, at the grain of a GRPO group:
   notices it `notice_busy_s` later while it generates, `notice_idle_s` while it waits
   (each polls for newer versions), then stops generating for `load_s` to load it.
 
-A group's tokens are drawn around the mean with the profile's spread (a seeded, normal
-draw: the model is deterministic). What it leaves out, on purpose: a group's own tail
+The draws are seeded: the model is deterministic. What it leaves out, on purpose: a group's own tail
 (its longest attempt), task failures and retries, network time of trajectories (small
 next to generation). The model is checked against measured runs by `bench/plan.py`.
 """
@@ -87,7 +86,6 @@ class Prediction:
     dropped_stale: int  # groups
     groups_generated: int
     rollout_utilisation: float  # tokens generated over what the devices could at full speed
-    versions: int
     step_ends: tuple[float, ...]  # when each version was on the hub's stream
 
     @property
@@ -104,8 +102,12 @@ class Prediction:
 
 @dataclass
 class _Group:
-    work: float  # tokens left
+    tokens: float
     version: int
+    work: float = field(init=False)  # tokens left
+
+    def __post_init__(self) -> None:
+        self.work = self.tokens
 
 
 @dataclass
@@ -262,7 +264,7 @@ class _Model:
         batch = [self.buffer.popleft() for _ in range(self.p.step_groups)]
         self.waits.append(self.now - self.waiting_since)
         self.lags += [self.version - g.version for g in batch]
-        trained = self.now + self.p.step_s(len(batch) * self.p.group_tokens)
+        trained = self.now + self.p.step_s(sum(g.tokens for g in batch))
         self.version += 1
         self.busy_until = trained + self.p.publish_s
         self.publish_at = self.busy_until
@@ -325,7 +327,6 @@ class _Model:
             dropped_stale=self.dropped,
             groups_generated=self.generated,
             rollout_utilisation=self.tokens / capacity if capacity else 0.0,
-            versions=self.version,
             step_ends=tuple(ends),
         )
 
