@@ -220,14 +220,14 @@ def test_a_fleets_feed_keeps_its_workers_busy():
 
 
 def _example_pools() -> list[Pool]:
-    traffic = decode_traffic((EXAMPLES / "traffic.yaml").read_bytes())
+    traffic = decode_traffic((EXAMPLES / "planning" / "traffic.yaml").read_bytes())
     document = yaml.safe_load((EXAMPLES / "inferencepool.yaml").read_text())
     spec = InferencePoolSpec.model_validate(document["spec"])
     return [Pool("chat-prod", p.region, spec, tuple(p.hourly_load)) for p in traffic.pools]
 
 
 def test_pools_lend_by_the_operators_rule_hour_by_hour():
-    """examples/traffic.yaml through the region operator's own decision: a region lends
+    """examples/planning/traffic.yaml through the region operator's own decision: a region lends
     its pool's half (two 8-GPU replicas) in its night, nothing at its peak, and between
     the two holds what it lent (hysteresis), never past the run's maxGpus."""
     spec = RLRunSpec.model_validate(yaml.safe_load((EXAMPLES / "rlrun.yaml").read_text())["spec"])
@@ -243,7 +243,7 @@ def test_pools_lend_by_the_operators_rule_hour_by_hour():
 
 
 def test_rlfleet_plan_plans_a_day_of_traffic(gpu_profile):
-    done = plan(gpu_profile, "--traffic", str(EXAMPLES / "traffic.yaml"), "--json")
+    done = plan(gpu_profile, "--traffic", str(EXAMPLES / "planning" / "traffic.yaml"), "--json")
     planned = json.loads(done.stdout)["day"]
     assert [h["hour"] for h in planned["hours"]] == list(range(24))
     assert planned["best_steps"] >= planned["steps"] * 0.99  # the split as lent is a candidate
