@@ -352,8 +352,8 @@ def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> W
 def feed_depth(rollout: RolloutSpec) -> int:
     """Tasks the feed keeps published and unfinished: room for every group the regions'
     workers can run at once (a worker per GPU at most). A fixed 8 left all but a few
-    workers of a fleet idle: `rlfleet plan` put examples/rlrun.yaml's 40 rollout GPUs at
-    14% busy. Admission still bounds what runs ahead of the trainer."""
+    workers of a fleet idle: `rlfleet plan` put 64 rollout GPUs taking batches of 32
+    groups at 12% of their speed. Admission still bounds what runs ahead of the trainer."""
     groups = max(1, _default(WorkerConfig, "max_sessions") // rollout.group_size)
     gpus = sum(demand.max_gpus for demand in rollout.regions)
     return max(_default(FeedConfig, "depth"), gpus * groups)
