@@ -71,11 +71,6 @@ class RegionLink(_Costs, kw_only=True):
     gbps: Positive  # the hub-to-region link's bandwidth, gigabytes per second
 
 
-class OperatorCosts(_Costs, kw_only=True):
-    lend_s: NonNegative  # an RLRun applied until its rollout pods run on lent GPUs
-    reclaim_s: NonNegative  # a traffic spike until serving has its GPUs back
-
-
 class Profile(
     msgspec.Struct,
     frozen=True,
@@ -90,7 +85,6 @@ class Profile(
     trainer: TrainerCosts
     rollout: RolloutCosts
     weights: WeightCosts
-    operator: OperatorCosts = OperatorCosts(lend_s=0.0, reclaim_s=0.0)
     links: list[RegionLink] = []  # the hub's link to each region, where it is the slower
 
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlfleet.api.profile import (
-    OperatorCosts,
     Profile,
     RolloutCosts,
     TrainerCosts,
@@ -145,5 +144,4 @@ def measure(spec: RLRunSpec, ahead: Profiled, synchronous: Profiled, tuning: Tun
             bytes_per_version=int(statistics.median(s.weight_bytes for s in steps)),
             latency_s=0.0,
         ),
-        operator=OperatorCosts(lend_s=0.0, reclaim_s=0.0),
     )
