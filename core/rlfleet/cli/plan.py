@@ -23,6 +23,7 @@ from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.profile import Profile, decode_profile
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.traffic import decode_traffic
+from rlfleet.local.run import InvalidRun, read_rlrun
 from rlfleet.pipeline.day import Pool, plan_day
 from rlfleet.pipeline.model import Feed, Prediction
 from rlfleet.pipeline.sizing import Split, best_split, predict, spec_split, third_rule_split
@@ -34,15 +35,9 @@ class PlanError(Exception):
 
 def _spec(path: Path) -> RLRunSpec:
     try:
-        document = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise PlanError(f"{path}: {error}") from error
-    if not isinstance(document, dict) or document.get("kind") != "RLRun":
-        raise PlanError(f"{path}: not an RLRun document")
-    try:
-        spec = RLRunSpec.model_validate(document.get("spec"))
-    except pydantic.ValidationError as error:
-        raise PlanError(f"{path}: {error}") from error
+        _, spec = read_rlrun(path)
+    except InvalidRun as error:
+        raise PlanError(str(error)) from error
     if spec.rollout is None:
         raise PlanError(f"{path}: spec.rollout: a production run has no task rollouts to plan")
     return spec

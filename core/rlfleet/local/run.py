@@ -63,21 +63,27 @@ class InvalidRun(Exception):
     """The file is not an RLRun the API server would take: nothing was started."""
 
 
-def load(path: Path) -> tuple[str, RLRunSpec]:
+def read_rlrun(path: Path) -> tuple[str, RLRunSpec]:
+    """An RLRun manifest's name and spec, checked as the API server would check them."""
     try:
         document = yaml.safe_load(path.read_text())
         if not isinstance(document, dict) or document.get("kind") != "RLRun":
             raise ValueError("not an RLRun document")
         name = check_run_name((document.get("metadata") or {}).get("name"))
-        spec = RLRunSpec.model_validate(document.get("spec"))
-        if spec.trainer.deep_speed_config_map is not None:
-            raise ValueError(
-                "spec.trainer.deepSpeedConfigMap: a local run has no ConfigMap to read it "
-                "from; leave it out, or apply the run to a cluster"
-            )
-        return name, spec
+        return name, RLRunSpec.model_validate(document.get("spec"))
     except (OSError, ValueError, yaml.YAMLError) as error:
         raise InvalidRun(f"{path}: {error}") from error
+
+
+def load(path: Path) -> tuple[str, RLRunSpec]:
+    """`read_rlrun`, and what only a cluster can run refused."""
+    name, spec = read_rlrun(path)
+    if spec.trainer.deep_speed_config_map is not None:
+        raise InvalidRun(
+            f"{path}: spec.trainer.deepSpeedConfigMap: a local run has no ConfigMap to read "
+            "it from; leave it out, or apply the run to a cluster"
+        )
+    return name, spec
 
 
 def make_model(spec: RLRunSpec, layout: plan.Layout, warmup_steps: int) -> None:

@@ -51,14 +51,7 @@ def lent_by_hour(spec: RLRunSpec, pools: list[Pool]) -> list[dict[str, int]]:
             now = datetime.combine(DAY, time(hour), tzinfo=UTC)
             gpus = {}
             for demand in spec.rollout_regions:
-                wants = RunDemand(
-                    run=RUN,
-                    priority=spec.priority,
-                    min_gpus=demand.min_gpus,
-                    max_gpus=demand.max_gpus,
-                    pools=tuple(demand.inference_pools),
-                    gpu_types=tuple(demand.gpu_types),
-                )
+                wants = RunDemand.of(RUN, spec, demand)
                 here = [p for p in pools if p.region == demand.name]
                 for pool in here:
                     elsewhere = lent_elsewhere([_gpus(lent, p) for p in here if p is not pool])

@@ -23,6 +23,7 @@ from datetime import datetime, time
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from rlfleet.api.inferencepool import InferencePoolSpec, OffPeakWindow
+from rlfleet.api.rlrun import RegionDemand, RLRunSpec
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,19 @@ class RunDemand:
     pools: tuple[str, ...]
     active: bool = True  # False while suspended or being deleted
     gpu_types: tuple[str, ...] = ()  # the GPU types it can use; empty: any
+
+    @classmethod
+    def of(cls, run: str, spec: RLRunSpec, here: RegionDemand, active: bool = True) -> RunDemand:
+        """What the run's spec asks of one region (`here`, one of its rollout regions)."""
+        return cls(
+            run=run,
+            priority=spec.priority,
+            min_gpus=here.min_gpus,
+            max_gpus=here.max_gpus,
+            pools=tuple(here.inference_pools),
+            gpu_types=tuple(here.gpu_types),
+            active=active,
+        )
 
     def accepts(self, pool: PoolState) -> bool:
         """Whether the run can use the pool's GPUs at all."""

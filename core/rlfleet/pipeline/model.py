@@ -165,16 +165,17 @@ class _Model:
 
     # -- the next event ----------------------------------------------------------------
 
-    def _rate(self, engine: _Engine) -> float:
-        """Tokens per second each of the engine's groups gets now."""
-        region = engine.region
-        sharing = [e for e in self.devices[engine.device] if e.generating(self.now)]
-        groups = sum(len(e.active) for e in sharing)
-        if not groups:
-            return 0.0
-        room = region.groups_at_once * len(self.devices[engine.device])
-        speed = region.tokens_per_s * min(1.0, groups / room) ** region.batch_exponent
-        return speed / groups
+    def _rates(self) -> dict[int, float]:
+        """Tokens per second each generating group of each busy device gets now."""
+        rates = {}
+        for device, engines in self.devices.items():
+            groups = sum(len(e.active) for e in engines if e.generating(self.now))
+            if groups:
+                region = engines[0].region
+                room = region.groups_at_once * len(engines)
+                speed = region.tokens_per_s * min(1.0, groups / room) ** region.batch_exponent
+                rates[device] = speed / groups
+        return rates
 
     def _next(self) -> float:
         times = [t for t, _, _ in self.arrivals]
@@ -186,17 +187,17 @@ class _Model:
             times.append(self.busy_until)
         if self.publish_at > self.now:
             times.append(self.publish_at)
+        rates = self._rates()
         for engine in self.engines:
             if engine.generating(self.now):
-                rate = self._rate(engine)
-                times.append(self.now + min(g.work for g in engine.active) / rate)
+                times.append(self.now + min(g.work for g in engine.active) / rates[engine.device])
         return min(times, default=math.inf)
 
     def _advance(self, until: float) -> None:
-        dt = until - self.now
+        dt, rates = until - self.now, self._rates()
         for engine in self.engines:
             if engine.generating(self.now):
-                rate = self._rate(engine)
+                rate = rates[engine.device]
                 for group in engine.active:
                     group.work -= rate * dt
                 self.tokens += rate * dt * len(engine.active)
@@ -280,7 +281,7 @@ class _Model:
         poll = self.p.feed.poll_s
         if poll > 0 and not math.isclose(self.now / poll, round(self.now / poll), abs_tol=1e-9):
             # Not the feed's moment: if it will have work, its next look is an event.
-            if copy.deepcopy(self.admission).admit(room):
+            if room > 0 and copy.deepcopy(self.admission).admit(room):
                 self.feed_at = math.ceil(self.now / poll) * poll
             return
         self.feed_at = -1.0

@@ -265,15 +265,8 @@ class Region:
         here = next((d for d in spec.rollout_regions if d.name == self.name), None)
         if here is None:
             return None
-        return RunDemand(
-            run=run["metadata"]["name"],
-            priority=spec.priority,
-            min_gpus=here.min_gpus,
-            max_gpus=here.max_gpus,
-            pools=tuple(here.inference_pools),
-            gpu_types=tuple(here.gpu_types),
-            active=not spec.suspend and not run["metadata"].get("deletionTimestamp"),
-        )
+        active = not spec.suspend and not run["metadata"].get("deletionTimestamp")
+        return RunDemand.of(run["metadata"]["name"], spec, here, active)
 
     def report_run(self, run: dict, resync: bool = False) -> None:
         """Writes the region's part of a mirrored run's status, read by the hub; on a
