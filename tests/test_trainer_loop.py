@@ -238,6 +238,13 @@ def test_stale_and_malformed_trajectories_never_reach_the_optimiser(
     for reason in ("malformed", "token_out_of_range", "expert_out_of_range", "is not finite"):
         assert reason in log
     assert "dropped stale trajectory e/0: policy version 0 is 2 behind 2 (max 1)" in log
+    # Each drop is on record before its acknowledgement, for an audit of what was lost.
+    drops = [json.loads(line) for line in (process.directory / "checkpoints" / "drops.jsonl")
+             .read_text().splitlines()]  # fmt: skip
+    assert sorted(d["trajectory"] for d in drops if d["reason"] == "stale") == sorted(
+        f"{task}/{attempt}" for task in "ef" for attempt in range(GROUP)
+    )
+    assert [d["trajectory"] for d in drops if d["reason"] == "rejected"] == [None] * len(malformed)
 
 
 async def _held_and_waiting(hub: NatsServer, run: str) -> tuple[int, int]:

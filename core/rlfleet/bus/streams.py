@@ -73,6 +73,11 @@ class StreamMissing(LookupError):
     """A stream a component needs is not there: whoever starts the run makes it."""
 
 
+# The trainer's durable consumer of the trajectory stream: its acknowledgements say which
+# trajectories are done with (an audit reads its ack floor).
+TRAINER_CONSUMER = "trainer"
+
+
 def step_stream(run: str) -> str:
     return f"STEPS-{run}"
 

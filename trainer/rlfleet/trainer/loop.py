@@ -50,7 +50,7 @@ from rlfleet.api.wire import (
 )
 from rlfleet.bus import auth
 from rlfleet.bus.reading import newest
-from rlfleet.bus.streams import bind_stream, cycle_stream, step_stream
+from rlfleet.bus.streams import TRAINER_CONSUMER, bind_stream, cycle_stream, step_stream
 from rlfleet.launch.settings import TrainerConfig
 from rlfleet.trainer import distributed, metrics
 from rlfleet.trainer.distributed import Kind, Order
@@ -63,7 +63,6 @@ from rlfleet.weightsync import Part, Publisher, WeightStream
 
 log = logging.getLogger(__name__)
 
-CONSUMER = "trainer"
 FETCH_WAIT_S = 0.2  # the longest a fetch waits for trajectories before the loop goes on
 CONDUCTOR_POLL_S = 1.0  # how often a production run's trainer reads its conductor's word
 
@@ -80,6 +79,9 @@ class Trainer:
         self.stopping = asyncio.Event()
         self.ready_at = time.perf_counter()  # when the trainer last became free to train
         self.log_path = config.checkpoint_dir / "steps.jsonl"
+        # Every trajectory acknowledged without training, and why: with the step log, what
+        # accounts for each one the stream holds (a redelivered drop is written again).
+        self.drops_path = config.checkpoint_dir / "drops.jsonl"
         self.resets = 0  # the conductor's resets applied (`TrainerReset.number`)
         # A production run's serving version and the one before it, whose checkpoints
         # and weights are kept to go back to.
@@ -117,7 +119,7 @@ class Trainer:
             self.publisher.pinned = min(self.pinned, default=None)  # and all after it
             subscription = await js.pull_subscribe(
                 trajectory_subject(config.run),
-                durable=CONSUMER,
+                durable=TRAINER_CONSUMER,
                 stream=trajectory_stream(config.run),
                 config=ConsumerConfig(
                     ack_policy=AckPolicy.EXPLICIT,
@@ -193,6 +195,7 @@ class Trainer:
                 continue
             trajectory = self._accept(msg.data, seq)
             if trajectory is None:
+                self._record_drops([(seq, None)], "rejected")
                 await msg.term()  # it can never become valid: do not redeliver
                 continue
             if staleness(trajectory, self.version) > self.max_staleness:
@@ -227,7 +230,16 @@ class Trainer:
         log.warning("rejected trajectory at stream sequence %d: %s", seq, reason)
         return None
 
+    def _record_drops(self, drops: list[tuple[int, Trajectory | None]], reason: str) -> None:
+        """Written before the acknowledgement: a written line survives the process's
+        SIGKILL, so every acknowledged drop is on record."""
+        with self.drops_path.open("a") as f:
+            for seq, trajectory in drops:
+                named = trajectory and f"{trajectory.group_id}/{trajectory.attempt}"
+                f.write(json.dumps({"seq": seq, "trajectory": named, "reason": reason}) + "\n")
+
     def _drop_stale(self, items: list[Received]) -> None:
+        self._record_drops([(i.seq, i.trajectory) for i in items], "stale")
         for item in items:
             self.dropped_stale += 1
             metrics.trajectories.labels("stale").inc()
@@ -267,6 +279,7 @@ class Trainer:
         if expired:
             metrics.trajectories.labels("expired").inc(len(expired))
             log.warning("dropped %d trajectories whose groups never filled", len(expired))
+            self._record_drops([(i.seq, i.trajectory) for i in expired], "expired")
         self._drop_stale(stale)
         await self._ack(item.seq for item in stale + expired)
         # A production cycle trains once it is collected (all its trajectories are out);
