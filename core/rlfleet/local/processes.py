@@ -73,18 +73,33 @@ class Supervisor:
         Attached children die with the thread that started them (PR_SET_PDEATHSIG is
         per thread): call this from a thread that outlives them, never a worker thread.
         """
-        old = next(m for m in self.processes if m.name == name)
-        os.killpg(old.process.pid, signal.SIGKILL)
+        old = self._take(name)  # first, so a concurrent `check_alive` never sees it dead
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(old.process.pid, signal.SIGKILL)
         old.process.wait(timeout=10)
-        self.processes.remove(old)
         return self.start(name, old.argv, old.env)
+
+    def revive(self, name: str) -> Managed:
+        """Start again, as it was, a process that has exited (as a kubelet restarts a
+        container), after stopping what is left of its group."""
+        old = self._take(name)
+        stop_pids([old.process.pid], grace_seconds=5)
+        return self.start(name, old.argv, old.env)
+
+    def exited(self) -> list[str]:
+        """The processes that have exited on their own."""
+        return [m.name for m in self.processes if m.process.poll() is not None]
+
+    def _take(self, name: str) -> Managed:
+        managed = next(m for m in self.processes if m.name == name)
+        self.processes.remove(managed)
+        return managed
 
     def stop(self, name: str, grace_seconds: float = 10.0) -> int | None:
         """Stops one process as a kubelet stops a container: SIGTERM to the process alone
         (its children, such as vLLM's engine, are its to stop while it drains), then
         whatever is left of its group after the grace period. Returns its exit code."""
-        managed = next(m for m in self.processes if m.name == name)
-        self.processes.remove(managed)
+        managed = self._take(name)
         with contextlib.suppress(ProcessLookupError):
             managed.process.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -46,6 +46,8 @@ from rlfleet.testbed.bed import STATE_FILE, Bed, BedInfo, stop_recorded
 from rlfleet.testbed.fleet import GVISOR, HUB, Fleet, TrafficServer, serving_deployment
 from rlfleet.testbed.pods import BOUND, Pod, PodRunner, kube_pods
 
+log = logging.getLogger(__name__)
+
 POOL = "chat-prod"  # each region's simulated serving fleet
 ENVPOOL = "sandboxes"  # each region's EnvPool, unless the run names its own
 SERVING = "chat-vllm"
@@ -169,6 +171,7 @@ class Binding:
     def __init__(self, runner: PodRunner) -> None:
         self.runner = runner
         self.error: Exception | None = None
+        self.sync_errors = 0  # with restarts on: syncs that failed and were tried again
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -178,10 +181,15 @@ class Binding:
             while not self._stop.wait(0.5):
                 try:
                     self.runner.sync()
-                    self.runner.supervisor.check_alive()
+                    if not self.runner.restart_exited:
+                        self.runner.supervisor.check_alive()
                 except Exception as error:  # raised in the caller's thread by check_alive
-                    self.error = error
-                    return
+                    if not self.runner.restart_exited:
+                        self.error = error
+                        return
+                    # A kubelet keeps its containers running while its API server is away.
+                    self.sync_errors += 1
+                    log.warning("pod sync failed, trying again: %s", error)
         finally:
             # The processes die the moment this thread ends (PR_SET_PDEATHSIG follows the
             # thread that started them): stopped from it, each finishes what it was doing,

@@ -125,14 +125,22 @@ class PodRunner:
     stop_grace_s: float = 30.0
     # Where a rollout pod's worker claims sandboxes: its region's EnvPool (None: its own).
     envpool_for: Callable[[Pod], PoolConfig | None] = lambda pod: None
+    # As a kubelet: a live pod's process that exited is started again (restartPolicy
+    # Always). Off, an exit is an error for whoever checks the supervisor.
+    restart_exited: bool = False
 
     def __post_init__(self) -> None:
         self.running: dict[str, str] = {}  # pod key -> process name
         self.started: dict[str, Process] = {}  # process name -> as last started
         self.exits: dict[str, int | None] = {}  # process name -> exit code once stopped
         self.unbound: set[str] = set()  # pods with no process of their own, warned about once
+        self.restarts: dict[str, int] = {}  # process name -> times started again
+        self.killed: set[int] = set()  # pids killed on purpose (a fault injected)
+        self._crashed: list[str] = []  # processes that died otherwise, not yet told
 
     def sync(self) -> None:
+        if self.restart_exited:
+            self._restart_exited()
         pods = {
             pod.key: pod
             for cluster in self.clusters
@@ -158,3 +166,18 @@ class PodRunner:
             launch(process, self.supervisor)
             self.running[key] = process.name
             self.started[process.name] = process
+
+    def _restart_exited(self) -> None:
+        pids = self.supervisor.pids()
+        for name in self.supervisor.exited():
+            if name in self.running.values():
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                log.warning("%s exited: started again (restart %d)", name, self.restarts[name])
+                if pids[name] not in self.killed:
+                    self._crashed.append(name)
+                self.supervisor.revive(name)
+
+    def crashes_since_checked(self) -> list[str]:
+        """Processes that died with no fault to kill them, since the last call."""
+        crashed, self._crashed = self._crashed, []
+        return crashed
