@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-import nats
+import nats.errors
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from rlfleet.api.wire import (
@@ -36,6 +36,7 @@ from rlfleet.api.wire import (
     trajectory_subject,
 )
 from rlfleet.bus import auth
+from rlfleet.bus.patience import TRANSIENT
 from rlfleet.bus.streams import bind_stream
 from rlfleet.launch.settings import RewardConfig, WorkerConfig
 from rlfleet.rollout import envclient, layout, metrics, rewards
@@ -253,7 +254,11 @@ class Worker:
             return
         try:
             messages = await queue.fetch(wanted, timeout=1)
-        except (TimeoutError, nats.errors.TimeoutError):
+        except (TimeoutError, nats.errors.TimeoutError):  # nothing yet
+            return
+        except TRANSIENT as error:  # NATS restarting: the loop comes round again
+            log.warning("fetching: %r", error)
+            await asyncio.sleep(1)
             return
         for message in messages:
             group = asyncio.create_task(self._group(message, js))

@@ -25,8 +25,7 @@ import sys
 import time
 
 import msgspec
-import nats
-import nats.js.errors
+import nats.errors
 import prometheus_client
 import torch
 from nats.aio.msg import Msg
@@ -49,6 +48,7 @@ from rlfleet.api.wire import (
     trajectory_subject,
 )
 from rlfleet.bus import auth
+from rlfleet.bus.patience import TRANSIENT, patiently
 from rlfleet.bus.reading import newest
 from rlfleet.bus.streams import TRAINER_CONSUMER, bind_stream, cycle_stream, step_stream
 from rlfleet.launch.settings import TrainerConfig
@@ -59,7 +59,7 @@ from rlfleet.trainer.objective import group_advantages
 from rlfleet.trainer.policy import Policy, StepResult
 from rlfleet.trainer.rows import Rows, make_rows, split_by_tokens
 from rlfleet.trainer.validation import problem
-from rlfleet.weightsync import Part, Publisher, WeightStream
+from rlfleet.weightsync import Part, Publisher, PublishFailed, WeightStream
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,11 @@ class Trainer:
             return
         try:
             messages = await subscription.fetch(batch=256, timeout=FETCH_WAIT_S)
-        except (TimeoutError, nats.errors.TimeoutError):
+        except (TimeoutError, nats.errors.TimeoutError):  # nothing yet
+            return
+        except TRANSIENT as error:  # NATS restarting: the loop comes round again
+            log.warning("fetching: %r", error)
+            await asyncio.sleep(FETCH_WAIT_S)
             return
         now = time.monotonic()
         for msg in messages:
@@ -257,7 +261,7 @@ class Trainer:
         for seq in seqs:
             msg = self.messages.pop(seq, None)
             if msg is not None:
-                await msg.ack_sync()
+                await patiently(msg.ack_sync, f"acknowledging stream sequence {seq}")
 
     def _order(self, kind: Kind, step: int = 0) -> None:
         distributed.send([Order(kind, step)] * distributed.world())
@@ -356,7 +360,10 @@ class Trainer:
         # With the weights' size; a crash before this line is mended on resume (`_resume`).
         self._append_log(msgspec.to_builtins(report))
         # Stored before it counts as sent: the task feed paces itself by these reports.
-        await js.publish(step_subject(self.config.run), encode(report))
+        await patiently(
+            lambda: js.publish(step_subject(self.config.run), encode(report)),
+            f"publishing step {self.step}'s report",
+        )
         metrics.steps.inc()
         metrics.trajectories.labels("trained").inc(len(items))
         for stat in ("mean_abs", "max_abs", "kl"):
@@ -436,8 +443,15 @@ async def rank_publisher(nc, config: TrainerConfig) -> Publisher:
 
 
 async def publish(policy: Policy, publisher: Publisher, version: int) -> list[WeightManifest]:
-    """Collective: every rank gathers its part of the policy and publishes it as `version`."""
-    return await publisher.publish(await asyncio.to_thread(policy.weights), version)
+    """Collective: every rank gathers its part of the policy and publishes it as `version`,
+    again while NATS restarts (every rank fails the same try: the publisher gathers each
+    rank's outcome, and another rank's failure is its `PublishFailed`)."""
+    weights = await asyncio.to_thread(policy.weights)
+    return await patiently(
+        lambda: publisher.publish(weights, version),
+        f"publishing version {version}",
+        transient=(*TRANSIENT, PublishFailed),
+    )
 
 
 async def follow(config: TrainerConfig, local_rank: int) -> None:

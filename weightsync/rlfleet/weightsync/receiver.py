@@ -16,10 +16,10 @@ import threading
 from collections.abc import Awaitable, Callable
 
 import msgspec
-import nats.errors
 from nats.js.api import DeliverPolicy
 
 from rlfleet.api.wire import WeightManifest, decode_manifest
+from rlfleet.bus.patience import TRANSIENT, patiently
 from rlfleet.weightsync import metrics
 from rlfleet.weightsync.direct import ShardConnection
 from rlfleet.weightsync.errors import CorruptShard, NotOurs, UnknownBase, WeightsyncError
@@ -83,14 +83,14 @@ class Receiver:
 
     async def sync(self) -> int | None:
         """Read every manifest on the stream now, then move to the newest version."""
-        await _patiently(self._read_manifests, "reading manifests")
+        await patiently(self._read_manifests, "reading manifests")
         await self.advance()
         return self.version
 
     async def follow(self, stop: asyncio.Event) -> None:
         """Apply new versions as their manifests appear, until `stop` is set."""
         # Never gives up: a receiver outlives NATS restarts and waits for a late publisher.
-        await _patiently(lambda: self._follow_until(stop), "following manifests", math.inf)
+        await patiently(lambda: self._follow_until(stop), "following manifests", math.inf)
 
     async def _subscribe(self):
         return await self.stream.js.subscribe(
@@ -267,23 +267,3 @@ class Receiver:
             raise TimeoutError(f"{where}: no answer after {FETCH_ATTEMPTS} tries")
 
         return list(await asyncio.gather(*(one(i) for i in range(len(manifest.shards)))))
-
-
-TRANSIENT = (TimeoutError, nats.errors.Error)
-
-
-async def _patiently(
-    step: Callable[[], Awaitable[None]], what: str, give_up_s: float = 120
-) -> None:
-    """Run `step`, again after transient NATS trouble (a server restarting), with backoff."""
-    deadline = asyncio.get_running_loop().time() + give_up_s
-    delay = 0.2
-    while True:
-        try:
-            return await step()
-        except TRANSIENT as error:
-            if asyncio.get_running_loop().time() > deadline:
-                raise
-            log.warning("%s: %r; retrying in %.1fs", what, error, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
