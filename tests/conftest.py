@@ -39,13 +39,20 @@ def session_caches(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BedInfo]:
-    testbed = Bed(tmp_path_factory.mktemp("bed"), attached=True)
-    info = testbed.start()
+def testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    """The bed with its processes' supervisor, for tests that kill and restart them."""
+    started = Bed(tmp_path_factory.mktemp("bed"), attached=True)
+    started.start()
     try:
-        yield info
+        yield started
     finally:
-        testbed.stop()
+        started.stop()
+
+
+@pytest.fixture(scope="session")
+def bed(testbed: Bed) -> BedInfo:
+    assert testbed.info is not None
+    return testbed.info
 
 
 @pytest.fixture(scope="session")

@@ -48,14 +48,17 @@ async def newest(
 
 
 async def messages(
-    js: JetStreamContext, stream: str, subject: str, after: int = 0
+    js: JetStreamContext, stream: str, subject: str, after: int = 0, *, direct: bool = True
 ) -> AsyncIterator[RawStreamMsg]:
     """The stream's messages on `subject` after sequence `after`, oldest first, one direct
-    get each (the server finds the next by its subject index)."""
+    get each (the server finds the next by its subject index); `direct=False` for a
+    stream that allows no direct gets (the stream leader answers instead)."""
     seq = after
     while True:
         try:
-            message = await js.get_msg(stream, seq=seq + 1, subject=subject, next=True, direct=True)
+            message = await js.get_msg(
+                stream, seq=seq + 1, subject=subject, next=True, direct=direct
+            )
         except (NotFoundError, NoRespondersError):
             return
         assert message.seq is not None

@@ -84,6 +84,7 @@ class Bed:
         self.state_dir = state_dir
         self.cluster_specs = clusters
         self.supervisor = Supervisor(state_dir / "logs", attached=attached)
+        self.info: BedInfo | None = None  # once started
 
     def start(self) -> BedInfo:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -108,6 +109,7 @@ class Bed:
             self.supervisor.pids(),
         )
         info.save()
+        self.info = info
         return info
 
     def stop(self) -> None:

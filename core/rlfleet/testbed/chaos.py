@@ -1,0 +1,480 @@
+"""Faults at random moments in a run under the operators, and an audit of what was lost.
+
+`ChaosPlane` is `rlfleet run --operator`'s plane with a kubelet's and a Deployment's
+habits: a run's pod whose process dies is started again, and so is an operator. Its
+`inject` kills or stops one part of the system (`FaultKind`); `schedule` says which,
+and when, from a seed. After the run, `Ledger.read` collects what durable state says
+(the run's streams, the trainer's step and drop logs) and `audit` (pure) counts what
+was lost or done twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import secrets
+import signal
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+import kubernetes
+
+from rlfleet.api.meta import RUN_LABEL
+from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.api.wire import (
+    decode_manifest,
+    decode_trajectory,
+    task_stream,
+    task_subject,
+    trajectory_stream,
+    trajectory_subject,
+    weights_prefix,
+    weights_stream,
+)
+from rlfleet.bus import auth
+from rlfleet.bus.reading import messages
+from rlfleet.bus.streams import TRAINER_CONSUMER
+from rlfleet.local import plan
+from rlfleet.local.processes import Supervisor
+from rlfleet.local.run import make_model
+from rlfleet.testbed.bed import Bed
+from rlfleet.testbed.fleet import HUB
+from rlfleet.testbed.operated import BUSY, QUIET, SERVING, OperatedPlane
+
+log = logging.getLogger(__name__)
+
+SPIKE_S = 60.0  # how long a traffic spike lasts
+STOP_S = 12.0  # a region's API server stopped: past the operators' region timeout (5 s)
+FLOOR_REPLICAS = 1  # the bed's pools' minServingReplicas
+
+
+class FaultKind(StrEnum):
+    TRAINER = "trainer"  # SIGKILL, whatever it is doing: a step, a checkpoint, a publish
+    ROLLOUT = "rollout"  # SIGKILL a rollout worker and its engine, mid-generation or publish
+    FEED = "feed"
+    EVALUATOR = "evaluator"
+    HUB_OPERATOR = "hub-operator"  # SIGKILL, started again at once (a Deployment's pod)
+    REGION_OPERATOR = "region-operator"
+    NATS_HUB = "nats-hub"  # the hub's NATS server killed and started again on its store
+    NATS_LEAF = "nats-leaf"  # a region's leaf node, likewise
+    API_SERVER = "api-server"  # a region's kube-apiserver stopped for STOP_S, then resumed
+    SPIKE = "spike"  # a region's serving traffic high for SPIKE_S: its GPUs are reclaimed
+
+
+REGIONAL = {FaultKind.REGION_OPERATOR, FaultKind.NATS_LEAF, FaultKind.API_SERVER, FaultKind.SPIKE}
+
+
+@dataclass(frozen=True)
+class Fault:
+    at_s: float  # from the start of the faults
+    kind: FaultKind
+    region: str | None = None
+
+
+def schedule(
+    seed: int,
+    duration_s: float,
+    regions: list[str],
+    kinds: tuple[FaultKind, ...] = tuple(FaultKind),
+    mean_gap_s: float = 30.0,
+) -> list[Fault]:
+    """Faults at exponentially spaced moments (a Poisson process), every kind in turn in
+    a shuffled order before any kind comes again, so a long run tries each many times."""
+    rng = random.Random(seed)
+    faults: list[Fault] = []
+    turn: list[FaultKind] = []
+    at = rng.expovariate(1 / mean_gap_s)
+    while at < duration_s:
+        if not turn:
+            turn = rng.sample(kinds, len(kinds))
+        kind = turn.pop()
+        faults.append(Fault(at, kind, rng.choice(regions) if kind in REGIONAL else None))
+        at += rng.expovariate(1 / mean_gap_s)
+    return faults
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What durable state says after a run."""
+
+    trajectories: dict[int, str | None]  # TRAJ stream sequence -> id (None: unreadable)
+    acked_through: int  # the trainer's ack floor on that stream
+    # Delivered to the trainer and not acknowledged (held, or held by a trainer that was
+    # killed: redelivered after its ack wait), or not delivered yet.
+    outstanding: int
+    steps: list[dict]  # the trainer's step log (`steps.jsonl`)
+    drops: list[dict]  # the trainer's drop log (`drops.jsonl`)
+    tasks_issued: int  # the task stream's last sequence: every task the feed published
+    tasks_waiting: set[int]  # tasks still on the stream: not done yet, or given up on
+    versions: dict[str, set[int]]  # "hub" and each region -> versions its weights hold
+
+    @classmethod
+    def read(cls, plane: OperatedPlane, checkpoints: Path) -> Ledger:
+        return asyncio.run(_read(plane, checkpoints))
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+async def _read(plane: OperatedPlane, checkpoints: Path) -> Ledger:
+    run = plane.key
+    nc = await auth.connect(plane.url, plane.credentials)
+    try:
+        js = nc.jetstream()
+        trajectories: dict[int, str | None] = {}
+        read = messages(js, trajectory_stream(run), trajectory_subject(run), direct=False)
+        async for message in read:
+            try:
+                trajectory = decode_trajectory(message.data)
+                trajectories[message.seq] = f"{trajectory.group_id}/{trajectory.attempt}"
+            except ValueError:  # msgspec's errors are ValueErrors
+                trajectories[message.seq] = None
+        consumer = await js.consumer_info(trajectory_stream(run), TRAINER_CONSUMER)
+        tasks = await js.stream_info(task_stream(run))
+        # A worker's acknowledgement deletes a task: those left are waiting or given up on.
+        queue = messages(js, task_stream(run), task_subject(run), direct=False)
+        waiting = {m.seq async for m in queue}
+        versions = {HUB: await _versions(js, run)}
+    finally:
+        await nc.close()
+    for region, leaf in plane.bed.nats.leaves.items():
+        if region not in plane.regions:
+            continue
+        nc = await auth.connect(leaf.url, plane.credentials)
+        try:
+            versions[region] = await _versions(nc.jetstream(domain=region), run)
+        finally:
+            await nc.close()
+    return Ledger(
+        trajectories,
+        consumer.ack_floor.stream_seq if consumer.ack_floor else 0,
+        (consumer.num_ack_pending or 0) + (consumer.num_pending or 0),
+        _jsonl(checkpoints / "steps.jsonl"),
+        _jsonl(checkpoints / "drops.jsonl"),
+        tasks.state.last_seq,
+        waiting,
+        versions,
+    )
+
+
+async def _versions(js, run: str) -> set[int]:
+    subject = f"{weights_prefix(run)}.*.manifest.*"
+    return {
+        decode_manifest(m.data).version async for m in messages(js, weights_stream(run), subject)
+    }
+
+
+@dataclass(frozen=True)
+class Audit:
+    trajectories_published: int
+    trajectories_trained: int
+    trajectories_dropped: dict[str, int]  # by reason
+    trajectories_pending: int  # still out with the trainer's consumer when the run stopped
+    trajectories_lost: int
+    trajectories_trained_twice: int
+    tasks_issued: int
+    tasks_attempted: int
+    tasks_waiting: int
+    tasks_lost: int
+    newest_version: int
+    versions_missing: int
+
+
+def _task_seq(trajectory_id: str) -> int:
+    """`<task>@<task stream seq>/<attempt>` -> the task's sequence."""
+    return int(trajectory_id.rsplit("/", 1)[0].rsplit("@", 1)[1])
+
+
+def audit(ledger: Ledger) -> Audit:
+    """Every trajectory the trainer acknowledged was trained on exactly once or dropped
+    with a reason; every task was attempted or is still waiting; every version the
+    trainer reported is held wherever its weights are (back to the oldest kept there)."""
+    steps = {json.dumps(s, sort_keys=True): s for s in ledger.steps}.values()  # re-logged
+    trained = Counter(t for step in steps for t in step["trajectories"])
+    dropped_ids = {d["trajectory"] for d in ledger.drops}
+    dropped_seqs = {d["seq"] for d in ledger.drops}
+    unaccounted = [
+        seq
+        for seq, trajectory in ledger.trajectories.items()
+        if seq not in dropped_seqs
+        and (trajectory is None or (trajectory not in trained and trajectory not in dropped_ids))
+    ]
+    # Under the ack floor each one is lost; past it, any beyond what the trainer's
+    # consumer still has out are.
+    below = sum(1 for seq in unaccounted if seq <= ledger.acked_through)
+    lost = max(below, len(unaccounted) - ledger.outstanding)
+    attempted = {_task_seq(t) for t in ledger.trajectories.values() if t is not None}
+    done = set(range(1, ledger.tasks_issued + 1)) - ledger.tasks_waiting
+    reported = {s["policy_version"] for s in steps}
+    newest = max(reported, default=0)
+    missing = 0
+    for held in ledger.versions.values():
+        oldest = min(held, default=newest)  # the older ones may have been retired
+        missing += len(({v for v in reported if v >= oldest} | ({newest} & reported)) - held)
+    return Audit(
+        trajectories_published=len(ledger.trajectories),
+        trajectories_trained=len(trained),
+        trajectories_dropped=dict(Counter(d["reason"] for d in ledger.drops)),
+        trajectories_pending=ledger.outstanding,
+        trajectories_lost=lost,
+        trajectories_trained_twice=sum(n - 1 for n in trained.values() if n > 1),
+        tasks_issued=ledger.tasks_issued,
+        tasks_attempted=len(attempted),
+        tasks_waiting=len(ledger.tasks_waiting),
+        tasks_lost=len(done - attempted),
+        newest_version=newest,
+        versions_missing=missing,
+    )
+
+
+def recovery_seconds(injected: list[tuple[float, FaultKind]], steps: list[dict]) -> dict:
+    """Per kind, the p50 and p99 of the seconds from a fault to the trainer's next step:
+    how long the run stood still, or took to notice nothing was wrong."""
+    ends = sorted(s["finished_at"] for s in steps)
+    waits: dict[str, list[float]] = {}
+    for at, kind in injected:
+        after = next((end for end in ends if end > at), None)
+        if after is not None:
+            waits.setdefault(kind, []).append(after - at)
+    return {
+        kind: {"p50": statistics.median(w), "p99": _quantile(w, 0.99)} for kind, w in waits.items()
+    }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+@dataclass
+class Floor:
+    """Watches each region's serving Deployment: replicas under its floor are violations."""
+
+    plane: OperatedPlane
+    checks: int = 0
+    violations: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.apis = {
+            region: kubernetes.client.AppsV1Api(
+                kubernetes.config.new_client_from_config(
+                    str(self.plane.bed.kubeconfig), context=region
+                )
+            )
+            for region in self.plane.regions
+        }
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(2.0):
+            for api in self.apis.values():
+                try:
+                    scale = api.read_namespaced_deployment_scale(
+                        SERVING, self.plane.namespace, _request_timeout=5
+                    )
+                except Exception:  # its API server is stopped: nothing to read
+                    continue
+                self.checks += 1
+                self.violations += scale.spec.replicas < FLOOR_REPLICAS
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join()
+
+
+class ChaosPlane(OperatedPlane):
+    """An operated plane whose dead pods' processes and operators start again, and that
+    injects faults into itself and the bed (`bed_supervisor`: the bed's processes)."""
+
+    def __init__(self, *args, bed_supervisor: Supervisor, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.bed_supervisor = bed_supervisor
+        self.runner.restart_exited = True
+        self.injected: list[tuple[float, FaultKind]] = []  # wall clock, kind
+        self.crashes: list[str] = []  # processes that died with no fault to kill them
+        self._undo: list[tuple[float, Callable[[], None]]] = []  # (monotonic due, action)
+
+    def check_alive(self) -> None:
+        """An operator or a bed server that died on its own is a crash: counted, and
+        started again (as its Deployment, or systemd, would)."""
+        for supervisor in (self.fleet.supervisor, self.bed_supervisor):
+            for name in supervisor.exited():
+                log.warning("%s exited on its own: started again", name)
+                self.crashes.append(name)
+                supervisor.revive(name)
+        self.crashes += self.runner.crashes_since_checked()
+        self.undo_due()
+
+    def wait(self, what: str, check, timeout: float = math.inf) -> None:
+        """Waits for `check`, keeping the plane alive and ending faults when due."""
+        deadline = time.monotonic() + timeout
+        while not check():
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} in {timeout:.0f}s; logs in {self.layout.root}")
+            time.sleep(0.5)
+
+    @property
+    def binding_sync_errors(self) -> int:
+        return self.binding.sync_errors if self.binding else 0
+
+    def delete_run(self) -> None:
+        """Deletes the RLRun as a user would, waiting for the hub to let it go."""
+        self.fleet.kubectl(
+            HUB, "-n", self.namespace, "delete", "rlrun", self.name, "--timeout=120s"
+        )
+
+    def undo_due(self) -> None:
+        now = time.monotonic()
+        for due, action in [u for u in self._undo if u[0] <= now]:
+            self._undo.remove((due, action))
+            action()
+
+    def inject(self, fault: Fault) -> bool:
+        """Injects one fault now; False when its target is not there (no worker runs)."""
+        pids = self.supervisor.pids()
+        kind, region = fault.kind, fault.region
+        if kind in (FaultKind.TRAINER, FaultKind.FEED, FaultKind.EVALUATOR):
+            if kind not in pids:
+                return False
+            self._kill(pids[kind])
+        elif kind == FaultKind.ROLLOUT:
+            workers = sorted(name for name in pids if name.startswith("rollout-"))
+            if not workers:
+                return False
+            self._kill(pids[random.Random(fault.at_s).choice(workers)])
+        elif kind in (FaultKind.HUB_OPERATOR, FaultKind.REGION_OPERATOR):
+            self.fleet.crash_and_restart(region or HUB)
+        elif kind in (FaultKind.NATS_HUB, FaultKind.NATS_LEAF):
+            self.bed_supervisor.restart(f"nats-{region or HUB}")
+        elif kind == FaultKind.API_SERVER:
+            pid = self.bed_supervisor.pids()[f"{region}-kube-apiserver"]
+            os.killpg(pid, signal.SIGSTOP)
+            self._undo.append((time.monotonic() + STOP_S, lambda: os.killpg(pid, signal.SIGCONT)))
+        elif kind == FaultKind.SPIKE:
+            self.traffic.load[region] = BUSY
+            quiet = lambda: self.traffic.load.__setitem__(region, QUIET)  # noqa: E731
+            self._undo.append((time.monotonic() + SPIKE_S, quiet))
+        self.injected.append((time.time(), kind))
+        log.info("injected %s%s", kind, f" in {region}" if region else "")
+        return True
+
+    def _kill(self, pid: int) -> None:
+        self.runner.killed.add(pid)
+        os.killpg(pid, signal.SIGKILL)
+
+    def finish_faults(self) -> None:
+        """Ends what is still under way (a stopped API server, a spike)."""
+        for _, action in self._undo:
+            action()
+        self._undo.clear()
+
+    def pods_left(self, wait_s: float = 60.0) -> int:
+        """After the RLRun's deletion: the run's pods still there in any cluster."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = 0
+            for cluster in [HUB, *self.regions]:
+                found = self.fleet.kubectl(
+                    cluster, "-n", self.namespace, "get", "pods", "-l",
+                    f"{RUN_LABEL}={self.name}", "-o", "name",
+                )  # fmt: skip
+                left += len(found.split())
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(1.0)
+
+
+FIRST_STEP_S = 900.0  # for the chart, the operators, vLLM's start and the first step
+SETTLE_S = 300.0  # after the last fault, for the run to step again
+MIRRORED_S = 60.0  # after the trainer stops, for every region to hold its newest version
+
+
+def run_with_faults(
+    bed: Bed,
+    document: dict,
+    root: Path,
+    *,
+    minutes: float,
+    seed: int,
+    kinds: tuple[FaultKind, ...] = tuple(FaultKind),
+    mean_gap_s: float = 30.0,
+) -> dict:
+    """The RLRun under the bed's operators for `minutes` of faults after its first step,
+    then stopped, audited and deleted. Returns the figures `bench/faults.py` prints."""
+    assert bed.info is not None, "start the bed first"
+    name, spec = document["metadata"]["name"], RLRunSpec.model_validate(document["spec"])
+    layout = plan.Layout(root)
+    for folder in (layout.root, layout.logs, layout.configs, layout.nats):
+        folder.mkdir(parents=True, exist_ok=True)
+    make_model(spec, layout, warmup_steps=20)  # faults, not learning, are under test
+    plane = ChaosPlane(
+        *(name, spec, layout, plan.Tuning()),
+        bed=bed.info,
+        document=document,
+        namespace=f"chaos-{secrets.token_hex(3)}",
+        bed_supervisor=bed.supervisor,
+    )
+    faults = schedule(seed, minutes * 60, plane.regions, kinds, mean_gap_s)
+    with plane:
+        checkpoints = plane.runner.plan["trainer"].config.checkpoint_dir
+        floor = Floor(plane)
+        plane.wait("the first step", lambda: _jsonl(checkpoints / "steps.jsonl"), FIRST_STEP_S)
+        started, skipped = time.monotonic(), Counter()
+        for fault in faults:
+            moment = started + fault.at_s
+            plane.wait("the fault's moment", lambda at=moment: time.monotonic() >= at)
+            if not plane.inject(fault):
+                skipped[fault.kind] += 1
+        plane.wait("the end of the faults", lambda: time.monotonic() >= started + minutes * 60)
+        plane.finish_faults()
+        last = time.time()
+        plane.wait("a step after the faults", lambda: _stepped_after(checkpoints, last), SETTLE_S)
+        plane.stop_run()
+        floor.stop()
+        ledger = Ledger.read(plane, checkpoints)
+        deadline = time.monotonic() + MIRRORED_S
+        while audit(ledger).versions_missing and time.monotonic() < deadline:
+            time.sleep(2.0)
+            ledger = Ledger.read(plane, checkpoints)
+        plane.delete_run()
+        left = plane.pods_left()
+    found = audit(ledger)
+    return {
+        "faults_injected": dict(Counter(kind for _, kind in plane.injected)),
+        "faults_skipped": dict(skipped),  # no target at its moment (no worker running)
+        "runs_completed": 1,
+        "tasks_lost": found.tasks_lost,
+        "trajectories_lost": found.trajectories_lost,
+        "trajectories_trained_twice": found.trajectories_trained_twice,
+        "versions_missing": found.versions_missing,
+        "floor_violations": floor.violations,
+        "floor_checks": floor.checks,
+        "pods_left": left,
+        "crashes": len(plane.crashes),
+        "crashed": sorted(set(plane.crashes)),
+        "restarts": plane.runner.restarts,
+        "pod_sync_errors": plane.binding_sync_errors,
+        "recovery_seconds": recovery_seconds(plane.injected, ledger.steps),
+        "audit": dataclasses.asdict(found),
+    }
+
+
+def _stepped_after(checkpoints: Path, at: float) -> bool:
+    return any(step["finished_at"] > at for step in _jsonl(checkpoints / "steps.jsonl"))

@@ -1,0 +1,113 @@
+"""Faults in a run under the operators, and the audit that says what they cost.
+
+The schedule and the audit are pure and tested alone; the run itself is
+`bench/faults.py`'s, shortened: a real trainer, workers and operators on the bed,
+killed and restarted while they train, then audited from durable state."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import yaml
+from conftest import ROOT
+
+from rlfleet.testbed.bed import Bed
+from rlfleet.testbed.chaos import (
+    REGIONAL,
+    FaultKind,
+    Ledger,
+    audit,
+    run_with_faults,
+    schedule,
+)
+
+REGIONS = ["region-a", "region-b"]
+
+
+def test_every_kind_comes_once_before_any_comes_again() -> None:
+    faults = schedule(7, 3600, REGIONS, mean_gap_s=30)
+    kinds = len(FaultKind)
+    assert len(faults) > 3 * kinds  # a Poisson process at one per 30 s, for an hour
+    for start in range(0, len(faults) - kinds + 1, kinds):
+        assert {f.kind for f in faults[start : start + kinds]} == set(FaultKind)
+    assert all((f.region in REGIONS) == (f.kind in REGIONAL) for f in faults)
+    assert faults == schedule(7, 3600, REGIONS, mean_gap_s=30)  # the seed decides
+    assert all(0 < a.at_s < b.at_s < 3600 for a, b in itertools.pairwise(faults))
+
+
+def ledger(**changes) -> Ledger:
+    """Three tasks, each a group of two; the trainer trained two groups in two steps and
+    dropped the third as stale; every version is everywhere."""
+    found = {
+        "trajectories": {1: "t@1/0", 2: "t@1/1", 3: "u@2/0", 4: "u@2/1", 5: "v@3/0", 6: "v@3/1"},
+        "acked_through": 6,
+        "outstanding": 0,
+        "steps": [
+            {"policy_version": 1, "trajectories": ["t@1/0", "t@1/1"]},
+            {"policy_version": 2, "trajectories": ["u@2/0", "u@2/1"]},
+        ],
+        "drops": [{"seq": s, "trajectory": f"v@3/{s - 5}", "reason": "stale"} for s in (5, 6)],
+        "tasks_issued": 3,
+        "tasks_waiting": set(),
+        "versions": {"hub": {0, 1, 2}, "region-a": {1, 2}},
+    }
+    return Ledger(**(found | changes))
+
+
+def test_a_clean_run_audits_clean() -> None:
+    clean = audit(ledger())
+    assert (clean.trajectories_lost, clean.trajectories_trained_twice) == (0, 0)
+    assert (clean.tasks_lost, clean.versions_missing) == (0, 0)
+    assert clean.trajectories_dropped == {"stale": 2}
+
+
+def test_the_audit_finds_what_was_lost_or_done_twice() -> None:
+    base = ledger()
+    # A trajectory acknowledged, never trained and never dropped: lost.
+    assert audit(ledger(drops=base.drops[:1])).trajectories_lost == 1
+    # Past the ack floor and still out with the trainer's consumer, it is pending, not
+    # lost; past the floor with nothing out, it is lost.
+    assert (
+        audit(ledger(drops=base.drops[:1], acked_through=5, outstanding=1)).trajectories_lost == 0
+    )
+    assert audit(ledger(drops=base.drops[:1], acked_through=5)).trajectories_lost == 1
+    # A redelivery trained in a second step (a step log re-written as it was is not).
+    twice = [*base.steps, {"policy_version": 3, "trajectories": ["t@1/0"]}]
+    assert audit(ledger(steps=twice)).trajectories_trained_twice == 1
+    assert audit(ledger(steps=[*base.steps, base.steps[0]])).trajectories_trained_twice == 0
+    # A task acknowledged by a worker that published nothing for it: lost; one still on
+    # the stream is waiting.
+    assert audit(ledger(tasks_issued=4)).tasks_lost == 1
+    assert audit(ledger(tasks_issued=4, tasks_waiting={4})).tasks_lost == 0
+    # A region that never got version 2; one whose older versions were retired is fine.
+    assert audit(ledger(versions={"hub": {0, 1, 2}, "region-a": {1}})).versions_missing == 1
+    assert audit(ledger(versions={"hub": {2}, "region-a": {2}})).versions_missing == 0
+
+
+@pytest.mark.bed
+def test_a_run_killed_at_random_loses_nothing(testbed: Bed, crds_installed: None, tmp_path) -> None:
+    document = yaml.safe_load((ROOT / "examples" / "local.yaml").read_text())
+    kinds = (
+        FaultKind.TRAINER,
+        FaultKind.ROLLOUT,
+        FaultKind.FEED,
+        FaultKind.HUB_OPERATOR,
+        FaultKind.REGION_OPERATOR,
+        FaultKind.NATS_HUB,
+        FaultKind.NATS_LEAF,
+    )
+    found = run_with_faults(
+        testbed, document, tmp_path / "run", minutes=2, seed=1, kinds=kinds, mean_gap_s=20
+    )
+    print(json.dumps(found))
+    assert set(found["faults_injected"]) == set(kinds)  # seed 1 tries each once in 2 minutes
+    for key in ("tasks_lost", "trajectories_lost", "trajectories_trained_twice"):
+        assert found[key] == 0, key
+    for key in ("versions_missing", "floor_violations", "pods_left", "crashes"):
+        assert found[key] == 0, key
+    # The audit read what it audits: every trajectory trained is on the stream.
+    audited = found["audit"]
+    assert audited["trajectories_published"] >= audited["trajectories_trained"] > 0
+    assert audited["tasks_issued"] >= audited["tasks_attempted"] > 0 and found["floor_checks"]
