@@ -34,6 +34,7 @@ from rlfleet.api.wire import (
     task_subject,
 )
 from rlfleet.bus import auth
+from rlfleet.bus.patience import patiently
 from rlfleet.bus.streams import bind_stream, step_stream
 from rlfleet.launch.settings import FeedConfig
 from rlfleet.launch.stopping import run_until_signalled
@@ -123,7 +124,12 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
                     group_size=config.group_size,
                     min_policy_version=admission.min_version(target),
                 )
-                ack = await js.publish(task_subject(config.run), encode(message))
+                # Again while NATS restarts: a try whose answer was lost leaves one more
+                # task on the queue, extra work rather than a gap.
+                ack = await patiently(
+                    lambda message=message: js.publish(task_subject(config.run), encode(message)),
+                    "publishing a task",
+                )
                 admission.published(target, ack.seq)
                 published += 1
             with contextlib.suppress(TimeoutError):
@@ -165,8 +171,10 @@ async def _replay_outcomes(js, run: str, curriculum: Curriculum) -> int:
 
 
 async def _queue_state(js, run: str) -> StreamState:
-    """The work queue keeps each task, waiting or under way, until it is acknowledged."""
-    return (await js.stream_info(task_stream(run))).state
+    """The work queue keeps each task, waiting or under way, until it is acknowledged
+    (read again while NATS restarts: the feed asks every `poll_s`)."""
+    info = await patiently(lambda: js.stream_info(task_stream(run)), "reading the task queue")
+    return info.state
 
 
 def main() -> None:
