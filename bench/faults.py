@@ -19,9 +19,11 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -34,6 +36,20 @@ ROOT = Path(__file__).resolve().parent.parent
 RUN_ROOT = ROOT / ".rlfleet" / "bench" / "faults"
 MEAN_GAP_S = 30.0
 EVALUATE_EVERY = 100  # versions: the demo makes about 25 a minute here
+
+
+@contextlib.contextmanager
+def progress_to_stderr() -> Iterator[None]:
+    """Everything written to stdout meanwhile, by subprocesses too, goes to stderr."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def main() -> None:
@@ -55,7 +71,7 @@ def main() -> None:
         bed = Bed(Path(state) / "bed", attached=True)
         bed.start()
         try:
-            with contextlib.redirect_stdout(sys.stderr):  # progress; stdout is the JSON
+            with progress_to_stderr():  # stdout is the JSON
                 found = run_with_faults(
                     bed,
                     document,
