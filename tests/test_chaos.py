@@ -9,19 +9,15 @@ from __future__ import annotations
 import itertools
 import json
 
+import msgspec
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, step_report
 
+from rlfleet.api.wire import StepReport, TrajectoryDrop
+from rlfleet.testbed.audit import Ledger, audit
 from rlfleet.testbed.bed import Bed
-from rlfleet.testbed.chaos import (
-    REGIONAL,
-    FaultKind,
-    Ledger,
-    audit,
-    run_with_faults,
-    schedule,
-)
+from rlfleet.testbed.chaos import REGIONAL, FaultKind, run_with_faults, schedule
 
 REGIONS = ["region-a", "region-b"]
 
@@ -37,6 +33,12 @@ def test_every_kind_comes_once_before_any_comes_again() -> None:
     assert all(0 < a.at_s < b.at_s < 3600 for a, b in itertools.pairwise(faults))
 
 
+def step(version: int, trajectories: list[str]) -> StepReport:
+    return msgspec.structs.replace(
+        step_report("run", version, float(version), 0), trajectories=trajectories
+    )
+
+
 def ledger(**changes) -> Ledger:
     """Three tasks, each a group of two; the trainer trained two groups in two steps and
     dropped the third as stale; every version is everywhere."""
@@ -44,11 +46,8 @@ def ledger(**changes) -> Ledger:
         "trajectories": {1: "t@1/0", 2: "t@1/1", 3: "u@2/0", 4: "u@2/1", 5: "v@3/0", 6: "v@3/1"},
         "acked_through": 6,
         "outstanding": 0,
-        "steps": [
-            {"policy_version": 1, "trajectories": ["t@1/0", "t@1/1"]},
-            {"policy_version": 2, "trajectories": ["u@2/0", "u@2/1"]},
-        ],
-        "drops": [{"seq": s, "trajectory": f"v@3/{s - 5}", "reason": "stale"} for s in (5, 6)],
+        "steps": [step(1, ["t@1/0", "t@1/1"]), step(2, ["u@2/0", "u@2/1"])],
+        "drops": [TrajectoryDrop(s, f"v@3/{s - 5}", "stale") for s in (5, 6)],
         "tasks_issued": 3,
         "tasks_waiting": set(),
         "versions": {"hub": {0, 1, 2}, "region-a": {1, 2}},
@@ -74,7 +73,7 @@ def test_the_audit_finds_what_was_lost_or_done_twice() -> None:
     )
     assert audit(ledger(drops=base.drops[:1], acked_through=5)).trajectories_lost == 1
     # A redelivery trained in a second step (a step log re-written as it was is not).
-    twice = [*base.steps, {"policy_version": 3, "trajectories": ["t@1/0"]}]
+    twice = [*base.steps, step(3, ["t@1/0"])]
     assert audit(ledger(steps=twice)).trajectories_trained_twice == 1
     assert audit(ledger(steps=[*base.steps, base.steps[0]])).trajectories_trained_twice == 0
     # A task acknowledged by a worker that published nothing for it: lost; one still on

@@ -236,6 +236,11 @@ def decode_trajectory(data: bytes) -> Trajectory:
     return msgspec.msgpack.decode(data, type=Trajectory)
 
 
+def trajectory_id(trajectory: Trajectory) -> str:
+    """`<group_id>/<attempt>`: how step reports, the drop log and publishers name it."""
+    return f"{trajectory.group_id}/{trajectory.attempt}"
+
+
 class GroupOutcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The rewards one group of attempts at a task earned, as the trainer trained on them."""
 
@@ -283,6 +288,18 @@ class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
     wait_seconds: float = 0.0
     # Each group trained on, so the feed can tell which tasks still teach the policy.
     outcomes: list[GroupOutcome] = []
+
+
+DropReason = Literal["stale", "expired", "rejected"]
+
+
+class TrajectoryDrop(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A trajectory the trainer acknowledged without training it, one a line of its
+    `drops.jsonl`: with the step log, what accounts for every trajectory on the stream."""
+
+    seq: Count  # its stream sequence
+    trajectory: str | None  # "<group_id>/<attempt>"; None: it could not be read
+    reason: DropReason
 
 
 class AnswerStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

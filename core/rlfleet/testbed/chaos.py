@@ -3,23 +3,19 @@
 `ChaosPlane` is `rlfleet run --operator`'s plane with a kubelet's and a Deployment's
 habits: a run's pod whose process dies is started again, and so is an operator. Its
 `inject` kills or stops one part of the system (`FaultKind`); `schedule` says which,
-and when, from a seed. After the run, `Ledger.read` collects what durable state says
-(the run's streams, the trainer's step and drop logs) and `audit` (pure) counts what
-was lost or done twice.
+and when, from a seed. After the run, `rlfleet.testbed.audit` says from durable state
+what was lost or done twice.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import json
 import logging
 import math
 import os
 import random
 import secrets
 import signal
-import statistics
 import threading
 import time
 from collections import Counter
@@ -32,22 +28,10 @@ import kubernetes
 
 from rlfleet.api.meta import RUN_LABEL
 from rlfleet.api.rlrun import RLRunSpec
-from rlfleet.api.wire import (
-    decode_manifest,
-    decode_trajectory,
-    task_stream,
-    task_subject,
-    trajectory_stream,
-    trajectory_subject,
-    weights_prefix,
-    weights_stream,
-)
-from rlfleet.bus import auth
-from rlfleet.bus.reading import messages
-from rlfleet.bus.streams import TRAINER_CONSUMER
 from rlfleet.local import plan
 from rlfleet.local.processes import Supervisor
 from rlfleet.local.run import make_model
+from rlfleet.testbed.audit import Ledger, audit, recovery_seconds, step_log
 from rlfleet.testbed.bed import Bed
 from rlfleet.testbed.fleet import HUB
 from rlfleet.testbed.operated import BUSY, QUIET, SERVING, OperatedPlane
@@ -102,162 +86,6 @@ def schedule(
         faults.append(Fault(at, kind, rng.choice(regions) if kind in REGIONAL else None))
         at += rng.expovariate(1 / mean_gap_s)
     return faults
-
-
-@dataclass(frozen=True)
-class Ledger:
-    """What durable state says after a run."""
-
-    trajectories: dict[int, str | None]  # TRAJ stream sequence -> id (None: unreadable)
-    acked_through: int  # the trainer's ack floor on that stream
-    # Delivered to the trainer and not acknowledged (held, or held by a trainer that was
-    # killed: redelivered after its ack wait), or not delivered yet.
-    outstanding: int
-    steps: list[dict]  # the trainer's step log (`steps.jsonl`)
-    drops: list[dict]  # the trainer's drop log (`drops.jsonl`)
-    tasks_issued: int  # the task stream's last sequence: every task the feed published
-    tasks_waiting: set[int]  # tasks still on the stream: not done yet, or given up on
-    versions: dict[str, set[int]]  # "hub" and each region -> versions its weights hold
-
-    @classmethod
-    def read(cls, plane: OperatedPlane, checkpoints: Path) -> Ledger:
-        return asyncio.run(_read(plane, checkpoints))
-
-
-def _jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-async def _read(plane: OperatedPlane, checkpoints: Path) -> Ledger:
-    run = plane.key
-    nc = await auth.connect(plane.url, plane.credentials)
-    try:
-        js = nc.jetstream()
-        trajectories: dict[int, str | None] = {}
-        read = messages(js, trajectory_stream(run), trajectory_subject(run), direct=False)
-        async for message in read:
-            try:
-                trajectory = decode_trajectory(message.data)
-                trajectories[message.seq] = f"{trajectory.group_id}/{trajectory.attempt}"
-            except ValueError:  # msgspec's errors are ValueErrors
-                trajectories[message.seq] = None
-        consumer = await js.consumer_info(trajectory_stream(run), TRAINER_CONSUMER)
-        tasks = await js.stream_info(task_stream(run))
-        # A worker's acknowledgement deletes a task: those left are waiting or given up on.
-        queue = messages(js, task_stream(run), task_subject(run), direct=False)
-        waiting = {m.seq async for m in queue}
-        versions = {HUB: await _versions(js, run)}
-    finally:
-        await nc.close()
-    for region, leaf in plane.bed.nats.leaves.items():
-        if region not in plane.regions:
-            continue
-        nc = await auth.connect(leaf.url, plane.credentials)
-        try:
-            versions[region] = await _versions(nc.jetstream(domain=region), run)
-        finally:
-            await nc.close()
-    return Ledger(
-        trajectories,
-        consumer.ack_floor.stream_seq if consumer.ack_floor else 0,
-        (consumer.num_ack_pending or 0) + (consumer.num_pending or 0),
-        _jsonl(checkpoints / "steps.jsonl"),
-        _jsonl(checkpoints / "drops.jsonl"),
-        tasks.state.last_seq,
-        waiting,
-        versions,
-    )
-
-
-async def _versions(js, run: str) -> set[int]:
-    subject = f"{weights_prefix(run)}.*.manifest.*"
-    return {
-        decode_manifest(m.data).version async for m in messages(js, weights_stream(run), subject)
-    }
-
-
-@dataclass(frozen=True)
-class Audit:
-    trajectories_published: int
-    trajectories_trained: int
-    trajectories_dropped: dict[str, int]  # by reason
-    trajectories_pending: int  # still out with the trainer's consumer when the run stopped
-    trajectories_lost: int
-    trajectories_trained_twice: int
-    tasks_issued: int
-    tasks_attempted: int
-    tasks_waiting: int
-    tasks_lost: int
-    newest_version: int
-    versions_missing: int
-
-
-def _task_seq(trajectory_id: str) -> int:
-    """`<task>@<task stream seq>/<attempt>` -> the task's sequence."""
-    return int(trajectory_id.rsplit("/", 1)[0].rsplit("@", 1)[1])
-
-
-def audit(ledger: Ledger) -> Audit:
-    """Every trajectory the trainer acknowledged was trained on exactly once or dropped
-    with a reason; every task was attempted or is still waiting; every version the
-    trainer reported is held wherever its weights are (back to the oldest kept there)."""
-    steps = {json.dumps(s, sort_keys=True): s for s in ledger.steps}.values()  # re-logged
-    trained = Counter(t for step in steps for t in step["trajectories"])
-    dropped_ids = {d["trajectory"] for d in ledger.drops}
-    dropped_seqs = {d["seq"] for d in ledger.drops}
-    unaccounted = [
-        seq
-        for seq, trajectory in ledger.trajectories.items()
-        if seq not in dropped_seqs
-        and (trajectory is None or (trajectory not in trained and trajectory not in dropped_ids))
-    ]
-    # Under the ack floor each one is lost; past it, any beyond what the trainer's
-    # consumer still has out are.
-    below = sum(1 for seq in unaccounted if seq <= ledger.acked_through)
-    lost = max(below, len(unaccounted) - ledger.outstanding)
-    attempted = {_task_seq(t) for t in ledger.trajectories.values() if t is not None}
-    done = set(range(1, ledger.tasks_issued + 1)) - ledger.tasks_waiting
-    reported = {s["policy_version"] for s in steps}
-    newest = max(reported, default=0)
-    missing = 0
-    for held in ledger.versions.values():
-        oldest = min(held, default=newest)  # the older ones may have been retired
-        missing += len(({v for v in reported if v >= oldest} | ({newest} & reported)) - held)
-    return Audit(
-        trajectories_published=len(ledger.trajectories),
-        trajectories_trained=len(trained),
-        trajectories_dropped=dict(Counter(d["reason"] for d in ledger.drops)),
-        trajectories_pending=ledger.outstanding,
-        trajectories_lost=lost,
-        trajectories_trained_twice=sum(n - 1 for n in trained.values() if n > 1),
-        tasks_issued=ledger.tasks_issued,
-        tasks_attempted=len(attempted),
-        tasks_waiting=len(ledger.tasks_waiting),
-        tasks_lost=len(done - attempted),
-        newest_version=newest,
-        versions_missing=missing,
-    )
-
-
-def recovery_seconds(injected: list[tuple[float, FaultKind]], steps: list[dict]) -> dict:
-    """Per kind, the p50 and p99 of the seconds from a fault to the trainer's next step:
-    how long the run stood still, or took to notice nothing was wrong."""
-    ends = sorted(s["finished_at"] for s in steps)
-    waits: dict[str, list[float]] = {}
-    for at, kind in injected:
-        after = next((end for end in ends if end > at), None)
-        if after is not None:
-            waits.setdefault(kind, []).append(after - at)
-    return {
-        kind: {"p50": statistics.median(w), "p99": _quantile(w, 0.99)} for kind, w in waits.items()
-    }
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 @dataclass
@@ -333,6 +161,10 @@ class ChaosPlane(OperatedPlane):
     @property
     def binding_sync_errors(self) -> int:
         return self.binding.sync_errors if self.binding else 0
+
+    def ledger(self, checkpoints: Path) -> Ledger:
+        leaves = {r: s.url for r, s in self.bed.nats.leaves.items() if r in self.regions}
+        return Ledger.read(self.key, self.url, leaves, self.credentials, checkpoints)
 
     def delete_run(self) -> None:
         """Deletes the RLRun as a user would, waiting for the hub to let it go."""
@@ -435,7 +267,7 @@ def run_with_faults(
     with plane:
         checkpoints = plane.runner.plan["trainer"].config.checkpoint_dir
         floor = Floor(plane)
-        plane.wait("the first step", lambda: _jsonl(checkpoints / "steps.jsonl"), FIRST_STEP_S)
+        plane.wait("the first step", lambda: step_log(checkpoints), FIRST_STEP_S)
         started, skipped = time.monotonic(), Counter()
         for fault in faults:
             moment = started + fault.at_s
@@ -448,11 +280,11 @@ def run_with_faults(
         plane.wait("a step after the faults", lambda: _stepped_after(checkpoints, last), SETTLE_S)
         plane.stop_run()
         floor.stop()
-        ledger = Ledger.read(plane, checkpoints)
+        ledger = plane.ledger(checkpoints)
         deadline = time.monotonic() + MIRRORED_S
         while audit(ledger).versions_missing and time.monotonic() < deadline:
             time.sleep(2.0)
-            ledger = Ledger.read(plane, checkpoints)
+            ledger = plane.ledger(checkpoints)
         plane.delete_run()
         left = plane.pods_left()
     found = audit(ledger)
@@ -477,4 +309,4 @@ def run_with_faults(
 
 
 def _stepped_after(checkpoints: Path, at: float) -> bool:
-    return any(step["finished_at"] > at for step in _jsonl(checkpoints / "steps.jsonl"))
+    return any(step.finished_at > at for step in step_log(checkpoints))

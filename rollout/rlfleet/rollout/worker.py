@@ -32,6 +32,7 @@ from rlfleet.api.wire import (
     encode_trajectory,
     task_stream,
     task_subject,
+    trajectory_id,
     trajectory_stream,
     trajectory_subject,
 )
@@ -288,7 +289,7 @@ class Worker:
                 await js.publish(
                     trajectory_subject(self.config.run),
                     encode_trajectory(trajectory),
-                    headers={"Nats-Msg-Id": f"{group_id}/{trajectory.attempt}"},
+                    headers={"Nats-Msg-Id": trajectory_id(trajectory)},
                 )
                 metrics.trajectories.inc()
             await message.ack()

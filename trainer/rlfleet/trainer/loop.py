@@ -33,9 +33,11 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from rlfleet.api.wire import (
     CyclePhase,
+    DropReason,
     GroupOutcome,
     StepReport,
     Trajectory,
+    TrajectoryDrop,
     WeightManifest,
     cycle_state_subject,
     decode_cycle_state,
@@ -44,6 +46,7 @@ from rlfleet.api.wire import (
     encode,
     step_subject,
     trainer_reset_subject,
+    trajectory_id,
     trajectory_stream,
     trajectory_subject,
 )
@@ -234,13 +237,13 @@ class Trainer:
         log.warning("rejected trajectory at stream sequence %d: %s", seq, reason)
         return None
 
-    def _record_drops(self, drops: list[tuple[int, Trajectory | None]], reason: str) -> None:
+    def _record_drops(self, drops: list[tuple[int, Trajectory | None]], reason: DropReason) -> None:
         """Written before the acknowledgement: a written line survives the process's
         SIGKILL, so every acknowledged drop is on record."""
-        with self.drops_path.open("a") as f:
+        with self.drops_path.open("ab") as f:
             for seq, trajectory in drops:
-                named = trajectory and f"{trajectory.group_id}/{trajectory.attempt}"
-                f.write(json.dumps({"seq": seq, "trajectory": named, "reason": reason}) + "\n")
+                named = None if trajectory is None else trajectory_id(trajectory)
+                f.write(msgspec.json.encode(TrajectoryDrop(seq, named, reason)) + b"\n")
 
     def _drop_stale(self, items: list[Received]) -> None:
         self._record_drops([(i.seq, i.trajectory) for i in items], "stale")
@@ -320,7 +323,7 @@ class Trainer:
             run=self.config.run,
             step=self.step + 1,
             policy_version=self.version + 1,
-            trajectories=[f"{i.trajectory.group_id}/{i.trajectory.attempt}" for i in items],
+            trajectories=[trajectory_id(i.trajectory) for i in items],
             groups=len(groups),
             tokens=result.tokens,
             reward_mean=float(rewards.mean()),
