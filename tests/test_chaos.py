@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
+import time
 
 import msgspec
 import pytest
@@ -16,7 +18,7 @@ from conftest import ROOT, step_report
 
 from rlfleet.api.wire import StepReport, TrajectoryDrop
 from rlfleet.testbed.audit import Ledger, audit
-from rlfleet.testbed.bed import Bed
+from rlfleet.testbed.bed import Bed, BedInfo
 from rlfleet.testbed.chaos import REGIONAL, FaultKind, run_with_faults, schedule
 
 REGIONS = ["region-a", "region-b"]
@@ -83,6 +85,26 @@ def test_the_audit_finds_what_was_lost_or_done_twice() -> None:
     # A region that never got version 2; one whose older versions were retired is fine.
     assert audit(ledger(versions={"hub": {0, 1, 2}, "region-a": {1}})).versions_missing == 1
     assert audit(ledger(versions={"hub": {2}, "region-a": {2}})).versions_missing == 0
+
+
+@pytest.mark.bed
+def test_a_bed_server_restarted_leaves_the_bed_whole_for_the_next_run(testbed: Bed) -> None:
+    # `rlfleet run --bed` takes a bed whose recorded processes are gone for half-dead and
+    # stops it: after a fault restarts one of the bed's servers, bed.json names the new one.
+    testbed.restart("nats-region-c")
+    recorded = BedInfo.load(testbed.state_dir)
+    assert all(recorded.alive().values())
+    assert recorded.pids == testbed.supervisor.pids()
+    # Later tests use the leaf node: it is back before this test ends.
+    port = int(recorded.nats.leaves["region-c"].url.rpartition(":")[2])
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "region-c's leaf node did not come back"
+            time.sleep(0.1)
 
 
 @pytest.mark.bed

@@ -112,6 +112,23 @@ class Bed:
         self.info = info
         return info
 
+    def restart(self, name: str) -> None:
+        """Kills one of the bed's processes and starts it again as it was (a fault)."""
+        self.supervisor.restart(name)
+        self._record_pids()
+
+    def revive(self, name: str) -> None:
+        """Starts again, as it was, one of the bed's processes that exited."""
+        self.supervisor.revive(name)
+        self._record_pids()
+
+    def _record_pids(self) -> None:
+        # bed.json must name the processes running now: `rlfleet run --bed` takes a bed
+        # whose recorded pids are gone for half-dead, and stops what is left of it.
+        assert self.info is not None, "start the bed first"
+        self.info.pids = self.supervisor.pids()
+        self.info.save()
+
     def stop(self) -> None:
         self.supervisor.stop_all()
         (self.state_dir / STATE_FILE).unlink(missing_ok=True)

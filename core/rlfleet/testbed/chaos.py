@@ -29,7 +29,6 @@ import kubernetes
 from rlfleet.api.meta import RUN_LABEL
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.local import plan
-from rlfleet.local.processes import Supervisor
 from rlfleet.local.run import make_model
 from rlfleet.testbed.audit import Ledger, audit, recovery_seconds, step_log
 from rlfleet.testbed.bed import Bed
@@ -128,11 +127,11 @@ class Floor:
 
 class ChaosPlane(OperatedPlane):
     """An operated plane whose dead pods' processes and operators start again, and that
-    injects faults into itself and the bed (`bed_supervisor`: the bed's processes)."""
+    injects faults into itself and the bed (`running_bed`: the bed's processes)."""
 
-    def __init__(self, *args, bed_supervisor: Supervisor, **kwargs) -> None:
+    def __init__(self, *args, running_bed: Bed, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.bed_supervisor = bed_supervisor
+        self.running_bed = running_bed
         self.runner.restart_exited = True
         self.injected: list[tuple[float, FaultKind]] = []  # wall clock, kind
         self.crashes: list[str] = []  # processes that died with no fault to kill them
@@ -141,11 +140,14 @@ class ChaosPlane(OperatedPlane):
     def check_alive(self) -> None:
         """An operator or a bed server that died on its own is a crash: counted, and
         started again (as its Deployment, or systemd, would)."""
-        for supervisor in (self.fleet.supervisor, self.bed_supervisor):
-            for name in supervisor.exited():
-                log.warning("%s exited on its own: started again", name)
-                self.crashes.append(name)
-                supervisor.revive(name)
+        for name in self.fleet.supervisor.exited():
+            log.warning("%s exited on its own: started again", name)
+            self.crashes.append(name)
+            self.fleet.supervisor.revive(name)
+        for name in self.running_bed.supervisor.exited():
+            log.warning("the bed's %s exited on its own: started again", name)
+            self.crashes.append(name)
+            self.running_bed.revive(name)
         self.crashes += self.runner.crashes_since_checked()
         self.undo_due()
 
@@ -194,9 +196,9 @@ class ChaosPlane(OperatedPlane):
         elif kind in (FaultKind.HUB_OPERATOR, FaultKind.REGION_OPERATOR):
             self.fleet.crash_and_restart(region or HUB)
         elif kind in (FaultKind.NATS_HUB, FaultKind.NATS_LEAF):
-            self.bed_supervisor.restart(f"nats-{region or HUB}")
+            self.running_bed.restart(f"nats-{region or HUB}")
         elif kind == FaultKind.API_SERVER:
-            pid = self.bed_supervisor.pids()[f"{region}-kube-apiserver"]
+            pid = self.running_bed.supervisor.pids()[f"{region}-kube-apiserver"]
             os.killpg(pid, signal.SIGSTOP)
             self._undo.append((time.monotonic() + STOP_S, lambda: os.killpg(pid, signal.SIGCONT)))
         elif kind == FaultKind.SPIKE:
@@ -261,7 +263,7 @@ def run_with_faults(
         bed=bed.info,
         document=document,
         namespace=f"chaos-{secrets.token_hex(3)}",
-        bed_supervisor=bed.supervisor,
+        running_bed=bed,
     )
     faults = schedule(seed, minutes * 60, plane.regions, kinds, mean_gap_s)
     with plane:
