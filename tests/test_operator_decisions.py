@@ -191,7 +191,11 @@ def observations(draw: st.DrawFn) -> Observed:
         step=step if stepped else None,
         moment=NOW,
         region_timeout_s=TIMEOUT_S,
+        spec_problems=draw(st.sampled_from([(), (NO_ROOM,)])),
     )
+
+
+NO_ROOM = "spec.trajectoryBacklogMib: the hub's JetStream cannot reserve 8192 MiB"
 
 
 @given(observations())
@@ -206,6 +210,12 @@ def test_the_run_status_counts_only_reachable_regions_and_ready_means_all_is_wel
     assert not any(e.reachable for e in status.regions if e.name not in REGIONS)
     said = {c.type: c.status for c in status.conditions}
     assert status.conditions[0].type == "Ready" and len(said) == len(status.conditions)
+    # What the hub's JetStream refused in the spec: not ready, the field named, and told.
+    if observed.spec_problems:
+        ready = status.conditions[0]
+        assert (ready.status, ready.reason, ready.message) == ("False", "InvalidSpec", NO_ROOM)
+        told = [e for e in decide(observed).events if e.reason == "InvalidSpec"]
+        assert [e.message for e in told] == [NO_ROOM]
     if said["Ready"] == "True":
         assert said["Training"] == "True" and said["RolloutsDegraded"] == "False"
         assert status.phase == "Running" and status.gpus_running > 0
@@ -266,6 +276,7 @@ def test_only_what_a_human_may_act_on_is_a_warning(observed: Observed) -> None:
             "StalenessBoundExceeded",
             "NoPoolOfGpuType",
             "EnvPoolNotFound",
+            "InvalidSpec",
         )
         assert (event.type == "Warning") == warning, event
 

@@ -877,6 +877,38 @@ def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: 
     assert made == run_streams(f"{world.ns}_{RUN}")
     assert mirrors == {r: weights_stream(world.key) for r in REGIONS}
 
+    # The trajectories' bound follows the spec, changed or not.
+    def backlog(nc):
+        return nc.jetstream().stream_info(trajectory_stream(world.key))
+
+    def backlog_mib(mib: int) -> None:
+        patch = {"spec": {"trajectoryBacklogMib": mib}}
+        world.fleet.kubectl(
+            HUB, "-n", world.ns, "patch", "rlrun", RUN, "--type=merge", "-p", json.dumps(patch)
+        )
+
+    assert on_hub_nats(world, backlog).config.max_bytes == 8192 << 20  # the default
+    backlog_mib(100)
+    wait_for(
+        "the trajectories' new bound",
+        lambda: on_hub_nats(world, backlog).config.max_bytes == 100 << 20,
+    )
+    # More than the hub's JetStream can reserve: said, naming the field; the bound stays.
+    backlog_mib(16 << 20)
+    wait_for("InvalidSpec", lambda: world.condition("Ready").get("reason") == "InvalidSpec")
+    assert "spec.trajectoryBacklogMib" in world.condition("Ready")["message"]
+    told = [e for e in world.events(HUB, RUN) if e["reason"] == "InvalidSpec"]
+    assert told and told[0]["type"] == "Warning"
+    assert on_hub_nats(world, backlog).config.max_bytes == 100 << 20
+    backlog_mib(8192)
+    wait_for(
+        "the default bound again",
+        lambda: on_hub_nats(world, backlog).config.max_bytes == 8192 << 20,
+    )
+    wait_for(
+        "Ready's InvalidSpec gone", lambda: world.condition("Ready").get("reason") != "InvalidSpec"
+    )
+
     def publish(report: StepReport):
         # What the trainer publishes after each durable step.
         return lambda nc: nc.jetstream().publish(step_subject(world.key), encode(report))

@@ -574,6 +574,20 @@ class RLRunSpec(ApiModel):
             description="Trajectories more than this many policy versions old are dropped.",
         ),
     ] = 2
+    # A bound on the hub's store that no worker or collector, however wrong, can push past.
+    # The default holds some 80,000 trajectories of 8k tokens: the trainer uses a few
+    # thousand of the newest (its staleness bound), so what goes first was trained long ago.
+    trajectory_backlog_mib: Annotated[
+        int,
+        Field(
+            ge=64,
+            le=16 << 20,
+            description=(
+                "MiB of the run's trajectories the hub keeps; past it the oldest go first,"
+                " trained long before unless the trainer is that far behind."
+            ),
+        ),
+    ] = 8192
     weight_sync: WeightSyncSpec = WeightSyncSpec()
     rewards: Annotated[
         list[RewardSpec],

@@ -28,6 +28,7 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError, NotFoundError
 
+from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import (
     WEIGHT_CHUNK_BYTES,
     capture_stream,
@@ -64,6 +65,12 @@ FEEDBACK_KEPT = 4_000_000
 # One completion's tokens, log-probs and versions, in one message: a NATS server's default
 # max_payload. A longer one (some 70k tokens) is dropped by the server that made it.
 MAX_CAPTURE_BYTES = 1 << 20
+# Tasks waiting for a worker: the feed keeps a few steps' worth there (its admission), so
+# only a feed gone wrong meets this bound.
+TASKS_WAITING = 100_000
+# The spec's default, in bytes.
+TRAJECTORY_BACKLOG = RLRunSpec.model_fields["trajectory_backlog_mib"].default << 20
+MAX_TRAJECTORY_BYTES = 32 << 20  # one trajectory, its routed experts included
 # How long a component waits for a stream its run's owner has not made yet: the hub
 # operator starts a run's pods and makes its streams in the same reconcile.
 BIND_WAIT_S = 30.0
@@ -83,23 +90,29 @@ def step_stream(run: str) -> str:
 
 
 def task_stream_config(run: str) -> StreamConfig:
-    """The run's task queue: each task goes to exactly one worker."""
+    """The run's task queue: each task goes to exactly one worker. The feed's admission
+    keeps a few steps' tasks waiting; past `TASKS_WAITING` a publish is refused."""
     return StreamConfig(
         name=task_stream(run),
         subjects=[task_subject(run)],
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
+        discard=DiscardPolicy.NEW,
+        max_msgs=TASKS_WAITING,
     )
 
 
-def trajectory_stream_config(run: str) -> StreamConfig:
-    """Trajectories for the trainer (work-queue semantics come from acknowledgement)."""
+def trajectory_stream_config(run: str, backlog_bytes: int = TRAJECTORY_BACKLOG) -> StreamConfig:
+    """Trajectories for the trainer (work-queue semantics come from acknowledgement), at
+    most `backlog_bytes` of them (`spec.trajectoryBacklogMib`), the oldest first
+    to go: they stay after training, so that an audit can read what was published."""
     return StreamConfig(
         name=trajectory_stream(run),
         subjects=[trajectory_subject(run)],
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
-        max_msg_size=32 << 20,
+        max_msg_size=MAX_TRAJECTORY_BYTES,
+        max_bytes=backlog_bytes,
     )
 
 
@@ -220,11 +233,13 @@ def weights_mirror_config(run: str, hub_domain: str) -> StreamConfig:
     )
 
 
-def run_stream_configs(run: str) -> list[StreamConfig]:
+def run_stream_configs(
+    run: str, trajectory_backlog: int = TRAJECTORY_BACKLOG
+) -> list[StreamConfig]:
     """Every stream the run has on the hub."""
     return [
         task_stream_config(run),
-        trajectory_stream_config(run),
+        trajectory_stream_config(run, trajectory_backlog),
         step_stream_config(run),
         evaluation_stream_config(run),
         weights_stream_config(run),
@@ -244,16 +259,21 @@ async def _ensure(js: JetStreamContext, config: StreamConfig) -> None:
 
 
 async def ensure_run_streams(
-    nc: Client, run: str, hub_domain: str | None, regions: Sequence[str] = ()
+    nc: Client,
+    run: str,
+    hub_domain: str | None,
+    regions: Sequence[str] = (),
+    trajectory_backlog: int = TRAJECTORY_BACKLOG,
 ) -> list[str]:
     """Makes the run's streams on the hub and a mirror of its weights in each region's
     JetStream domain, or brings them back to their declared config (idempotent); returns
     the regions whose mirror could not be made yet. `nc` reaches the hub's JetStream
-    through `hub_domain` (None: no domains, and so no regions)."""
+    through `hub_domain` (None: no domains, and so no regions); `trajectory_backlog`
+    bounds the trajectories' bytes."""
     if regions and hub_domain is None:
         raise ValueError("a region's mirror names the hub's JetStream domain: give it")
     hub = nc.jetstream(domain=hub_domain)
-    for config in run_stream_configs(run):
+    for config in run_stream_configs(run, trajectory_backlog):
         await _ensure(hub, config)
     missing = []
     for region in regions:

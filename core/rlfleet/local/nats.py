@@ -90,7 +90,10 @@ def _jetstream(store: Path, domain: str) -> dict:
         "store_dir": str(store),
         "domain": domain,
         "max_memory_store": 256 << 20,
-        "max_file_store": 4 << 30,
+        # What the streams may reserve, which their bounds are (a run's trajectories take
+        # `spec.trajectoryBacklogMib` when made), not what they hold: room for
+        # hundreds of runs' defaults, and a 16 TiB ask (the field's most) is refused.
+        "max_file_store": 4 << 40,
     }
 
 

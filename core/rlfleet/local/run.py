@@ -47,7 +47,12 @@ from rlfleet.api.wire import (
 )
 from rlfleet.bus import auth
 from rlfleet.bus.reading import decoded, newest
-from rlfleet.bus.streams import cycle_stream, ensure_run_streams, step_stream
+from rlfleet.bus.streams import (
+    TRAJECTORY_BACKLOG,
+    cycle_stream,
+    ensure_run_streams,
+    step_stream,
+)
 from rlfleet.launch import EVALUATION, WARMUP
 from rlfleet.launch.caches import own_caches
 from rlfleet.launch.settings import to_json
@@ -308,12 +313,15 @@ class Plane(Protocol):
 PlaneFactory = Callable[[str, RLRunSpec, plan.Layout, plan.Tuning], Plane]
 
 
-async def make_streams(bed: NatsBed, run: str) -> None:
+async def make_streams(
+    bed: NatsBed, run: str, trajectory_backlog: int = TRAJECTORY_BACKLOG
+) -> None:
     """The run's streams, and its weights' mirror in every region, as the hub operator
     makes them for a run in a cluster: the run's processes only bind to them."""
     nc = await bed.hub.connect()
     try:
-        missing = await ensure_run_streams(nc, run, bed.hub.domain, list(bed.leaves))
+        leaves = list(bed.leaves)
+        missing = await ensure_run_streams(nc, run, bed.hub.domain, leaves, trajectory_backlog)
     finally:
         await nc.close()
     if missing:
@@ -357,7 +365,8 @@ class LocalPlane:
             self.url = bed.hub.url
             for role in BusRole:
                 write_secret(self.layout.credentials(role), bed.run_user(self.key, role))
-            asyncio.run(make_streams(bed, self.key))
+            backlog = self.spec.trajectory_backlog_mib << 20
+            asyncio.run(make_streams(bed, self.key, backlog))
             if self.spec.production is not None:
                 processes = production_processes(self.key, self.spec, self.layout, bed, self.tuning)
             else:

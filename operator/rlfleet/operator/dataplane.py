@@ -58,6 +58,15 @@ class DataPlaneUnavailable(Exception):
     """NATS did not answer in time, or refused what was asked."""
 
 
+class StorageRefused(DataPlaneUnavailable):
+    """The hub's JetStream cannot reserve what a run's streams ask for: a stream's byte
+    bound is reserved from the server's store when it is made."""
+
+
+# JetStream's "insufficient storage resources available".
+_NO_STORAGE = 10047
+
+
 @dataclass(frozen=True)
 class NatsLogin:
     """How the operator reaches NATS, from its Secret (read at each connect)."""
@@ -122,13 +131,24 @@ class DataPlane:
             for role in launch.POD_ROLES
         }
 
-    def ensure_streams(self, run: str, regions: list[str]) -> list[str]:
-        """Creates the run's streams in the hub and a mirror of its weights in each region's
-        JetStream domain; returns the regions whose mirror could not be made yet."""
-        return self._run(self._ensure_streams(run, regions))
+    def ensure_streams(self, run: str, regions: list[str], trajectory_backlog: int) -> list[str]:
+        """Creates the run's streams in the hub (its trajectories' bytes bounded by
+        `trajectory_backlog`) and a mirror of its weights in each region's JetStream
+        domain; returns the regions whose mirror could not be made yet. StorageRefused
+        when the hub has no room to reserve the bound."""
+        try:
+            return self._run(self._ensure_streams(run, regions, trajectory_backlog))
+        except DataPlaneUnavailable as error:
+            cause = error.__cause__
+            if isinstance(cause, nats.js.errors.APIError) and cause.err_code == _NO_STORAGE:
+                raise StorageRefused(cause.description or str(cause)) from cause
+            raise
 
-    async def _ensure_streams(self, run: str, regions: list[str]) -> list[str]:
-        return await ensure_run_streams(await self._client(), run, self.domain, regions)
+    async def _ensure_streams(
+        self, run: str, regions: list[str], trajectory_backlog: int
+    ) -> list[str]:
+        nc = await self._client()
+        return await ensure_run_streams(nc, run, self.domain, regions, trajectory_backlog)
 
     def delete_streams(self, run: str, regions: list[str]) -> list[str]:
         """Deletes the run's streams in the hub and its weights' mirror in each region, so

@@ -25,7 +25,7 @@ from rlfleet.api.rlrun import RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.api.wire import BusRole, ServeOrder, StepReport
 from rlfleet.operator import gate
 from rlfleet.operator.config import OperatorConfig
-from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable
+from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable, StorageRefused
 from rlfleet.operator.kube import Kube, Ref, Unreachable
 from rlfleet.operator.parallel import at_once
 from rlfleet.operator.production import CycleUpdates
@@ -157,19 +157,28 @@ class Hub:
         )
         return next((m for m in mirrors if m["metadata"]["name"] == meta["name"]), None)
 
-    def _ensure_streams(self, run: dict, spec: RLRunSpec, resync: bool) -> None:
+    def _ensure_streams(self, run: dict, spec: RLRunSpec, resync: bool) -> list[str]:
         """Makes the run's streams, and its weights' mirror in each region, before its pods
         bind to them (components only bind); again at each resync, so a stream lost since
-        (a NATS store wiped, a stream deleted by hand) comes back as a deleted pod would."""
+        (a NATS store wiped, a stream deleted by hand) comes back as a deleted pod would.
+        Returns the spec's problems that the hub's JetStream found (each names its field)."""
         if self.dataplane is None:
-            return
+            return []
         meta = run["metadata"]
         key, regions = nats_key(run), tuple(spec.region_names)
-        made = (meta["uid"], regions)
+        backlog = spec.trajectory_backlog_mib << 20
+        made = (meta["uid"], regions, backlog)
         if made in self._streams and not resync:
-            return
+            return []
         try:
-            missing = self.dataplane.ensure_streams(key, list(regions))
+            missing = self.dataplane.ensure_streams(key, list(regions), backlog)
+        except StorageRefused as error:  # the streams stay as they were
+            self._streams.discard(made)
+            return [
+                f"spec.trajectoryBacklogMib: the hub's JetStream cannot reserve "
+                f"{spec.trajectory_backlog_mib} MiB for the run's trajectories ({error}); "
+                "ask for less, or give the hub's JetStream a larger max_file_store"
+            ]
         except DataPlaneUnavailable as error:
             log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
             missing = list(regions) or [key]
@@ -177,6 +186,7 @@ class Hub:
             self._streams.discard(made)
         else:
             self._streams.add(made)
+        return []
 
     def _step(self, run: dict) -> tuple[bool, StepReport | None]:
         """The trainer's newest step report; (False, None) when there is no NATS or no
@@ -304,7 +314,7 @@ class Hub:
         old = RLRunStatus.model_validate(run.get("status") or {})
         verdict = self._verdict(run, spec, old)
         users, role = self._nats_users(run, spec), launch.region_role(spec)
-        self._ensure_streams(run, spec, resync)
+        spec_problems = self._ensure_streams(run, spec, resync)
         self._pass_order(run, spec)
         trainer = self._apply_hub_objects(run, spec, old, verdict.held, resync)
         previous = {e.name: e for e in old.regions}
@@ -339,6 +349,7 @@ class Hub:
             cycles=self._cycles(run, spec, old),
             moment=now(),
             region_timeout_s=self.config.region_timeout_seconds,
+            spec_problems=spec_problems,
         )
 
     def delete(self, run: dict) -> list[str]:

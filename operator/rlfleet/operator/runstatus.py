@@ -20,7 +20,15 @@ from rlfleet.api.wire import StepReport
 from rlfleet.operator import production, progress
 from rlfleet.operator.gate import Verdict
 from rlfleet.operator.production import CycleUpdates
-from rlfleet.operator.status import Event, condition, find, merged, parse_time, timestamp
+from rlfleet.operator.status import (
+    Event,
+    condition,
+    find,
+    invalid_spec,
+    merged,
+    parse_time,
+    timestamp,
+)
 
 LAST_SEEN_REFRESH_S = 60
 
@@ -56,6 +64,8 @@ class Observed:
     region_timeout_s: float
     # A production run's conductor states since the status's; None when not read.
     cycles: CycleUpdates | None = None
+    # What the data plane refused in the spec, each naming its field (`invalid_spec`).
+    spec_problems: Sequence[str] = ()
 
 
 @dataclass
@@ -197,10 +207,15 @@ def decide(observed: Observed) -> Decision:
     found = _progress(observed, training)
     events += found.events if found is not None else []
     reachable = [e for e in entries if e.reachable and e.name in wanted]
+    conditions = _conditions(observed, views, reachable, training, found)
+    if observed.spec_problems:
+        ready, told = invalid_spec(old.conditions, observed.spec_problems, observed.generation)
+        conditions = [ready if c.type == "Ready" else c for c in conditions]
+        events += told
     status = RLRunStatus(
         phase=phase(verdict, spec, training),
         observed_generation=observed.generation,
-        conditions=_conditions(observed, views, reachable, training, found),
+        conditions=conditions,
         trainer_replicas=observed.ready,
         gpus_lent=sum(e.lent for e in reachable),
         gpus_running=sum(e.running for e in reachable),
