@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 import nats
+import nats.errors
 import pytest
 from conftest import step_report
 from nats.js import JetStreamContext
@@ -36,7 +37,7 @@ from rlfleet.bus.streams import StreamMissing, ensure_run_streams
 from rlfleet.local.nats import StandaloneNats
 from rlfleet.pipeline.admission import Admission
 from rlfleet.rollout.curriculum import Curriculum
-from rlfleet.rollout.feed import FeedConfig, feed, passes
+from rlfleet.rollout.feed import FeedConfig, feed, passes, publish_task
 from rlfleet.rollout.tasks import write_suite
 from rlfleet.rollout.worker import groups_to_take
 
@@ -280,3 +281,37 @@ def test_a_worker_takes_whole_groups_and_a_group_larger_than_its_sessions_alone(
     # no task ever; now it runs when the worker is idle.
     assert groups_to_take(running=0, max_sessions=16, group_size=32) == 1
     assert groups_to_take(running=32, max_sessions=16, group_size=32) == 0
+
+
+@pytest.mark.nats
+def test_a_task_whose_answer_was_lost_is_published_once(
+    nats_servers: StandaloneNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NATS restarting as the stream stored the task: its answer lost, the feed tries again.
+    config = three_task_feed(nats_servers, tmp_path, monkeypatch)
+
+    class AnswerLost:
+        def __init__(self, js: JetStreamContext) -> None:
+            self.js, self.tries = js, 0
+
+        async def publish(self, *args, **kwargs):
+            self.tries += 1
+            ack = await self.js.publish(*args, **kwargs)
+            if self.tries == 1:
+                raise nats.errors.TimeoutError
+            return ack
+
+    async def scenario() -> tuple[int, int]:
+        await _make_streams(config)
+        nc = await auth.connect(config.nats_url)
+        try:
+            js = AnswerLost(nc.jetstream())
+            task = Task(id="a", suite="three", prompt="a", answer="x", tools=False)
+            message = TaskMessage(run=config.run, task=task, group_size=2, min_policy_version=0)
+            await publish_task(js, message, "feed-0")  # type: ignore[arg-type]
+            info = await nc.jetstream().stream_info(task_stream(config.run))
+            return js.tries, info.state.messages
+        finally:
+            await nc.close()
+
+    assert asyncio.run(scenario()) == (2, 1)

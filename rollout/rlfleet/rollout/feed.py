@@ -15,13 +15,15 @@ import asyncio
 import contextlib
 import logging
 import random
+import secrets
 import sys
 import time
 from collections.abc import Iterator
 
 import msgspec
 import prometheus_client
-from nats.js.api import DeliverPolicy, StreamState
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy, PubAck, StreamState
 
 from rlfleet import launch
 from rlfleet.api.wire import (
@@ -81,11 +83,23 @@ class _Trainer:
         return time.monotonic() - max(since, self.changed) > 1.0 + 2 * self.step_s
 
 
+async def publish_task(js: JetStreamContext, message: TaskMessage, message_id: str) -> PubAck:
+    """Publishes a task, again while NATS restarts, under one message id: the stream drops
+    a try whose answer was lost as a duplicate, so a retry never adds a task."""
+    return await patiently(
+        lambda: js.publish(
+            task_subject(message.run), encode(message), headers={"Nats-Msg-Id": message_id}
+        ),
+        "publishing a task",
+    )
+
+
 async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
     tasks = passes(load_suite(suite_path(config.suite)), config.seed)
     admission = Admission(config.max_staleness, config.groups_per_step)
     curriculum = Curriculum(config.revisit_uniform, config.seed)
     trainer = _Trainer(admission, curriculum)
+    feed_id = secrets.token_hex(8)  # names this feed's publishes apart from an earlier one's
     nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
     try:
         js = nc.jetstream(domain=config.jetstream_domain)
@@ -124,12 +138,7 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
                     group_size=config.group_size,
                     min_policy_version=admission.min_version(target),
                 )
-                # Again while NATS restarts: a try whose answer was lost leaves one more
-                # task on the queue, extra work rather than a gap.
-                ack = await patiently(
-                    lambda message=message: js.publish(task_subject(config.run), encode(message)),
-                    "publishing a task",
-                )
+                ack = await publish_task(js, message, f"{feed_id}-{published}")
                 admission.published(target, ack.seq)
                 published += 1
             with contextlib.suppress(TimeoutError):
