@@ -22,6 +22,7 @@ from rlfleet.launch.caches import CACHE_ROOT_ENV, own_caches
 from rlfleet.local.binaries import binary
 from rlfleet.local.nats import StandaloneNats
 from rlfleet.testbed.bed import Bed, BedInfo
+from rlfleet.testbed.rbac import bed_usage
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTERS = ("hub", "region-a", "region-b", "region-c")
@@ -38,10 +39,14 @@ def session_caches(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+BED_LOGS = pytest.StashKey[Path]()
+
+
 @pytest.fixture(scope="session")
-def testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+def testbed(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Iterator[Bed]:
     """The bed with its processes' supervisor, for tests that kill and restart them."""
     started = Bed(tmp_path_factory.mktemp("bed"), attached=True)
+    pytestconfig.stash[BED_LOGS] = started.supervisor.log_dir
     started.start()
     try:
         yield started
@@ -200,3 +205,21 @@ def crds_installed(kubectl: Kubectl) -> None:
             *(f"crd/{kind.crd_name}" for kind in KINDS),
         )
     kubectl.forget_discovery()
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """Which of the chart's RBAC grants the operators used in this session's bed
+    (`rlfleet.testbed.rbac`): those unused are ones no test needed."""
+    logs = config.stash.get(BED_LOGS, None)
+    if logs is None or not any(logs.glob("*-audit*.log")):
+        return
+    terminalreporter.section("RBAC grants the operators used")
+    try:
+        usage = bed_usage(logs)
+    except Exception as error:  # a report: it must not turn the session's outcome
+        terminalreporter.write_line(f"not read: {error!r}")
+        return
+    for role, (granted, unused) in usage.items():
+        terminalreporter.write_line(f"{role}: {granted - len(unused)} of {granted} used")
+        for grant in unused:
+            terminalreporter.write_line(f"  unused: {grant}")

@@ -71,6 +71,7 @@ from rlfleet.testbed.fleet import (
     serving_deployment,
 )
 from rlfleet.testbed.kube import H100, L4
+from rlfleet.testbed.rbac import Grant, used_grants
 from rlfleet.testbed.traces import TraceReceiver
 
 pytestmark = pytest.mark.bed
@@ -908,6 +909,12 @@ def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: 
     wait_for(
         "Ready's InvalidSpec gone", lambda: world.condition("Ready").get("reason") != "InvalidSpec"
     )
+
+    # The hub's API server audits what the operator's account did (`testbed.rbac`): the
+    # run's status patches among it.
+    audit = world.fleet.bed.state_dir / "logs" / "hub-audit.log"
+    patched = Grant("rlfleet-operator", "rlfleet.io", "rlruns/status", "patch")
+    wait_for("the audit log", lambda: patched in used_grants(audit.read_text().splitlines()))
 
     def publish(report: StepReport):
         # What the trainer publishes after each durable step.

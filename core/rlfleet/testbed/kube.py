@@ -139,10 +139,26 @@ def start_etcd(supervisor: Supervisor, data_dir: Path) -> str:
     return url
 
 
+# ServiceAccounts' requests, at Metadata level (who, which verb, which object; never a
+# body, so no Secret's data), and nothing else: the tests' own admin calls and the
+# controllers' are not the operators'.
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+        {"level": "None"},
+    ],
+}
+
+
 def _start_apiserver(
     spec: ClusterSpec, supervisor: Supervisor, etcd: str, pki: Pki, tokens: Path, state: Path
 ) -> Cluster:
     port = free_port()
+    audit_policy = state / "audit-policy.yaml"
+    audit_policy.write_text(yaml.safe_dump(AUDIT_POLICY))
     supervisor.start(
         f"{spec.name}-kube-apiserver",
         [
@@ -163,6 +179,14 @@ def _start_apiserver(
             "--allow-privileged=true",
             "--profiling=false",
             "--enable-priority-and-fairness=false",
+            # What the operators' accounts do, to show each RBAC rule is used (`testbed.rbac`).
+            f"--audit-policy-file={audit_policy}",
+            f"--audit-log-path={supervisor.log_dir / f'{spec.name}-audit.log'}",
+            "--audit-log-format=json",
+            "--audit-log-mode=batch",
+            "--audit-log-batch-max-wait=1s",
+            "--audit-log-maxsize=256",
+            "--audit-log-maxbackup=20",
             "--v=0",
         ],
     )
