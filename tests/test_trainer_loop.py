@@ -37,7 +37,7 @@ from rlfleet.api.wire import (
     weights_prefix,
     weights_stream,
 )
-from rlfleet.bus.streams import ensure_run_streams
+from rlfleet.bus.streams import TRAINER_CONSUMER, ensure_run_streams
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.local.processes import run_in_session
 from rlfleet.models.tiny import init_model
@@ -305,6 +305,39 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_trajectories(
     assert sorted(ids) == sorted(f"{name}/{a}" for name in names for a in range(GROUP))
     assert [s["step"] for s in process.steps()] == [1, 2, 3]
     assert f"resumed at step {killed_at}" in process.log.read_text()
+
+
+def test_a_trainer_keeps_what_it_holds_and_its_successor_gets_it_back(
+    tmp_path: Path, tiny_moe: Path, nats_servers: StandaloneNats
+) -> None:
+    hub = nats_servers.bed.hub
+
+    async def consumer(run: str) -> tuple[int, int]:
+        """The trainer's consumer's (held, given again); (0, 0) before it subscribes."""
+        nc = await hub.connect()
+        try:
+            js = nc.jetstream(domain=HUB_DOMAIN)
+            info = await js.consumer_info(trajectory_stream(run), TRAINER_CONSUMER)
+            return info.num_ack_pending, info.num_redelivered
+        except nats.js.errors.NotFoundError:
+            return 0, 0
+        finally:
+            await nc.close()
+
+    with trainer(tmp_path, tiny_moe, nats_servers, max_steps=1, ack_wait_s=2) as process:
+        run = process.run
+        held = group(run, "a", 0)
+        asyncio.run(publish(hub, run, held[:-1]))  # a group short of its last attempt
+        process.start()
+        process.wait(lambda: asyncio.run(consumer(run))[0] == GROUP - 1)
+        time.sleep(4 * 2)  # four ack waits: held all along, never given to anyone again
+        assert asyncio.run(consumer(run)) == (GROUP - 1, 0)
+        # Killed: its successor gets what it held after one ack wait, and trains it.
+        process.kill()
+        asyncio.run(publish(hub, run, held[-1:] + group(run, "b", 0)))
+        process.start()
+        process.wait(lambda: len(process.steps()) == 1)
+    assert sorted(trained(process)) == sorted(f"{n}/{a}" for n in "ab" for a in range(GROUP))
 
 
 def test_trainer_raises_the_reward_of_a_fixed_policy_on_a_verifiable_task(

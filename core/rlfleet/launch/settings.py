@@ -152,7 +152,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # distributions. The KL to the reference is taken at it too.
     temperature: Annotated[float, msgspec.Meta(gt=0)] = spec_default(RolloutSpec, "temperature")
     group_timeout_s: float = 600.0
-    ack_wait_s: float = 600.0  # JetStream redelivers what a dead trainer never acknowledged
+    # JetStream redelivers what a dead trainer never acknowledged after this; a live one
+    # keeps what it holds by saying so a third of it apart.
+    ack_wait_s: float = 60.0
     keep_checkpoints: Positive = 2
     max_steps: int | None = None  # stop after this step (tests, fixed-budget runs)
     # A production run's: keeps the serving version's checkpoint and goes back to it when

@@ -132,15 +132,32 @@ class Trainer:
             )
             await self._publish_weights()
             self.ready_at = time.perf_counter()
-            while not self.stopping.is_set() and not self._done():
-                await self._follow_conductor(js)
-                await self._receive(subscription)
-                if not await self._maybe_step(js) and distributed.world() > 1:
-                    await asyncio.to_thread(self._order, Kind.IDLE)
+            holding = asyncio.create_task(self._keep_held())
+            try:
+                while not self.stopping.is_set() and not self._done():
+                    await self._follow_conductor(js)
+                    await self._receive(subscription)
+                    if not await self._maybe_step(js) and distributed.world() > 1:
+                        await asyncio.to_thread(self._order, Kind.IDLE)
+            finally:
+                holding.cancel()
             if distributed.world() > 1:
                 await asyncio.to_thread(self._order, Kind.STOP)
         finally:
             await nc.close()
+
+    async def _keep_held(self) -> None:
+        """Tells JetStream, a third of the ack wait apart, that every trajectory held is in
+        progress: a live trainer keeps them however long a step or a group takes, and a
+        killed one's come back to its successor after one short ack wait, still fresh."""
+        while True:
+            await asyncio.sleep(self.config.ack_wait_s / 3)
+            for msg in list(self.messages.values()):
+                try:
+                    await msg.in_progress()
+                except TRANSIENT as error:  # NATS restarting: the next round tells it again
+                    log.warning("keeping held trajectories: %r", error)
+                    break
 
     def _step_token_cap(self) -> int:
         return self.config.max_step_tokens or 2 * self.config.step_tokens
