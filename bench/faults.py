@@ -10,7 +10,8 @@ Prints one JSON object.
 no fault to kill them), `recovery_seconds` (per kind, p50 and p99 of the seconds from a
 fault to the trainer's next step) and the whole `audit`. Bad input and permissions have
 their figures from their tests (`tests/test_bad_input.py`, `tests/test_bed_nats.py`).
-The run's logs stay in `.rlfleet/bench/faults/`.
+The run's logs stay in `.rlfleet/bench/faults/`. It exits 1 when any of `LOSSES` is not 0:
+`--minutes 2` is the short check (about 8 minutes here).
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ from rlfleet.testbed.chaos import run_with_faults
 ROOT = Path(__file__).resolve().parent.parent
 RUN_ROOT = ROOT / ".rlfleet" / "bench" / "faults"
 MEAN_GAP_S = 30.0
+# What must all be 0; any other is the run's exit status 1.
+LOSSES = (
+    "tasks_lost",
+    "trajectories_lost",
+    "trajectories_trained_twice",
+    "versions_missing",
+    "floor_violations",
+    "pods_left",
+    "crashes",
+)
 EVALUATE_EVERY = 100  # versions: the demo makes about 25 a minute here
 
 
@@ -84,6 +95,8 @@ def main() -> None:
             bed.stop()
     print(json.dumps({"bench": "faults", "minutes": args.minutes, "seed": args.seed} | found))
     sys.stdout.flush()
+    if any(found[key] for key in LOSSES):
+        sys.exit(1)  # something lost, done twice, left or crashed: the JSON says what
 
 
 if __name__ == "__main__":

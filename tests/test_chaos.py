@@ -1,25 +1,25 @@
 """Faults in a run under the operators, and the audit that says what they cost.
 
 The schedule and the audit are pure and tested alone; the run itself is
-`bench/faults.py`'s, shortened: a real trainer, workers and operators on the bed,
-killed and restarted while they train, then audited from durable state."""
+`bench/faults.py` (`--minutes 2` for a short one, which exits 1 when anything was lost):
+a real trainer, workers and operators on the bed, killed and restarted while they train,
+then audited from durable state. It left `make test` when the suite neared CI's limit;
+it comes back once the operated-plane tests share one plane."""
 
 from __future__ import annotations
 
 import itertools
-import json
 import socket
 import time
 
 import msgspec
 import pytest
-import yaml
-from conftest import ROOT, step_report
+from conftest import step_report
 
 from rlfleet.api.wire import StepReport, TrajectoryDrop
 from rlfleet.testbed.audit import Ledger, audit
 from rlfleet.testbed.bed import Bed, BedInfo
-from rlfleet.testbed.chaos import REGIONAL, FaultKind, run_with_faults, schedule
+from rlfleet.testbed.chaos import REGIONAL, FaultKind, schedule
 
 REGIONS = ["region-a", "region-b"]
 
@@ -105,30 +105,3 @@ def test_a_bed_server_restarted_leaves_the_bed_whole_for_the_next_run(testbed: B
         except OSError:
             assert time.monotonic() < deadline, "region-c's leaf node did not come back"
             time.sleep(0.1)
-
-
-@pytest.mark.bed
-def test_a_run_killed_at_random_loses_nothing(testbed: Bed, crds_installed: None, tmp_path) -> None:
-    document = yaml.safe_load((ROOT / "examples" / "local.yaml").read_text())
-    kinds = (
-        FaultKind.TRAINER,
-        FaultKind.ROLLOUT,
-        FaultKind.FEED,
-        FaultKind.HUB_OPERATOR,
-        FaultKind.REGION_OPERATOR,
-        FaultKind.NATS_HUB,
-        FaultKind.NATS_LEAF,
-    )
-    found = run_with_faults(
-        testbed, document, tmp_path / "run", minutes=2, seed=1, kinds=kinds, mean_gap_s=20
-    )
-    print(json.dumps(found))
-    assert set(found["faults_injected"]) == set(kinds)  # seed 1 tries each once in 2 minutes
-    for key in ("tasks_lost", "trajectories_lost", "trajectories_trained_twice"):
-        assert found[key] == 0, key
-    for key in ("versions_missing", "floor_violations", "pods_left", "crashes"):
-        assert found[key] == 0, key
-    # The audit read what it audits: every trajectory trained is on the stream.
-    audited = found["audit"]
-    assert audited["trajectories_published"] >= audited["trajectories_trained"] > 0
-    assert audited["tasks_issued"] >= audited["tasks_attempted"] > 0 and found["floor_checks"]
