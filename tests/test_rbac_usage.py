@@ -29,8 +29,11 @@ def test_allowed_requests_of_the_releases_accounts_use_their_grants() -> None:
         line(OPERATOR, "delete", 403, apiGroup="apps", resource="deployments"),  # refused
         line("kubernetes-admin", "list", resource="pods"),  # not the operator's
         line("system:serviceaccount:other:rlfleet-operator", "list", resource="pods"),
+        line(OPERATOR, "patch", 201, apiGroup="apps", resource="deployments"),  # applied new
     ]
     assert used_grants(lines) == {
+        Grant("rlfleet-operator", "apps", "deployments", "patch"),
+        Grant("rlfleet-operator", "apps", "deployments", "create"),
         Grant("rlfleet-operator", "rlfleet.io", "rlruns/status", "patch"),
         Grant("rlfleet-operator", "", "secrets", "get"),
         Grant("rlfleet-operator", "", "secrets", "get", "envpool-key"),

@@ -236,10 +236,11 @@ def weights_mirror_config(run: str, hub_domain: str) -> StreamConfig:
 def run_stream_configs(
     run: str, trajectory_backlog: int = TRAJECTORY_BACKLOG
 ) -> list[StreamConfig]:
-    """Every stream the run has on the hub."""
+    """Every stream the run has on the hub; the trajectories' first, whose bound is
+    reserved: a new run the hub's store has no room for gets no stream at all."""
     return [
-        task_stream_config(run),
         trajectory_stream_config(run, trajectory_backlog),
+        task_stream_config(run),
         step_stream_config(run),
         evaluation_stream_config(run),
         weights_stream_config(run),

@@ -79,9 +79,13 @@ def used_grants(audit_lines: Iterable[str]) -> set[Grant]:
             continue
         resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
         account, group = user.removeprefix(_ACCOUNT), ref.get("apiGroup", "")
-        used.add(Grant(account, group, resource, event["verb"]))
-        if ref.get("name"):
-            used.add(Grant(account, group, resource, event["verb"], ref["name"]))
+        verbs = [event["verb"]]
+        if event["verb"] == "patch" and status == 201:  # a server-side apply that created
+            verbs.append("create")
+        for verb in verbs:
+            used.add(Grant(account, group, resource, verb))
+            if ref.get("name"):
+                used.add(Grant(account, group, resource, verb, ref["name"]))
     return used
 
 
