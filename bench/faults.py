@@ -11,7 +11,7 @@ no fault to kill them), `recovery_seconds` (per kind, p50 and p99 of the seconds
 fault to the trainer's next step) and the whole `audit`. Bad input and permissions have
 their figures from their tests (`tests/test_bad_input.py`, `tests/test_bed_nats.py`).
 The run's logs stay in `.rlfleet/bench/faults/`. It exits 1 when any of `LOSSES` is not 0:
-`--minutes 2` is the short check (about 8 minutes here).
+`--minutes 2` is the short check (8 to 10 minutes here, its own bed included).
 """
 
 from __future__ import annotations
