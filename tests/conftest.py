@@ -22,6 +22,7 @@ from rlfleet.launch.caches import CACHE_ROOT_ENV, own_caches
 from rlfleet.local.binaries import binary
 from rlfleet.local.nats import StandaloneNats
 from rlfleet.testbed.bed import Bed, BedInfo
+from rlfleet.testbed.kube import audit_log
 from rlfleet.testbed.rbac import bed_usage
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -211,7 +212,7 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     """Which of the chart's RBAC grants the operators used in this session's bed
     (`rlfleet.testbed.rbac`): those unused are ones no test needed."""
     logs = config.stash.get(BED_LOGS, None)
-    if logs is None or not any(logs.glob("*-audit*.log")):
+    if logs is None or not any(logs.glob(f"{audit_log(Path(), '*').stem}*.log")):
         return
     terminalreporter.section("RBAC grants the operators used")
     try:

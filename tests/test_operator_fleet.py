@@ -70,7 +70,7 @@ from rlfleet.testbed.fleet import (
     TrafficServer,
     serving_deployment,
 )
-from rlfleet.testbed.kube import H100, L4
+from rlfleet.testbed.kube import H100, L4, audit_log
 from rlfleet.testbed.rbac import Grant, used_grants
 from rlfleet.testbed.traces import TraceReceiver
 
@@ -912,7 +912,7 @@ def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: 
 
     # The hub's API server audits what the operator's account did (`testbed.rbac`): the
     # run's status patches among it.
-    audit = world.fleet.bed.state_dir / "logs" / "hub-audit.log"
+    audit = audit_log(world.fleet.bed.state_dir / "logs", HUB)
     patched = Grant("rlfleet-operator", "rlfleet.io", "rlruns/status", "patch")
     wait_for("the audit log", lambda: patched in used_grants(audit.read_text().splitlines()))
 

@@ -153,6 +153,12 @@ AUDIT_POLICY = {
 }
 
 
+def audit_log(log_dir: Path, cluster: str) -> Path:
+    """Where a bed cluster's API server writes its audit log (`AUDIT_POLICY`); the parts
+    it rotates out sit beside it as `<cluster>-audit-<time>.log`."""
+    return log_dir / f"{cluster}-audit.log"
+
+
 def _start_apiserver(
     spec: ClusterSpec, supervisor: Supervisor, etcd: str, pki: Pki, tokens: Path, state: Path
 ) -> Cluster:
@@ -181,7 +187,7 @@ def _start_apiserver(
             "--enable-priority-and-fairness=false",
             # What the operators' accounts do, to show each RBAC rule is used (`testbed.rbac`).
             f"--audit-policy-file={audit_policy}",
-            f"--audit-log-path={supervisor.log_dir / f'{spec.name}-audit.log'}",
+            f"--audit-log-path={audit_log(supervisor.log_dir, spec.name)}",
             "--audit-log-format=json",
             "--audit-log-mode=batch",
             "--audit-log-batch-max-wait=1s",

@@ -20,6 +20,7 @@ import yaml
 
 from rlfleet.local.binaries import binary
 from rlfleet.testbed.fleet import CHART, RELEASE, RELEASE_NAMESPACE
+from rlfleet.testbed.kube import audit_log
 
 _ACCOUNT = f"system:serviceaccount:{RELEASE_NAMESPACE}:"
 
@@ -97,9 +98,9 @@ def bed_usage(logs: Path) -> dict[str, tuple[int, list[Grant]]]:
     """For each role, how many grants the chart makes and those unused, from the audit
     logs of a bed's clusters (`<cluster>-audit.log` in `logs`, and its rotated parts)."""
     found = {}
-    for role, pattern in (("hub", "hub-audit*.log"), ("region", "region-*-audit*.log")):
+    for role, clusters in (("hub", "hub"), ("region", "region-*")):
         used: set[Grant] = set()
-        for path in sorted(logs.glob(pattern)):
+        for path in sorted(logs.glob(f"{audit_log(Path(), clusters).stem}*.log")):
             with path.open() as lines:
                 used |= used_grants(lines)
         grants = chart_grants(role)

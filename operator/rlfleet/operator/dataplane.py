@@ -101,6 +101,10 @@ class DataPlane:
             raise DataPlaneUnavailable(
                 f"NATS {self.url}: no answer in {self.timeout_s}s"
             ) from error
+        except nats.js.errors.APIError as error:
+            if error.err_code == _NO_STORAGE:
+                raise StorageRefused(error.description or str(error)) from error
+            raise DataPlaneUnavailable(f"NATS {self.url}: {error}") from error
         except (nats.errors.Error, OSError) as error:
             raise DataPlaneUnavailable(f"NATS {self.url}: {error}") from error
 
@@ -136,13 +140,7 @@ class DataPlane:
         `trajectory_backlog`) and a mirror of its weights in each region's JetStream
         domain; returns the regions whose mirror could not be made yet. StorageRefused
         when the hub has no room to reserve the bound."""
-        try:
-            return self._run(self._ensure_streams(run, regions, trajectory_backlog))
-        except DataPlaneUnavailable as error:
-            cause = error.__cause__
-            if isinstance(cause, nats.js.errors.APIError) and cause.err_code == _NO_STORAGE:
-                raise StorageRefused(cause.description or str(cause)) from cause
-            raise
+        return self._run(self._ensure_streams(run, regions, trajectory_backlog))
 
     async def _ensure_streams(
         self, run: str, regions: list[str], trajectory_backlog: int
