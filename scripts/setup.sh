@@ -21,11 +21,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.rlfleet-lock
 # The editable install maps each top-level subpackage, so a new one means reinstalling.
-want=$( (cat requirements/lock.txt requirements/overrides.txt pyproject.toml setup.py; ls -d ./*/rlfleet/*/) |
+want=$( (cat requirements/lock.txt requirements/overrides.txt pyproject.toml setup.py scripts/setup.sh; ls -d ./*/rlfleet/*/) |
   sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "syncing the Python environment with requirements/lock.txt"
-  VIRTUAL_ENV="$root/.venv" "$uv" pip sync --quiet requirements/lock.txt
+  # Bytecode compiled once here: this machine and CI set PYTHONDONTWRITEBYTECODE, so without
+  # it every process compiles torch, transformers and vLLM from source again (an import of
+  # vLLM 28 s instead of 14, a CPU engine's start 2.5 min instead of under 1).
+  VIRTUAL_ENV="$root/.venv" "$uv" pip sync --quiet --compile-bytecode requirements/lock.txt
   VIRTUAL_ENV="$root/.venv" "$uv" pip install --quiet --no-deps -e .
   echo "$want" > "$stamp"
 fi
