@@ -46,6 +46,21 @@ def test_the_specs_weight_sync_reaches_every_component_that_moves_weights() -> N
         assert (sync.snapshot_every, sync.shard_bytes) == (20, 4 << 20)
 
 
+def test_a_production_runs_cycle_deadline_and_canary_reach_its_conductor() -> None:
+    production = PRODUCTION | {
+        "cycle": {"phaseDeadlineSeconds": 900},
+        "canary": {"windowSeconds": 120, "minSamples": 8},
+    }
+    document = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())["spec"]
+    trainer = document.get("trainer", {}) | {"routerReplay": False}
+    production_run = {"rollout": None, "production": production, "trainer": trainer}
+    gated = {"evaluation": {"suite": "rules"}}
+    spec = RLRunSpec.model_validate(document | gated | production_run)
+    conductor = launch.CONDUCTOR.for_pod("r", spec, AT)
+    assert conductor.phase_deadline_s == 900
+    assert (conductor.canary.window_s, conductor.canary.min_samples) == (120, 8)
+
+
 def _local(tmp_path: Path) -> dict[str, plan.Process]:
     spec = _spec("local.yaml")
     leaves = {r.name: SimpleNamespace(url=f"nats://{r.name}:4222") for r in spec.rollout.regions}

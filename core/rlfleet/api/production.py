@@ -124,6 +124,16 @@ class CycleSpec(ApiModel):
             "over its group's mean.",
         ),
     ] = 8
+    phase_deadline_seconds: Annotated[
+        int,
+        Field(
+            ge=60,
+            le=7 * DAY_S,
+            description="How long a cycle may train its candidate, and then evaluate it: "
+            "past it in either phase the cycle ends TimedOut and the trainer goes back to "
+            "the serving version. A canary ends by its own window.",
+        ),
+    ] = 4 * 3600
 
     @model_validator(mode="after")
     def _samples_ordered(self) -> CycleSpec:

@@ -504,6 +504,7 @@ class CycleOutcome(StrEnum):
     ROLLED_BACK = "RolledBack"
     PROMOTED = "Promoted"
     OVERRIDDEN = "Overridden"  # an on-call order ended it (`ServeOrder`)
+    TIMED_OUT = "TimedOut"  # training or evaluating its candidate outlasted the deadline
 
 
 class FinishedCycle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

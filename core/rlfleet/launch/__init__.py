@@ -444,6 +444,7 @@ def conductor_settings(name: str, spec: RLRunSpec, at: Placement) -> ConductorCo
             window_s=float(canary.window_seconds),
             min_samples=canary.min_samples,
         ),
+        phase_deadline_s=float(production.cycle.phase_deadline_seconds),
         metrics_port=at.metrics_port,
     )
 

@@ -436,6 +436,10 @@ class ConductorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     base_version: Annotated[int, msgspec.Meta(ge=0)] = 0  # what production serves at first
     gate: GatePolicy = GatePolicy()
     canary: CanaryPolicy = CanaryPolicy()
+    # Training, or evaluating, a candidate longer than this ends the cycle.
+    phase_deadline_s: Annotated[float, msgspec.Meta(gt=0)] = spec_default(
+        CycleSpec, "phase_deadline_seconds"
+    )
     poll_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
     metrics_port: MetricsPort = None
 

@@ -212,6 +212,7 @@ def summary(records: list[dict], state: CycleState | None, invert_cycle: int | N
         "rejected": outcomes.count(CycleOutcome.REJECTED),
         "rolled_back": outcomes.count(CycleOutcome.ROLLED_BACK),
         "skipped": outcomes.count(CycleOutcome.SKIPPED),
+        "timed_out": outcomes.count(CycleOutcome.TIMED_OUT),
         "outcomes": [f"{c.number}: {c.outcome} ({c.why})" for c in history],
         "accept_rate_by_cycle": accept,
         "accept_rate_first": known[0] if known else None,

@@ -93,7 +93,9 @@ class Conductor:
 
     async def turn(self, state: CycleState, now: float) -> CycleState:
         """Observe, decide, act; the state after, published if it changed."""
-        step = advance(state, await self.observe(state, now), self.config.canary)
+        step = advance(
+            state, await self.observe(state, now), self.config.canary, self.config.phase_deadline_s
+        )
         if step.state == state and not step.actions:
             return state
         await self.act(state, step)

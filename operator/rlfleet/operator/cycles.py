@@ -8,6 +8,12 @@ on the actions it returns, records the state in the run's status and emits the e
                --the gate refuses--> Rejected
     Canary --the canary judged--> Promoted: every set told the candidate
            --judged worse--> RolledBack: the canary set told the serving version
+    Training or Evaluating --past the phase deadline--> TimedOut
+
+A trainer or an evaluator that never reports would hold the cycle, and production's
+learning, forever: past its deadline the cycle ends and the next one collects. A canary
+needs no deadline of its own: with too little traffic it is rolled back at twice its
+window (`judge_canary`).
 
 Every cycle ends in exactly one outcome, then the next cycle collects. Only a promotion
 changes what production serves, and only to a candidate that passed the gate and its
@@ -83,9 +89,17 @@ class Step:
     events: list[CycleEvent] = field(default_factory=list)
 
 
-def advance(state: CycleState, seen: Observed, canary: CanaryPolicy) -> Step:
+def advance(state: CycleState, seen: Observed, canary: CanaryPolicy, deadline_s: float) -> Step:
     if seen.order is not None and seen.order.number > state.orders:
         return _ordered(state, seen.order, seen.now)
+    step = _step(state, seen, canary)
+    late = seen.now - state.since >= deadline_s
+    if late and step.state == state and state.phase in (Phase.TRAINING, Phase.EVALUATING):
+        return _timed_out(state, seen)
+    return step
+
+
+def _step(state: CycleState, seen: Observed, canary: CanaryPolicy) -> Step:
     match state.phase:
         case Phase.COLLECTING:
             return _collecting(state, seen)
@@ -198,11 +212,24 @@ def _evaluating(state: CycleState, seen: Observed) -> Step:
     return Step(canary, [Action(Act.SERVE, candidate, CANARY)], _event("CanaryStarted", message))
 
 
+def _timed_out(state: CycleState, seen: Observed) -> Step:
+    elapsed = f"{seen.now - state.since:.0f} s"
+    if state.phase == Phase.TRAINING:
+        what = f"trained on {seen.taken} of its {state.collected} trajectories in {elapsed}"
+    else:
+        what = f"version {state.candidate} not evaluated after {elapsed}"
+    why = f"cycle {state.number}: {what}; the trainer goes back to version {state.serving}"
+    timed_out = _finish(state, Outcome.TIMED_OUT, why, seen.now, state.serving)
+    return Step(timed_out, [Action(Act.RESET_TRAINER, state.serving)], _event("CycleTimedOut", why))
+
+
 def _canary(state: CycleState, seen: Observed, policy: CanaryPolicy) -> Step:
     candidate = state.candidate
-    if seen.live is None or candidate is None:
+    if candidate is None:
         return Step(state)
-    verdict = judge_canary(*seen.live, seen.now - state.since, policy)
+    # No tally yet is no canary traffic yet: judged so, it cannot wait past the window.
+    live = seen.live or (RewardTally(), RewardTally())
+    verdict = judge_canary(*live, seen.now - state.since, policy)
     if verdict.call == CanaryCall.WAIT:
         return Step(state)
     why = f"version {candidate}: {verdict.reason}"

@@ -25,7 +25,14 @@ from rlfleet.operator.status import Event, timestamp
 
 # Transitions an on-call engineer is warned of: a candidate users will not get.
 WARNINGS = frozenset(
-    {"CandidateRejected", "CanaryRolledBack", "CycleSkipped", "OrderRefused", "ServingOverridden"}
+    {
+        "CandidateRejected",
+        "CanaryRolledBack",
+        "CycleSkipped",
+        "CycleTimedOut",
+        "OrderRefused",
+        "ServingOverridden",
+    }
 )
 
 
