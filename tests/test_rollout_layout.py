@@ -147,6 +147,9 @@ if engines.ENGINE in os.environ:  # an engine process
     with open(seen, "a") as f:
         f.write(f"{os.environ['CUDA_VISIBLE_DEVICES']} {index}\\n")
     if index == sys.argv[2]:
+        # Once the other is up (its handler set), or it would die of the SIGTERM unheard.
+        while len(open(seen).read().splitlines()) < 2:
+            time.sleep(0.05)
         sys.exit(7)
     time.sleep(120)
     sys.exit(1)

@@ -33,20 +33,18 @@ def run(chosen: layout.Layout, command: list[str]) -> int:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     count = chosen.tensor_parallel * chosen.engines
     devices = visible.split(",") if visible else [str(index) for index in range(count)]
-    children = [
-        subprocess.Popen(
-            command,
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(group), ENGINE: str(index)},
-        )
-        for index, group in enumerate(layout.engine_devices(devices, chosen))
-    ]
+    children: list[subprocess.Popen] = []
 
     def stop(*_) -> None:
         for child in children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
 
+    # Before the first child: a SIGTERM while they start must reach those started.
     signal.signal(signal.SIGTERM, stop)
+    for index, group in enumerate(layout.engine_devices(devices, chosen)):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(group), ENGINE: str(index)}
+        children.append(subprocess.Popen(command, env=env))
     failed = 0
     while any(child.poll() is None for child in children):
         for child in children:
