@@ -266,6 +266,9 @@ def test_with_nats_cut_requests_are_served_and_captures_wait_or_are_dropped_coun
         wait_for("a buffered capture", lambda r=response_id: pool.capture(r), timeout=60)
     assert [pool.capture(r) for r in ids[held:]] == [None, None]
     assert pool.feedback(ids[0])[0] == 200
+    # Feedback on a dropped one is acknowledged, not stored: no capture would match it.
+    assert [pool.feedback(r) for r in ids[held:]] == [(200, {"status": "not_captured"})] * 2
+    assert sum(_messages(pool, feedback_subject(pool.run, r)) for r in ids[held:]) == 0
 
 
 def _messages(pool: Pool, subjects: str) -> int:
@@ -416,11 +419,12 @@ def test_a_capture_too_large_for_a_message_is_dropped_counted_and_the_next_store
         await ensure_run_streams(admin, run, None)
         bus = Bus(config)
         await bus.keep_connected()
-        captures = Captures(bus, 4)
+        dropped: list[str] = []
+        captures = Captures(bus, 4, on_dropped=dropped.append)
         storing = asyncio.create_task(captures.store_forever())
         before = too_large()
-        captures.offer(completion("long", 100_000))  # ~1.4 MB: more than a NATS message
-        captures.offer(completion("short", 10))
+        assert captures.offer(completion("long", 100_000))  # ~1.4 MB: more than a message
+        assert captures.offer(completion("short", 10))
         js = admin.jetstream()
         deadline = time.monotonic() + 30
         while True:
@@ -430,7 +434,7 @@ def test_a_capture_too_large_for_a_message_is_dropped_counted_and_the_next_store
             except NotFoundError:
                 assert time.monotonic() < deadline, "the capture after it was never stored"
                 await asyncio.sleep(0.1)
-        assert too_large() == before + 1
+        assert too_large() == before + 1 and dropped == ["long"]  # feedback on it: not_captured
         with pytest.raises(NotFoundError):
             await js.get_last_msg(capture_stream(run), capture_subject(run, "long"))
         storing.cancel()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -164,16 +165,23 @@ class Bus:
 class Captures:
     """A bounded buffer of captures and the task that stores them in the run's stream."""
 
-    def __init__(self, bus: Bus, size: int) -> None:
+    def __init__(
+        self, bus: Bus, size: int, on_dropped: Callable[[str], None] = lambda response_id: None
+    ) -> None:
         self.bus = bus
         self.queue: asyncio.Queue[CapturedCompletion] = asyncio.Queue(size)
+        self.on_dropped = on_dropped  # told the response id of a capture never stored
 
-    def offer(self, capture: CapturedCompletion) -> None:
+    def offer(self, capture: CapturedCompletion) -> bool:
+        """Whether the buffer took it: a full one drops it, counted."""
         try:
             self.queue.put_nowait(capture)
         except asyncio.QueueFull:
             captured.labels("dropped_buffer_full").inc()
-        buffered.set(self.queue.qsize())
+            return False
+        finally:
+            buffered.set(self.queue.qsize())
+        return True
 
     async def store_forever(self) -> None:
         while True:
@@ -185,6 +193,8 @@ class Captures:
                 await asyncio.sleep(0.5)
             captured.labels(outcome).inc()
             buffered.set(self.queue.qsize())
+            if outcome != "stored":
+                self.on_dropped(capture.response_id)
 
     async def _store(self, subject: str, data: bytes) -> str | None:
         """What became of one capture; None: NATS is away, try again."""

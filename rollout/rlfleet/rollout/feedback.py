@@ -4,10 +4,10 @@ Each answer says what happened: 200 once the event is stored in the run's feedba
 stream (or was already: the stream keeps one message per response and event id, so a
 client's retry is recorded once however late it comes), 400 naming what is wrong with
 the body, 401 without the pool's API key, 404 for a response this pool did not capture
-(200 `not_captured` for one this server served without capturing, as it spanned a
-version switch), 413 for a body over `MAX_BODY_BYTES`, 503 while the stream cannot be
-reached (nothing is stored; retry). Feedback after the pool's window is stored too,
-marked and counted as late.
+(200 `not_captured` for one this server served without capturing: it spanned a
+version switch, or its capture was dropped), 413 for a body over `MAX_BODY_BYTES`, 503
+while the stream cannot be reached (nothing is stored; retry). Feedback after the pool's
+window is stored too, marked and counted as late.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import hmac
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 import nats.errors
@@ -77,8 +77,9 @@ class Answer:
 class Served:
     user: str
     served_at: float
-    # False: served here but not captured (it spanned a version switch), so there is
-    # nothing to learn from feedback on it; the client is told so, not that it is unknown.
+    # False: served here but not captured (it spanned a version switch, or its capture was
+    # dropped), so there is nothing to learn from feedback on it; the client is told so,
+    # not that it is unknown, and nothing is stored that no capture would ever match.
     captured: bool = True
 
 
@@ -96,6 +97,11 @@ class Remembered:
 
     def get(self, response_id: str) -> Served | None:
         return self._served.get(response_id)
+
+    def not_captured(self, response_id: str) -> None:
+        """Its capture was dropped after all (too large, refused by the stream)."""
+        if (served := self._served.get(response_id)) is not None:
+            self._served[response_id] = replace(served, captured=False)
 
 
 class FeedbackDesk:

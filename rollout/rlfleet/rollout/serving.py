@@ -82,9 +82,9 @@ class CaptureMiddleware:
         self.app = app
         self.config = from_json(Path(os.environ[SETTINGS_ENV]).read_bytes(), ServingConfig)
         self.bus = Bus(self.config)
-        self.captures = Captures(self.bus, self.config.buffer)
         keys = [key for key in [os.environ.get("VLLM_API_KEY", "")] if key]
         self.desk = FeedbackDesk(self.config, self.bus, keys)
+        self.captures = Captures(self.bus, self.config.buffer, self.desk.remembered.not_captured)
         self._tasks: list[asyncio.Task] = []
 
     def _start(self, app) -> None:
@@ -181,8 +181,9 @@ class CaptureMiddleware:
         except (ValueError, KeyError, TypeError, msgspec.DecodeError):
             capture.skipped.labels(Skip.UNREADABLE).inc()
             return reply
-        self.desk.remembered.add(captured.response_id, Served(user, captured.served_at))
-        self.captures.offer(captured)
+        # A capture the buffer cannot take is never stored: feedback on it would be orphaned.
+        buffered = self.captures.offer(captured)
+        self.desk.remembered.add(captured.response_id, Served(user, captured.served_at, buffered))
         return reply
 
 
