@@ -179,3 +179,23 @@ def test_the_pod_stops_every_engine_when_one_fails_and_reports_its_status(tmp_pa
 def _env(visible: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     return env | ({"CUDA_VISIBLE_DEVICES": visible} if visible else {})
+
+
+STUCK = """
+import threading
+from rlfleet.rollout.engine import _VllmThread
+
+calls = _VllmThread()
+calls.submit(lambda: 1).result(timeout=30)
+calls.submit(threading.Event().wait)  # as a call into a vLLM whose engine core died
+print(calls.stop(wait_s=0.5))
+"""
+
+
+def test_a_worker_whose_call_into_vllm_never_returns_still_exits() -> None:
+    """A rollout worker stopping with a call into vLLM stuck (its engine core died) leaves
+    the call and exits, so its pod ends instead of hanging until it is killed."""
+    done = subprocess.run(
+        [sys.executable, "-c", STUCK], capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "False"), done.stderr[-2000:]

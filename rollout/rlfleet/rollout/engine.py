@@ -13,13 +13,15 @@ that sampled it, and those labels become the trajectory's per-token policy versi
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import itertools
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +33,9 @@ from rlfleet.rollout import metrics, vllm_experts
 from rlfleet.weightsync import vllm_held, vllm_update, wait_for_version_async
 
 log = logging.getLogger(__name__)
+
+# How long a closing engine waits for a call into vLLM under way to return.
+CLOSE_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,44 @@ class _Pending:
     done: asyncio.Future[Completion]
 
 
+class _VllmThread:
+    """Runs calls into vLLM one at a time, in order, on one daemon thread.
+
+    vLLM's client talks to its engine over ZeroMQ sockets, which must not be used from two
+    threads at once. Not a ThreadPoolExecutor: Python joins those threads at exit, and a
+    call into vLLM can wait forever once its engine core has died (the client fails the
+    calls it has outstanding when it sees the death; one sent after that is never
+    answered). A worker stopping with such a call stuck never exited (seen in CI: the
+    rollout worker's test teardown waited 60 s and killed it).
+    """
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="vllm", daemon=True)
+        self._thread.start()
+
+    def submit(self, function: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((function, future))
+        return future
+
+    def stop(self, wait_s: float) -> bool:
+        """Ends the thread after the calls before; False if one is still under way."""
+        self._calls.put(None)
+        self._thread.join(wait_s)
+        return not self._thread.is_alive()
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            function, future = call
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller stopped waiting
+            try:
+                future.set_result(function())
+            except BaseException as error:  # the caller's to handle
+                future.set_exception(error)
+
+
 class Engine:
     """Drives `llm` (a `vllm.LLM` made with the rollout worker extension) for many sessions."""
 
@@ -80,9 +123,7 @@ class Engine:
         self._work = asyncio.Event()
         self._next_poll = 0.0
         self._driver: asyncio.Task | None = None
-        # vLLM's client talks to its engine over ZeroMQ sockets, which must not be used
-        # from two threads at once: every call into vLLM runs on this one thread.
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm")
+        self._thread = _VllmThread()  # every call into vLLM runs on it
 
     @property
     def tokenizer(self):
@@ -90,8 +131,7 @@ class Engine:
 
     async def call(self, function: Callable[..., Any], *args: Any) -> Any:
         """Run `function(*args)` (anything that touches vLLM) on the engine's thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, functools.partial(function, *args))
+        return await asyncio.wrap_future(self._thread.submit(functools.partial(function, *args)))
 
     async def start(self) -> None:
         self.moe = await self.call(vllm_experts.start, self.llm) > 0
@@ -102,7 +142,8 @@ class Engine:
             self._driver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._driver
-        self._thread.shutdown(wait=True)
+        if not self._thread.stop(CLOSE_WAIT_S):
+            log.warning("a call into vLLM did not return in %.0f s: leaving it", CLOSE_WAIT_S)
 
     async def wait_for_version(self, version: int, timeout_s: float) -> None:
         """Block until the model runs `version` or newer (weights arrive via weightsync)."""
