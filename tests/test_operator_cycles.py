@@ -19,6 +19,7 @@ from rlfleet.operator.cycles import (
     Observed,
     Outcome,
     Phase,
+    Step,
     advance,
     first_state,
 )
@@ -28,6 +29,10 @@ POLICY = CanaryPolicy(max_drop=0.05, confidence=0.95, window_s=600, min_samples=
 DEADLINE = 3000.0  # for training, and for evaluating, a candidate
 PASSED = GateVerdict(True, 0.01, -0.005, 200, ())
 REFUSED = GateVerdict(False, -0.1, -0.12, 200, ("not shown within 0.02",))
+
+
+def decide(state: CycleState, seen: Observed) -> Step:
+    return advance(state, seen, POLICY, DEADLINE)
 
 
 def report(cycle: int, trained_on: int) -> CycleReport:
@@ -57,23 +62,18 @@ def live(good: int, bad: int) -> RewardTally:
 
 def test_a_cycle_collected_trained_gated_and_canaried_is_promoted():
     state = first_state("live", serving=0, now=0)
-    state = advance(state, Observed(1, report(1, 16)), POLICY, DEADLINE).state
+    state = decide(state, Observed(1, report(1, 16))).state
     assert (state.phase, state.collected) == (Phase.TRAINING, 16)
-    assert (
-        advance(state, Observed(2, None, taken=10, version_after=3), POLICY, DEADLINE).state
-        == state
-    )
-    step = advance(state, Observed(3, None, taken=16, version_after=4), POLICY, DEADLINE)
+    assert decide(state, Observed(2, None, taken=10, version_after=3)).state == state
+    step = decide(state, Observed(3, None, taken=16, version_after=4))
     assert step.actions == [Action(Act.EVALUATE, 4), Action(Act.EVALUATE, 0)]
-    step = advance(step.state, Observed(4, None, gate=PASSED), POLICY, DEADLINE)
+    step = decide(step.state, Observed(4, None, gate=PASSED))
     assert step.actions == [Action(Act.SERVE, 4, CANARY)]
     assert step.events[0].reason == "CanaryStarted"
     canary = step.state
     even = (live(30, 10), live(300, 100))
-    assert (
-        advance(canary, Observed(100, None, live=even), POLICY, DEADLINE).state == canary
-    )  # window
-    step = advance(canary, Observed(4 + 600, None, live=even), POLICY, DEADLINE)
+    assert decide(canary, Observed(100, None, live=even)).state == canary  # window
+    step = decide(canary, Observed(4 + 600, None, live=even))
     assert step.actions == [Action(Act.SERVE, 4, STABLE)]
     assert (step.state.serving, step.state.number, step.state.phase) == (4, 2, Phase.COLLECTING)
     assert step.state.history[-1].outcome == Outcome.PROMOTED
@@ -83,7 +83,7 @@ def test_a_cycle_collected_trained_gated_and_canaried_is_promoted():
 def test_a_poisoned_candidate_is_rolled_back_and_the_trainer_sent_back():
     state = CycleState(run="live", number=2, phase=Phase.CANARY, since=0, serving=4, candidate=7)
     poisoned = (live(2, 30), live(300, 100))
-    step = advance(state, Observed(60, None, live=poisoned), POLICY, DEADLINE)
+    step = decide(state, Observed(60, None, live=poisoned))
     assert step.actions == [Action(Act.SERVE, 4, CANARY), Action(Act.RESET_TRAINER, 4)]
     assert step.state.serving == 4 and step.state.history[-1].outcome == Outcome.ROLLED_BACK
     reason, message = step.events[0].reason, step.events[0].message
@@ -94,14 +94,14 @@ def test_a_refused_candidate_never_reaches_users():
     state = CycleState(
         run="live", number=3, phase=Phase.EVALUATING, since=0, serving=4, candidate=9
     )
-    step = advance(state, Observed(1, None, gate=REFUSED), POLICY, DEADLINE)
+    step = decide(state, Observed(1, None, gate=REFUSED))
     assert step.actions == [Action(Act.RESET_TRAINER, 4)]
     assert step.events == [CycleEvent("CandidateRejected", "version 9: not shown within 0.02")]
     assert step.state.history[-1].outcome == Outcome.REJECTED
 
 
 def test_a_cycle_with_nothing_to_train_on_is_skipped():
-    step = advance(first_state("live", 0, 0), Observed(1, report(1, 0)), POLICY, DEADLINE)
+    step = decide(first_state("live", 0, 0), Observed(1, report(1, 0)))
     assert step.state.number == 2 and step.state.history[-1].outcome == Outcome.SKIPPED
     assert step.events[0].reason == "CycleSkipped"
 
@@ -111,9 +111,9 @@ def test_a_cycle_whose_trainer_or_evaluator_never_finishes_times_out():
         run="live", number=3, phase=Phase.TRAINING, since=100, serving=4, collected=16
     )
     stuck = Observed(100 + DEADLINE - 1, None, taken=10, version_after=6)
-    assert advance(training, stuck, POLICY, DEADLINE).state == training
+    assert decide(training, stuck).state == training
     late = Observed(100 + DEADLINE, None, taken=10, version_after=6)
-    step = advance(training, late, POLICY, DEADLINE)
+    step = decide(training, late)
     assert step.actions == [Action(Act.RESET_TRAINER, 4)]  # it learnt from part of a cycle
     assert (step.state.number, step.state.phase, step.state.serving) == (4, Phase.COLLECTING, 4)
     assert step.state.history[-1].outcome == Outcome.TIMED_OUT
@@ -125,19 +125,17 @@ def test_a_cycle_whose_trainer_or_evaluator_never_finishes_times_out():
         )
     ]
     # Progress seen at the deadline is taken, not thrown away.
-    done = advance(
-        training, Observed(100 + DEADLINE, None, taken=16, version_after=6), POLICY, DEADLINE
-    )
+    done = decide(training, Observed(100 + DEADLINE, None, taken=16, version_after=6))
     assert done.state.phase == Phase.EVALUATING
     evaluating = replace(training, phase=Phase.EVALUATING, candidate=6)
-    step = advance(evaluating, Observed(100 + DEADLINE, None), POLICY, DEADLINE)
+    step = decide(evaluating, Observed(100 + DEADLINE, None))
     assert step.events[0].message.startswith("cycle 3: version 6 not evaluated after 3000 s")
 
 
 def test_a_canary_no_user_answers_is_rolled_back_at_twice_its_window():
     canary = CycleState(run="live", number=2, phase=Phase.CANARY, since=0, serving=4, candidate=7)
-    assert advance(canary, Observed(1199, None), POLICY, DEADLINE).state == canary
-    step = advance(canary, Observed(1200, None), POLICY, DEADLINE)
+    assert decide(canary, Observed(1199, None)).state == canary
+    step = decide(canary, Observed(1200, None))
     assert step.actions == [Action(Act.SERVE, 4, CANARY), Action(Act.RESET_TRAINER, 4)]
     assert "too little canary traffic" in step.events[0].message
 
@@ -172,7 +170,7 @@ def test_every_cycle_ends_once_and_only_a_judged_candidate_is_served(data, steps
         seen = data.draw(observation(state, now))
         if silent:
             seen = dataclasses.replace(seen, taken=0, version_after=None, gate=None)
-        step = advance(state, seen, POLICY, DEADLINE)
+        step = decide(state, seen)
         if state.phase == Phase.EVALUATING and seen.gate is not None and seen.gate.passed:
             passed.add(state.candidate)
         for action in step.actions:
@@ -198,35 +196,30 @@ def test_an_on_call_order_serves_only_a_kept_version_once_and_ends_the_cycle():
         run="live", number=5, phase=Phase.CANARY, since=0, serving=4, candidate=7, previous=2
     )
     everywhere = [Action(Act.SERVE, 7, CANARY), Action(Act.SERVE, 7, STABLE)]
-    step = advance(canary, Observed(1, None, order=ServeOrder("live", 1, 7)), POLICY, DEADLINE)
+    step = decide(canary, Observed(1, None, order=ServeOrder("live", 1, 7)))
     assert step.actions == everywhere  # the trainer already holds the candidate
     done = step.state
     assert (done.number, done.serving, done.previous, done.orders) == (6, 7, 4, 1)
     assert done.history[-1].outcome == Outcome.PROMOTED
     assert step.events[0].message == "version 7: promoted by on-call order 1"
     # The same order again is not carried out twice.
-    assert (
-        advance(done, Observed(2, None, order=ServeOrder("live", 1, 7)), POLICY, DEADLINE).actions
-        == []
-    )
+    assert decide(done, Observed(2, None, order=ServeOrder("live", 1, 7))).actions == []
 
-    step = advance(canary, Observed(1, None, order=ServeOrder("live", 1, 4)), POLICY, DEADLINE)
+    step = decide(canary, Observed(1, None, order=ServeOrder("live", 1, 4)))
     assert step.actions[-1] == Action(Act.RESET_TRAINER, 4)
     assert step.state.history[-1].outcome == Outcome.ROLLED_BACK
     assert (step.state.serving, step.state.previous) == (4, 2)
 
     # Back past a promotion, then forward again: each is the other's previous.
     collecting = replace(canary, phase=Phase.COLLECTING, candidate=None)
-    back = advance(collecting, Observed(1, None, order=ServeOrder("live", 1, 2)), POLICY, DEADLINE)
+    back = decide(collecting, Observed(1, None, order=ServeOrder("live", 1, 2)))
     assert (back.state.serving, back.state.previous) == (2, 4)
     assert back.state.history[-1].outcome == Outcome.OVERRIDDEN
     assert back.events[0].reason == "ServingOverridden"
-    forth = advance(back.state, Observed(2, None, order=ServeOrder("live", 2, 4)), POLICY, DEADLINE)
+    forth = decide(back.state, Observed(2, None, order=ServeOrder("live", 2, 4)))
     assert (forth.state.serving, forth.state.previous) == (4, 2)
 
     # A version whose weights are gone: refused, heard, nothing served.
-    refused = advance(
-        collecting, Observed(1, None, order=ServeOrder("live", 1, 7)), POLICY, DEADLINE
-    )
+    refused = decide(collecting, Observed(1, None, order=ServeOrder("live", 1, 7)))
     assert refused.actions == [] and refused.state == replace(collecting, orders=1)
     assert refused.events[0].reason == "OrderRefused"
