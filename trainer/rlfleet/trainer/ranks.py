@@ -58,19 +58,23 @@ def run_rank(local_rank: int, config: TrainerConfig) -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        if config.ranks.rank(local_rank) != 0:
-            # All ranks leave together when rank 0 says so (SIGTERM there finishes the step
-            # under way first); a rank that left alone would fail the step for everyone.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            asyncio.run(follow(config, local_rank))
-            return
-        trainer = Trainer(config)
-
-        async def run() -> None:
-            # SIGTERM finishes the step under way (checkpoint, publish, ack) and exits.
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, trainer.stopping.set)
-            await trainer.run()
-
-        asyncio.run(run())
+        _run(local_rank, config)
     finally:
         distributed.leave()
+
+
+def _run(local_rank: int, config: TrainerConfig) -> None:
+    if config.ranks.rank(local_rank) != 0:
+        # All ranks leave together when rank 0 says so (SIGTERM there finishes the step
+        # under way first); a rank that left alone would fail the step for everyone.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        asyncio.run(follow(config, local_rank))
+        return
+    trainer = Trainer(config)
+
+    async def run() -> None:
+        # SIGTERM finishes the step under way (checkpoint, publish, ack) and exits.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, trainer.stopping.set)
+        await trainer.run()
+
+    asyncio.run(run())
