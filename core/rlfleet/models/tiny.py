@@ -177,10 +177,9 @@ def fine_tune(
         width = max(len(rows[i]) for i in chosen)
         input_ids = torch.tensor([rows[i] + [pad] * (width - len(rows[i])) for i in chosen])
         targets = torch.tensor([labels[i] + [-100] * (width - len(labels[i])) for i in chosen])
-        attention = torch.tensor(
-            [[1] * len(rows[i]) + [0] * (width - len(rows[i])) for i in chosen]
-        )
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=targets).loss
+        # No attention mask: under causal attention no real token reads the right padding,
+        # and without a mask SDPA takes its causal kernel, a third faster on CPU.
+        loss = model(input_ids=input_ids, labels=targets).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
