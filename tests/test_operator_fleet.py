@@ -413,6 +413,52 @@ def test_a_traffic_spike_reclaims_the_gpus_and_serving_never_dips_below_its_floo
     wait_for("lending again", world.lent_everywhere)
 
 
+def test_a_rollout_pod_still_draining_past_the_reclaim_deadline_is_killed(
+    world: World,
+) -> None:
+    """A worker that does not finish its groups in time must not keep production waiting:
+    past `reclaimDeadlineSeconds` the operator deletes its pod with no grace. A finalizer
+    stands for a pod whose process will not stop (kwok's pods stop at once)."""
+    region, hold = "region-c", "rlfleet.io/test-hold"
+    wait_for("lending", world.lent_everywhere)
+    deadline = {"spec": {"reclaimDeadlineSeconds": 2}}
+    world.fleet.kubectl(
+        region, "-n", world.ns, "patch", "inferencepool", POOL, "--type=merge",
+        "-p", json.dumps(deadline),
+    )  # fmt: skip
+    (pod,) = world.items(region, "pods", "-l", "rlfleet.io/component=rollout")
+    name = pod["metadata"]["name"]
+    held = {"metadata": {"finalizers": [hold]}}
+    world.fleet.kubectl(
+        region, "-n", world.ns, "patch", "pod", name, "--type=merge", "-p", json.dumps(held)
+    )
+    try:
+        world.traffic.load[region] = 200.0
+        killed = wait_for(
+            "the reclaim deadline's kill",
+            lambda: [
+                e for e in world.events(region, POOL) if e["reason"] == "ReclaimDeadlineExceeded"
+            ],
+        )
+        assert killed[0]["type"] == "Warning"
+        assert killed[0]["message"].startswith("1 rollout pods did not finish within 2s")
+        stuck = world.get(region, "pod", name)["metadata"]
+        assert stuck["deletionGracePeriodSeconds"] == 0  # deleted again, with no grace
+        assert world.serving_pods(region) == 3  # its GPUs are not given twice meanwhile
+    finally:
+        world.fleet.kubectl(
+            region, "-n", world.ns, "patch", "pod", name, "--type=merge",
+            "-p", json.dumps({"metadata": {"finalizers": None}}),
+        )  # fmt: skip
+        deadline["spec"]["reclaimDeadlineSeconds"] = 20
+        world.fleet.kubectl(
+            region, "-n", world.ns, "patch", "inferencepool", POOL, "--type=merge",
+            "-p", json.dumps(deadline),
+        )  # fmt: skip
+        world.traffic.load[region] = 0.0
+    wait_for("lending again", world.lent_everywhere)
+
+
 def test_an_operator_killed_mid_lend_converges_without_flapping(world: World) -> None:
     wait_for("lending", world.lent_everywhere)
     world.traffic.load["region-a"] = 200.0
