@@ -12,7 +12,7 @@ from conftest import ROOT, evaluation_report, step_report
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlfleet.api.inferencepool import InferencePoolSpec
+from rlfleet.api.inferencepool import InferencePoolSpec, ServedVersion
 from rlfleet.api.rlrun import EvaluationGate, RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.api.wire import EvaluationReport
 from rlfleet.operator.gate import judge
@@ -24,6 +24,7 @@ from rlfleet.operator.runstatus import (
     decide,
     region_view,
 )
+from rlfleet.operator.served import MAX_SHOWN, count_served, parse_served
 from rlfleet.operator.status import differs, timestamp
 from rlfleet.pipeline.lending import Decision as Lending
 from rlfleet.pipeline.lending import PoolState
@@ -321,3 +322,56 @@ def test_each_run_whose_share_moved_gets_one_event_saying_which_way(
         grew = after.get(run, 0) > before.get(run, 0)
         assert event.reason == ("GPUsLent" if grew else "GPUsReclaiming")
         assert run in event.message and event.type == "Normal"
+
+
+def _exposition(*series: dict[str, str]) -> str:
+    lines = ["# TYPE rlfleet_serving_weights info"]
+    for labels in series:
+        text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        lines.append(f"rlfleet_serving_weights_info{{{text}}} 1.0")
+    return "\n".join(lines) + "\n"
+
+
+STABLE_7 = {"run": "r", "replica_set": "stable", "version": "7", "digest": "ab"}
+
+
+def test_a_serving_pod_counts_only_when_it_says_one_readable_version() -> None:
+    said = parse_served(_exposition(STABLE_7))
+    assert said == ServedVersion(run="r", replica_set="stable", version=7, digest="ab", replicas=1)
+    unreadable = [
+        "not metrics {",
+        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 3\n",  # plain vLLM
+        _exposition(STABLE_7, STABLE_7 | {"version": "8"}),  # two answers: neither
+        _exposition(STABLE_7 | {"version": "-1"}),
+        _exposition(STABLE_7 | {"run": ""}),
+        _exposition({k: v for k, v in STABLE_7.items() if k != "replica_set"}),
+        _exposition(STABLE_7 | {"digest": "x" * 129}),
+    ]
+    assert [parse_served(text) for text in unreadable] == [None] * len(unreadable)
+
+
+def test_served_versions_are_counted_per_set_and_digest_and_silence_apart() -> None:
+    def said(replica_set: str, version: int, digest: str = "d") -> ServedVersion:
+        return ServedVersion(
+            run="r", replica_set=replica_set, version=version, digest=digest, replicas=1
+        )
+
+    answers = [
+        said("stable", 6),
+        None,
+        said("canary", 7),
+        said("stable", 6),
+        said("stable", 6, "x"),
+    ]
+    served, unversioned = count_served(answers)
+    assert [(s.replica_set, s.version, s.digest, s.replicas) for s in served] == [
+        ("canary", 7, "d", 1),
+        ("stable", 6, "d", 2),
+        ("stable", 6, "x", 1),  # a pod whose weights differ from its set's shows apart
+    ]
+    assert unversioned == 1
+    # Past the status's bound, the smallest groups are counted as unversioned, not lost.
+    many = [said("stable", v) for v in range(MAX_SHOWN + 5)] + [said("stable", 0)]
+    served, unversioned = count_served(many)
+    assert len(served) == MAX_SHOWN and unversioned == 5
+    assert next(s for s in served if s.version == 0).replicas == 2

@@ -29,6 +29,7 @@ import nats.js.errors
 import pytest
 import yaml
 from conftest import ROOT, run_streams, scrape, step_report, wait_for
+from prometheus_client import start_http_server
 
 import images
 from rlfleet import launch
@@ -58,8 +59,10 @@ from rlfleet.bus import auth
 from rlfleet.bus.reading import newest
 from rlfleet.bus.streams import cycle_stream, step_stream
 from rlfleet.launch import run_key
+from rlfleet.launch.settings import ServingConfig
 from rlfleet.operator.workloads import ENVPOOL_PORT, rollout_name
 from rlfleet.rollout.envclient import EnvClient, EnvServerError
+from rlfleet.rollout.serving_versions import VersionFollower
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import (
     GVISOR,
@@ -1320,6 +1323,44 @@ def test_a_production_runs_cycles_show_in_its_status_columns_and_events(world: W
         "its hub objects gone",
         lambda: not world.items(HUB, "deployments", "-l", f"rlfleet.io/run={PRODUCTION_RUN}"),
     )
+
+
+def test_a_pools_status_shows_the_version_each_serving_replica_says_it_serves(
+    world: World,
+) -> None:
+    """The region operator asks every running serving pod's server at the pool's port what
+    it serves (the info metric `rlfleet.rollout.serving` exports) and shows the count per
+    run, replica set and version, and in `kubectl get`; pods that say nothing (here
+    kwok's) are counted apart."""
+    region = "region-a"
+    config = ServingConfig(run="prod-run", nats_url="nats://unused", replica_set="stable")
+    VersionFollower(config, bus=None).announce(3, "d1ge57")
+    pods = [
+        p
+        for p in world.items(region, "pods", "-l", "app=chat-vllm")
+        if p["status"].get("phase") == "Running" and p["status"].get("podIP")
+    ]
+    assert len(pods) >= 2
+    # Two pods answer as the server would (the same metric, from this process's registry).
+    servers = [start_http_server(8000, addr=p["status"]["podIP"]) for p in pods[:2]]
+
+    def status() -> dict:
+        return world.get(region, "inferencepool", POOL)["status"]
+
+    try:
+        served = {"run": "prod-run", "replicaSet": "stable", "version": 3, "digest": "d1ge57"}
+        wanted = [served | {"replicas": 2}]
+        wait_for("two pods' versions", lambda: status().get("servedVersions") == wanted)
+        shown = status()
+        assert shown["unversionedReplicas"] == shown["servingReplicas"] - 2
+        table = world.fleet.kubectl(region, "-n", world.ns, "get", "inferencepool", POOL)
+        header, row = table.splitlines()
+        assert row.split()[header.split().index("VERSIONS")] == "3"
+    finally:
+        for server, thread in servers:
+            server.shutdown()
+            thread.join()
+    wait_for("no answer, no version", lambda: not status().get("servedVersions"))
 
 
 def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:

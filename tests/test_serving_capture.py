@@ -27,6 +27,7 @@ from nats.js.errors import NotFoundError
 from prometheus_client import REGISTRY
 from tcp_gate import TcpGate
 
+from rlfleet.api.inferencepool import ServedVersion
 from rlfleet.api.wire import (
     BusRole,
     CapturedCompletion,
@@ -48,6 +49,7 @@ from rlfleet.launch.settings import ServingConfig, to_json
 from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.local.processes import free_port
 from rlfleet.models.tiny import init_model, read_weights, train_step
+from rlfleet.operator.served import read_served
 from rlfleet.rollout.capture import Bus, Captures
 from rlfleet.rollout.serving import MIDDLEWARE, vllm_arguments
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
@@ -285,6 +287,7 @@ def test_a_set_told_a_version_serves_it_in_place_and_back_and_no_request_fails(
     pool: Pool, tmp_path
 ):
     before = pool.chat("what is seven?", max_tokens=12, logprobs=True)
+    assert _serves(pool, 0, "")  # the checkpoint it started from, digest unknown
     v1 = train_step(pool.model, tmp_path / "v1", lr=1e-2)
 
     async def publish(*messages: tuple[str, bytes]) -> None:
@@ -361,13 +364,12 @@ def test_a_set_told_a_version_serves_it_in_place_and_back_and_no_request_fails(
 
 
 def _serves(pool: Pool, version: int, digest: str) -> bool:
-    """Whether the server says it serves `version` with exactly that state digest."""
-    prefix = "rlfleet_serving_weights_info{"
-    label = {f'version="{version}"', f'digest="{digest}"'}
-    return any(
-        name.startswith(prefix) and label <= set(name[len(prefix) : -1].split(","))
-        for name, value in scrape(f"{pool.url}/metrics").items()
-        if value == 1
+    """Whether the server says it serves `version` with exactly that state digest, as the
+    pool's region operator reads it for the InferencePool's status."""
+    host, port = pool.url.removeprefix("http://").rsplit(":", 1)
+    said = read_served(host, int(port), timeout_s=10)
+    return said == ServedVersion(
+        run=pool.run, replica_set="stable", version=version, digest=digest, replicas=1
     )
 
 

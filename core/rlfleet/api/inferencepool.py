@@ -23,6 +23,11 @@ from rlfleet.api.meta import (
 
 HHMM = r"^([01][0-9]|2[0-3]):[0-5][0-9]$"
 
+# The Prometheus info metric a pool's server exports (`rlfleet.rollout.serving`), one
+# series labelled with what it serves; the region operator reads it from every serving
+# pod for `status.servedVersions`.
+SERVED_WEIGHTS = "rlfleet_serving_weights"
+
 
 class ServingWorkload(ApiModel):
     """The production serving Deployment this pool scales down to lend and up to reclaim."""
@@ -48,6 +53,17 @@ class ServingWorkload(ApiModel):
             )
         ),
     ] = None
+    port: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=65535,
+            description=(
+                "The port of the serving pods' vLLM server (vllm serve's --port). The "
+                "operator reads /metrics there for the version each pod serves."
+            ),
+        ),
+    ] = 8000
 
 
 class TrafficSignal(ApiModel):
@@ -142,6 +158,23 @@ class LentToRun(ApiModel):
     replicas: Annotated[int, Field(ge=0)]
 
 
+class ServedVersion(ApiModel):
+    """Running serving replicas that say they serve one policy version of a run, in one
+    set of the pool's servers (canary or stable)."""
+
+    run: Annotated[str, Field(min_length=1, max_length=253)]
+    replica_set: Annotated[str, Field(min_length=1, max_length=63)]
+    version: Annotated[int, Field(ge=0)]
+    digest: Annotated[
+        str,
+        Field(
+            max_length=128,
+            description="The served state's digest; empty for a server's starting checkpoint.",
+        ),
+    ]
+    replicas: Annotated[int, Field(ge=1)]
+
+
 class InferencePoolStatus(ApiModel):
     observed_generation: Annotated[int, Field(ge=0)] | None = None
     conditions: Conditions
@@ -157,6 +190,31 @@ class InferencePoolStatus(ApiModel):
         ),
     ]
     observed_traffic: float | None = None
+    served_versions: Annotated[
+        list[ServedVersion],
+        Field(
+            default_factory=list,
+            max_length=64,
+            json_schema_extra=map_list("run", "replicaSet", "version", "digest"),
+            description=(
+                "What the running serving replicas say they serve, per run, replica set "
+                "and version, read from each pod's server at the last reconcile."
+            ),
+        ),
+    ]
+    unversioned_replicas: (
+        Annotated[
+            int,
+            Field(
+                ge=0,
+                description=(
+                    "Running serving replicas that said no version: not rlfleet's serving "
+                    "server, following no run, or not answering."
+                ),
+            ),
+        ]
+        | None
+    ) = None
     reclaim_started_at: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = (
         None
     )
@@ -175,6 +233,7 @@ INFERENCEPOOL = ResourceKind(
         PrinterColumn("Lent", ".status.lentReplicas", "integer"),
         PrinterColumn("Reclaiming", ".status.reclaimingReplicas", "integer"),
         PrinterColumn("Traffic", ".status.observedTraffic", "number"),
+        PrinterColumn("Versions", ".status.servedVersions[*].version", "string"),
         AGE,
     ),
 )

@@ -26,7 +26,12 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from rlfleet.api.envpool import EnvPoolSpec, EnvPoolStatus
-from rlfleet.api.inferencepool import InferencePoolSpec, InferencePoolStatus, LentToRun
+from rlfleet.api.inferencepool import (
+    InferencePoolSpec,
+    InferencePoolStatus,
+    LentToRun,
+    ServedVersion,
+)
 from rlfleet.api.meta import API_VERSION, Condition
 from rlfleet.api.rlrun import RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.operator import telemetry
@@ -36,6 +41,7 @@ from rlfleet.operator.envtokens import TokenMint
 from rlfleet.operator.kube import Kube, Ref
 from rlfleet.operator.locks import KeyedLocks
 from rlfleet.operator.parallel import at_once
+from rlfleet.operator.served import count_served, read_served
 from rlfleet.operator.status import (
     Event,
     condition,
@@ -99,6 +105,7 @@ class PoolSeen:
     traffic_problem: str  # why not
     serving_pods: int  # alive
     serving_running: int
+    served: tuple[ServedVersion | None, ...] = ()  # each running serving pod's answer
 
 
 @dataclass(frozen=True)
@@ -206,6 +213,7 @@ def pool_status(
         return condition(old.conditions, kind, true, reason, message, generation)
 
     load = seen.load
+    served, unversioned = count_served(seen.served)
     return InferencePoolStatus(
         observed_generation=generation,
         serving_replicas=seen.serving_running,
@@ -213,6 +221,8 @@ def pool_status(
         reclaiming_replicas=reclaiming,
         lent=_lent(decision),
         observed_traffic=load,
+        served_versions=served,
+        unversioned_replicas=unversioned,
         reclaim_started_at=timestamp(started) if started else None,
         conditions=[
             said(
@@ -381,7 +391,9 @@ class Region:
         events += clock.events
         if clock.overdue:
             events += forced_events(self._force(namespace, name), spec)
-        seen = PoolSeen(load, traffic_problem, len(serving_pods), len(_running(serving_pods)))
+        running = _running(serving_pods)
+        served = tuple(at_once([partial(self._served, spec, p) for p in running]))
+        seen = PoolSeen(load, traffic_problem, len(serving_pods), len(running), served)
         status = pool_status(spec, old, generation, seen, decision, reclaiming, clock.started)
         # A window in an unknown zone never opens (`lending.in_off_peak`); the pool says so.
         problems = unknown_time_zones(spec.off_peak_windows)
@@ -453,6 +465,13 @@ class Region:
             return read_load(spec.traffic, self.config.traffic_timeout_seconds), ""
         except TrafficUnknown as error:
             return None, str(error)
+
+    def _served(self, spec: InferencePoolSpec, pod: dict) -> ServedVersion | None:
+        """What a running serving pod's server says it serves."""
+        ip = pod.get("status", {}).get("podIP")
+        if not ip:
+            return None
+        return read_served(ip, spec.serving.port, self.config.call_timeout_seconds)
 
     def _rollout_deployments(self, namespace: str, pool: str) -> dict[str, dict]:
         """The rollout Deployments on the pool's GPUs, by run."""

@@ -21,6 +21,7 @@ import logging
 from nats.js.errors import NotFoundError
 from prometheus_client import Gauge, Info
 
+from rlfleet.api.inferencepool import SERVED_WEIGHTS
 from rlfleet.api.wire import ServingTarget, decode_serving_target, serving_stream, serving_subject
 from rlfleet.launch.settings import ServingConfig
 from rlfleet.rollout.capture import Bus
@@ -34,7 +35,8 @@ from rlfleet.weightsync import (
 log = logging.getLogger(__name__)
 
 serving_version = Gauge("rlfleet_serving_policy_version", "Policy version the server serves")
-serving_digest = Info("rlfleet_serving_weights", "The served version and its state digest")
+# The region operator reads it from every serving pod (InferencePool.status.servedVersions).
+served_weights = Info(SERVED_WEIGHTS, "The run, replica set, served version and its digest")
 switch_pause = Gauge("rlfleet_serving_switch_pause_seconds", "The last switch's pause")
 
 
@@ -53,7 +55,7 @@ class VersionFollower:
         vLLM puts its engine there as it starts). A failure is logged and tried again
         while the server goes on serving what it serves."""
         config = self.config
-        serving_version.set(self.serving)
+        self.announce(self.serving, "")
         engine = None
         while True:
             try:
@@ -99,10 +101,21 @@ class VersionFollower:
             return  # not fetched, or not rebuilt, yet
         update = await vllm_update_async(engine, version)
         self.serving = update.version
-        serving_version.set(update.version)
-        serving_digest.info({"version": str(update.version), "digest": update.digest or ""})
+        self.announce(update.version, update.digest or "")
         switch_pause.set(update.pause_s)
         log.warning(  # on-call reads which version production serves
             "set %s serves version %d (digest %s); paused %.3fs",
             self.replica_set, update.version, update.digest, update.pause_s,
         )  # fmt: skip
+
+    def announce(self, version: int, digest: str) -> None:
+        """Says on /metrics what the server serves: the pool's operator reads it."""
+        serving_version.set(version)
+        served_weights.info(
+            {
+                "run": self.config.run,
+                "replica_set": self.replica_set,
+                "version": str(version),
+                "digest": digest,
+            }
+        )
