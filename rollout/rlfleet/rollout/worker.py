@@ -234,14 +234,25 @@ class Worker:
                 ),
             )
             log.info("worker %s taking tasks of run %s", config.name, config.run)
-            while not self.stopping.is_set():
+            while not self.stopping.is_set() and engine.failed is None:
                 await self._take(queue, js)
+            if engine.failed is not None:
+                await self._give_back(engine.failed)
             # Finish what was taken: it is acknowledged only when published.
             log.info("stopping: finishing %d groups under way", len(self._groups))
             await asyncio.gather(*self._groups, return_exceptions=True)
         finally:
             await engine.close()
             await nc.close()
+
+    async def _give_back(self, failure: BaseException) -> None:
+        """The engine is gone: the groups under way fail and are handed back (nak) for
+        another worker, and the worker exits, so that its pod starts a fresh engine."""
+        log.error(
+            "vLLM engine failed (%s): giving back %d groups and exiting", failure, len(self._groups)
+        )
+        await asyncio.gather(*self._groups, return_exceptions=True)
+        raise SystemExit(1)
 
     def _weights_domain(self) -> str | None:
         """Where this worker reads weights: its region's mirror of the hub's stream."""
