@@ -21,7 +21,7 @@ import yaml
 from conftest import ROOT, scrape, wait_for
 from nats.js.api import StreamInfo
 
-from rlfleet.api.inferencepool import InferencePoolSpec
+from rlfleet.api.inferencepool import InferencePoolSpec, ServedVersion
 from rlfleet.api.wire import (
     BusRole,
     CycleState,
@@ -40,19 +40,29 @@ from rlfleet.api.wire import (
 from rlfleet.bus.auth import CREDENTIALS_ENV
 from rlfleet.bus.reading import newest
 from rlfleet.bus.streams import cycle_stream, evaluation_stream, step_stream
-from rlfleet.launch import METRICS_PORT_ENV, SPEC_FILE, STATE_DIR_ENV, run_key
+from rlfleet.launch import (
+    METRICS_PORT_ENV,
+    SPEC_FILE,
+    STATE_DIR_ENV,
+    nats_credentials_secret,
+    run_key,
+)
+from rlfleet.launch.caches import CACHE_ROOT_ENV
 from rlfleet.local.files import write_secret
 from rlfleet.local.nats import HUB_DOMAIN, NatsBed, NatsServer, start_nats
+from rlfleet.local.plan import cpu_flags, serving_dtype
 from rlfleet.local.processes import Supervisor, free_port
 from rlfleet.local.run import make_streams
 from rlfleet.models.tiny import init_model
 from rlfleet.operator.config import Images, NatsAccess, Workloads
+from rlfleet.operator.served import read_served
 from rlfleet.operator.workloads import (
     COMPONENT_LABEL,
     POD_INDEX_LABEL,
     hub_objects,
     mirror,
     rollout_deployment,
+    spec_config_map,
 )
 from rlfleet.rollout.tasks import rules_suite, write_suite
 from rlfleet.weightsync import SyncConfig, WeightStream
@@ -346,4 +356,63 @@ def test_a_pod_told_no_nats_or_given_a_model_it_cannot_read_says_so(tmp_path: Pa
     env = os.environ | {"RLFLEET_NATS_URL": "nats://127.0.0.1:4222"}
     done = subprocess.run(trainer, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode != 0 and "spec.model.uri 's3://bucket/tiny-moe'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_production_pools_server_starts_from_the_spec_its_region_mounts(tmp_path: Path) -> None:
+    """The pool's own Deployment (examples/serving.yaml), as a pod runs it: its settings are
+    made from the run's spec as the region's operator mounts it and the pod's environment,
+    and the server says (as the region operator reads it) which run, set and version it
+    serves; one with no NATS server named says so in a line."""
+    supervisor = Supervisor(tmp_path / "logs", attached=True)
+    try:
+        bed = start_nats([REGION], supervisor, tmp_path / "nats")
+        run = yaml.safe_load((ROOT / "examples" / "realtime.yaml").read_text())
+        run["metadata"] |= {"namespace": "team-a", "uid": "hub-uid"}
+        key = run_key("team-a", run["metadata"]["name"])
+        asyncio.run(make_streams(bed, key))
+        access = NatsAccess(url=bed.hub.url, domain=HUB_DOMAIN, credentials_secret="nats")
+        mirrored = mirror(run, "hub", access)  # as the region holds it, and mounts its spec
+        mirrored["metadata"]["uid"] = "region-uid"
+        mounted = tmp_path / "rlrun.json"
+        mounted.write_text(spec_config_map(mirrored)["data"]["rlrun.json"])
+        user = tmp_path / "serving.creds"
+        write_secret(user, bed.run_user(key, BusRole.SERVING))
+
+        deployment = yaml.safe_load((ROOT / "examples" / "serving.yaml").read_text())
+        pod_spec = deployment["spec"]["template"]["spec"]
+        (container,) = pod_spec["containers"]
+        volumes = {v["name"]: v for v in pod_spec["volumes"]}
+        assert volumes["spec"]["configMap"]["name"] == f"{run['metadata']['name']}-spec"
+        assert volumes["nats"]["secret"]["secretName"] == nats_credentials_secret(
+            run["metadata"]["name"], BusRole.SERVING
+        )
+        model, port = init_model("tiny-moe", tmp_path / "model"), free_port()
+        places = {"/models/tiny-moe": str(model), "8000": str(port)}
+        args = [places.get(a, a) for a in container["args"]]
+        args += ["--dtype", serving_dtype(cpu_flags()), "--max-model-len", "512"]
+        command = [sys.executable if a == "python" else a for a in container["command"]]
+        argv = [*command, str(mounted), *args]
+        env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        env |= {
+            "RLFLEET_NATS_URL": bed.leaves[REGION].url,
+            CREDENTIALS_ENV: str(user),
+            STATE_DIR_ENV: str(tmp_path / "state"),
+            # The session's caches (a pod's path is short enough for vLLM's sockets).
+            CACHE_ROOT_ENV: os.environ[CACHE_ROOT_ENV],
+            "VLLM_API_KEY": "k",
+        }
+        supervisor.start("serving", argv, env | CPU_ENV)
+        said = ServedVersion(run=key, replica_set="stable", version=0, digest="", replicas=1)
+        wait_for("the server's version", lambda: read_served("127.0.0.1", port, 5) == said, 300)
+        settings = json.loads((tmp_path / "state" / "serving.json").read_text())
+        assert (settings["run"], settings["nats_url"]) == (key, bed.leaves[REGION].url)
+        assert (settings["jetstream_domain"], settings["weights_domain"]) == (HUB_DOMAIN, REGION)
+        supervisor.check_alive()
+    finally:
+        supervisor.stop_all()
+
+    unplaced = [*argv[:4], str(mounted), "--model", str(model)]
+    done = subprocess.run(unplaced, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "RLFLEET_NATS_URL is not set" in done.stderr
     assert "Traceback" not in done.stderr

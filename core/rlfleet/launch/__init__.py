@@ -72,6 +72,8 @@ REGION_ENV = "RLFLEET_REGION"
 POD_NAME_ENV = "RLFLEET_POD_NAME"
 STATE_DIR_ENV = "RLFLEET_STATE_DIR"
 ENVPOOL_URL_ENV = "RLFLEET_ENVPOOL_URL"  # a rollout pod's EnvPool Service
+# A production pool's server: the set of the pool's servers it is in ("canary", "stable").
+REPLICA_SET_ENV = "RLFLEET_REPLICA_SET"
 # The port the component serves its Prometheus metrics on (`/metrics`). The operator sets
 # it from the same number as the pod's `metrics` port and scrape annotations, so the three
 # cannot disagree; processes sharing a host (`rlfleet run`) are each given their own.
@@ -103,6 +105,7 @@ class Placement:
     metrics_port: int | None = None
     ranks: Ranks = field(default_factory=Ranks)
     envpool_url: str | None = None  # where a rollout worker claims sandboxes
+    replica_set: str | None = None  # a production pool's server's set; None: it follows none
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Placement:
@@ -117,6 +120,7 @@ class Placement:
             metrics_port=_port(env, METRICS_PORT_ENV),
             ranks=_ranks(env),
             envpool_url=env.get(ENVPOOL_URL_ENV) or None,
+            replica_set=env.get(REPLICA_SET_ENV) or None,
         )
 
 
@@ -449,11 +453,10 @@ def conductor_settings(name: str, spec: RLRunSpec, at: Placement) -> ConductorCo
     )
 
 
-def serving_settings(
-    name: str, spec: RLRunSpec, at: Placement, replica_set: str | None
-) -> ServingConfig:
+def serving_settings(name: str, spec: RLRunSpec, at: Placement) -> ServingConfig:
     """A production pool's server, in its region: it publishes captures and feedback to
-    the hub's streams and reads versions from its region's mirror of the weights."""
+    the hub's streams and reads its set's versions from its region's mirror of the
+    weights."""
     production = _production(spec)
     return ServingConfig(
         run=name,
@@ -463,7 +466,7 @@ def serving_settings(
         temperature=production.temperature,
         feedback_window_s=float(production.feedback.window_seconds),
         custom_kinds=list(production.feedback.custom_kinds),
-        replica_set=replica_set,
+        replica_set=at.replica_set,
         weights_domain=at.region if at.jetstream_domain else None,
         weightsync=_sync(spec),
     )
@@ -518,6 +521,9 @@ CONDUCTOR = Component(
     "rlfleet.operator.conductor", "conductor", ConductorConfig, conductor_settings
 )
 COMPONENTS = {c.name: c for c in (TRAINER, ROLLOUT, FEED, EVALUATOR, COLLECTOR, CONDUCTOR)}
+# A production pool's server: production's own pod, not the run's (the user's Deployment
+# runs it, with vLLM's arguments after the settings).
+SERVING = Component("rlfleet.rollout.serving", "serving", ServingConfig, serving_settings)
 
 
 def components_of(spec: RLRunSpec) -> list[Component]:

@@ -38,7 +38,6 @@ from rlfleet.local.processes import free_port
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
-SERVING = launch.Program("rlfleet.rollout.serving")
 USERS = launch.Program("rlfleet.rollout.users")
 CANARY, STABLE = "canary", "stable"  # the pool's replica sets, as the conductor names them
 SERVED_MODEL = "policy"
@@ -138,15 +137,14 @@ def processes(
     for n, replica_set in enumerate(sets):
         process = f"serving-{replica_set}-{n}"
         path = layout.configs / f"{process}.json"
-        config = replace(
-            launch.serving_settings(name, spec, at, replica_set), poll_s=pace.serving_poll_s
-        )
+        placed = dataclasses.replace(at, replica_set=replica_set)
+        config = replace(launch.serving_settings(name, spec, placed), poll_s=pace.serving_poll_s)
         vllm = [
             *("--model", model, "--served-model-name", SERVED_MODEL, "--port", str(free_port())),
             *("--dtype", plan.serving_dtype(plan.cpu_flags())),
             *("--max-model-len", str(pace.max_model_len), "--seed", str(n)),
         ]
-        argv = [*plan.pinned(SERVING, pool_cores, path), *vllm]
+        argv = [*plan.pinned(launch.SERVING, pool_cores, path), *vllm]
         found.append(
             plan.Process(process, argv, config, env(BusRole.SERVING, pool_cores, serving_env), path)
         )

@@ -1,13 +1,16 @@
-"""`python -m rlfleet.rollout.serving CONFIG.json [vLLM's arguments]`: a production pool's
-vLLM server with capture, feedback and policy versions, as ASGI middleware.
+"""`python -m rlfleet.rollout.serving (CONFIG.json | --rlrun [SPEC]) [vLLM's arguments]`: a
+production pool's vLLM server with capture, feedback and policy versions, as ASGI
+middleware.
 
 The pool runs vLLM's own OpenAI-compatible server; this command starts it with a
 `ServingConfig` (the file named in `RLFLEET_SERVING_SETTINGS`; the run's NATS user in
-`RLFLEET_NATS_CREDS`) and adds to its arguments what the middleware needs
-(`vllm_arguments`): the middleware itself, and processed log-probs, those of the
-distribution each token was sampled from (temperature applied), which is what the
-trainer's off-policy correction divides by. Chat completions are captured
-(`rlfleet.rollout.capture`); `POST /v1/feedback` is answered here
+`RLFLEET_NATS_CREDS`): one a local run wrote, or, in a pool's pod, one made from the
+run's spec the region mounts and the pod's environment (its NATS server, region and
+replica set; `launch.Placement`), written under its state folder. It adds to vLLM's
+arguments what the middleware needs (`vllm_arguments`): the middleware itself, and
+processed log-probs, those of the distribution each token was sampled from (temperature
+applied), which is what the trainer's off-policy correction divides by. Chat completions
+are captured (`rlfleet.rollout.capture`); `POST /v1/feedback` is answered here
 (`rlfleet.rollout.feedback`); every other request passes through untouched. A server in
 a replica set also serves the version its set is told to, switched in place
 (`rlfleet.rollout.serving_versions`), so weightsync goes into its workers as well.
@@ -26,7 +29,9 @@ from pathlib import Path
 
 import msgspec
 
-from rlfleet.launch.settings import ServingConfig, from_json
+from rlfleet import launch
+from rlfleet.launch.caches import own_caches
+from rlfleet.launch.settings import ServingConfig, from_json, to_json
 from rlfleet.rollout import capture
 from rlfleet.rollout.capture import Asked, Bus, Captures, Skip
 from rlfleet.rollout.feedback import MAX_BODY_BYTES, FeedbackDesk, Served
@@ -205,15 +210,32 @@ def vllm_arguments(config: ServingConfig, given: list[str]) -> list[str]:
     return [*given, *needed]
 
 
+def settings_and_arguments(argv: list[str]) -> tuple[Path, list[str]]:
+    """The server's settings file and vLLM's arguments, from this command's arguments.
+    `--rlrun` takes the mounted spec's path when one follows (else `SPEC_FILE`)."""
+    if not argv or argv[0] != "--rlrun":
+        if not argv:
+            raise ValueError("no settings: CONFIG.json or --rlrun [SPEC]")
+        path = Path(argv[0])
+        from_json(path.read_bytes(), ServingConfig)  # refused here, not in vLLM's process
+        return path.resolve(), argv[1:]
+    given = len(argv) > 1 and not argv[1].startswith("-")
+    run, spec = launch.read_spec(Path(argv[1] if given else launch.SPEC_FILE))
+    at = launch.Placement.from_env(os.environ)
+    path = Path(at.state_dir) / "serving.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(to_json(launch.SERVING.for_pod(run, spec, at)))
+    return path.resolve(), argv[2 if given else 1 :]
+
+
 def main() -> None:
-    if len(sys.argv) < 2:
-        sys.exit("usage: python -m rlfleet.rollout.serving CONFIG.json [vLLM's arguments]")
-    settings = Path(sys.argv[1]).resolve()
     try:
+        settings, given = settings_and_arguments(sys.argv[1:])
         config = from_json(settings.read_bytes(), ServingConfig)
-        arguments = vllm_arguments(config, sys.argv[2:])
+        arguments = vllm_arguments(config, given)
     except (OSError, msgspec.DecodeError, ValueError) as error:
-        sys.exit(f"rlfleet.rollout.serving: cannot serve with {sys.argv[1]}: {error}")
+        sys.exit(f"rlfleet.rollout.serving: cannot serve with {' '.join(sys.argv[1:3])}: {error}")
+    own_caches(None)  # a pod's under the root its environment names
     os.environ[SETTINGS_ENV] = str(settings)
     server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *arguments]
     os.execv(sys.executable, server)
