@@ -162,7 +162,8 @@ class OperatorConfig(BaseModel):
     # the operator sees, and a reclaim must start within its deadline.
     resync_seconds: Annotated[float, Field(gt=0, le=3600)] = 2.0
     # Runs (the hub's, and the regions' mirrors) this often: a spec change acts at once,
-    # and what a resync adds (regions' reports, the trainer's progress) can wait seconds.
+    # and what a resync adds (regions' reports, the trainer's progress, the versions a
+    # pool's serving pods say they serve) can wait seconds.
     run_resync_seconds: Annotated[float, Field(gt=0, le=3600)] = 15.0
     region_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] = 30.0
     call_timeout_seconds: Annotated[float, Field(gt=0, le=300)] = 3.0

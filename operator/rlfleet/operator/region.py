@@ -15,6 +15,7 @@ Serving never drops below its floor because the decision never lends past it.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from rlfleet.operator.envtokens import TokenMint
 from rlfleet.operator.kube import Kube, Ref
 from rlfleet.operator.locks import KeyedLocks
 from rlfleet.operator.parallel import at_once
-from rlfleet.operator.served import count_served, read_served
+from rlfleet.operator.served import Answers, count_served, read_served
 from rlfleet.operator.status import (
     Event,
     condition,
@@ -105,7 +106,7 @@ class PoolSeen:
     traffic_problem: str  # why not
     serving_pods: int  # alive
     serving_running: int
-    served: tuple[ServedVersion | None, ...] = ()  # each running serving pod's answer
+    served: Answers = ()  # each running serving pod's answer
 
 
 @dataclass(frozen=True)
@@ -258,6 +259,8 @@ class Region:
         # than a recent list of the pools may be.
         self._decided: dict[tuple[str, str], tuple[float, dict[str, int]]] = {}
         self.mint = TokenMint(local, config.namespace, config.envpool_key_secret)
+        # (namespace, pool) -> (when, answers): what its serving pods said last.
+        self._served_seen: dict[tuple[str, str], tuple[float, Answers]] = {}
 
     # --- runs -------------------------------------------------------------------------
 
@@ -392,7 +395,7 @@ class Region:
         if clock.overdue:
             events += forced_events(self._force(namespace, name), spec)
         running = _running(serving_pods)
-        served = tuple(at_once([partial(self._served, spec, p) for p in running]))
+        served = self._served_by((namespace, name), spec, running)
         seen = PoolSeen(load, traffic_problem, len(serving_pods), len(running), served)
         status = pool_status(spec, old, generation, seen, decision, reclaiming, clock.started)
         # A window in an unknown zone never opens (`lending.in_off_peak`); the pool says so.
@@ -465,6 +468,17 @@ class Region:
             return read_load(spec.traffic, self.config.traffic_timeout_seconds), ""
         except TrafficUnknown as error:
             return None, str(error)
+
+    def _served_by(
+        self, pool: tuple[str, str], spec: InferencePoolSpec, running: list[dict]
+    ) -> Answers:
+        """What the pool's running serving pods say they serve, asked at most once a run
+        resync: a pool's every pod, every few seconds, would be load for nothing."""
+        when, answers = self._served_seen.get(pool, (-math.inf, ()))
+        if time.monotonic() - when >= self.config.run_resync_seconds:
+            answers = tuple(at_once([partial(self._served, spec, p) for p in running]))
+            self._served_seen[pool] = (time.monotonic(), answers)
+        return answers
 
     def _served(self, spec: InferencePoolSpec, pod: dict) -> ServedVersion | None:
         """What a running serving pod's server says it serves."""

@@ -11,7 +11,6 @@ not what they were told to serve, and a set stuck on an old version shows as suc
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,6 +19,7 @@ from pydantic import ValidationError
 from rlfleet.api.inferencepool import SERVED_WEIGHTS, ServedVersion
 
 MAX_SHOWN = 64  # the status's bound; more groups than that would be a misconfigured pool
+Answers = tuple[ServedVersion | None, ...]  # each serving pod's, None if it said nothing
 
 # One client for every pod's read: a client per read builds a TLS context each time.
 _client = httpx.Client()
@@ -28,10 +28,12 @@ _client = httpx.Client()
 def parse_served(text: str) -> ServedVersion | None:
     """What one server's /metrics says it serves (as one replica), or None if it says
     nothing readable: not rlfleet's server, following no run, or labels out of bounds."""
+    # Only its own lines are parsed: vLLM's whole exposition is a hundred times larger.
+    mine = "\n".join(line for line in text.splitlines() if line.startswith(SERVED_WEIGHTS))
     try:
         samples = [
             sample.labels
-            for family in text_string_to_metric_families(text)
+            for family in text_string_to_metric_families(mine)
             for sample in family.samples
             if sample.name == f"{SERVED_WEIGHTS}_info" and sample.value == 1
         ]
@@ -62,7 +64,7 @@ def read_served(host: str, port: int, timeout_s: float) -> ServedVersion | None:
     return parse_served(response.text)
 
 
-def count_served(answers: Sequence[ServedVersion | None]) -> tuple[list[ServedVersion], int]:
+def count_served(answers: Answers) -> tuple[list[ServedVersion], int]:
     """The pods' answers as counts per run, set, version and digest (the largest
     `MAX_SHOWN`, in that order), and how many pods said no version or fell past the
     bound. Two digests of one version are two entries: a pod whose weights differ from
