@@ -210,28 +210,28 @@ def vllm_arguments(config: ServingConfig, given: list[str]) -> list[str]:
     return [*given, *needed]
 
 
-def settings_and_arguments(argv: list[str]) -> tuple[Path, list[str]]:
-    """The server's settings file and vLLM's arguments, from this command's arguments.
-    `--rlrun` takes the mounted spec's path when one follows (else `SPEC_FILE`)."""
-    if not argv or argv[0] != "--rlrun":
-        if not argv:
-            raise ValueError("no settings: CONFIG.json or --rlrun [SPEC]")
-        path = Path(argv[0])
-        from_json(path.read_bytes(), ServingConfig)  # refused here, not in vLLM's process
-        return path.resolve(), argv[1:]
+def settings_and_arguments(argv: list[str]) -> tuple[Path, ServingConfig, list[str]]:
+    """The server's settings, the file its middleware reads them from, and vLLM's
+    arguments. `--rlrun` takes the mounted spec's path when one follows (else
+    `SPEC_FILE`), and writes the settings it makes under the pod's state folder."""
+    if not argv:
+        raise ValueError("no settings: CONFIG.json or --rlrun [SPEC]")
+    if argv[0] != "--rlrun":
+        path = Path(argv[0]).resolve()
+        return path, from_json(path.read_bytes(), ServingConfig), argv[1:]
     given = len(argv) > 1 and not argv[1].startswith("-")
     run, spec = launch.read_spec(Path(argv[1] if given else launch.SPEC_FILE))
     at = launch.Placement.from_env(os.environ)
-    path = Path(at.state_dir) / "serving.json"
+    config = launch.SERVING.for_pod(run, spec, at)
+    path = (Path(at.state_dir) / "serving.json").resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(to_json(launch.SERVING.for_pod(run, spec, at)))
-    return path.resolve(), argv[2 if given else 1 :]
+    path.write_bytes(to_json(config))
+    return path, config, argv[2 if given else 1 :]
 
 
 def main() -> None:
     try:
-        settings, given = settings_and_arguments(sys.argv[1:])
-        config = from_json(settings.read_bytes(), ServingConfig)
+        settings, config, given = settings_and_arguments(sys.argv[1:])
         arguments = vllm_arguments(config, given)
     except (OSError, msgspec.DecodeError, ValueError) as error:
         sys.exit(f"rlfleet.rollout.serving: cannot serve with {' '.join(sys.argv[1:3])}: {error}")
