@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,11 +27,37 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+# Ports are chosen below the kernel's ephemeral range (net.ipv4.ip_local_port_range).
+# One from bind(0) is in that range, where any outgoing connection may take it as its own
+# end before the server it was chosen for binds it: in CI an operator's health port was
+# taken so, and the operator died ("address already in use").
+_PORTS_FROM = 10000
+_given: set[int] = set()  # this process's choices, never handed out twice
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on loopback that nothing listens on right now, and that no outgoing
+    connection will take before its server binds it."""
+    end = max(_ephemeral_start(), _PORTS_FROM + 1024)  # a range set oddly low: share it
+    for _ in range(1000):
+        port = random.randrange(_PORTS_FROM, end)
+        if port in _given:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError(f"no free port between {_PORTS_FROM} and {end}")
 
 
 @dataclass
