@@ -9,7 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlfleet.launch.caches import CACHE_FOLDERS, CACHE_ROOT_ENV
+from rlfleet.launch.caches import (
+    CACHE_FOLDERS,
+    CACHE_ROOT_ENV,
+    SOCKETS_ENV,
+    cache_env,
+    sockets_folder,
+)
 from rlfleet.launch.settings import WorkerConfig, to_json
 
 COMPILE = "import torch; torch.compile(lambda x: x.sin() * 2)(torch.ones(8))"
@@ -51,3 +57,13 @@ def test_an_engine_that_cannot_start_says_why_in_its_last_log_line(tmp_path: Pat
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert "vLLM engine did not start: " in last and str(missing) in last, done.stderr[-3000:]
+
+
+def test_a_tree_under_a_deep_root_makes_its_sockets_where_their_paths_fit(tmp_path: Path) -> None:
+    """vLLM's IPC socket paths (its base, "/" and a 36-character id) must fit in 107 bytes;
+    a local run's state folder can be deeper than that leaves room for."""
+    shallow, deep, other = Path("/srv/r"), tmp_path / ("run-" * 20), tmp_path / ("other-" * 15)
+    assert cache_env(shallow)[SOCKETS_ENV] == cache_env(shallow)["TMPDIR"]  # a pod's
+    for root in (deep, other):
+        assert len(cache_env(root)[SOCKETS_ENV]) + 37 <= 107
+    assert sockets_folder(deep) != sockets_folder(other)  # each tree's own

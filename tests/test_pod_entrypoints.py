@@ -293,6 +293,16 @@ def served(url: str) -> dict[str, float] | None:
         return None
 
 
+def production_run(bed: NatsBed) -> tuple[dict, str, NatsAccess]:
+    """The real-time example as the hub holds it, its key on NATS with its streams made,
+    and the hub's NATS as the operators reach it."""
+    run = yaml.safe_load((ROOT / "examples" / "realtime.yaml").read_text())
+    run["metadata"] |= {"namespace": "team-a", "uid": "hub-uid"}
+    key = run_key("team-a", run["metadata"]["name"])
+    asyncio.run(make_streams(bed, key))
+    return run, key, NatsAccess(url=bed.hub.url, domain=HUB_DOMAIN, credentials_secret="nats")
+
+
 def test_a_production_runs_collector_and_conductor_start_from_the_mounted_spec(
     tmp_path: Path,
 ) -> None:
@@ -302,11 +312,7 @@ def test_a_production_runs_collector_and_conductor_start_from_the_mounted_spec(
     supervisor = Supervisor(tmp_path / "logs", attached=True)
     try:
         bed = start_nats([REGION], supervisor, tmp_path / "nats")
-        run = yaml.safe_load((ROOT / "examples" / "realtime.yaml").read_text())
-        run["metadata"] |= {"namespace": "team-a", "uid": "hub-uid"}
-        key = run_key("team-a", run["metadata"]["name"])
-        asyncio.run(make_streams(bed, key))
-        access = NatsAccess(url=bed.hub.url, domain=HUB_DOMAIN, credentials_secret="nats")
+        run, key, access = production_run(bed)
         made = hub_objects(run, Images(), Workloads(), access)
         mounted = tmp_path / "rlrun.json"
         mounted.write_text(next(o for o in made if o["kind"] == "ConfigMap")["data"]["rlrun.json"])
@@ -367,11 +373,7 @@ def test_a_production_pools_server_starts_from_the_spec_its_region_mounts(tmp_pa
     supervisor = Supervisor(tmp_path / "logs", attached=True)
     try:
         bed = start_nats([REGION], supervisor, tmp_path / "nats")
-        run = yaml.safe_load((ROOT / "examples" / "realtime.yaml").read_text())
-        run["metadata"] |= {"namespace": "team-a", "uid": "hub-uid"}
-        key = run_key("team-a", run["metadata"]["name"])
-        asyncio.run(make_streams(bed, key))
-        access = NatsAccess(url=bed.hub.url, domain=HUB_DOMAIN, credentials_secret="nats")
+        run, key, access = production_run(bed)
         mirrored = mirror(run, "hub", access)  # as the region holds it, and mounts its spec
         mirrored["metadata"]["uid"] = "region-uid"
         mounted = tmp_path / "rlrun.json"
@@ -398,8 +400,8 @@ def test_a_production_pools_server_starts_from_the_spec_its_region_mounts(tmp_pa
             "RLFLEET_NATS_URL": bed.leaves[REGION].url,
             CREDENTIALS_ENV: str(user),
             STATE_DIR_ENV: str(tmp_path / "state"),
-            # The session's caches (a pod's path is short enough for vLLM's sockets).
-            CACHE_ROOT_ENV: os.environ[CACHE_ROOT_ENV],
+            # Deeper than a pod's: vLLM's sockets would not fit under it (`sockets_folder`).
+            CACHE_ROOT_ENV: str(tmp_path / "state" / "cache"),
             "VLLM_API_KEY": "k",
         }
         supervisor.start("serving", argv, env | CPU_ENV)

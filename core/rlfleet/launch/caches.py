@@ -15,6 +15,7 @@ left alone: rlfleet downloads nothing, and that cache is content-addressed and l
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import shutil
 import tempfile
@@ -38,9 +39,28 @@ CACHE_FOLDERS = {
 }
 
 
+# vLLM makes its engine's IPC sockets in `VLLM_RPC_BASE_PATH` (by default the temp
+# folder, here the tree's), and a socket's path must fit in 107 bytes (`sockaddr_un`).
+# Under a deep root, such as a local run's state folder, vLLM's engine died at start-up
+# ("ipc path ... is longer than 107 characters"): such a tree's sockets go in a short
+# folder of its own in the system's temp folder instead.
+SOCKETS_ENV = "VLLM_RPC_BASE_PATH"
+SOCKETS_MAX_CHARS = 64  # vLLM adds "/" and a 36-character id
+
+
+def sockets_folder(root: Path) -> Path:
+    """Where the tree under `root` makes its sockets: its own temp folder if short enough,
+    else one named after the root in /tmp (so still the tree's alone)."""
+    tmp = root / CACHE_FOLDERS["TMPDIR"]
+    if len(str(tmp)) <= SOCKETS_MAX_CHARS:
+        return tmp
+    return Path("/tmp") / f"rlfleet-sockets-{hashlib.sha256(str(root).encode()).hexdigest()[:16]}"
+
+
 def cache_env(root: Path) -> dict[str, str]:
-    """The environment that puts every compile cache under `root`."""
-    return {CACHE_ROOT_ENV: str(root)} | {var: str(root / f) for var, f in CACHE_FOLDERS.items()}
+    """The environment that puts every compile cache (and vLLM's sockets) under `root`."""
+    folders = {var: str(root / f) for var, f in CACHE_FOLDERS.items()}
+    return {CACHE_ROOT_ENV: str(root)} | folders | {SOCKETS_ENV: str(sockets_folder(root))}
 
 
 def own_caches(default_root: Path | None) -> Path | None:
@@ -50,8 +70,13 @@ def own_caches(default_root: Path | None) -> Path | None:
     inherited = os.environ.get(CACHE_ROOT_ENV)
     root = Path(inherited) if inherited else default_root
     if root is not None:
-        os.environ.update(cache_env(root.absolute()))
+        root = root.absolute()
+        os.environ.update(cache_env(root))
         (root / CACHE_FOLDERS["TMPDIR"]).mkdir(parents=True, exist_ok=True)  # else /tmp
+        sockets = sockets_folder(root)
+        sockets.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if sockets.stat().st_uid != os.getuid():  # made by someone else, to listen in
+            raise PermissionError(f"{sockets} belongs to another user")
     return root
 
 
