@@ -10,8 +10,9 @@ Prints one JSON object.
 no fault to kill them), `recovery_seconds` (per kind, p50 and p99 of the seconds from a
 fault to the trainer's next step) and the whole `audit`. Bad input and permissions have
 their figures from their tests (`tests/test_bad_input.py`, `tests/test_bed_nats.py`).
-The run's logs stay in `.rlfleet/bench/faults/`. It exits 1 when any of `LOSSES` is not 0:
-`--minutes 2` is the short check (8 to 10 minutes here, its own bed included).
+The run's logs stay in `.rlfleet/bench/faults/`. It exits 1 when any of `LOSSES` is not 0.
+The short check, two minutes on an already started plane, is the last test of
+`tests/test_operator_local.py`.
 """
 
 from __future__ import annotations

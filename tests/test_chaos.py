@@ -1,10 +1,9 @@
 """Faults in a run under the operators, and the audit that says what they cost.
 
-The schedule and the audit are pure and tested alone; the run itself is
-`bench/faults.py` (`--minutes 2` for a short one, which exits 1 when anything was lost):
-a real trainer, workers and operators on the bed, killed and restarted while they train,
-then audited from durable state. It left `make test` when the suite neared CI's limit;
-it comes back once the operated-plane tests share one plane."""
+The schedule and the audit are pure and tested alone. The run itself, a real trainer,
+workers and operators on the bed killed and restarted while they train, then audited from
+durable state, is `bench/faults.py` (30 minutes) and, for two minutes, the last test of
+`test_operator_local.py`, on the plane that module has started."""
 
 from __future__ import annotations
 

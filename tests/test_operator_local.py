@@ -4,7 +4,10 @@
 local process: the trainer on DeepSpeed, the rollout workers on vLLM, talking through NATS
 leaf nodes. A traffic spike in one
 region reclaims its GPUs and so stops its worker while training goes on with the other
-region; when traffic falls, the GPUs come back and a new worker resumes.
+region; when traffic falls, the GPUs come back and a new worker resumes. Last, on the same plane,
+the short chaos run: its parts killed and restarted at random moments while it trains, then
+an audit from durable state of what was lost or done twice (`bench/faults.py` is the long
+one).
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from rlfleet.local import plan
 from rlfleet.local.nats import NatsServer
 from rlfleet.local.run import make_model
 from rlfleet.rollout.envclient import EnvClient
-from rlfleet.testbed.bed import BedInfo
+from rlfleet.testbed.audit import step_log
+from rlfleet.testbed.bed import Bed
+from rlfleet.testbed.chaos import ChaosPlane, FaultKind, faults_and_audit
 from rlfleet.testbed.fleet import HUB
-from rlfleet.testbed.operated import BUSY, QUIET, OperatedPlane
+from rlfleet.testbed.operated import BUSY, QUIET
 
 pytestmark = pytest.mark.bed
 
@@ -81,7 +86,7 @@ class Listener:
 
 @dataclass
 class World:
-    plane: OperatedPlane
+    plane: ChaosPlane
     seen: Seen
 
     @property
@@ -112,7 +117,7 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(
-    bed: BedInfo, crds_installed: None, tmp_path_factory: pytest.TempPathFactory
+    testbed: Bed, crds_installed: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[World]:
     # examples/local.yaml as `rlfleet run --operator` runs it: each region borrows one
     # 8-GPU replica of its simulated serving fleet.
@@ -123,16 +128,20 @@ def world(
     for folder in (layout.root, layout.logs, layout.configs, layout.nats):
         folder.mkdir(parents=True, exist_ok=True)
     make_model(spec, layout, warmup_steps=20)  # flow, not learning, is under test here
-    plane = OperatedPlane(
+    assert testbed.info is not None
+    # A plane that takes faults once `faults_and_audit` starts them; until then, any of its
+    # processes dying fails the test.
+    plane = ChaosPlane(
         name,
         spec,
         layout,
         plan.Tuning(),
-        bed=bed,
+        bed=testbed.info,
         document=document,
         namespace=f"local-{uuid.uuid4().hex[:6]}",
+        running_bed=testbed,
     )
-    listener = Listener(bed.nats.hub, plane.key)
+    listener = Listener(testbed.info.nats.hub, plane.key)
     try:
         # Installs the chart, makes each region's serving fleet, applies the run, and
         # binds its pods to processes that log in as the NATS user the hub minted.
@@ -205,3 +214,31 @@ def test_a_reclaim_stops_a_regions_rollouts_and_training_goes_on(world: World) -
     )
     # The new worker is named after the new pod: region-a has now had two.
     assert len({w for w in world.seen.workers_since(0) if "region-a" in w}) == 2
+
+
+def test_a_run_killed_at_random_loses_nothing(world: World) -> None:
+    # Last on the plane: it ends with the run deleted. Each kind below is tried once in
+    # the two minutes (seed 1); spikes had their test above, and `bench/faults.py` tries
+    # every kind many times.
+    kinds = (
+        FaultKind.TRAINER,
+        FaultKind.ROLLOUT,
+        FaultKind.FEED,
+        FaultKind.HUB_OPERATOR,
+        FaultKind.REGION_OPERATOR,
+        FaultKind.NATS_HUB,
+        FaultKind.NATS_LEAF,
+    )
+    checkpoints = world.plane.runner.plan["trainer"].config.checkpoint_dir
+    world.wait("a step", lambda: step_log(checkpoints))
+    found = faults_and_audit(world.plane, minutes=2, seed=1, kinds=kinds, mean_gap_s=20)
+    print(json.dumps(found))
+    assert set(found["faults_injected"]) == set(kinds)
+    for key in ("tasks_lost", "trajectories_lost", "trajectories_trained_twice"):
+        assert found[key] == 0, key
+    for key in ("versions_missing", "floor_violations", "pods_left", "crashes"):
+        assert found[key] == 0, key
+    # The audit read what it audits: every trajectory trained is on the stream.
+    audited = found["audit"]
+    assert audited["trajectories_published"] >= audited["trajectories_trained"] > 0
+    assert audited["tasks_issued"] >= audited["tasks_attempted"] > 0 and found["floor_checks"]

@@ -132,14 +132,22 @@ class ChaosPlane(OperatedPlane):
     def __init__(self, *args, running_bed: Bed, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.running_bed = running_bed
-        self.runner.restart_exited = True
+        self.faulting = False  # until `start_faults`, a death fails the plane as usual
         self.injected: list[tuple[float, FaultKind]] = []  # wall clock, kind
         self.crashes: list[str] = []  # processes that died with no fault to kill them
         self._undo: list[tuple[float, Callable[[], None]]] = []  # (monotonic due, action)
 
+    def start_faults(self) -> None:
+        """From now on, what dies is started again (a fault's victim, or a crash)."""
+        self.faulting = True
+        self.runner.restart_exited = True
+
     def check_alive(self) -> None:
-        """An operator or a bed server that died on its own is a crash: counted, and
-        started again (as its Deployment, or systemd, would)."""
+        """Once faults start, an operator or a bed server that died on its own is a crash:
+        counted, and started again (as its Deployment, or systemd, would)."""
+        if not self.faulting:
+            super().check_alive()
+            return
         for name in self.fleet.supervisor.exited():
             log.warning("%s exited on its own: started again", name)
             self.crashes.append(name)
@@ -265,30 +273,47 @@ def run_with_faults(
         namespace=f"chaos-{secrets.token_hex(3)}",
         running_bed=bed,
     )
-    faults = schedule(seed, minutes * 60, plane.regions, kinds, mean_gap_s)
     with plane:
         checkpoints = plane.runner.plan["trainer"].config.checkpoint_dir
-        floor = Floor(plane)
         plane.wait("the first step", lambda: step_log(checkpoints), FIRST_STEP_S)
-        started, skipped = time.monotonic(), Counter()
-        for fault in faults:
-            moment = started + fault.at_s
-            plane.wait("the fault's moment", lambda at=moment: time.monotonic() >= at)
-            if not plane.inject(fault):
-                skipped[fault.kind] += 1
-        plane.wait("the end of the faults", lambda: time.monotonic() >= started + minutes * 60)
-        plane.finish_faults()
-        last = time.time()
-        plane.wait("a step after the faults", lambda: _stepped_after(checkpoints, last), SETTLE_S)
-        plane.stop_run()
-        floor.stop()
+        return faults_and_audit(
+            plane, minutes=minutes, seed=seed, kinds=kinds, mean_gap_s=mean_gap_s
+        )
+
+
+def faults_and_audit(
+    plane: ChaosPlane,
+    *,
+    minutes: float,
+    seed: int,
+    kinds: tuple[FaultKind, ...] = tuple(FaultKind),
+    mean_gap_s: float = 30.0,
+) -> dict:
+    """`minutes` of faults in a plane whose run has stepped, then the run stopped, audited
+    and deleted. Returns the figures `bench/faults.py` prints."""
+    faults = schedule(seed, minutes * 60, plane.regions, kinds, mean_gap_s)
+    checkpoints = plane.runner.plan["trainer"].config.checkpoint_dir
+    plane.start_faults()
+    floor = Floor(plane)
+    started, skipped = time.monotonic(), Counter()
+    for fault in faults:
+        moment = started + fault.at_s
+        plane.wait("the fault's moment", lambda at=moment: time.monotonic() >= at)
+        if not plane.inject(fault):
+            skipped[fault.kind] += 1
+    plane.wait("the end of the faults", lambda: time.monotonic() >= started + minutes * 60)
+    plane.finish_faults()
+    last = time.time()
+    plane.wait("a step after the faults", lambda: _stepped_after(checkpoints, last), SETTLE_S)
+    plane.stop_run()
+    floor.stop()
+    ledger = plane.ledger(checkpoints)
+    deadline = time.monotonic() + MIRRORED_S
+    while audit(ledger).versions_missing and time.monotonic() < deadline:
+        time.sleep(2.0)
         ledger = plane.ledger(checkpoints)
-        deadline = time.monotonic() + MIRRORED_S
-        while audit(ledger).versions_missing and time.monotonic() < deadline:
-            time.sleep(2.0)
-            ledger = plane.ledger(checkpoints)
-        plane.delete_run()
-        left = plane.pods_left()
+    plane.delete_run()
+    left = plane.pods_left()
     found = audit(ledger)
     return {
         "faults_injected": dict(Counter(kind for _, kind in plane.injected)),
