@@ -385,6 +385,7 @@ class Trainer:
             f"publishing step {self.step}'s report",
         )
         metrics.steps.inc()
+        metrics.nonfinite.inc(result.nonfinite_micro_batches)
         metrics.trajectories.labels("trained").inc(len(items))
         for stat in ("mean_abs", "max_abs", "kl"):
             metrics.mismatch.labels(stat).set(getattr(result.mismatch, stat))

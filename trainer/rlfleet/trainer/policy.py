@@ -33,6 +33,9 @@ class StepResult:
     tokens: int
     mismatch: Mismatch
     clipped_fraction: float
+    # Micro-batches whose loss was not finite on some rank: left out of every update of
+    # the step (all of them: no update at all), so a NaN never reaches the weights.
+    nonfinite_micro_batches: int = 0
 
 
 class Policy:
@@ -102,22 +105,38 @@ class Policy:
         makes reusing a batch safe."""
         self.engine.train()
         references = [self._reference(rows) for rows in micro_batches]  # frozen: once
-        loss, clipped, proximal = self._update(micro_batches, references, tokens, None)
+        first = last = self._update(micro_batches, references, tokens, None, kept=None)
         for _ in range(self.config.updates_per_step - 1):
-            _, clipped, _ = self._update(micro_batches, references, tokens, proximal)
+            last = self._update(micro_batches, references, tokens, first.logprobs, first.kept)
+        # Over the tokens trained on: a left-out micro-batch's log-probs may be NaN.
+        masks = [rows.mask.flatten() * k for rows, k in zip(micro_batches, first.kept, strict=True)]
         mismatch = mismatch_sums(
-            torch.cat([lp.flatten() for lp in proximal]),
+            torch.cat([lp.flatten() for lp in first.logprobs]),
             torch.cat([rows.behaviour.flatten() for rows in micro_batches]),
-            torch.cat([rows.mask.flatten() for rows in micro_batches]),
+            torch.cat(masks),
         ).cpu()
         totals = distributed.reduce(
-            torch.cat([torch.tensor([loss, clipped], dtype=torch.float64), mismatch]),
+            torch.cat([torch.tensor([first.loss, last.clipped], dtype=torch.float64), mismatch]),
             dist.ReduceOp.SUM,
         )
         totals[4] = distributed.reduce(mismatch[2:3].clone(), dist.ReduceOp.MAX)[0]
+        left_out = first.kept.count(False)
+        if left_out:
+            log.warning(
+                "%d of %d micro-batches had a non-finite loss and were left out of the step%s",
+                left_out,
+                len(micro_batches),
+                "" if any(first.kept) else ": no update, the weights are as they were",
+            )
         # The loss and mismatch are the first pass's: the batch as the engine sampled it. The
         # clipped fraction is the last pass's: how far the reuse pushed from the proximal.
-        return StepResult(float(totals[0]), tokens, Mismatch.of_sums(totals[2:]), float(totals[1]))
+        return StepResult(
+            float(totals[0]),
+            tokens,
+            Mismatch.of_sums(totals[2:]),
+            float(totals[1]),
+            nonfinite_micro_batches=left_out,
+        )
 
     def _reference(self, rows: Rows) -> torch.Tensor | None:
         if self.reference is None:
@@ -131,11 +150,16 @@ class Policy:
         references: list[torch.Tensor | None],
         tokens: int,
         proximal: list[torch.Tensor] | None,
-    ) -> tuple[float, float, list[torch.Tensor]]:
+        kept: list[bool] | None,
+    ) -> _Pass:
         """One optimiser step over every micro-batch, clipped against `proximal` (on the
         first pass, the pass's own log-probs: ratio 1, clip idle; the truncated importance
-        weight proximal/behaviour carries the off-policy correction). Returns the loss, the
-        clipped fraction and this pass's log-probs before the step."""
+        weight proximal/behaviour carries the off-policy correction). A micro-batch whose
+        loss is not finite on any rank (the first pass decides; later passes keep `kept`)
+        has no backward on any rank, since backward's hooks are collective; with none left,
+        no optimiser step either, since AdamW moves weights even on zero gradients."""
+        decide = kept is None
+        kept = [True] * len(micro_batches) if kept is None else kept
         total_loss, clipped, logprobs_seen = 0.0, 0.0, []
         for index, (rows, reference) in enumerate(zip(micro_batches, references, strict=True)):
             logprobs = self.logprobs(rows)
@@ -150,13 +174,18 @@ class Policy:
                 reference,
                 tokens=tokens,
             )
+            if decide:
+                kept[index] = _finite_everywhere(result.loss)
+            if not kept[index]:
+                continue
             # DeepSpeed averages gradients over the ranks; each rank's loss is its share of
             # the step's mean, so scaling it by the ranks makes the average their sum.
             self.engine.backward(result.loss * distributed.world(), scale_wrt_gas=False)
             total_loss += float(result.loss.detach())
             clipped += result.clipped_fraction  # already a share of the step's `tokens`
-        self.engine.step()
-        return total_loss, clipped, logprobs_seen
+        if any(kept):
+            self.engine.step()
+        return _Pass(total_loss, clipped, logprobs_seen, kept)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """This rank's part of the policy under the checkpoint's names, in the serving dtype:
@@ -213,6 +242,22 @@ class Policy:
         )
         log.info("resumed from %s", path)
         return client_state
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """One optimiser step's pass over the micro-batches."""
+
+    loss: float
+    clipped: float
+    logprobs: list[torch.Tensor]  # each micro-batch's, before the step
+    kept: list[bool]  # whose loss was finite everywhere, and so trained on
+
+
+def _finite_everywhere(loss: torch.Tensor) -> bool:
+    """Whether every rank's `loss` is finite: they all skip a micro-batch, or none does."""
+    bad = torch.tensor([0.0 if torch.isfinite(loss.detach()).item() else 1.0])
+    return not distributed.reduce(bad, dist.ReduceOp.MAX)[0].item()
 
 
 def _tag(step: int) -> str:
