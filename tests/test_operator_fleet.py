@@ -1325,6 +1325,46 @@ def test_a_production_runs_cycles_show_in_its_status_columns_and_events(world: W
     )
 
 
+def test_a_production_runs_canary_set_comes_out_of_its_pools_serving_not_its_lending(
+    world: World,
+) -> None:
+    """A production run's `canary.replicas` of its pool serve as the canary set: the
+    region operator runs them as a Deployment of the serving Deployment's pods, labelled
+    and told the canary set, owned by the pool. They come out of serving, not out of what
+    the pool lends, and go back to the serving Deployment with the run."""
+    region, run = "region-c", "canary-run"
+    document = example("realtime.yaml")
+    document["metadata"]["name"] = run
+    document["spec"]["production"]["pool"] = {"region": region, "name": POOL}
+
+    def lent() -> int:
+        status = world.get(region, "inferencepool", POOL).get("status") or {}
+        return sum(e["replicas"] for e in status.get("lent", []))
+
+    def replicas(name: str) -> int | None:
+        found = world.items(region, "deployments", "--field-selector", f"metadata.name={name}")
+        return found[0]["spec"]["replicas"] if found else None
+
+    lending = wait_for("the first run's replica lent", lambda: lent() or None)
+    world.apply(HUB, document)
+    try:
+        wait_for("the canary set made", lambda: replicas("chat-vllm-canary") == 1)
+        canary = world.get(region, "deployment", "chat-vllm-canary")
+        assert canary["metadata"]["ownerReferences"][0]["kind"] == "InferencePool"
+        pod = canary["spec"]["template"]
+        assert pod["metadata"]["labels"] == {"app": "chat-vllm", "rlfleet.io/replica-set": "canary"}
+        env = pod["spec"]["containers"][0]["env"]
+        assert {"name": launch.REPLICA_SET_ENV, "value": "canary"} in env
+        wait_for("serving gave the canary a replica", lambda: replicas("chat-vllm") == 3 - lending)
+        wait_for("the canary's pod serving", lambda: world.serving_pods(region) == 4 - lending)
+        assert lent() == lending  # out of serving, not out of what the first run borrows
+    finally:
+        world.fleet.kubectl(HUB, "-n", world.ns, "delete", "rlrun", run, "--wait=false")
+    wait_for("no canary set without the run", lambda: replicas("chat-vllm-canary") == 0)
+    wait_for("serving whole again", lambda: replicas("chat-vllm") == 4 - lending)
+    wait_for("every serving pod back", lambda: world.serving_pods(region) == 4 - lending)
+
+
 def test_a_pools_status_shows_the_version_each_serving_replica_says_it_serves(
     world: World,
 ) -> None:

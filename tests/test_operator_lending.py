@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import yaml
+from conftest import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlfleet.api.inferencepool import OffPeakWindow
+from rlfleet.api.inferencepool import InferencePoolSpec, OffPeakWindow
+from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.pipeline.lending import (
     PoolState,
     RunDemand,
+    canary_set,
     decide,
     in_off_peak,
     lent_elsewhere,
@@ -46,6 +50,29 @@ def test_idle_pool_lends_up_to_its_cap_and_floor() -> None:
     decision = decide(pool(load=0.0), [run("a")])
     assert decision.lent == {"a": 6} and decision.reason == "Lend"
     assert decide(pool(load=0.0, min_serving=7), [run("a")]).lent == {"a": 1}
+
+
+def test_a_canary_set_and_a_stable_replica_serve_before_anything_is_lent() -> None:
+    document = yaml.safe_load((ROOT / "examples" / "realtime.yaml").read_text())
+    production = RLRunSpec.model_validate(document["spec"])  # canary.replicas 1, region-a
+    bigger = document["spec"] | {
+        "production": document["spec"]["production"] | {"canary": {"replicas": 3}}
+    }
+    runs = [production, RLRunSpec.model_validate(bigger)]
+    # The most any run learning from the pool asks; other pools, regions and runs: none.
+    assert canary_set(runs, "region-a", "chat", 8) == 3
+    assert canary_set(runs, "region-b", "chat", 8) == canary_set(runs, "region-a", "x", 8) == 0
+    assert canary_set(runs[:1], "region-a", "chat", 8) == 1
+    # Never the whole pool: the stable set keeps one.
+    assert canary_set(runs, "region-a", "chat", 3) == 2
+    spec = InferencePoolSpec.model_validate(
+        yaml.safe_load((ROOT / "examples" / "inferencepool.yaml").read_text())["spec"]
+        | {"minServingReplicas": 1, "maxLendFraction": 1.0}
+    )
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    assert PoolState.of("chat", spec, 0.0, {}, now).lendable == 3  # 4 replicas, floor 1
+    # A canary set of 2 and a stable replica: only 1 of 4 may go.
+    assert PoolState.of("chat", spec, 0.0, {}, now, canary=2).lendable == 1
 
 
 def test_lends_only_what_keeps_the_load_per_replica_at_the_lend_threshold() -> None:

@@ -14,7 +14,7 @@ from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import COMPONENT_LABEL, GPU_RESOURCE, GPU_TYPE_LABEL
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.operator.config import Images, NatsAccess, OperatorConfig, Workloads
-from rlfleet.operator.workloads import hub_objects, mirror, rollout_deployment
+from rlfleet.operator.workloads import canary_deployment, hub_objects, mirror, rollout_deployment
 
 NATS = NatsAccess(url="nats://nats.hub:4222")
 
@@ -180,3 +180,30 @@ def test_rollout_and_trainer_pods_go_to_nodes_of_the_gpu_type_they_need() -> Non
     assert node_affinity(trainer({"trainer": {"gpuType": "NVIDIA-L4"}})) == want
     # The label's default has one home, which the chart's empty value leaves in place.
     assert Workloads().gpu_type_label == GPU_TYPE_LABEL == "nvidia.com/gpu.product"
+
+
+def test_a_canary_set_is_the_serving_pods_told_the_canary_set_and_selected_apart() -> None:
+    serving = yaml.safe_load((ROOT / "examples" / "serving.yaml").read_text())
+    serving["spec"]["selector"]["matchExpressions"] = [
+        {"key": "tier", "operator": "In", "values": ["prod"]}
+    ]
+    pool = yaml.safe_load((ROOT / "examples" / "inferencepool.yaml").read_text())
+    pool["metadata"] |= {"namespace": "serving", "uid": "u-1"}
+    pool["spec"]["serving"]["deploymentName"] = "chat"
+    canary = canary_deployment(pool, serving, 1)
+    assert canary["metadata"]["name"] == "chat-canary"
+    assert canary["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert canary["spec"]["replicas"] == 1
+    # Its own pods only, which the serving selector also matches (the pool counts them).
+    selector = canary["spec"]["selector"]
+    assert selector["matchLabels"] == {"app": "chat", "rlfleet.io/replica-set": "canary"}
+    assert selector["matchExpressions"] == serving["spec"]["selector"]["matchExpressions"]
+    labels = canary["spec"]["template"]["metadata"]["labels"]
+    assert labels.items() >= serving["spec"]["selector"]["matchLabels"].items()
+    # The stable set's name replaced, not repeated; the rest of the pod as served.
+    (container,) = canary["spec"]["template"]["spec"]["containers"]
+    told = [e for e in container["env"] if e["name"] == launch.REPLICA_SET_ENV]
+    assert told == [{"name": launch.REPLICA_SET_ENV, "value": "canary"}]
+    served = serving["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == served["image"] and container["args"] == served["args"]
+    assert serving["spec"]["template"]["metadata"]["labels"] == {"app": "chat"}  # a copy

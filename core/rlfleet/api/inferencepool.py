@@ -12,6 +12,7 @@ from pydantic import ConfigDict, Field
 
 from rlfleet.api.meta import (
     AGE,
+    GROUP,
     ApiModel,
     Conditions,
     GpuType,
@@ -27,6 +28,11 @@ HHMM = r"^([01][0-9]|2[0-3]):[0-5][0-9]$"
 # series labelled with what it serves; the region operator reads it from every serving
 # pod for `status.servedVersions`.
 SERVED_WEIGHTS = "rlfleet_serving_weights"
+# A pool's two sets of servers, each told its own version by a production run's cycles:
+# the canary set (the run's `production.canary.replicas`, a Deployment the region operator
+# makes from the serving one) and the rest, the serving Deployment.
+CANARY, STABLE = "canary", "stable"
+REPLICA_SET_LABEL = f"{GROUP}/replica-set"  # on the canary set's pods
 
 
 class ServingWorkload(ApiModel):

@@ -178,7 +178,16 @@ class CanarySpec(ApiModel):
     """A candidate that passed the gate serves on the canary replicas first."""
 
     replicas: Annotated[
-        int, Field(ge=1, le=10000, description="Servers of the pool in the canary set.")
+        int,
+        Field(
+            ge=1,
+            le=10000,
+            description=(
+                "Servers of the pool in the canary set: the region operator runs them as "
+                "the Deployment <deploymentName>-canary, out of the pool's serving "
+                "replicas (never lent), and always leaves the stable set one."
+            ),
+        ),
     ] = 1
     window_seconds: Annotated[int, Field(ge=1, le=7 * DAY_S)] = 1800
     max_drop: Annotated[

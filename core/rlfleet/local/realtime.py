@@ -27,6 +27,7 @@ import matplotlib
 from msgspec.structs import replace
 
 from rlfleet import launch
+from rlfleet.api.inferencepool import CANARY, STABLE
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import BusRole, CycleOutcome, CycleState
 from rlfleet.bus.auth import CREDENTIALS_ENV
@@ -39,7 +40,6 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
 USERS = launch.Program("rlfleet.rollout.users")
-CANARY, STABLE = "canary", "stable"  # the pool's replica sets, as the conductor names them
 SERVED_MODEL = "policy"
 API_KEY_FILE = "api-key"  # under the run's NATS folder: the pool's key, for its users too
 REQUESTS = "requests.jsonl"  # the users' records, in the run's report folder

@@ -8,6 +8,10 @@ per serving replica is below `lend_below` and gives replicas back only once it r
 priority borrow first and give back last; a replica already lent stays with its run
 unless the pool must shrink, so the decision never moves GPUs between runs for nothing.
 
+A pool a production run learns from keeps that run's canary set serving
+(`spec.production.canary.replicas`, `canary_set`) and one replica besides it: the canary
+set comes out of serving, never out of what is lent.
+
 A run that names GPU types borrows only from pools of one of them (a pool of no named
 type lends it nothing). Among runs of one priority, those that named the pool's type
 borrow first: a run that takes any type can be served by any pool, one that named a
@@ -17,7 +21,7 @@ type only by pools of it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, time
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -50,12 +54,15 @@ class PoolState:
         load: float | None,
         lent: Mapping[str, int],
         now: datetime,
+        canary: int = 0,
     ) -> PoolState:
+        """`canary`: replicas in the pool's canary set (`canary_set`), which serving keeps
+        with one more, the stable set's, whatever its floor."""
         return cls(
             name=name,
             replicas=spec.serving.replicas,
             gpus_per_replica=spec.serving.gpus_per_replica,
-            min_serving=spec.min_serving_replicas,
+            min_serving=max(spec.min_serving_replicas, canary + 1 if canary else 0),
             max_lend_fraction=spec.max_lend_fraction,
             lend_below=spec.traffic.lend_below,
             reclaim_above=spec.traffic.reclaim_above,
@@ -215,6 +222,19 @@ def decide(
     if not lent and reason == "Lend" and target > 0:
         reason = "NoDemand"
     return Decision(lent, reason)
+
+
+def canary_set(runs: Iterable[RLRunSpec], region: str, pool: str, replicas: int) -> int:
+    """Replicas of a pool of `replicas` that serve as its canary set: what a production run
+    learning from it asks, the most if several do, short of the whole pool (the stable set
+    keeps one)."""
+    asked = [
+        spec.production.canary.replicas
+        for spec in runs
+        if spec.production is not None
+        and (spec.production.pool.region, spec.production.pool.name) == (region, pool)
+    ]
+    return min(max(asked, default=0), replicas - 1)
 
 
 def unserved_gpu_types(

@@ -34,6 +34,7 @@ from enum import StrEnum
 
 from msgspec.structs import replace
 
+from rlfleet.api.inferencepool import CANARY, STABLE
 from rlfleet.api.wire import (
     CYCLE_HISTORY,
     CycleEvent,
@@ -48,8 +49,6 @@ from rlfleet.api.wire import CycleOutcome as Outcome
 from rlfleet.api.wire import CyclePhase as Phase
 from rlfleet.launch.settings import CanaryPolicy
 from rlfleet.operator.promotion import CanaryCall, GateVerdict, judge_canary
-
-CANARY, STABLE = "canary", "stable"  # the pool's replica sets
 
 
 def first_state(run: str, serving: int, now: float) -> CycleState:

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from rlfleet.api.envpool import EnvPoolSpec, EnvPoolStatus
 from rlfleet.api.inferencepool import (
+    CANARY,
     InferencePoolSpec,
     InferencePoolStatus,
     LentToRun,
@@ -60,6 +61,7 @@ from rlfleet.operator.workloads import (
     ORIGIN_LABEL,
     POOL_LABEL,
     RUN_LABEL,
+    canary_deployment,
     envpool_objects,
     envpool_service,
     envpool_token,
@@ -70,6 +72,7 @@ from rlfleet.pipeline.lending import (
     Decision,
     PoolState,
     RunDemand,
+    canary_set,
     decide,
     lent_elsewhere,
     unknown_time_zones,
@@ -373,21 +376,25 @@ class Region:
 
         # The world, read once and at once before deciding: the status counts what this
         # reconcile acted on, and the next one counts what its scaling made of it.
-        (load, traffic_problem), rollout_pods, serving_pods, deployments = at_once(
+        (load, traffic_problem), rollout_pods, serving_pods, (deployments, canary) = at_once(
             [
                 partial(self._load, spec),
                 partial(self._pods, namespace, {POOL_LABEL: name, COMPONENT_LABEL: "rollout"}),
+                # The canary set's pods too: they match the serving selector.
                 partial(self._pods, namespace, serving["spec"]["selector"]["matchLabels"]),
-                partial(self._rollout_deployments, namespace, name),
+                partial(self._pool_deployments, namespace, name),
             ]
         )
         current = {e.run: e.replicas for e in old.lent}
-        state = PoolState.of(name, spec, load, current, now())
+        canary_replicas = self._canary_set(namespace, name, spec)
+        state = PoolState.of(name, spec, load, current, now(), canary_replicas)
         decision, runs = self._decide(pool, state)
         events = decision_events(spec, state, decision, current)
         reclaiming = self._act(
-            name, spec, serving, decision, runs, deployments, rollout_pods, serving_pods
-        )
+            name, spec, serving, decision, runs, deployments, rollout_pods, serving_pods,
+            canary_replicas,
+        )  # fmt: skip
+        self._keep_canary(pool, serving, canary, canary_replicas)
         clock = reclaim_clock(
             parse_time(old.reclaim_started_at), reclaiming, now(), spec, decision.total
         )
@@ -487,13 +494,17 @@ class Region:
             return None
         return read_served(ip, spec.serving.port, self.config.call_timeout_seconds)
 
-    def _rollout_deployments(self, namespace: str, pool: str) -> dict[str, dict]:
-        """The rollout Deployments on the pool's GPUs, by run."""
+    def _pool_deployments(self, namespace: str, pool: str) -> tuple[dict[str, dict], dict | None]:
+        """The rollout Deployments on the pool's GPUs, by run, and its canary set's."""
         found = self.local.list(
-            Ref("apps/v1", "Deployment", namespace=namespace),
-            _selector({POOL_LABEL: pool, COMPONENT_LABEL: "rollout"}),
+            Ref("apps/v1", "Deployment", namespace=namespace), _selector({POOL_LABEL: pool})
         )
-        return {d["metadata"]["labels"][RUN_LABEL]: d for d in found}
+        by_component: dict[str, list[dict]] = {}
+        for deployment in found:
+            component = deployment["metadata"]["labels"].get(COMPONENT_LABEL, "")
+            by_component.setdefault(component, []).append(deployment)
+        rollouts = {d["metadata"]["labels"][RUN_LABEL]: d for d in by_component.get("rollout", [])}
+        return rollouts, next(iter(by_component.get(CANARY, [])), None)
 
     def _act(
         self,
@@ -505,6 +516,7 @@ class Region:
         deployments: dict[str, dict],
         rollout_pods: list[dict],
         serving_pods: list[dict],
+        canary_replicas: int,
     ) -> int:
         """Moves pods toward the decision; returns how many rollout pods are draining."""
         # Shrink first: scaling a rollout Deployment down sends its pods SIGTERM.
@@ -513,9 +525,10 @@ class Region:
             if deployment["spec"]["replicas"] > want:
                 # Gone already when its run's mirror was deleted: nothing left to shrink.
                 self.local.scale(Ref.of(deployment), want)
-        # Serving takes back only GPUs no rollout pod holds any more.
+        # Serving takes back only GPUs no rollout pod holds any more; the canary set has its
+        # share of it (the floor is above that share, so the serving Deployment keeps one).
         in_use = max(len(rollout_pods), decision.total)
-        serving_target = spec.serving.replicas - in_use
+        serving_target = max(0, spec.serving.replicas - in_use - canary_replicas)
         if serving["spec"].get("replicas") != serving_target:
             self.local.scale(Ref.of(serving), serving_target)
         # Grow into GPUs that serving pods have actually left.
@@ -538,6 +551,25 @@ class Region:
                 )
             )
         return max(0, len(rollout_pods) - decision.total)
+
+    def _canary_set(self, namespace: str, pool: str, spec: InferencePoolSpec) -> int:
+        """Replicas of the pool in its canary set, as the production run learning from it
+        asks (`spec.production.canary.replicas`)."""
+        runs = [
+            RLRunSpec.model_validate(run["spec"])
+            for run in self._runs(namespace)
+            if not run["metadata"].get("deletionTimestamp")
+        ]
+        return canary_set(runs, self.name, pool, spec.serving.replicas)
+
+    def _keep_canary(self, pool: dict, serving: dict, canary: dict | None, replicas: int) -> None:
+        """The pool's canary set: its Deployment applied from the serving Deployment's pods
+        (so it follows their changes), or scaled to none when no run asks for one; the
+        garbage collector takes it with the pool."""
+        if replicas:
+            self.local.apply(canary_deployment(pool, serving, replicas))
+        elif canary is not None and canary["spec"].get("replicas"):
+            self.local.scale(Ref.of(canary), 0)
 
     def _force(self, namespace: str, pool: str) -> int:
         """Kills rollout pods still terminating past the reclaim deadline."""

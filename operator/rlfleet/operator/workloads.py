@@ -9,6 +9,7 @@ by that region's mirror of the run.
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import math
 from pathlib import Path
@@ -19,7 +20,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from rlfleet import launch
 from rlfleet.api.envpool import EnvPoolSpec
-from rlfleet.api.inferencepool import InferencePoolSpec
+from rlfleet.api.inferencepool import CANARY, REPLICA_SET_LABEL, InferencePoolSpec
 from rlfleet.api.meta import (
     API_VERSION,
     COMPONENT_LABEL,
@@ -532,6 +533,38 @@ def rollout_deployment(
     # Sandboxes are made by an EnvPool's servers, never here: the worker needs no privilege.
     pod = _least_privilege(pod, WORKLOAD_USER)
     return _deployment(run, rollout_name(name, pool), labels, replicas, pod)
+
+
+def canary_name(deployment: str) -> str:
+    return f"{deployment}-canary"
+
+
+def canary_deployment(pool: dict, serving: dict, replicas: int) -> dict:
+    """A pool's canary set (`lending.canary_set`): the serving Deployment's own pods, told
+    to serve the canary set's version and labelled so, owned by the pool. Its pods still
+    match the serving selector: a Service sends them their share of the requests, and the
+    operator counts them as serving (they are never lent)."""
+    spec = InferencePoolSpec.model_validate(pool["spec"])
+    template = copy.deepcopy(serving["spec"]["template"])
+    template["metadata"]["labels"] = template["metadata"].get("labels", {}) | {
+        REPLICA_SET_LABEL: CANARY
+    }
+    for container in template["spec"]["containers"]:
+        env = [e for e in container.get("env", []) if e["name"] != launch.REPLICA_SET_ENV]
+        container["env"] = [*env, {"name": launch.REPLICA_SET_ENV, "value": CANARY}]
+    selector = copy.deepcopy(serving["spec"]["selector"])
+    selector["matchLabels"] = selector.get("matchLabels", {}) | {REPLICA_SET_LABEL: CANARY}
+    labels = {POOL_LABEL: pool["metadata"]["name"], COMPONENT_LABEL: CANARY}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(pool, canary_name(spec.serving.deployment_name), labels),
+        "spec": {
+            "replicas": replicas,
+            "selector": selector,
+            "template": template,
+        },
+    }
 
 
 def envpool_url(namespace: str, envpool: str) -> str:
