@@ -50,7 +50,7 @@ from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.local.processes import free_port
 from rlfleet.models.tiny import init_model, read_weights, train_step
 from rlfleet.operator.served import read_served
-from rlfleet.rollout.capture import Bus, Captures
+from rlfleet.rollout.capture import Asked, Bus, Captures, Streamed, extract
 from rlfleet.rollout.serving import MIDDLEWARE, vllm_arguments
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 
@@ -85,6 +85,21 @@ class Pool:
                 return response.status, json.load(response)
         except urllib.error.HTTPError as error:
             return error.code, json.load(error)
+
+    def stream(self, content: str, **fields) -> list[str]:
+        """A streamed chat completion's server-sent events' data, in order."""
+        body = json.dumps(_chat(content, **{"max_tokens": 6, "stream": True, **fields}))
+        request = urllib.request.Request(
+            f"{self.url}/v1/chat/completions", data=body.encode(), method="POST"
+        )
+        request.add_header("content-type", "application/json")
+        request.add_header("authorization", f"Bearer {API_KEY}")
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.status == 200
+            events = response.read().decode().split("\n\n")
+        assert events.pop() == ""  # every event whole
+        assert all(e.startswith("data: ") for e in events)
+        return [e.removeprefix("data: ") for e in events]
 
     def feedback(self, response_id: str, kind: str = "accepted", **fields):
         body = {"response_id": response_id, "event_id": uuid.uuid4().hex, "kind": kind, **fields}
@@ -199,6 +214,75 @@ def test_a_served_completion_is_captured_and_the_client_sees_only_what_it_asked(
     greedy = pool.chat("two plus two?", temperature=0)
     time.sleep(1)
     assert pool.capture(opted_out["id"]) is None and pool.capture(greedy["id"]) is None
+
+
+def test_a_streamed_completion_is_relayed_as_asked_and_captured_whole(pool: Pool):
+    events = pool.stream("two plus two?", user="lin")
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    # Capture asked vLLM for token ids and log-probs; no chunk carries them to this client.
+    assert all(chunk.get("prompt_token_ids") is None for chunk in chunks)
+    choices = [choice for chunk in chunks for choice in chunk["choices"]]
+    assert all(c.get("logprobs") is None and c.get("token_ids") is None for c in choices)
+    text = "".join(choice["delta"].get("content") or "" for choice in choices)
+    # The same request whole, asking for them (the same seed: the same tokens).
+    full = pool.chat("two plus two?", logprobs=True, return_token_ids=True)
+    (answer,) = full["choices"]
+    assert text == answer["message"]["content"]
+    captured = wait_for("the stream's capture", lambda: pool.capture(chunks[0]["id"]), timeout=30)
+    assert captured.segment.tokens == full["prompt_token_ids"] + answer["token_ids"]
+    assert captured.segment.prompt_len == len(full["prompt_token_ids"])
+    expected = [entry["logprob"] for entry in answer["logprobs"]["content"]]
+    assert captured.segment.logprobs == pytest.approx(expected, abs=1e-5)
+    assert (captured.user, captured.text) == ("lin", text)
+    assert captured.finish_reason == answer["finish_reason"]
+
+    # A client that asks for them gets them in its chunks, as vLLM sends them.
+    asked = [json.loads(e) for e in pool.stream("two plus two?", return_token_ids=True)[:-1]]
+    assert asked[0]["prompt_token_ids"] == full["prompt_token_ids"]
+    streamed = [t for chunk in asked for c in chunk["choices"] for t in c.get("token_ids") or []]
+    assert streamed == answer["token_ids"]
+
+
+def _chunk(token: int, **choice) -> dict:
+    """A streamed chunk as vLLM sends it for a request that asked for everything."""
+    entry = {"index": 0, "delta": {"content": f"t{token}"}, "token_ids": [token], **choice}
+    entry["logprobs"] = {"content": [{"token": f"t{token}", "logprob": -0.5}]}
+    first = {"prompt_token_ids": [1, 2]} if not token else {}
+    return {"id": "chatcmpl-s", "choices": [entry]} | first
+
+
+def test_a_stream_cut_anywhere_is_relayed_in_whole_events_and_read_once():
+    """vLLM's events can reach the middleware split at any byte."""
+    chunks = [_chunk(0), _chunk(1, finish_reason="stop"), {"id": "chatcmpl-s", "choices": []}]
+    sent = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+    sent += b": a comment\n\ndata: [DONE]\n\n"
+    stream = Streamed(Asked(logprobs=False, token_ids=False))
+    relayed = b"".join(
+        stream.relay(sent[at : at + 7], last=at + 7 >= len(sent)) for at in range(0, len(sent), 7)
+    )
+    *events, end = relayed.split(b"\n\n")
+    assert end == b"" and events[-2:] == [b": a comment", b"data: [DONE]"]
+    given = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+    assert [g["choices"][0]["delta"] for g in given[:2]] == [{"content": "t0"}, {"content": "t1"}]
+    choices = [c for g in given for c in g["choices"]]
+    assert all(c["logprobs"] is None and c["token_ids"] is None for c in choices)
+    assert all(g["prompt_token_ids"] is None for g in given)
+    assert stream.finished and not stream.unreadable
+    captured = extract("run", stream.response(), "lin", 3, 0.0)
+    assert (captured.segment.tokens, captured.segment.logprobs) == ([1, 2, 0, 1], [-0.5, -0.5])
+    assert (captured.text, captured.finish_reason) == ("t0t1", "stop")
+    assert captured.segment.versions == [3, 3]
+
+    # Not of the shape expected: relayed as it came, and the stream is not captured.
+    broken = Streamed(Asked(logprobs=False, token_ids=False))
+    assert broken.relay(b"data: {oops\n\n", last=True) == b"data: {oops\n\n"
+    assert broken.unreadable
+    # Cut before its last token (the client left): an event's start passes as it came.
+    cut = Streamed(Asked(logprobs=True, token_ids=True))
+    first = b"data: " + json.dumps(_chunk(0)).encode() + b"\n\n"
+    assert cut.relay(first + b"data: {", last=True).endswith(b"\n\ndata: {")
+    assert not cut.finished
 
 
 def test_feedback_gets_an_answer_for_each_kind_of_request(pool: Pool):

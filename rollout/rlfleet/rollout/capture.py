@@ -4,7 +4,9 @@ A captured completion is what the trainer needs to learn from it later: the prom
 and the completion's token ids, each sampled token's log-prob under the weights that
 served it, and the policy version of every token. The server asks vLLM for them on
 the client's behalf (`prepare`) and gives the client back only what it asked for
-(`give_back`), so a client sees the same answer with capture on or off.
+(`give_back`), so a client sees the same answer with capture on or off. A streamed
+answer is relayed event by event as it comes, each given back so (`Streamed`), and
+captured once its last event is out.
 
 Serving must not wait on NATS: captures go into a bounded buffer (`Captures`) that one
 task drains into the run's capture stream, reconnecting as long as it takes. A full
@@ -57,7 +59,7 @@ buffered = Gauge("rlfleet_serving_capture_buffered", "Captures waiting for NATS"
 class Skip(StrEnum):
     OPTED_OUT = "opted_out"  # the request's header said so
     SAMPLED_OUT = "sampled_out"  # outside the pool's sample rate
-    STREAM = "stream"  # streamed responses are not captured yet
+    UNFINISHED = "unfinished"  # a stream that ended before its last token (the client left)
     SEVERAL = "several_choices"  # n > 1: feedback names a response, not one of its choices
     TEMPERATURE = "temperature"  # sampled at another than the trainer scores at
     VERSION_CHANGED = "version_changed"  # the weights changed while it was generated
@@ -78,8 +80,6 @@ def prepare(request: dict[str, Any], temperature: float) -> tuple[dict[str, Any]
     what the client asked for; or why this one is not captured. Its log-probs are of the
     distribution it was sampled from, so only one sampled at `temperature` (the trainer's,
     and vLLM's default) can be scored by the trainer as it was served."""
-    if request.get("stream"):
-        return Skip.STREAM
     if request.get("n", 1) != 1:
         return Skip.SEVERAL
     asked_temperature = request.get("temperature")
@@ -102,6 +102,67 @@ def give_back(response: dict[str, Any], asked: Asked) -> dict[str, Any]:
         response["prompt_token_ids"] = None
     response["choices"] = choices
     return response
+
+
+_EVENT_END = b"\n\n"
+_DATA = b"data: "
+
+
+class Streamed:
+    """A streamed answer (server-sent events of chat completion chunks) on its way to the
+    client: each whole event given back as the client asked (`relay`), and what capture
+    takes of the chunks gathered into the shape `extract` reads (`response`)."""
+
+    def __init__(self, asked: Asked) -> None:
+        self.asked = asked
+        self.unreadable = False  # an event not of the shape expected: relayed as it was
+        self.finished = False  # the last token's chunk came
+        self._pending = b""  # the start of an event whose end has not come yet
+        self._id: str | None = None
+        self._prompt: list[int] | None = None
+        self._tokens: list[int] = []
+        self._logprobs: list[dict] = []
+        self._text: list[str] = []
+        self._finish_reason: str | None = None
+
+    def relay(self, body: bytes, last: bool) -> bytes:
+        """The events `body` completes, as the client asked; with `last`, all that is left."""
+        *events, tail = (self._pending + body).split(_EVENT_END)
+        self._pending = b"" if last else tail
+        relayed = b"".join(self._event(event) + _EVENT_END for event in events)
+        return relayed + tail if last else relayed  # a cut-off event's start, as it came
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(_DATA) or event[len(_DATA) :].strip() == b"[DONE]":
+            return event
+        try:
+            chunk = msgspec.json.decode(event[len(_DATA) :])
+            self._note(chunk)
+            return _DATA + msgspec.json.encode(give_back(chunk, self.asked))
+        except (KeyError, TypeError, AttributeError, ValueError, msgspec.DecodeError):
+            self.unreadable = True
+            return event
+
+    def _note(self, chunk: dict[str, Any]) -> None:
+        self._id = self._id or chunk["id"]
+        if chunk.get("prompt_token_ids") is not None:
+            self._prompt = list(chunk["prompt_token_ids"])
+        for choice in chunk["choices"]:  # one (n = 1); none in a usage chunk
+            self._tokens += choice.get("token_ids") or []
+            self._logprobs += (choice.get("logprobs") or {}).get("content") or []
+            self._text.append((choice.get("delta") or {}).get("content") or "")
+            if choice.get("finish_reason") is not None:
+                self._finish_reason, self.finished = choice["finish_reason"], True
+
+    def response(self) -> dict[str, Any]:
+        """The chunks gathered as one whole answer."""
+        choice = {
+            "token_ids": self._tokens,
+            "logprobs": {"content": self._logprobs},
+            "message": {"content": "".join(self._text)},
+            "finish_reason": self._finish_reason,
+        }
+        return {"id": self._id, "prompt_token_ids": self._prompt, "choices": [choice]}
 
 
 def extract(

@@ -10,7 +10,7 @@ replica set; `launch.Placement`), written under its state folder. It adds to vLL
 arguments what the middleware needs (`vllm_arguments`): the middleware itself, and
 processed log-probs, those of the distribution each token was sampled from (temperature
 applied), which is what the trainer's off-policy correction divides by. Chat completions
-are captured (`rlfleet.rollout.capture`); `POST /v1/feedback` is answered here
+are captured (`rlfleet.rollout.capture`), streamed ones too; `POST /v1/feedback` is answered here
 (`rlfleet.rollout.feedback`); every other request passes through untouched. A server in
 a replica set also serves the version its set is told to, switched in place
 (`rlfleet.rollout.serving_versions`), so weightsync goes into its workers as well.
@@ -141,6 +141,8 @@ class CaptureMiddleware:
             capture.skipped.labels(admitted).inc()
             return await self.app(scope, _replay(body, receive), send)
         request, asked, user = admitted
+        if request.get("stream"):
+            return await self._streamed(scope, receive, send, admitted)
         engine = scope["app"].state.engine_client
         before = await engine.get_weight_version()
         start: dict = {}
@@ -163,6 +165,39 @@ class CaptureMiddleware:
             headers.append((VERSION_HEADER, str(self._version(before)).encode()))
         await _respond(send, 200, reply, headers)
 
+    async def _streamed(self, scope, receive, send, admitted: tuple[dict, Asked, str]) -> None:
+        """A streamed completion: relayed event by event as vLLM sends it, each as the
+        client asked, and captured once it has ended. Its headers go before the version
+        that answered all of it is known, so they carry none."""
+        request, asked, user = admitted
+        engine = scope["app"].state.engine_client
+        before = await engine.get_weight_version()
+        stream, status = capture.Streamed(asked), 0
+
+        async def relay(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [
+                    h for h in message.get("headers", []) if h[0].lower() != b"content-length"
+                ]
+                message = {**message, "headers": headers}  # what is given back changes size
+            elif message["type"] == "http.response.body" and status == 200:
+                last = not message.get("more_body", False)
+                message = {**message, "body": stream.relay(message.get("body", b""), last)}
+            await send(message)
+
+        await self.app(scope, _replay(msgspec.json.encode(request), receive), relay)
+        after = await engine.get_weight_version()
+        if status != 200:
+            capture.skipped.labels(Skip.FAILED).inc()
+        elif stream.unreadable:
+            capture.skipped.labels(Skip.UNREADABLE).inc()
+        elif not stream.finished:
+            capture.skipped.labels(Skip.UNFINISHED).inc()
+        else:
+            self._record(stream.response(), user, before, after)
+
     def _version(self, engine_version: str) -> int:
         """vLLM's weight version as a policy version: "default" is the served checkpoint's."""
         return self.config.base_version if engine_version == "default" else int(engine_version)
@@ -175,21 +210,25 @@ class CaptureMiddleware:
         except (KeyError, TypeError, AttributeError, msgspec.DecodeError):
             capture.skipped.labels(Skip.UNREADABLE).inc()
             return answer
+        self._record(response, user, before, after)
+        return reply
+
+    def _record(self, response: dict, user: str, before: str, after: str) -> None:
+        """The capture of a whole answer offered to the buffer, if one version made it."""
         if before != after:
             capture.skipped.labels(Skip.VERSION_CHANGED).inc()
             if isinstance(response.get("id"), str):
                 self.desk.remembered.add(response["id"], Served(user, time.time(), False))
-            return reply
+            return
         try:
             version = self._version(before)
             captured = capture.extract(self.config.run, response, user, version, time.time())
         except (ValueError, KeyError, TypeError, msgspec.DecodeError):
             capture.skipped.labels(Skip.UNREADABLE).inc()
-            return reply
+            return
         # A capture the buffer cannot take is never stored: feedback on it would be orphaned.
         buffered = self.captures.offer(captured)
         self.desk.remembered.add(captured.response_id, Served(user, captured.served_at, buffered))
-        return reply
 
 
 def vllm_arguments(config: ServingConfig, given: list[str]) -> list[str]:
