@@ -1,4 +1,5 @@
-"""The trainer's policy step on its own: the clipped fraction it reports is a fraction of the
+"""The trainer's policy step on its own (`tests/probes/policy_step.py`, in a process of its
+own: DeepSpeed's engine on CPU): the clipped fraction it reports is a fraction of the
 step's tokens, and a micro-batch whose loss is not finite never reaches the weights."""
 
 from __future__ import annotations
@@ -17,45 +18,41 @@ from rlfleet.local.processes import run_in_session
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_a_step_that_clips_every_token_reports_a_clipped_fraction_of_one(tmp_path: Path) -> None:
-    """Two micro-batches, two updates per step, a clip range of almost nothing and a large
-    learning rate: the second pass moves every token's ratio out of the range, so the step
-    clipped all of its tokens, whatever the micro-batches' share of them."""
+def run_probe(kind: str, tmp_path: Path, **settings) -> dict:
+    """The probe's report on `kind` of step, with a tiny MoE and the trainer `settings`."""
     from rlfleet.models.tiny import init_model  # torch: only where an engine runs
 
     config = TrainerConfig(
-        run="clip",
+        run=kind,
         nats_url="nats://unused:4222",
         model=init_model("tiny-moe", tmp_path / "model"),
         checkpoint_dir=tmp_path / "checkpoints",
         router_replay=False,
-        lr=1e-2,
         lr_warmup_steps=0,
-        updates_per_step=2,
-        clip_low=1e-6,
-        clip_high=1e-6,
+        **settings,
     )
-    report = run_probe("policy_clipped.py", config, tmp_path)
-    assert report["clipped_fraction"] > 0.95
-
-
-def run_probe(probe: str, config: TrainerConfig, tmp_path: Path) -> dict:
-    """The probe's JSON report, from a process of its own (DeepSpeed's engine on CPU)."""
     (tmp_path / "trainer.json").write_bytes(to_json(config))
     report = tmp_path / "report.json"
     result = run_in_session(
         [
             sys.executable,
-            str(ROOT / "tests" / "probes" / probe),
-            str(tmp_path / "trainer.json"),
-            str(report),
+            str(ROOT / "tests" / "probes" / "policy_step.py"),
+            *(str(tmp_path / "trainer.json"), str(report), kind),
         ],
         env={**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"},
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(report.read_text())
+
+
+@pytest.mark.slow
+def test_a_step_that_clips_every_token_reports_a_clipped_fraction_of_one(tmp_path: Path) -> None:
+    """Two micro-batches, two updates per step, a clip range of almost nothing and a large
+    learning rate: the second pass moves every token's ratio out of the range, so the step
+    clipped all of its tokens, whatever the micro-batches' share of them."""
+    clipped = {"lr": 1e-2, "updates_per_step": 2, "clip_low": 1e-6, "clip_high": 1e-6}
+    assert run_probe("clipped", tmp_path, **clipped)["clipped_fraction"] > 0.95
 
 
 @pytest.mark.slow
@@ -68,19 +65,7 @@ def test_a_nan_loss_is_left_out_and_never_reaches_the_weights(
     ZeRO, DeepSpeed's overflow check dropped the whole step, the good micro-batches too,
     and the step's report said loss NaN (JSON null, which no reader of it takes). Here the
     behaviour log-probs of some micro-batches are NaN, which makes their loss NaN."""
-    from rlfleet.models.tiny import init_model
-
-    config = TrainerConfig(
-        run="nan",
-        nats_url="nats://unused:4222",
-        model=init_model("tiny-moe", tmp_path / "model"),
-        checkpoint_dir=tmp_path / "checkpoints",
-        router_replay=False,
-        lr=1e-3,
-        lr_warmup_steps=0,
-        zero_stage=zero_stage,
-    )
-    report = run_probe("policy_nonfinite.py", config, tmp_path)
+    report = run_probe("nonfinite", tmp_path, lr=1e-3, zero_stage=zero_stage)
     # One of two: the step trains on the other, and reports only what it trained on.
     some, everything = report["some"], report["all"]
     assert some["finite"] and everything["finite"]

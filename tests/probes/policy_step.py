@@ -1,7 +1,11 @@
-"""Trains two steps of the trainer's policy (`rlfleet.trainer.policy.Policy`) where some
-micro-batches' losses are NaN, and writes what each step left out and did to the weights
-as JSON. Their behaviour log-probs are made NaN after the wire's checks (which refuse
-them), standing in for a model whose own log-probs went NaN."""
+"""Trains steps of the trainer's policy (`rlfleet.trainer.policy.Policy`) on made-up
+micro-batches and writes what they did as JSON. `policy_step.py CONFIG REPORT KIND`:
+- `clipped`: one step on two micro-batches (with the config's updates per step), its
+  clipped fraction;
+- `nonfinite`: a step where one of two micro-batches' loss is NaN, then one where both
+  are, each with what it left out and did to the weights. The behaviour log-probs are
+  made NaN after the wire's checks (which refuse them), standing in for a model whose
+  own log-probs went NaN."""
 
 import json
 import sys
@@ -40,6 +44,7 @@ def main() -> None:
         result = policy.train_step(micro_batches, sum(r.tokens for r in micro_batches))
         after = policy.weights()
         return {
+            "clipped_fraction": result.clipped_fraction,
             "left_out": result.nonfinite_micro_batches,
             "loss": result.loss,
             "mismatch_mean_abs": result.mismatch.mean_abs,
@@ -47,7 +52,11 @@ def main() -> None:
             "changed": any(not torch.equal(before[n], t) for n, t in after.items()),
         }
 
-    report = {"some": step([rows(), rows(poisoned=True)]), "all": step([rows(True), rows(True)])}
+    if sys.argv[3] == "clipped":
+        report = step([rows(), rows()])
+    else:
+        some = step([rows(), rows(poisoned=True)])
+        report = {"some": some, "all": step([rows(poisoned=True), rows(poisoned=True)])}
     Path(sys.argv[2]).write_text(json.dumps(report))
 
 
