@@ -2,12 +2,11 @@
 (installed by the chart) create the run's trainer and rollout pods on kwok's nodes, and
 `rlfleet.testbed.operated` (what `rlfleet run --operator` runs) binds each of them to a real
 local process: the trainer on DeepSpeed, the rollout workers on vLLM, talking through NATS
-leaf nodes. A traffic spike in one
-region reclaims its GPUs and so stops its worker while training goes on with the other
-region; when traffic falls, the GPUs come back and a new worker resumes. Last, on the same plane,
-the short chaos run: its parts killed and restarted at random moments while it trains, then
-an audit from durable state of what was lost or done twice (`bench/faults.py` is the long
-one).
+leaf nodes. A traffic spike in one region reclaims its GPUs and so stops its worker while
+training goes on with the other region; when traffic falls, the GPUs come back and a new
+worker resumes. Last, on the same plane, the short chaos run: its parts killed and
+restarted at random moments while it trains, then an audit from durable state of what was
+lost or done twice (`bench/faults.py` is the long one).
 """
 
 from __future__ import annotations

@@ -499,12 +499,14 @@ class Region:
         found = self.local.list(
             Ref("apps/v1", "Deployment", namespace=namespace), _selector({POOL_LABEL: pool})
         )
-        by_component: dict[str, list[dict]] = {}
+        rollouts, canary = {}, None
         for deployment in found:
-            component = deployment["metadata"]["labels"].get(COMPONENT_LABEL, "")
-            by_component.setdefault(component, []).append(deployment)
-        rollouts = {d["metadata"]["labels"][RUN_LABEL]: d for d in by_component.get("rollout", [])}
-        return rollouts, next(iter(by_component.get(CANARY, [])), None)
+            labels = deployment["metadata"]["labels"]
+            if labels.get(COMPONENT_LABEL) == "rollout":
+                rollouts[labels[RUN_LABEL]] = deployment
+            elif labels.get(COMPONENT_LABEL) == CANARY:
+                canary = deployment
+        return rollouts, canary
 
     def _act(
         self,
