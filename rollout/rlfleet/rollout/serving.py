@@ -10,9 +10,9 @@ replica set; `launch.Placement`), written under its state folder. It adds to vLL
 arguments what the middleware needs (`vllm_arguments`): the middleware itself, and
 processed log-probs, those of the distribution each token was sampled from (temperature
 applied), which is what the trainer's off-policy correction divides by. Chat completions
-are captured (`rlfleet.rollout.capture`), streamed ones too; `POST /v1/feedback` is answered here
-(`rlfleet.rollout.feedback`); every other request passes through untouched. A server in
-a replica set also serves the version its set is told to, switched in place
+are captured (`rlfleet.rollout.capture`), streamed or whole; `POST /v1/feedback` is
+answered here (`rlfleet.rollout.feedback`); every other request passes through untouched.
+A server in a replica set also serves the version its set is told to, switched in place
 (`rlfleet.rollout.serving_versions`), so weightsync goes into its workers as well.
 """
 
@@ -141,10 +141,10 @@ class CaptureMiddleware:
             capture.skipped.labels(admitted).inc()
             return await self.app(scope, _replay(body, receive), send)
         request, asked, user = admitted
-        if request.get("stream"):
-            return await self._streamed(scope, receive, send, admitted)
         engine = scope["app"].state.engine_client
         before = await engine.get_weight_version()
+        if request.get("stream"):
+            return await self._streamed(scope, receive, send, admitted, before)
         start: dict = {}
         chunks: list[bytes] = []
 
@@ -165,13 +165,13 @@ class CaptureMiddleware:
             headers.append((VERSION_HEADER, str(self._version(before)).encode()))
         await _respond(send, 200, reply, headers)
 
-    async def _streamed(self, scope, receive, send, admitted: tuple[dict, Asked, str]) -> None:
-        """A streamed completion: relayed event by event as vLLM sends it, each as the
-        client asked, and captured once it has ended. Its headers go before the version
-        that answered all of it is known, so they carry none."""
+    async def _streamed(
+        self, scope, receive, send, admitted: tuple[dict, Asked, str], before: str
+    ) -> None:
+        """A streamed completion, begun at vLLM's weight version `before`: relayed event by
+        event as vLLM sends it, each as the client asked, and captured once it has ended.
+        Its headers go before the version that answered all of it is known: none is named."""
         request, asked, user = admitted
-        engine = scope["app"].state.engine_client
-        before = await engine.get_weight_version()
         stream, status = capture.Streamed(asked), 0
 
         async def relay(message) -> None:
@@ -188,7 +188,7 @@ class CaptureMiddleware:
             await send(message)
 
         await self.app(scope, _replay(msgspec.json.encode(request), receive), relay)
-        after = await engine.get_weight_version()
+        after = await scope["app"].state.engine_client.get_weight_version()
         if status != 200:
             capture.skipped.labels(Skip.FAILED).inc()
         elif stream.unreadable:

@@ -158,8 +158,7 @@ class Policy:
         loss is not finite on any rank (the first pass decides; later passes keep `kept`)
         has no backward on any rank, since backward's hooks are collective; with none left,
         no optimiser step either, since AdamW moves weights even on zero gradients."""
-        decide = kept is None
-        kept = [True] * len(micro_batches) if kept is None else kept
+        decide, kept = kept is None, kept or [True] * len(micro_batches)
         total_loss, clipped, logprobs_seen = 0.0, 0.0, []
         for index, (rows, reference) in enumerate(zip(micro_batches, references, strict=True)):
             logprobs = self.logprobs(rows)
