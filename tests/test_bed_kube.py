@@ -154,10 +154,6 @@ BAD_SPECS = {
         _production(evaluation=None),
         "spec.evaluation",
     ),
-    "production replaying routes a pool does not capture": (
-        _production(trainer={"routerReplay": True}),
-        "spec.trainer.routerReplay",
-    ),
     "a weight for a feedback kind nobody sends": (
         _production_with(feedback={"weights": {"clicked": 1.0}}),
         "spec.production.feedback.weights",

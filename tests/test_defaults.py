@@ -122,7 +122,6 @@ def test_a_spec_that_says_nothing_gives_each_component_its_default_settings() ->
         {
             "model": {"uri": "file:///m"},
             "production": {"pool": {"region": "a", "name": "chat"}},
-            "trainer": {"routerReplay": False},  # as production needs, for now
             "evaluation": {"suite": "toy"},
         }
     )

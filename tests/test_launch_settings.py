@@ -52,8 +52,7 @@ def test_a_production_runs_cycle_deadline_and_canary_reach_its_conductor() -> No
         "canary": {"windowSeconds": 120, "minSamples": 8},
     }
     document = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())["spec"]
-    trainer = document.get("trainer", {}) | {"routerReplay": False}
-    production_run = {"rollout": None, "production": production, "trainer": trainer}
+    production_run = {"rollout": None, "production": production}
     gated = {"evaluation": {"suite": "rules"}}
     spec = RLRunSpec.model_validate(document | gated | production_run)
     conductor = launch.CONDUCTOR.for_pod("r", spec, AT)
@@ -101,10 +100,7 @@ def test_a_pod_serves_metrics_where_its_environment_says_or_nowhere() -> None:
     document = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())
     gated = document["spec"] | {"evaluation": {"suite": "rules"}}
     rollouts = RLRunSpec.model_validate(gated)
-    trainer = gated.get("trainer", {}) | {"routerReplay": False}
-    production = RLRunSpec.model_validate(
-        gated | {"rollout": None, "production": PRODUCTION, "trainer": trainer}
-    )
+    production = RLRunSpec.model_validate(gated | {"rollout": None, "production": PRODUCTION})
     runs = [(spec, c) for spec in (rollouts, production) for c in launch.components_of(spec)]
     assert {component.name for _, component in runs} == set(launch.COMPONENTS)
     for spec, component in runs:

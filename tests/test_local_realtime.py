@@ -46,7 +46,7 @@ def test_a_production_run_starts_the_hubs_components_its_pool_and_its_users(tmp_
         process.settings_path.parent.mkdir(parents=True, exist_ok=True)
         process.settings_path.write_bytes(to_json(process.config))
         assert component.read(process.settings_path) == process.config
-    assert processes["trainer"].config.production and not processes["trainer"].config.router_replay
+    assert processes["trainer"].config.production and processes["trainer"].config.router_replay
     assert processes["evaluator"].config.on_request
     canary: ServingConfig = processes["serving-canary-0"].config
     assert (canary.replica_set, canary.weights_domain, canary.jetstream_domain) == (

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from router_agreement import agreement, trainer_model
 
 from rlfleet.api.wire import Segment, Trajectory
 from rlfleet.local.processes import run_in_session
 from rlfleet.models.tiny import init_model
-from rlfleet.trainer.scoring import Batch, prepare, token_logprobs
+from rlfleet.trainer.scoring import Batch, token_logprobs
 from rlfleet.trainer.validation import ModelShape, problem
 
 pytestmark = pytest.mark.slow
@@ -53,24 +53,9 @@ def test_vllm_reports_the_experts_of_every_token_it_ran(tmp_path: Path) -> None:
 
     # The rows belong to the right tokens: the trainer's own router (fp32) agrees with
     # them almost everywhere; rows shifted or swapped between requests would agree on ~4%.
-    model = prepare(
-        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-        batch_invariant=True,
-    ).eval()
-    own: list[torch.Tensor] = []
-    for name, module in model.named_modules():
-        if name.endswith("mlp.gate"):
-            module.register_forward_hook(lambda mod, args, out: own.append(out[2]))
-    batch = Batch.of(
-        [torch.tensor(s["tokens"]) for s in samples], [torch.tensor(s["experts"]) for s in samples]
-    )
-    with torch.no_grad():
-        token_logprobs(model, batch, batch_invariant=True, replay=False)
-    real = batch.real.reshape(-1)
-    for layer, chosen in enumerate(own):
-        reported = batch.experts[:, :, layer].reshape(-1, 2).sort(-1).values
-        agree = (chosen.sort(-1).values == reported).all(-1)[real].float().mean()
-        assert agree > 0.9, (layer, float(agree))
+    model = trainer_model(model_dir)
+    reported = [(s["tokens"], np.array(s["experts"])) for s in samples]
+    assert min(agreement(model, reported)) > 0.9, agreement(model, reported)
 
     # The engine's log-probs are what the trainer's off-policy correction divides by: they
     # are of the distribution the tokens were sampled from, temperature included, and the

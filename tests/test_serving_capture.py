@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 from conftest import scrape, wait_for
 from nats.js.errors import NotFoundError
 from prometheus_client import REGISTRY
+from router_agreement import agreement, trainer_model
 from tcp_gate import TcpGate
 
 from rlfleet.api.inferencepool import ServedVersion
@@ -50,6 +52,7 @@ from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.local.processes import free_port
 from rlfleet.models.tiny import init_model, read_weights, train_step
 from rlfleet.operator.served import read_served
+from rlfleet.rollout import vllm_experts
 from rlfleet.rollout.capture import Asked, Bus, Captures, Streamed, extract
 from rlfleet.rollout.serving import MIDDLEWARE, vllm_arguments
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
@@ -206,7 +209,13 @@ def test_a_served_completion_is_captured_and_the_client_sees_only_what_it_asked(
     assert segment.logprobs == pytest.approx(expected, abs=1e-5)
     assert segment.versions == [0] * len(completion)  # the served checkpoint, version 0
     assert (captured.user, captured.text) == ("ada", choice["message"]["content"])
-    assert wait_for("the other capture", lambda: pool.capture(full["id"]), timeout=30)
+    # The experts the tiny MoE routed every token it ran to: the trainer replays them.
+    assert (segment.moe_layers, segment.top_k) == (2, 2)
+    experts = np.frombuffer(segment.routed_experts, "<u2").reshape(-1, 2, 2)
+    assert len(experts) == len(segment.tokens) - 1
+    assert min(agreement(trainer_model(pool.model), [(segment.tokens, experts)])) > 0.9
+    other = wait_for("the other capture", lambda: pool.capture(full["id"]), timeout=30)
+    assert other.segment.routed_experts == segment.routed_experts  # the same tokens
 
     opted_out = pool.chat("two plus two?", headers={"x-rlfleet-capture": "off"})
     assert opted_out["choices"][0]["message"] == choice["message"]
@@ -236,6 +245,9 @@ def test_a_streamed_completion_is_relayed_as_asked_and_captured_whole(pool: Pool
     assert captured.segment.logprobs == pytest.approx(expected, abs=1e-5)
     assert (captured.user, captured.text) == ("lin", text)
     assert captured.finish_reason == answer["finish_reason"]
+    whole = wait_for("the whole one's capture", lambda: pool.capture(full["id"]), timeout=30)
+    assert captured.segment.routed_experts == whole.segment.routed_experts
+    assert len(whole.segment.routed_experts) == 2 * 2 * 2 * (len(whole.segment.tokens) - 1)
 
     # A client that asks for them gets them in its chunks, as vLLM sends them.
     asked = [json.loads(e) for e in pool.stream("two plus two?", return_token_ids=True)[:-1]]
@@ -471,7 +483,9 @@ def test_the_launcher_keeps_the_arguments_capture_depends_on():
     arguments = vllm_arguments(plain, ["--model", "m"])
     assert arguments[:2] == ["--model", "m"]
     assert "processed_logprobs" in arguments and MIDDLEWARE in arguments
-    assert "--worker-extension-cls" not in arguments  # it follows no versions
+    assert "--weight-transfer-config" not in arguments  # it follows no versions
+    extension = arguments[arguments.index("--worker-extension-cls") + 1]
+    assert extension == vllm_experts.EXTENSION  # it records routed experts
     following = msgspec.structs.replace(plain, replica_set="canary")
     assert "--weight-transfer-config" in vllm_arguments(following, [])
     with pytest.raises(ValueError, match="--logprobs-mode is rlfleet's"):

@@ -515,13 +515,6 @@ ONE_SOURCE_RULE = cel(
     "exactly one of rollout and production",
     ".production",
 )
-UNREPLAYED_PRODUCTION_RULE = cel(
-    "!has(self.production) || (has(self.trainer) && has(self.trainer.routerReplay) && "
-    "!self.trainer.routerReplay)",
-    "production needs trainer.routerReplay: false: a pool's capture does not record the "
-    "experts each token was routed to yet",
-    ".trainer.routerReplay",
-)
 GATED_PRODUCTION_RULE = cel(
     "!has(self.production) || has(self.evaluation)",
     "production needs evaluation: its suite is the gate every candidate passes before users see it",
@@ -542,7 +535,6 @@ class RLRunSpec(ApiModel):
                 ),
                 ONE_SOURCE_RULE,
                 GATED_PRODUCTION_RULE,
-                UNREPLAYED_PRODUCTION_RULE,
                 # Here, not on trainer: a run created without `trainer` has no old one.
                 cel(
                     "(has(self.trainer) && has(self.trainer.checkpointStorage)) == "
@@ -616,8 +608,6 @@ class RLRunSpec(ApiModel):
             raise ValueError(ONE_SOURCE_RULE["message"])
         if self.production is not None and self.evaluation is None:
             raise ValueError(GATED_PRODUCTION_RULE["message"])
-        if self.production is not None and self.trainer.router_replay:
-            raise ValueError(UNREPLAYED_PRODUCTION_RULE["message"])
         return self
 
     @property

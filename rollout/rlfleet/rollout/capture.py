@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 import nats.errors
 import nats.js.errors
+import numpy as np
 from prometheus_client import Counter, Gauge
 
 from rlfleet.api.wire import (
@@ -65,6 +66,7 @@ class Skip(StrEnum):
     VERSION_CHANGED = "version_changed"  # the weights changed while it was generated
     FAILED = "failed"  # vLLM did not answer 200
     UNREADABLE = "unreadable"  # a request or response not of the shape expected
+    NO_EXPERTS = "no_experts"  # an MoE model's routed experts for it were not kept
 
 
 @dataclass(frozen=True)
@@ -166,10 +168,17 @@ class Streamed:
 
 
 def extract(
-    run: str, response: dict[str, Any], user: str, version: int, served_at: float
+    run: str,
+    response: dict[str, Any],
+    user: str,
+    version: int,
+    served_at: float,
+    experts: np.ndarray | None = None,
 ) -> CapturedCompletion:
     """The capture of vLLM's answer to a `prepare`d request, all of it sampled by
-    `version`; ValueError (or a KeyError, TypeError) if the answer is not of that shape."""
+    `version`, with the `experts` an MoE model routed every token it ran to (uint16
+    [tokens - 1, layers, k]); ValueError (or a KeyError, TypeError) if the answer is not
+    of that shape."""
     (choice,) = response["choices"]
     prompt, tokens = list(response["prompt_token_ids"]), list(choice["token_ids"])
     entries = choice["logprobs"]["content"]
@@ -182,6 +191,7 @@ def extract(
         generated=[1] * len(tokens),
         logprobs=logprobs,
         versions=[version] * len(tokens),
+        **({} if experts is None else _experts(experts)),
     )
     return CapturedCompletion(
         run=run,
@@ -193,6 +203,17 @@ def extract(
         finish_reason=str(choice["finish_reason"]),
         served_at=served_at,
     )
+
+
+def _experts(experts: np.ndarray) -> dict[str, Any]:
+    _, layers, top_k = experts.shape
+    return {"routed_experts": experts.astype("<u2").tobytes(), "moe_layers": layers, "top_k": top_k}
+
+
+def tokens_run(response: dict[str, Any]) -> int:
+    """How many tokens of a whole answer went through the model (all but the last)."""
+    (choice,) = response["choices"]
+    return len(response["prompt_token_ids"]) + len(choice["token_ids"]) - 1
 
 
 class Bus:

@@ -32,7 +32,7 @@ import msgspec
 from rlfleet import launch
 from rlfleet.launch.caches import own_caches
 from rlfleet.launch.settings import ServingConfig, from_json, to_json
-from rlfleet.rollout import capture
+from rlfleet.rollout import capture, vllm_experts
 from rlfleet.rollout.capture import Asked, Bus, Captures, Skip
 from rlfleet.rollout.feedback import MAX_BODY_BYTES, FeedbackDesk, Served
 from rlfleet.rollout.serving_versions import VersionFollower
@@ -91,12 +91,14 @@ class CaptureMiddleware:
         self.desk = FeedbackDesk(self.config, self.bus, keys)
         self.captures = Captures(self.bus, self.config.buffer, self.desk.remembered.not_captured)
         self._tasks: list[asyncio.Task] = []
+        self._experts: asyncio.Task[vllm_experts.Taker | None] | None = None
 
     def _start(self, app) -> None:
         """The connection, the drain and the version follower run in the server's loop,
         begun as it starts (its lifespan) or by its first request."""
         if self._tasks:
             return
+        self._experts = asyncio.create_task(self._record_experts(app.state), name="experts")
         self._tasks = [
             asyncio.create_task(self.bus.keep_connected(), name="nats"),
             asyncio.create_task(self.captures.store_forever(), name="captures"),
@@ -104,6 +106,18 @@ class CaptureMiddleware:
         if self.config.replica_set is not None:
             follower = VersionFollower(self.config, self.bus)
             self._tasks.append(asyncio.create_task(follower.run(app.state), name="versions"))
+
+    @staticmethod
+    async def _record_experts(state) -> vllm_experts.Taker | None:
+        """The engine's workers record routed experts from the server's start; None if they
+        could not be made to (an MoE model's completions then go uncaptured, counted)."""
+        try:
+            taker = vllm_experts.Taker(state.engine_client)
+            log.info("recording the routed experts of %d MoE layers", await taker.start())
+            return taker
+        except Exception:
+            log.exception("the engine's workers record no routed experts")
+            return None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] in ("http", "lifespan"):
@@ -142,6 +156,7 @@ class CaptureMiddleware:
             return await self.app(scope, _replay(body, receive), send)
         request, asked, user = admitted
         engine = scope["app"].state.engine_client
+        await asyncio.shield(self._experts)  # recording before the first request runs
         before = await engine.get_weight_version()
         if request.get("stream"):
             return await self._streamed(scope, receive, send, admitted, before)
@@ -159,7 +174,7 @@ class CaptureMiddleware:
         if start.get("status") != 200:
             capture.skipped.labels(Skip.FAILED).inc()
             return await _respond(send, start["status"], answer, start.get("headers", []))
-        reply = self._capture(answer, asked, user, before, after)
+        reply = await self._capture(answer, asked, user, before, after)
         headers = list(start.get("headers", []))
         if before == after:  # which version answered: for clients, and users' records
             headers.append((VERSION_HEADER, str(self._version(before)).encode()))
@@ -170,12 +185,13 @@ class CaptureMiddleware:
     ) -> None:
         """A streamed completion, begun at vLLM's weight version `before`: relayed event by
         event as vLLM sends it, each as the client asked, and captured once it has ended.
-        Its headers go before the version that answered all of it is known: none is named."""
+        Its headers go before the version that answered all of it is known: none is named.
+        Its end goes out once its capture is remembered: feedback never comes before it."""
         request, asked, user = admitted
-        stream, status = capture.Streamed(asked), 0
+        stream, status, end = capture.Streamed(asked), 0, None
 
         async def relay(message) -> None:
-            nonlocal status
+            nonlocal status, end
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = [
@@ -185,6 +201,9 @@ class CaptureMiddleware:
             elif message["type"] == "http.response.body" and status == 200:
                 last = not message.get("more_body", False)
                 message = {**message, "body": stream.relay(message.get("body", b""), last)}
+                if last:
+                    end = message
+                    return
             await send(message)
 
         await self.app(scope, _replay(msgspec.json.encode(request), receive), relay)
@@ -196,13 +215,17 @@ class CaptureMiddleware:
         elif not stream.finished:
             capture.skipped.labels(Skip.UNFINISHED).inc()
         else:
-            self._record(stream.response(), user, before, after)
+            await self._record(stream.response(), user, before, after)
+        if end is not None:
+            await send(end)
 
     def _version(self, engine_version: str) -> int:
         """vLLM's weight version as a policy version: "default" is the served checkpoint's."""
         return self.config.base_version if engine_version == "default" else int(engine_version)
 
-    def _capture(self, answer: bytes, asked: Asked, user: str, before: str, after: str) -> bytes:
+    async def _capture(
+        self, answer: bytes, asked: Asked, user: str, before: str, after: str
+    ) -> bytes:
         """The answer as the client asked for it; its capture offered to the buffer."""
         try:
             response = msgspec.json.decode(answer)
@@ -210,19 +233,23 @@ class CaptureMiddleware:
         except (KeyError, TypeError, AttributeError, msgspec.DecodeError):
             capture.skipped.labels(Skip.UNREADABLE).inc()
             return answer
-        self._record(response, user, before, after)
+        await self._record(response, user, before, after)
         return reply
 
-    def _record(self, response: dict, user: str, before: str, after: str) -> None:
-        """The capture of a whole answer offered to the buffer, if one version made it."""
-        if before != after:
-            capture.skipped.labels(Skip.VERSION_CHANGED).inc()
-            if isinstance(response.get("id"), str):
-                self.desk.remembered.add(response["id"], Served(user, time.time(), False))
-            return
+    async def _record(self, response: dict, user: str, before: str, after: str) -> None:
+        """The capture of a whole answer offered to the buffer, if one version made it and,
+        of an MoE model, the experts of every token it ran were kept."""
         try:
+            experts = await self._routed(response) if before == after else Skip.VERSION_CHANGED
+            if isinstance(experts, Skip):
+                capture.skipped.labels(experts).inc()
+                if isinstance(response.get("id"), str):  # feedback on it: not captured
+                    self.desk.remembered.add(response["id"], Served(user, time.time(), False))
+                return
             version = self._version(before)
-            captured = capture.extract(self.config.run, response, user, version, time.time())
+            captured = capture.extract(
+                self.config.run, response, user, version, time.time(), experts
+            )
         except (ValueError, KeyError, TypeError, msgspec.DecodeError):
             capture.skipped.labels(Skip.UNREADABLE).inc()
             return
@@ -230,22 +257,32 @@ class CaptureMiddleware:
         buffered = self.captures.offer(captured)
         self.desk.remembered.add(captured.response_id, Served(user, captured.served_at, buffered))
 
+    async def _routed(self, response: dict):
+        """The experts an MoE model routed the answer's tokens to (None for a dense model),
+        or Skip.NO_EXPERTS if its engine kept none for it."""
+        taker = await asyncio.shield(self._experts)
+        if taker is not None and not taker.layers:
+            return None
+        if taker is None:
+            return Skip.NO_EXPERTS
+        rows = await taker.take(response["id"], capture.tokens_run(response))
+        return Skip.NO_EXPERTS if rows is None else rows
+
 
 def vllm_arguments(config: ServingConfig, given: list[str]) -> list[str]:
     """vLLM's server arguments for a pool's server: the user's, then the middleware's."""
     for flag in ("--logprobs-mode", "--worker-extension-cls", "--weight-transfer-config"):
         if any(arg == flag or arg.startswith(f"{flag}=") for arg in given):
             raise ValueError(f"{flag} is rlfleet's to set on a pool's server")
+    # The workers record routed experts, and follow the run's weights in a replica set.
+    options = vllm_options(worker_extension=vllm_experts.EXTENSION)
     needed = [
         *("--logprobs-mode", "processed_logprobs"),
         *("--middleware", MIDDLEWARE),
+        *("--worker-extension-cls", options["worker_extension_cls"]),
     ]
     if config.replica_set is not None:
-        options = vllm_options()
-        needed += [
-            *("--worker-extension-cls", options["worker_extension_cls"]),
-            *("--weight-transfer-config", json.dumps(options["weight_transfer_config"])),
-        ]
+        needed += ["--weight-transfer-config", json.dumps(options["weight_transfer_config"])]
     return [*given, *needed]
 
 

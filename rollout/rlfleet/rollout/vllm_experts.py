@@ -9,12 +9,19 @@ Prefix caching stays on: a request that reuses cached KV blocks never runs those
 tokens, so the recorder keeps a mirror of the KV cache (experts per physical block
 slot, written whenever a block is computed) and copies a new request's cached prefix
 from it. A request's record covers every token it would run: the prompt and every
-generated token but the last.
+generated token but the last. Records are taken by the id the caller knows: by a
+rollout engine as its requests finish, by a production server's middleware (`Taker`)
+for the completions it captures. A finished record nobody takes (a request another
+endpoint served, one aborted, another tensor-parallel rank's copy) waits among the
+last `KEEP_FINISHED` and is then dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +29,12 @@ import numpy as np
 
 from rlfleet.weightsync import WeightsyncWorker
 
+log = logging.getLogger(__name__)
+
 EXTENSION = "rlfleet.rollout.vllm_experts.RolloutWorker"
+# Finished records kept for a take: more than one step's finished requests (a rollout
+# engine takes them as they finish), and a production server's recent answers.
+KEEP_FINISHED = 4096
 
 
 class _Record:
@@ -49,7 +61,8 @@ class _Recorder:
         self.layers = layers
         self.block_size = block_size
         self.step: list[Any] = [None] * layers
-        self.requests: dict[str, _Record] = {}
+        self.requests: dict[str, _Record] = {}  # running, and finished not yet told
+        self.finished: OrderedDict[str, _Record] = OrderedDict()  # oldest first
         self.kv: dict[int, np.ndarray] = {}  # physical block -> [block_size, layers, k]
         # New requests' cached prefixes, read after the step: another request of the same
         # step may be computing those very blocks (siblings of one prompt).
@@ -82,6 +95,12 @@ class _Recorder:
 
     def track(self, scheduler_output) -> dict[str, int]:
         """Follow new and resumed requests' KV blocks; each request's first position this step."""
+        for request in scheduler_output.finished_req_ids:
+            record = self.requests.pop(request, None)
+            if record is not None:
+                self.finished[request] = record
+        while len(self.finished) > KEEP_FINISHED:
+            self.finished.popitem(last=False)
         first: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             record = self.requests[new.req_id] = _Record(list(new.block_ids[0]))
@@ -138,6 +157,8 @@ class RolloutWorker(WeightsyncWorker):
             router = getattr(module, "router", None)
             if isinstance(router, BaseRouter) and hasattr(module, "layer_id"):
                 routers.setdefault(module.layer_id, router)
+        if not routers:
+            return 0  # a dense model: nothing to record
         recorder = _Recorder(len(routers), runner.cache_config.block_size)
         for index, layer_id in enumerate(sorted(routers)):
             routers[layer_id].set_capture_fn(functools.partial(recorder.capture, index))
@@ -157,25 +178,23 @@ class RolloutWorker(WeightsyncWorker):
         return recorder.layers
 
     def rlfleet_experts_take(self, request_ids: list[str]) -> dict[str, tuple[bytes, list[int]]]:
-        """Each finished request's experts as (uint16 bytes, [tokens run, layers, k])."""
+        """Experts of the named requests as (uint16 bytes, [tokens run, layers, k]); none for
+        an id two requests share (a client may choose its request's id)."""
         recorder: _Recorder = self._rlfleet_experts
         wanted = set(request_ids)
+        matches: dict[str, list[tuple[dict, str]]] = {}
+        for records in (recorder.requests, recorder.finished):
+            for internal in records:
+                external = _external_id(internal)
+                if external in wanted:
+                    matches.setdefault(external, []).append((records, internal))
         taken: dict[str, np.ndarray] = {}
-        for internal in list(recorder.requests):
-            external = _external_id(internal)
-            if external in wanted:
-                record = recorder.requests.pop(internal)
-                if record.rows is not None:
-                    taken[external] = record.rows[: record.length]
+        for external, found in matches.items():
+            records = [store.pop(internal) for store, internal in found]
+            if len(records) == 1 and records[0].rows is not None:
+                taken[external] = records[0].rows[: records[0].length]
         # RPC results travel as msgpack: bytes keep their size, arrays would become lists.
         return {key: (ids.tobytes(), list(ids.shape)) for key, ids in taken.items()}
-
-    def rlfleet_experts_forget(self, request_ids: list[str]) -> None:
-        """Drop the records of requests that were aborted, so never taken."""
-        recorder: _Recorder = self._rlfleet_experts
-        wanted = set(request_ids)
-        for internal in [r for r in recorder.requests if _external_id(r) in wanted]:
-            del recorder.requests[internal]
 
 
 def start(llm) -> int:
@@ -201,3 +220,51 @@ def take(llm, outputs) -> list[list[np.ndarray]]:
         [rows(k, len(r.prompt_token_ids), c) for k, c in zip(ks, r.outputs, strict=True)]
         for ks, r in zip(keys, outputs, strict=True)
     ]
+
+
+class Taker:
+    """A production server's side: its completions' experts, taken from the workers of its
+    engine (vLLM's async engine client) in one call for all the completions that want
+    them at once, so many answers finishing together cost the engine one call."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.layers = 0
+        self._wanted: dict[str, asyncio.Future] = {}
+        self._taking: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Record in the engine's workers; the number of MoE layers (0: a dense model)."""
+        self.layers = (await self.engine.collective_rpc("rlfleet_experts_start"))[0]
+        return self.layers
+
+    async def take(self, request_id: str, tokens: int) -> np.ndarray | None:
+        """The experts of the finished request `request_id` that ran `tokens` tokens, as
+        uint16 [tokens, layers, k]; None if the workers kept none for it."""
+        if request_id in self._wanted:
+            return None  # two answers with one id: neither is whose
+        future = self._wanted[request_id] = asyncio.get_running_loop().create_future()
+        if self._taking is None or self._taking.done():
+            self._taking = asyncio.create_task(self._take_wanted())
+        rows = await future
+        # A stop string is found after the engine has already run the next step: rows past
+        # the last kept token belong to tokens that were thrown away.
+        return rows[:tokens] if rows is not None and len(rows) >= tokens else None
+
+    async def _take_wanted(self) -> None:
+        while self._wanted:  # those that came while the last call was out go in the next
+            wanted, self._wanted = self._wanted, {}
+            try:
+                found = await self.engine.collective_rpc(
+                    "rlfleet_experts_take", args=(list(wanted),)
+                )
+                found = found[0]
+            except Exception:
+                log.exception("taking routed experts of %d completions", len(wanted))
+                found = {}
+            for request_id, future in wanted.items():
+                rows = found.get(request_id)
+                if not future.done():
+                    future.set_result(
+                        None if rows is None else np.frombuffer(rows[0], "<u2").reshape(rows[1])
+                    )
