@@ -155,6 +155,7 @@ def pool(nats_servers: StandaloneNats, tmp_path_factory: pytest.TempPathFactory)
         weights_domain=nats_servers.region,
         weightsync=SYNC,
         poll_s=0.2,
+        routed_experts=True,
     )
     (root / "settings.json").write_bytes(to_json(settings))
     port = free_port()
@@ -168,7 +169,7 @@ def pool(nats_servers: StandaloneNats, tmp_path_factory: pytest.TempPathFactory)
     command = [  # as a pool runs it: rlfleet's launcher, then vLLM's own arguments
         *(sys.executable, "-m", "rlfleet.rollout.serving", str(root / "settings.json")),
         *("--model", str(model), "--served-model-name", "tiny", "--port", str(port)),
-        *("--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager", "--seed", "0"),
+        *("--dtype", "bfloat16", "--max-model-len", "512", "--seed", "0"),
     ]
     log = (root / "server.log").open("wb")
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -485,7 +486,10 @@ def test_the_launcher_keeps_the_arguments_capture_depends_on():
     assert "processed_logprobs" in arguments and MIDDLEWARE in arguments
     assert "--weight-transfer-config" not in arguments  # it follows no versions
     extension = arguments[arguments.index("--worker-extension-cls") + 1]
-    assert extension == vllm_experts.EXTENSION  # it records routed experts
+    assert extension == vllm_experts.EXTENSION  # it can record routed experts
+    assert "--enforce-eager" not in arguments  # and need not: it may run compiled
+    replaying = msgspec.structs.replace(plain, routed_experts=True)
+    assert "--enforce-eager" in vllm_arguments(replaying, [])  # the recorder needs eager
     following = msgspec.structs.replace(plain, replica_set="canary")
     assert "--weight-transfer-config" in vllm_arguments(following, [])
     with pytest.raises(ValueError, match="--logprobs-mode is rlfleet's"):

@@ -153,7 +153,11 @@ class TrainerSpec(ApiModel):
         Field(description="Batch-invariant kernels: log-probs do not depend on the batch."),
     ] = True
     router_replay: Annotated[
-        bool, Field(description="Score MoE layers with the experts the rollout used.")
+        bool,
+        Field(
+            description="Score MoE layers with the experts the rollout used. A production "
+            "pool's servers then run eager (--enforce-eager) to record them."
+        ),
     ] = True
     kl_coef: Annotated[
         float,

@@ -469,6 +469,7 @@ def serving_settings(name: str, spec: RLRunSpec, at: Placement) -> ServingConfig
         replica_set=at.replica_set,
         weights_domain=at.region if at.jetstream_domain else None,
         weightsync=_sync(spec),
+        routed_experts=spec.trainer.router_replay,
     )
 
 

@@ -398,6 +398,10 @@ class ServingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     weights_domain: str | None = None  # where its region's copy of the weights is
     weightsync: SyncConfig = SyncConfig()
     poll_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # how often it reads its set's version
+    # Captures carry the experts an MoE model routed each token to, for the trainer's router
+    # replay (the run's `trainer.routerReplay`). The server then runs eager: vLLM's
+    # compiled graphs are traced before a recorder can be put in them.
+    routed_experts: bool = False
 
 
 class GatePolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

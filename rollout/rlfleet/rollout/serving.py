@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
 from rlfleet import launch
 from rlfleet.launch.caches import own_caches
@@ -98,7 +99,8 @@ class CaptureMiddleware:
         begun as it starts (its lifespan) or by its first request."""
         if self._tasks:
             return
-        self._experts = asyncio.create_task(self._record_experts(app.state), name="experts")
+        if self.config.routed_experts:
+            self._experts = asyncio.create_task(self._record_experts(app.state), name="experts")
         self._tasks = [
             asyncio.create_task(self.bus.keep_connected(), name="nats"),
             asyncio.create_task(self.captures.store_forever(), name="captures"),
@@ -156,7 +158,8 @@ class CaptureMiddleware:
             return await self.app(scope, _replay(body, receive), send)
         request, asked, user = admitted
         engine = scope["app"].state.engine_client
-        await asyncio.shield(self._experts)  # recording before the first request runs
+        if self._experts is not None:
+            await asyncio.shield(self._experts)  # recording before the first request runs
         before = await engine.get_weight_version()
         if request.get("stream"):
             return await self._streamed(scope, receive, send, admitted, before)
@@ -257,9 +260,11 @@ class CaptureMiddleware:
         buffered = self.captures.offer(captured)
         self.desk.remembered.add(captured.response_id, Served(user, captured.served_at, buffered))
 
-    async def _routed(self, response: dict):
-        """The experts an MoE model routed the answer's tokens to (None for a dense model),
-        or Skip.NO_EXPERTS if its engine kept none for it."""
+    async def _routed(self, response: dict) -> np.ndarray | Skip | None:
+        """The experts an MoE model routed the answer's tokens to (None for a dense model,
+        or a run that does not replay them), or Skip.NO_EXPERTS if none were kept."""
+        if self._experts is None:
+            return None
         taker = await asyncio.shield(self._experts)
         if taker is not None and not taker.layers:
             return None
@@ -281,6 +286,8 @@ def vllm_arguments(config: ServingConfig, given: list[str]) -> list[str]:
         *("--middleware", MIDDLEWARE),
         *("--worker-extension-cls", options["worker_extension_cls"]),
     ]
+    if config.routed_experts and "--enforce-eager" not in given:
+        needed.append("--enforce-eager")
     if config.replica_set is not None:
         needed += ["--weight-transfer-config", json.dumps(options["weight_transfer_config"])]
     return [*given, *needed]

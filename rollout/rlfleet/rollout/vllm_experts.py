@@ -149,9 +149,16 @@ def _external_id(internal: str) -> str:
 class RolloutWorker(WeightsyncWorker):
     def rlfleet_experts_start(self) -> int:
         """Start recording; returns the number of MoE layers found."""
+        from vllm.config import CompilationMode, CUDAGraphMode
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
         runner = self.model_runner
+        compiled = self.vllm_config.compilation_config
+        if compiled.mode != CompilationMode.NONE or compiled.cudagraph_mode != CUDAGraphMode.NONE:
+            # The routers' capture hook was traced out of the graphs before it was set.
+            raise RuntimeError(
+                "routed experts are recorded only by an eager engine: --enforce-eager"
+            )
         routers: dict[int, Any] = {}
         for module in runner.model.modules():
             router = getattr(module, "router", None)
