@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from router_agreement import agreement, trainer_model
 from rlfleet.api.wire import Segment, Trajectory
 from rlfleet.local.processes import run_in_session
 from rlfleet.models.tiny import init_model
+from rlfleet.rollout import vllm_experts
 from rlfleet.trainer.scoring import Batch, token_logprobs
 from rlfleet.trainer.validation import ModelShape, problem
 
@@ -102,3 +104,31 @@ def test_vllm_reports_the_experts_of_every_token_it_ran(tmp_path: Path) -> None:
     )
     shape = ModelShape(vocab_size=320, moe_layers=2, num_experts=8, top_k=2)
     assert problem(trajectory, shape, "r", needs_experts=True) is None
+
+
+def _step(new: list[str] = (), finished: list[str] = ()) -> SimpleNamespace:
+    """A scheduler's output as the recorder reads it: requests new to the step, none
+    resumed, and those finished since the last step."""
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, block_ids=([0],), num_computed_tokens=0) for r in new
+        ],
+        scheduled_cached_reqs=cached,
+        finished_req_ids=set(finished),
+    )
+
+
+def test_records_nobody_takes_are_dropped_past_a_bound(monkeypatch) -> None:
+    # A production server records every request its engine runs, and takes only the
+    # completions it captures: others' records (another endpoint's, aborted ones) must
+    # not pile up for as long as the server runs.
+    monkeypatch.setattr(vllm_experts, "KEEP_FINISHED", 3)
+    recorder = vllm_experts._Recorder(layers=2, block_size=16)
+    recorder.track(_step(new=[f"chatcmpl-{i}-abcd1234" for i in range(5)]))
+    assert len(recorder.requests) == 5  # running: kept however many
+    recorder.track(_step(finished=[f"chatcmpl-{i}-abcd1234" for i in range(4)]))
+    assert list(recorder.requests) == ["chatcmpl-4-abcd1234"]
+    assert len(recorder.finished) == 3  # one step's finished, kept for a take
+    recorder.track(_step(finished=["chatcmpl-4-abcd1234"]))
+    assert len(recorder.finished) == 3 and "chatcmpl-4-abcd1234" in recorder.finished
