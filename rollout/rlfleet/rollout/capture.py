@@ -2,11 +2,13 @@
 
 A captured completion is what the trainer needs to learn from it later: the prompt's
 and the completion's token ids, each sampled token's log-prob under the weights that
-served it, and the policy version of every token. The server asks vLLM for them on
-the client's behalf (`prepare`) and gives the client back only what it asked for
-(`give_back`), so a client sees the same answer with capture on or off. A streamed
-answer is relayed event by event as it comes, each given back so (`Streamed`), and
-captured once its last event is out.
+served it, the policy version of every token, and, for an MoE model whose run replays
+routes, the experts every token it ran was routed to (recorded in vLLM's workers:
+`rlfleet.rollout.vllm_experts`). The server asks vLLM for the rest on the client's
+behalf (`prepare`) and gives the client back only what it asked for (`give_back`), so
+a client sees the same answer with capture on or off. A streamed answer is relayed
+event by event as it comes, each given back so (`Streamed`), and captured once its
+last token is out; its end goes to the client after that.
 
 Serving must not wait on NATS: captures go into a bounded buffer (`Captures`) that one
 task drains into the run's capture stream, reconnecting as long as it takes. A full

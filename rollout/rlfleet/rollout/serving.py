@@ -9,9 +9,11 @@ run's spec the region mounts and the pod's environment (its NATS server, region 
 replica set; `launch.Placement`), written under its state folder. It adds to vLLM's
 arguments what the middleware needs (`vllm_arguments`): the middleware itself, and
 processed log-probs, those of the distribution each token was sampled from (temperature
-applied), which is what the trainer's off-policy correction divides by. Chat completions
-are captured (`rlfleet.rollout.capture`), streamed or whole; `POST /v1/feedback` is
-answered here (`rlfleet.rollout.feedback`); every other request passes through untouched.
+applied), which is what the trainer's off-policy correction divides by, and the worker
+extension that records routed experts (`--enforce-eager` too when the run replays them).
+Chat completions are captured (`rlfleet.rollout.capture`), streamed or whole; `POST
+/v1/feedback` is answered here (`rlfleet.rollout.feedback`); every other request passes
+through untouched.
 A server in a replica set also serves the version its set is told to, switched in place
 (`rlfleet.rollout.serving_versions`), so weightsync goes into its workers as well.
 """
