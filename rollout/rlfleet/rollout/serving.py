@@ -268,10 +268,10 @@ class CaptureMiddleware:
         if self._experts is None:
             return None
         taker = await asyncio.shield(self._experts)
-        if taker is not None and not taker.layers:
-            return None
         if taker is None:
             return Skip.NO_EXPERTS
+        if not taker.layers:
+            return None
         rows = await taker.take(response["id"], capture.tokens_run(response))
         return Skip.NO_EXPERTS if rows is None else rows
 

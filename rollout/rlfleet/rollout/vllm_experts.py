@@ -262,10 +262,8 @@ class Taker:
         while self._wanted:  # those that came while the last call was out go in the next
             wanted, self._wanted = self._wanted, {}
             try:
-                found = await self.engine.collective_rpc(
-                    "rlfleet_experts_take", args=(list(wanted),)
-                )
-                found = found[0]
+                called = self.engine.collective_rpc("rlfleet_experts_take", args=(list(wanted),))
+                found = (await called)[0]
             except Exception:
                 log.exception("taking routed experts of %d completions", len(wanted))
                 found = {}
