@@ -1,4 +1,4 @@
-"""Shards fetched over weightsync's own direct-get connection, against real NATS servers:
+"""Shards fetched over weightsync's own direct-get connections, against real NATS servers:
 through a leaf node to the hub's stream, chunks checked, the window of requests kept."""
 
 from __future__ import annotations
@@ -171,6 +171,40 @@ def test_a_chunk_no_stream_takes_fails_its_put(nats_servers: StandaloneNats) -> 
             )
             assert message.data == b"chunk"
         finally:
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_window_larger_than_one_connection_may_queue_is_fetched(
+    nats_servers: StandaloneNats,
+) -> None:
+    """Eight shards of about 9 MiB in flight are 72 MiB, more than a server queues for one
+    connection (its max_pending, 64 MiB) before it drops it as a slow consumer: each
+    request in flight has a connection of its own."""
+    run, config = _run(), SyncConfig(shard_bytes=12 << 20, parallel_fetches=8)
+    generator = torch.Generator().manual_seed(5)
+    # Incompressible, so that every shard is as large as the config allows.
+    tensors = {
+        f"t{i}": torch.randint(-(2**15), 2**15, (6 << 20,), dtype=torch.int16, generator=generator)
+        for i in range(16)
+    }
+
+    async def scenario() -> None:
+        hub = await nats_servers.bed.hub.connect()
+        leaf = await nats_servers.bed.leaves[nats_servers.region].connect()
+        try:
+            await ensure_run_streams(hub, run, HUB_DOMAIN)
+            encoded = encode_version(run, 0, tensors, None, config)
+            assert len(encoded.manifest.shards) > config.parallel_fetches
+            smallest = min(ref.size for ref in encoded.manifest.shards[:-1])
+            assert config.parallel_fetches * smallest > 64 << 20
+            await WeightStream(hub, run, config).put_version(encoded)
+            receiver = Receiver(WeightStream(leaf, run, config, domain=HUB_DOMAIN))
+            assert await receiver.sync() == 0
+            assert receiver.state.digest() == WeightState.copy_of(tensors, 0).digest()
+        finally:
+            await leaf.close()
             await hub.close()
 
     asyncio.run(scenario())

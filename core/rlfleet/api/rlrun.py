@@ -423,7 +423,9 @@ class WeightSyncSpec(ApiModel):
     ] = 20
     shard_size_mib: Annotated[
         int,
-        Field(ge=1, le=12, description="Encoded shards stay below this; four are fetched at once."),
+        Field(
+            ge=1, le=12, description="Encoded shards stay below this; eight are fetched at once."
+        ),
     ] = 8
     endpoints: Annotated[
         list[NatsEndpoint],

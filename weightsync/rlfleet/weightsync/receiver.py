@@ -207,7 +207,7 @@ class Receiver:
                 await self.on_version(manifest, changed)
         return True
 
-    def _apply(self, manifest: WeightManifest, shards: list[bytearray]) -> set[str]:
+    def _apply(self, manifest: WeightManifest, shards: list[memoryview]) -> set[str]:
         with self.state_lock:
             changed = apply_version(self.state, manifest, shards)
             self._changed |= changed if manifest.kind == "delta" else set(self.state.tensors)
@@ -218,42 +218,47 @@ class Receiver:
         changed, self._changed = self._changed, set()
         return changed
 
-    async def fetch(self, manifest: WeightManifest) -> list[bytearray]:
+    async def fetch(self, manifest: WeightManifest) -> list[memoryview]:
         """Every shard of the version; a bad shard is fetched again alone.
 
-        At most `parallel_fetches` shards are requested at once, over one connection, and
-        only their buffers are held besides the shards already fetched.
+        At most `parallel_fetches` shards are requested at once, each over a connection
+        of its own, and only their buffers are held besides the shards already fetched.
         Raises CorruptShard when a shard stays bad, TimeoutError when the stream stays
         unreachable (transient: the version is not refused for it).
         """
-        async with self.stream.connection() as connection:
-            return await self._fetch(manifest, connection)
+        count = min(self.stream.config.parallel_fetches, len(manifest.shards))
+        async with self.stream.connections(max(1, count)) as connections:
+            return await self._fetch(manifest, connections)
 
     async def _fetch(
-        self, manifest: WeightManifest, connection: ShardConnection
-    ) -> list[bytearray]:
-        window = asyncio.Semaphore(self.stream.config.parallel_fetches)
+        self, manifest: WeightManifest, connections: list[ShardConnection]
+    ) -> list[memoryview]:
+        # The idle connections: taking one is the window's bound.
+        idle: asyncio.Queue[ShardConnection] = asyncio.Queue()
+        for connection in connections:
+            idle.put_nowait(connection)
 
-        async def one(index: int) -> bytearray:
+        async def one(index: int) -> memoryview:
             ref = manifest.shards[index]
             where = f"version {manifest.version} shard {index}"
             last_problem = ""
             for attempt in range(1, FETCH_ATTEMPTS + 1):
-                async with window:
-                    try:
-                        async with asyncio.timeout(self.fetch_timeout):
-                            data = await self.stream.fetch_shard(manifest, ref, connection)
-                    except TimeoutError:
-                        log.warning(
-                            "%s, attempt %d: no answer in %.0fs", where, attempt, self.fetch_timeout
-                        )
-                        continue
-                    except CorruptShard as error:
-                        data, problem = bytearray(), str(error)
-                    else:
-                        problem = (
-                            "" if checksum(data) == ref.checksum else f"{where}: checksum mismatch"
-                        )
+                connection = await idle.get()
+                try:
+                    async with asyncio.timeout(self.fetch_timeout):
+                        data = await self.stream.fetch_shard(manifest, ref, connection)
+                except TimeoutError:
+                    log.warning(
+                        "%s, attempt %d: no answer in %.0fs", where, attempt, self.fetch_timeout
+                    )
+                    continue
+                except CorruptShard as error:
+                    data, problem = memoryview(b""), str(error)
+                else:
+                    bad = checksum(data) != ref.checksum
+                    problem = f"{where}: checksum mismatch" if bad else ""
+                finally:
+                    idle.put_nowait(connection)
                 if not problem:
                     metrics.FETCHED_BYTES.inc(len(data))
                     return data

@@ -11,11 +11,12 @@ Subjects, under ``rlfleet.weights.<run>.<version>``:
 Shards are fetched with JetStream's batched direct get: one request per shard returns
 all its chunks, served by whichever server holds the stream (the region's mirror, when
 the receiver's JetStream context points at its region), so a version crosses the WAN
-once per region however many receivers it has. The requests go over a connection of
-their own (`rlfleet.weightsync.direct`), which receives chunks in place. A bounded
-number of shard requests is in flight at once; that window, not the server, sets how
-much a receiver buffers. Shards go up over such a connection too, a bounded number of
-them awaiting the stream's acks at once.
+once per region however many receivers it has. The requests go over connections of
+their own (`rlfleet.weightsync.direct`), which receive chunks in place, one request in
+flight on each, since a server answers a connection's requests one after another. That
+window of connections, not the server, sets how much a receiver buffers. Shards go up
+over one such connection, a bounded number of them awaiting the stream's acks at once:
+more connections did not put faster, as the stream stores what it is sent in order.
 """
 
 from __future__ import annotations
@@ -143,15 +144,27 @@ class WeightStream:
     async def connection(self) -> AsyncIterator[ShardConnection]:
         """A connection for `put_shard` and `fetch_shard`, to the server this stream's
         client is on, as its user."""
-        connection = await ShardConnection.open(self.nc)
-        try:
+        async with self.connections(1) as (connection,):
             yield connection
+
+    @contextlib.asynccontextmanager
+    async def connections(self, count: int) -> AsyncIterator[list[ShardConnection]]:
+        """`count` such connections, opened at once. A server answers one connection's
+        requests one after another, so requests meant to run side by side each need
+        their own."""
+        opening = [asyncio.ensure_future(ShardConnection.open(self.nc)) for _ in range(count)]
+        try:
+            yield list(await asyncio.gather(*opening))
         finally:
-            connection.close()
+            for task in opening:
+                if not task.done():
+                    task.cancel()
+                elif not task.cancelled() and task.exception() is None:
+                    task.result().close()
 
     async def fetch_shard(
         self, manifest: WeightManifest, ref: ShardRef, connection: ShardConnection
-    ) -> bytearray:
+    ) -> memoryview:
         """One shard's bytes, all chunks in place, or CorruptShard if any is off.
 
         Callers bound the wait (`asyncio.timeout`); a cancelled fetch leaves nothing behind.
