@@ -11,7 +11,8 @@ Prints one JSON object. Every ratio compares two numbers measured in this same r
   workloads. The bound is, per tensor, n*H(k/n) bits for the changed positions, plus
   k times the empirical entropy of the XOR symbols of the changed elements.
 - Speeds are model bytes per second of one process (threads included), next to this
-  machine's memcpy bandwidth; transfer is hub to leaf node next to raw loopback TCP.
+  machine's memcpy bandwidth; transfer (hub to a region's mirror at its leaf node) and
+  fetch (a receiver from that mirror) next to raw loopback TCP.
   Encode and apply use every core; their `_per_core` figures are bytes per CPU second.
 - `version_latency_s`: from a trainer step's 1 GiB bf16 state handed to the publisher to
   receivers in three regions, each on its own mirror, holding it verified; split into
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import nats.js.errors
 import numpy as np
 import psutil
 import torch
@@ -243,11 +245,18 @@ def _cpu_s(process) -> float:
 
 
 def transfer(nbytes: int, rounds: int = TRANSFER_ROUNDS) -> dict:
-    """A full version of incompressible bits published at the hub, fetched at a leaf
-    (the median of `rounds` fetches). `transfer_cpu_s_per_gb`: CPU seconds that the hub
-    server, the leaf node and the receiver each spend per GB fetched; the three share
-    this machine's cores, so `transfer_cpu_bound_gbps` (cores over their sum) is the
-    fastest their work allows here."""
+    """A full version of incompressible bits published at the hub, moved the way a version
+    goes to a region (the median of `rounds` each):
+
+    - `transfer_gbps`: the hop between clusters, hub to leaf node: a region's mirror made
+      after the version is on the hub's stream, until it holds all of it;
+    - `fetch_gbps`: a receiver at the leaf from that mirror (`parallel_fetches`
+      connections), and `fetch_via_leaf_gbps` from the hub's stream through the leaf
+      link instead, as a region without a mirror would;
+    - `transfer_cpu_s_per_gb` and `fetch_cpu_s_per_gb`: CPU seconds the hub server, the
+      leaf node and the receiver each spend per GB of the mirror's catch-up and of the
+      fetch from it. They share this machine's cores, so `transfer_cpu_bound_gbps` and
+      `fetch_cpu_bound_gbps` (cores over their sum) are the fastest their work allows."""
     import statistics
 
     from rlfleet.bus.streams import ensure_run_streams
@@ -263,9 +272,22 @@ def transfer(nbytes: int, rounds: int = TRANSFER_ROUNDS) -> dict:
         for i in range(16)
     }
 
-    async def scenario(hub_server: NatsServer, leaf_server: NatsServer, processes) -> dict:
+    async def scenario(
+        hub_server: NatsServer, leaf_server: NatsServer, region: str, processes
+    ) -> dict:
         hub = await hub_server.connect()
         leaf = await leaf_server.connect()
+        cpu = {step: dict.fromkeys(processes, 0.0) for step in ("transfer", "fetch")}
+
+        async def timed(step: str, work) -> float:
+            before = {name: _cpu_s(p) for name, p in processes.items()}
+            started = time.perf_counter()
+            await work()
+            elapsed = time.perf_counter() - started
+            for name, p in processes.items():
+                cpu[step][name] += _cpu_s(p) - before[name]
+            return elapsed
+
         try:
             await ensure_run_streams(hub, "bench", HUB_DOMAIN)
             stream = WeightStream(hub, "bench", CONFIG)
@@ -274,27 +296,49 @@ def transfer(nbytes: int, rounds: int = TRANSFER_ROUNDS) -> dict:
             started = time.perf_counter()
             await stream.put_version(encoded)
             put_s = time.perf_counter() - started
-            receiver = Receiver(WeightStream(leaf, "bench", CONFIG, domain=HUB_DOMAIN))
-            started = time.perf_counter()
-            await receiver.sync()
-            sync_s = time.perf_counter() - started
-            (manifest,) = receiver.known.values()
-            fetched = sum(ref.size for ref in manifest.shards)
-            fetches, cpu = [], dict.fromkeys(processes, 0.0)
+            stream_name = stream.subjects.stream
+            last = (await stream.js.stream_info(stream_name)).state.last_seq
+            mirror = leaf.jetstream(domain=region)
+
+            async def catch_up() -> None:
+                await ensure_run_streams(hub, "bench", HUB_DOMAIN, [region])
+                deadline = time.monotonic() + 300
+                while (await mirror.stream_info(stream_name)).state.last_seq < last:
+                    assert time.monotonic() < deadline, "the region's mirror never caught up"
+                    await asyncio.sleep(0.01)
+
+            mirrors, fetches = [], []
+            from_mirror = Receiver(WeightStream(leaf, "bench", CONFIG, domain=region))
             for _ in range(rounds):
-                before = {name: _cpu_s(p) for name, p in processes.items()}
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    await mirror.delete_stream(stream_name)
+                mirrors.append(await timed("transfer", catch_up))
+                fetches.append(await timed("fetch", lambda: from_mirror.fetch(encoded.manifest)))
+            via_leaf_receiver = Receiver(WeightStream(leaf, "bench", CONFIG, domain=HUB_DOMAIN))
+            started = time.perf_counter()
+            await via_leaf_receiver.sync()
+            sync_s = time.perf_counter() - started
+            via_leaf = []
+            for _ in range(rounds):
                 started = time.perf_counter()
-                await receiver.fetch(manifest)
-                fetches.append(time.perf_counter() - started)
-                for name, p in processes.items():
-                    cpu[name] += _cpu_s(p) - before[name]
-            cpu_per_gb = {name: s / (rounds * fetched / 1e9) for name, s in cpu.items()}
+                await via_leaf_receiver.fetch(encoded.manifest)
+                via_leaf.append(time.perf_counter() - started)
+            fetched = sum(ref.size for ref in encoded.manifest.shards)
+            per_gb = {
+                step: {name: s / (rounds * fetched / 1e9) for name, s in spent.items()}
+                for step, spent in cpu.items()
+            }
             return {
                 "publish_gbps": fetched / put_s / 1e9,
-                "transfer_gbps": fetched / statistics.median(fetches) / 1e9,
+                "transfer_gbps": fetched / statistics.median(mirrors) / 1e9,
+                "fetch_gbps": fetched / statistics.median(fetches) / 1e9,
+                "fetch_via_leaf_gbps": fetched / statistics.median(via_leaf) / 1e9,
                 "receive_and_apply_gbps": fetched / sync_s / 1e9,
-                "transfer_cpu_s_per_gb": cpu_per_gb,
-                "transfer_cpu_bound_gbps": psutil.cpu_count() / sum(cpu_per_gb.values()),
+                **{f"{step}_cpu_s_per_gb": spent for step, spent in per_gb.items()},
+                **{
+                    f"{step}_cpu_bound_gbps": psutil.cpu_count() / sum(spent.values())
+                    for step, spent in per_gb.items()
+                },
             }
         finally:
             await hub.close()
@@ -310,7 +354,7 @@ def transfer(nbytes: int, rounds: int = TRANSFER_ROUNDS) -> dict:
                 "leaf": psutil.Process(pids[f"nats-{servers.region}"]),
                 "receiver": psutil.Process(),
             }
-            return asyncio.run(scenario(servers.bed.hub, leaf, processes))
+            return asyncio.run(scenario(servers.bed.hub, leaf, servers.region, processes))
         finally:
             servers.stop()
 
@@ -698,6 +742,7 @@ def main() -> None:
     result |= transfer(TRANSFER_BYTES)
     result["loopback_gbps"] = loopback_gbps()
     result["transfer_vs_loopback"] = result["transfer_gbps"] / result["loopback_gbps"]
+    result["fetch_vs_loopback"] = result["fetch_gbps"] / result["loopback_gbps"]
     latency = {
         f"lr{lr:g}": version_latency(
             LATENCY_BYTES, lr, result["loopback_gbps"], result["memcpy_gbps"]
