@@ -13,6 +13,7 @@ import torch
 
 from rlfleet.bus.streams import ensure_run_streams
 from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
+from rlfleet.weightsync import Publisher
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.direct import CHUNK_HEADER
 from rlfleet.weightsync.errors import CorruptShard
@@ -203,6 +204,39 @@ def test_a_window_larger_than_one_connection_may_queue_is_fetched(
             receiver = Receiver(WeightStream(leaf, run, config, domain=HUB_DOMAIN))
             assert await receiver.sync() == 0
             assert receiver.state.digest() == WeightState.copy_of(tensors, 0).digest()
+        finally:
+            await leaf.close()
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_receiver_takes_the_next_version_into_the_last_ones_memory(
+    nats_servers: StandaloneNats,
+) -> None:
+    """Fresh memory costs a page fault per 4 KiB on its first write: a receiver fetches a
+    version into the buffers of the one it applied last, and keeps no more than those."""
+    run, first = _run(), _model(6)
+    second = {name: (t.float() + 1e-3).bfloat16() for name, t in first.items()}
+
+    async def scenario() -> None:
+        hub = await nats_servers.bed.hub.connect()
+        leaf = await nats_servers.bed.leaves[nats_servers.region].connect()
+        try:
+            await ensure_run_streams(hub, run, HUB_DOMAIN)
+            publisher = Publisher(WeightStream(hub, run, CONFIG), CONFIG)
+            (snapshot,) = await publisher.publish(first, 0)
+            receiver = Receiver(WeightStream(leaf, run, CONFIG, domain=HUB_DOMAIN))
+            assert await receiver.sync() == 0
+            assert receiver.buffers.kept == sum(ref.size for ref in snapshot.shards)
+            (delta,) = await publisher.publish(second, 1)
+            assert delta.kind == "delta" and len(delta.shards) > 1
+            kept = {id(buffer) for buffer in receiver.buffers._spare}
+            shards = await receiver.fetch(delta)
+            assert all(id(shard.obj) in kept for shard in shards)
+            assert await receiver.sync() == 1
+            assert receiver.state.digest() == WeightState.copy_of(second, 1).digest()
+            assert receiver.buffers.kept <= sum(ref.size for ref in delta.shards)
         finally:
             await leaf.close()
             await hub.close()

@@ -21,6 +21,7 @@ from nats.js.api import DeliverPolicy
 from rlfleet.api.wire import WeightManifest, decode_manifest
 from rlfleet.bus.patience import TRANSIENT, patiently
 from rlfleet.weightsync import metrics
+from rlfleet.weightsync.buffers import ShardBuffers
 from rlfleet.weightsync.direct import ShardConnection
 from rlfleet.weightsync.errors import CorruptShard, NotOurs, UnknownBase, WeightsyncError
 from rlfleet.weightsync.plan import Key, plan
@@ -53,6 +54,8 @@ class Receiver:
         self.state_lock = threading.Lock()
         # Tensors changed since the last `take_changed`, for engines that copy `state`.
         self._changed: set[str] = set()
+        # The memory of the version applied last, for the next one's shards.
+        self.buffers = ShardBuffers()
         self._refused: set[Key] = set()
         self._unreachable: set[int] = set()
         # The newest version to hold; None: the newest there is. Below the one held, the
@@ -187,6 +190,7 @@ class Receiver:
                 if step + 1 < len(steps):
                     upcoming.append(asyncio.ensure_future(self.fetch(self.known[steps[step + 1]])))
                 changed = await asyncio.to_thread(self._apply, manifest, shards)
+                self.buffers.give(shards)
             except TRANSIENT as error:
                 log.warning("version %d (%s) stalled: %s; will retry", key[0], key[1], error)
                 return True
@@ -246,7 +250,8 @@ class Receiver:
                 connection = await idle.get()
                 try:
                     async with asyncio.timeout(self.fetch_timeout):
-                        data = await self.stream.fetch_shard(manifest, ref, connection)
+                        into = self.buffers.take(ref.size)
+                        data = await self.stream.fetch_shard(manifest, ref, connection, into)
                 except TimeoutError:
                     log.warning(
                         "%s, attempt %d: no answer in %.0fs", where, attempt, self.fetch_timeout

@@ -163,9 +163,14 @@ class WeightStream:
                     task.result().close()
 
     async def fetch_shard(
-        self, manifest: WeightManifest, ref: ShardRef, connection: ShardConnection
+        self,
+        manifest: WeightManifest,
+        ref: ShardRef,
+        connection: ShardConnection,
+        into: memoryview | None = None,
     ) -> memoryview:
-        """One shard's bytes, all chunks in place, or CorruptShard if any is off.
+        """One shard's bytes, all chunks in place (in `into`, of its size, when given), or
+        CorruptShard if any is off.
 
         Callers bound the wait (`asyncio.timeout`); a cancelled fetch leaves nothing behind.
         """
@@ -173,7 +178,7 @@ class WeightStream:
         count = max(1, -(-ref.size // self.config.chunk_bytes))
         request = {"seq": 1, "batch": count, "next_by_subj": subject}
         return await connection.get(
-            self._direct_get, request, ref.size, self.config.chunk_bytes, subject
+            self._direct_get, request, ref.size, self.config.chunk_bytes, subject, into
         )
 
     async def retire_before(self, version: int) -> None:
