@@ -251,8 +251,10 @@ def transfer(nbytes: int, rounds: int = TRANSFER_ROUNDS) -> dict:
     - `transfer_gbps`: the hop between clusters, hub to leaf node: a region's mirror made
       after the version is on the hub's stream, until it holds all of it;
     - `fetch_gbps`: a receiver at the leaf from that mirror (`parallel_fetches`
-      connections), and `fetch_via_leaf_gbps` from the hub's stream through the leaf
-      link instead, as a region without a mirror would;
+      connections) into the memory of the version before, as a receiver applying
+      versions does (`fetch_cold_gbps`: the first, into new memory), and
+      `fetch_via_leaf_gbps` from the hub's stream through the leaf link instead, as a
+      region without a mirror would;
     - `transfer_cpu_s_per_gb` and `fetch_cpu_s_per_gb`: CPU seconds the hub server, the
       leaf node and the receiver each spend per GB of the mirror's catch-up and of the
       fetch from it. They share this machine's cores, so `transfer_cpu_bound_gbps` and
@@ -309,11 +311,16 @@ def transfer(nbytes: int, rounds: int = TRANSFER_ROUNDS) -> dict:
 
             mirrors, fetches = [], []
             from_mirror = Receiver(WeightStream(leaf, "bench", CONFIG, domain=region))
+
+            async def fetch() -> None:
+                # As after an applied version: the next fetch takes the memory it held.
+                from_mirror.buffers.give(await from_mirror.fetch(encoded.manifest))
+
             for _ in range(rounds):
                 with contextlib.suppress(nats.js.errors.NotFoundError):
                     await mirror.delete_stream(stream_name)
                 mirrors.append(await timed("transfer", catch_up))
-                fetches.append(await timed("fetch", lambda: from_mirror.fetch(encoded.manifest)))
+                fetches.append(await timed("fetch", fetch))
             via_leaf_receiver = Receiver(WeightStream(leaf, "bench", CONFIG, domain=HUB_DOMAIN))
             started = time.perf_counter()
             await via_leaf_receiver.sync()
@@ -332,6 +339,7 @@ def transfer(nbytes: int, rounds: int = TRANSFER_ROUNDS) -> dict:
                 "publish_gbps": fetched / put_s / 1e9,
                 "transfer_gbps": fetched / statistics.median(mirrors) / 1e9,
                 "fetch_gbps": fetched / statistics.median(fetches) / 1e9,
+                "fetch_cold_gbps": fetched / fetches[0] / 1e9,
                 "fetch_via_leaf_gbps": fetched / statistics.median(via_leaf) / 1e9,
                 "receive_and_apply_gbps": fetched / sync_s / 1e9,
                 **{f"{step}_cpu_s_per_gb": spent for step, spent in per_gb.items()},
