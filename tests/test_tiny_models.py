@@ -89,3 +89,12 @@ def test_deepspeed_takes_a_training_step(tiny_moe: Path, tmp_path: Path) -> None
     assert math.isfinite(out["loss_before"]) and math.isfinite(out["loss_after"])
     assert out["changed_parameters"] > 0
     assert out["global_steps"] == 1
+
+
+def test_seeded_prompts_beyond_a_steps_budget_all_complete(tiny_moe: Path, tmp_path: Path) -> None:
+    """A step that runs part of a seeded request's prompt makes vLLM rewind that request's
+    generator, which torch's CPU generator cannot do, and the engine dies: the rollout
+    engine's options never split a prompt on CPU."""
+    out = run_probe("vllm_seeded_batch.py", tiny_moe, tmp_path)
+    assert out["prompt_tokens"] > out["step_tokens"]
+    assert out["completed"] == out["requests"]

@@ -96,6 +96,26 @@ def parallel_options(tensor_parallel: int) -> dict:
     return {"tensor_parallel_size": tensor_parallel, "distributed_executor_backend": "mp"}
 
 
+# vLLM's own step budget on CPU, in tokens; a step must hold a whole prompt (below).
+CPU_STEP_TOKENS = 4096
+
+
+def prefill_options(max_model_len: int) -> dict:
+    """On the CPU backend, a prompt is never split across steps. After a step that ran
+    part of a seeded request's prompt, vLLM rewinds that request's generator, which
+    torch's CPU generator cannot do: the engine dies ("CPU Generator does not use
+    offset"). Sessions seed every request; it struck when a weight update sent 42
+    running requests back to recompute their context at once, beyond a step's budget."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(max_model_len, CPU_STEP_TOKENS),
+    }
+
+
 def make_llm(config: WorkerConfig, tensor_parallel: int = 1):
     from vllm import LLM
 
@@ -107,6 +127,7 @@ def make_llm(config: WorkerConfig, tensor_parallel: int = 1):
         seed=config.seed,
         enable_prefix_caching=config.prefix_caching,
         **parallel_options(tensor_parallel),
+        **prefill_options(config.max_model_len),
         **engine_options(),
     )
 
