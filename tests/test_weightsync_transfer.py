@@ -40,11 +40,16 @@ def _run() -> str:
     return f"t{uuid.uuid4().hex[:8]}"
 
 
-async def _published(servers: StandaloneNats, run: str, tensors: dict[str, torch.Tensor]):
+async def _published(
+    servers: StandaloneNats,
+    run: str,
+    tensors: dict[str, torch.Tensor],
+    config: SyncConfig = CONFIG,
+):
     hub = await servers.bed.hub.connect()
     await ensure_run_streams(hub, run, HUB_DOMAIN)
-    encoded = encode_version(run, 0, tensors, None, CONFIG)
-    await WeightStream(hub, run, CONFIG).put_version(encoded)
+    encoded = encode_version(run, 0, tensors, None, config)
+    await WeightStream(hub, run, config).put_version(encoded)
     return hub, encoded
 
 
@@ -192,15 +197,12 @@ def test_a_window_larger_than_one_connection_may_queue_is_fetched(
     }
 
     async def scenario() -> None:
-        hub = await nats_servers.bed.hub.connect()
+        hub, encoded = await _published(nats_servers, run, tensors, config)
         leaf = await nats_servers.bed.leaves[nats_servers.region].connect()
         try:
-            await ensure_run_streams(hub, run, HUB_DOMAIN)
-            encoded = encode_version(run, 0, tensors, None, config)
             assert len(encoded.manifest.shards) > config.parallel_fetches
             smallest = min(ref.size for ref in encoded.manifest.shards[:-1])
             assert config.parallel_fetches * smallest > 64 << 20
-            await WeightStream(hub, run, config).put_version(encoded)
             receiver = Receiver(WeightStream(leaf, run, config, domain=HUB_DOMAIN))
             assert await receiver.sync() == 0
             assert receiver.state.digest() == WeightState.copy_of(tensors, 0).digest()

@@ -227,6 +227,7 @@ class Receiver:
 
         At most `parallel_fetches` shards are requested at once, each over a connection
         of its own, and only their buffers are held besides the shards already fetched.
+        They land in `buffers`, the memory of the version applied last, where it fits.
         Raises CorruptShard when a shard stays bad, TimeoutError when the stream stays
         unreachable (transient: the version is not refused for it).
         """
