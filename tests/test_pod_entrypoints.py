@@ -123,12 +123,14 @@ def the_run(model: Path, bed: NatsBed, evaluation_suite: Path) -> dict:
     return run
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pods(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[dict, NatsBed, Path, dict[str, dict], dict[str, str]]]:
     """The operators' objects for the example run, started as processes; and where each
-    serves its metrics."""
+    serves its metrics. Stopped after the test that uses them: left training through the
+    module, they starved the tests after it of both cores (a vLLM server there took over
+    300 s to start in the suite, 81 s alone)."""
     work = tmp_path_factory.mktemp("pods")
     supervisor = Supervisor(work / "logs", attached=True)
     try:
