@@ -70,6 +70,7 @@ class Pool:
     nats: StandaloneNats
     gate: TcpGate
     model: Path
+    log: Path  # the server's stdout and stderr, as a pod's log holds them
 
     def chat(self, content: str, headers: dict | None = None, **fields) -> dict:
         body = _chat(content, **{"max_tokens": 6, **fields})
@@ -176,7 +177,7 @@ def pool(nats_servers: StandaloneNats, tmp_path_factory: pytest.TempPathFactory)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for("the pool's vLLM server", lambda: _healthy(url, server, root), timeout=300)
-        yield Pool(url, run, nats_servers, gate, model)
+        yield Pool(url, run, nats_servers, gate, model, root / "server.log")
     finally:
         server.terminate()
         server.wait(60)
@@ -451,6 +452,8 @@ def test_a_set_told_a_version_serves_it_in_place_and_back_and_no_request_fails(
     assert after["choices"][0]["logprobs"] != before["choices"][0]["logprobs"]
 
     assert _serves(pool, 1, digests[1])
+    # On-call reads the switch in the pod's log too, with the version and its digest.
+    assert f"set stable serves version 1 (digest {digests[1]})" in pool.log.read_text()
 
     # Rolled back: it serves version 0 again, bit for bit.
     back = ServingTarget(pool.run, "stable", 0, time.time())

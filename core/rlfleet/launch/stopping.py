@@ -24,6 +24,18 @@ def log_as_components_do() -> None:
     )
 
 
+def log_with_vllm() -> None:
+    """In a process vLLM's logging runs (its OpenAI server, its engine's workers): rlfleet's
+    lines at INFO, through vLLM's own handlers, so they land beside vLLM's in the pod's
+    log. Without it they had no handler of their own and were lost."""
+    ours = logging.getLogger("rlfleet")
+    if not ours.handlers:
+        for handler in logging.getLogger("vllm").handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
 def process_settings(program: str, kind: type[S]) -> S:
     """A local process's start (one no pod runs): logging as every component logs, then
     its settings from its one argument, CONFIG.json. One that cannot read them exits

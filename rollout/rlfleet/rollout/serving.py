@@ -35,6 +35,7 @@ import numpy as np
 from rlfleet import launch
 from rlfleet.launch.caches import own_caches
 from rlfleet.launch.settings import ServingConfig, from_json, to_json
+from rlfleet.launch.stopping import log_with_vllm
 from rlfleet.rollout import capture, vllm_experts
 from rlfleet.rollout.capture import Asked, Bus, Captures, Skip
 from rlfleet.rollout.feedback import MAX_BODY_BYTES, FeedbackDesk, Served
@@ -87,6 +88,7 @@ async def _respond(send, status: int, body: bytes, headers: list) -> None:
 
 class CaptureMiddleware:
     def __init__(self, app) -> None:
+        log_with_vllm()  # this is vLLM's server process: its handlers are the pod's log
         self.app = app
         self.config = from_json(Path(os.environ[SETTINGS_ENV]).read_bytes(), ServingConfig)
         self.bus = Bus(self.config)

@@ -35,6 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from rlfleet.bus import auth
+from rlfleet.launch.stopping import log_with_vllm
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.receiver import Receiver
 from rlfleet.weightsync.transport import WeightStream
@@ -44,16 +45,6 @@ from rlfleet.weightsync.vllm_client import ENGINE_NAME
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
 log = logging.getLogger(__name__)
-
-
-def _log_with_vllm() -> None:
-    """Send rlfleet's log lines where vLLM sends its own, so operators see them."""
-    ours = logging.getLogger("rlfleet")
-    if not ours.handlers:
-        for handler in logging.getLogger("vllm").handlers:
-            ours.addHandler(handler)
-        ours.setLevel(logging.INFO)
-        ours.propagate = False
 
 
 @dataclass
@@ -90,7 +81,7 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         from vllm.distributed.parallel_state import get_tp_group
 
-        _log_with_vllm()
+        log_with_vllm()
         self.loaded_version: int | None = None
         self.loaded_digest: str | None = None
         self._stashed_kernels: list[tuple[Any, Any]] = []
