@@ -105,6 +105,8 @@ def test_the_report_counts_cycles_accept_rates_losses_and_the_poisoned_share():
     assert found["cycle_seconds_mean"] == 100.0
     # The canary server went 0 -> 3 -> 9: two switches; the stable one 0 -> 3.
     assert found["swaps"] == 3
+    # Served while its server switched: all but the stable server's last.
+    assert found["swap_requests"] == 5
 
 
 def test_users_misreport_what_the_inverted_cycle_collects():

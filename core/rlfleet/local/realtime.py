@@ -201,6 +201,8 @@ def summary(records: list[dict], state: CycleState | None, invert_cycle: int | N
         return any(s == r["server"] and r["at"] <= to and end >= since for s, since, to in swaps)
 
     served = [r for r in records if r["status"] == 200]
+    in_swap = [r for r in served if during_swap(r)]
+    steady = [r for r in served if not during_swap(r)]
     poisoned = next((c.candidate for c in history if c.number == invert_cycle), None)
     ends = [c.finished_at for c in history]
     servers = {r["server"] for r in records}
@@ -220,9 +222,11 @@ def summary(records: list[dict], state: CycleState | None, invert_cycle: int | N
         "feedback_lost": sum(
             r["said"] is not None and r["feedback_status"] != 200 for r in records
         ),
-        "serving_p99_ms_steady": _p99([r["latency_ms"] for r in served if not during_swap(r)]),
-        "serving_p99_ms_during_swap": _p99([r["latency_ms"] for r in served if during_swap(r)]),
+        "serving_p99_ms_steady": _p99([r["latency_ms"] for r in steady]),
+        "serving_p99_ms_during_swap": _p99([r["latency_ms"] for r in in_swap]),
         "swaps": len(swaps),
+        # Tens against thousands: the p99 during swaps is about their slowest request.
+        "swap_requests": len(in_swap),
         "poisoned_served_fraction": (
             round(sum(r.get("version") == poisoned for r in served) / max(len(served), 1), 4)
             if poisoned is not None
