@@ -201,8 +201,9 @@ def summary(records: list[dict], state: CycleState | None, invert_cycle: int | N
         return any(s == r["server"] and r["at"] <= to and end >= since for s, since, to in swaps)
 
     served = [r for r in records if r["status"] == 200]
-    in_swap = [r for r in served if during_swap(r)]
-    steady = [r for r in served if not during_swap(r)]
+    in_swap, steady = [], []
+    for r in served:  # one pass: each test scans every switch
+        (in_swap if during_swap(r) else steady).append(r)
     poisoned = next((c.candidate for c in history if c.number == invert_cycle), None)
     ends = [c.finished_at for c in history]
     servers = {r["server"] for r in records}
