@@ -89,8 +89,13 @@ class WorkerUnderTest:
         self.nc = self.loop.run_until_complete(self.hub.connect())
         self.js = self.nc.jetstream(domain=HUB_DOMAIN)
         self.loop.run_until_complete(ensure_run_streams(self.nc, self.run, HUB_DOMAIN))
+        # Durable: the server deletes an ephemeral consumer idle for 5 s (no fetch pending,
+        # as while a test publishes weights on a busy machine), and every later fetch in
+        # the module would then fail with ServiceUnavailable.
         self.trajectories = self.loop.run_until_complete(
-            self.js.pull_subscribe(trajectory_subject(self.run), stream=trajectory_stream(self.run))
+            self.js.pull_subscribe(
+                trajectory_subject(self.run), durable="tests", stream=trajectory_stream(self.run)
+            )
         )
         self.publisher = Publisher(WeightStream(self.nc, self.run, SYNC, domain=HUB_DOMAIN), SYNC)
         self.publish_weights(read_weights(self.model), 0)

@@ -39,6 +39,11 @@ LINE_BUFFER = 64 << 10
 _CRLF = b"\r\n"
 _CHUNK_PREFIX = CHUNK_HEADER.lower().encode() + b":"
 _NO_RESPONDERS = 503
+# How long opening a connection may take, at least. nats-py's own connect timeout (2 s by
+# default) bounds one try of a client that tries again; nothing retries a shard connection
+# but the caller's whole version, and on a busy host (a rollout engine on both of two
+# cores) a loopback handshake once took longer than 2 s and failed a publish.
+OPEN_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -128,7 +133,7 @@ class ShardConnection(asyncio.BufferedProtocol):
         if url is None:
             raise nats.errors.ConnectionClosedError
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout(nc.options["connect_timeout"]):
+        async with asyncio.timeout(max(nc.options["connect_timeout"], OPEN_TIMEOUT_S)):
             try:
                 _, self = await loop.create_connection(cls, url.hostname, url.port or 4222)
             except OSError as error:
