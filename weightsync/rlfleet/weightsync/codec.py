@@ -57,6 +57,9 @@ class Piece(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=
     sizes: tuple[Count, ...]
 
 
+# Above one in this many 64-bit words changed, elements are compared one by one.
+WORDS_CHANGED_AT_MOST = 4
+
 _local = threading.local()
 
 
@@ -95,21 +98,55 @@ def _differences(steps: np.ndarray) -> np.ndarray:
     return (steps >> 1) ^ np.negative(steps & 1)
 
 
+def _few_changes(new: np.ndarray, old: np.ndarray) -> np.ndarray | None:
+    """Where `new` differs from `old`, found eight bytes at a time; None when too many
+    of those words differ for that to pay.
+
+    An RL step leaves most bf16 elements as they were, so most 64-bit words are equal:
+    the changed elements are found within the few words that differ, from their XOR,
+    instead of in the whole piece. np.flatnonzero over every element was the dearest
+    step of a delta at lr 1e-6 (1.1 of 2.8 ms for 2 MB, 4 % changed); this takes
+    0.9 ms for what that and its comparison took 1.4."""
+    width = new.dtype.itemsize
+    lanes = 8 // width
+    head = new.size - new.size % lanes
+    if lanes == 1 or head == 0:
+        return None
+    new_words, old_words = new[:head].view(np.uint64), old[:head].view(np.uint64)
+    differs = np.not_equal(new_words, old_words)
+    if np.count_nonzero(differs) > differs.size // WORDS_CHANGED_AT_MOST:
+        return None
+    words = np.flatnonzero(differs)
+    flips = (new_words[words] ^ old_words[words]).view(new.dtype)  # lanes per word, in order
+    lane = np.flatnonzero(flips != 0)  # numpy finds True in bools several times faster
+    found = words[lane // lanes] * lanes + lane % lanes
+    tail = head + np.flatnonzero(np.not_equal(new[head:], old[head:]))
+    return np.concatenate((found, tail)) if tail.size else found
+
+
 def encode_delta(
     new: np.ndarray, old: np.ndarray, level: int, dense_from_fraction: float
 ) -> tuple[Encoding, list[bytes]] | None:
     """The smallest encoding of `new` against `old`, or None when nothing changed."""
-    changed = np.not_equal(new, old)
-    count = int(np.count_nonzero(changed))
+    changed: np.ndarray | None = None
+    where = _few_changes(new, old)
+    if where is None:
+        changed = np.not_equal(new, old)
+        count = int(np.count_nonzero(changed))
+    else:
+        count = where.size
     if count == 0:
         return None
     options: list[tuple[Encoding, list[bytes]]] = []
     fraction = count / new.size
     if fraction < 0.5:
-        where = np.flatnonzero(changed)
+        if where is None:
+            where = np.flatnonzero(changed)
         steps = _compress(to_planes(_steps(new[where], old[where])), level)
         bitmap = None
         if fraction >= BITMAP_FROM_FRACTION:
+            if changed is None:
+                changed = np.not_equal(new, old)
             bitmap = _compress(np.packbits(changed, bitorder="little"), level)
             options.append(("bitmap", [bitmap, steps]))
         # Rice is priced before it is built: built only where it is the cheaper code.
