@@ -363,7 +363,8 @@ class Hub:
             self._answered.pop((uid, region), None)
         self._users.pop(uid, None)
         self._orders.pop(uid, None)
-        self._placed.discard((uid, self.config.cluster))
+        # Every cluster's: a Secret left in a region is deleted below whether placed or not.
+        self._placed = {key for key in self._placed if key[0] != uid}
         left = [f"its mirror in {r}" for r in sorted(named) if not self._forget(run, r, role)]
         if self.dataplane is not None:
             # Only regions the hub reaches: one never configured has no copy to delete.

@@ -1,0 +1,30 @@
+"""What an operator process remembers of a run lasts as long as the run: an operator that
+lives for months sees thousands of runs come and go."""
+
+from __future__ import annotations
+
+import yaml
+from conftest import ROOT
+
+from rlfleet.api.wire import BusRole
+from rlfleet.operator.config import OperatorConfig
+from rlfleet.operator.hub import Hub
+from rlfleet.operator.regions import RegionClients
+
+CONFIG = OperatorConfig(role="hub", cluster="hub", namespace="rlfleet-system")
+
+
+def test_a_deleted_run_leaves_no_placed_nats_user_behind() -> None:
+    spec = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())["spec"]
+    run = {"metadata": {"name": "r", "namespace": "team", "uid": "u-1"}, "spec": spec}
+    # Neither the regions nor NATS are configured: deleting touches no cluster.
+    hub = Hub(None, RegionClients(None, CONFIG), CONFIG)
+    other = ("u-2", "hub", BusRole.TRAINER)
+    hub._placed |= {
+        ("u-1", "hub", BusRole.TRAINER),
+        ("u-1", "hub", BusRole.EVALUATOR),
+        ("u-1", "region-a", BusRole.ROLLOUT),
+        other,
+    }
+    assert hub.delete(run) == []
+    assert hub._placed == {other}
