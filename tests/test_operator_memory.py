@@ -1,7 +1,9 @@
-"""What an operator process remembers of a run lasts as long as the run: an operator that
-lives for months sees thousands of runs come and go."""
+"""What an operator process remembers of a run or a pool lasts as long as it does: an
+operator that lives for months sees thousands of runs come and go."""
 
 from __future__ import annotations
+
+import time
 
 import yaml
 from conftest import ROOT
@@ -9,6 +11,7 @@ from conftest import ROOT
 from rlfleet.api.wire import BusRole
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.hub import Hub
+from rlfleet.operator.region import Region
 from rlfleet.operator.regions import RegionClients
 
 CONFIG = OperatorConfig(role="hub", cluster="hub", namespace="rlfleet-system")
@@ -28,3 +31,14 @@ def test_a_deleted_run_leaves_no_placed_nats_user_behind() -> None:
     }
     assert hub.delete(run) == []
     assert hub._placed == {other}
+
+
+def test_a_deleted_pools_served_versions_are_forgotten_once_others_are_asked_again() -> None:
+    config = OperatorConfig(role="region", cluster="region-a", namespace="rlfleet-system")
+    region = Region(None, config)
+    region._served_seen[("team", "deleted")] = (
+        time.monotonic() - 3 * config.run_resync_seconds,
+        (),
+    )
+    assert region._served_by(("team", "chat"), None, running=[]) == ()
+    assert set(region._served_seen) == {("team", "chat")}

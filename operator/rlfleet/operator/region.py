@@ -481,10 +481,18 @@ class Region:
     ) -> Answers:
         """What the pool's running serving pods say they serve, asked at most once a run
         resync: a pool's every pod, every few seconds, would be load for nothing."""
+        resync = self.config.run_resync_seconds
         when, answers = self._served_seen.get(pool, (-math.inf, ()))
-        if time.monotonic() - when >= self.config.run_resync_seconds:
+        if time.monotonic() - when >= resync:
             answers = tuple(at_once([partial(self._served, spec, p) for p in running]))
-            self._served_seen[pool] = (time.monotonic(), answers)
+            asked = time.monotonic()
+            # A pool still there is asked again within a resync: older answers are of
+            # pools deleted since, which nothing else would ever remove. A copy of the
+            # items, as other pools' reconciles may be asking at the same time.
+            for key, (seen, _) in list(self._served_seen.items()):
+                if asked - seen >= 2 * resync:
+                    self._served_seen.pop(key, None)
+            self._served_seen[pool] = (asked, answers)
         return answers
 
     def _served(self, spec: InferencePoolSpec, pod: dict) -> ServedVersion | None:
