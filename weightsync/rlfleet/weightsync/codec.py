@@ -119,7 +119,8 @@ def _few_changes(new: np.ndarray, old: np.ndarray) -> np.ndarray | None:
     words = np.flatnonzero(differs)
     flips = (new_words[words] ^ old_words[words]).view(new.dtype)  # lanes per word, in order
     lane = np.flatnonzero(flips != 0)  # numpy finds True in bools several times faster
-    found = words[lane // lanes] * lanes + lane % lanes
+    shift = lanes.bit_length() - 1  # lanes is 2, 4 or 8: shifts, not integer division
+    found = (words[lane >> shift] << shift) | (lane & (lanes - 1))
     tail = head + np.flatnonzero(np.not_equal(new[head:], old[head:]))
     return np.concatenate((found, tail)) if tail.size else found
 
