@@ -231,7 +231,8 @@ def test_a_rank_that_cannot_put_its_shards_leaves_no_manifest(
                 subject=f"{stream.subjects.prefix}.1.delta.>",
                 next=True,
             )
-            assert int(shard.subject.rsplit(".", 1)[1]) % RANKS == 0
+            index = shard.subject.removeprefix(f"{stream.subjects.prefix}.1.delta.").split(".")[0]
+            assert int(index) % RANKS == 0
             with pytest.raises(nats.js.errors.NotFoundError):
                 await stream.js.get_msg(
                     stream.subjects.stream,

@@ -88,7 +88,7 @@ def test_a_shard_with_a_chunk_missing_or_misnamed_is_corrupt(
             stream = WeightStream(hub, run, CONFIG)
             ref = encoded.manifest.shards[0]
             # Shard 0 of version 1: its middle chunk never sent, its last named twice.
-            subject = stream.subjects.shard(1, "full", 0)
+            subject = stream.subjects.shard(1, "full", ref)
             chunk, data = CONFIG.chunk_bytes, encoded.shards[0]
             count = -(-len(data) // chunk)
             for index in (0, count - 1, count - 1):
@@ -98,7 +98,7 @@ def test_a_shard_with_a_chunk_missing_or_misnamed_is_corrupt(
                     headers={CHUNK_HEADER: f"{index}/{count}"},
                 )
             # A shard whose chunks claim another count.
-            other = stream.subjects.shard(1, "full", 1)
+            other = stream.subjects.shard(1, "full", msgspec.structs.replace(ref, index=1))
             await hub.publish(other, data[:chunk], headers={CHUNK_HEADER: "0/1"})
             await hub.flush()
             manifest = encoded.manifest
@@ -157,24 +157,23 @@ def test_a_chunk_no_stream_takes_fails_its_put(nats_servers: StandaloneNats) -> 
     run = _run()
 
     async def scenario() -> None:
-        hub, _ = await _published(nats_servers, run, _model(3))
+        hub, encoded = await _published(nats_servers, run, _model(3))
         try:
             stream = WeightStream(hub, run, CONFIG)
+            subject = stream.subjects.shard(1, "full", encoded.manifest.shards[0])
             async with stream.connection() as connection:
                 with pytest.raises(nats.js.errors.NoStreamResponseError):
                     await connection.publish(f"nowhere.{run}", b"chunk", {}, 5.0)
                 with pytest.raises(nats.js.errors.APIError, match="expected stream"):
                     await connection.publish(
-                        stream.subjects.shard(1, "full", 0),
+                        subject,
                         b"chunk",
                         {"Nats-Expected-Stream": "ANOTHER"},
                         5.0,
                     )
                 # The connection goes on putting: the stream holds what was acknowledged.
-                await connection.publish(stream.subjects.shard(1, "full", 0), b"chunk", {}, 5.0)
-            message = await hub.jetstream().get_last_msg(
-                stream.subjects.stream, stream.subjects.shard(1, "full", 0)
-            )
+                await connection.publish(subject, b"chunk", {}, 5.0)
+            message = await hub.jetstream().get_last_msg(stream.subjects.stream, subject)
             assert message.data == b"chunk"
         finally:
             await hub.close()
@@ -241,6 +240,37 @@ def test_a_receiver_takes_the_next_version_into_the_last_ones_memory(
             assert receiver.buffers.kept <= sum(ref.size for ref in delta.shards)
         finally:
             await leaf.close()
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_version_put_again_with_other_bytes_is_the_one_received(
+    nats_servers: StandaloneNats,
+) -> None:
+    """A trainer restarted from its checkpoint puts a version number again, and its step,
+    not deterministic, gives other bytes than the attempt that failed before its manifest:
+    the shards that attempt left (the stream's first on their subjects, their message ids
+    still in its deduplication window) must not stand in for the new ones."""
+    run, first = _run(), _model(7)
+    failed, retried = (
+        {n: (t.float() + step).bfloat16() for n, t in first.items()} for step in (1e-3, 2e-3)
+    )
+
+    async def scenario() -> None:
+        hub, _ = await _published(nats_servers, run, first)
+        try:
+            stream = WeightStream(hub, run, CONFIG)
+            base = WeightState.copy_of(first, 0)
+            left = encode_version(run, 1, failed, base, CONFIG)
+            async with stream.connection() as connection:
+                for ref, data in zip(left.manifest.shards, left.shards, strict=True):
+                    await stream.put_shard(1, "delta", ref, data, connection)
+            await stream.put_version(encode_version(run, 1, retried, base, CONFIG))
+            receiver = Receiver(stream)
+            assert await receiver.sync() == 1
+            assert receiver.state.digest() == WeightState.copy_of(retried, 1).digest()
+        finally:
             await hub.close()
 
     asyncio.run(scenario())

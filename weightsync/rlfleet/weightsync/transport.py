@@ -6,7 +6,11 @@ The stream and its mirrors are declared, made and deleted with the run's other s
 Subjects, under ``rlfleet.weights.<run>.<version>``:
 
 - ``.manifest.<kind>``: the version's manifest (JSON), published last;
-- ``.<kind>.<shard>``: the shard, as consecutive chunks of at most `chunk_bytes`.
+- ``.<kind>.<shard>.<checksum>``: the shard, as consecutive chunks of at most
+  `chunk_bytes`. The checksum makes the subject name the bytes: a version put again
+  with other bytes (a trainer restarted from its checkpoint, over what an attempt that
+  failed before its manifest left) lands on subjects of its own, and a put retried with
+  the same bytes is dropped by the stream's deduplication, as its message ids are too.
 
 Shards are fetched with JetStream's batched direct get: one request per shard returns
 all its chunks, served by whichever server holds the stream (the region's mirror, when
@@ -66,8 +70,8 @@ class Subjects:
     def manifest(self, version: int, kind: str) -> str:
         return f"{self.prefix}.{version}.manifest.{kind}"
 
-    def shard(self, version: int, kind: str, index: int) -> str:
-        return f"{self.prefix}.{version}.{kind}.{index}"
+    def shard(self, version: int, kind: str, ref: ShardRef) -> str:
+        return f"{self.prefix}.{version}.{kind}.{ref.index}.{ref.checksum}"
 
     def version_of(self, subject: str) -> int:
         return int(subject.removeprefix(self.prefix + ".").split(".", 1)[0])
@@ -95,7 +99,7 @@ class WeightStream:
         self, version: int, kind: str, ref: ShardRef, data: bytes, connection: ShardConnection
     ) -> None:
         """One shard, as its chunks, all acknowledged by the stream."""
-        subject = self.subjects.shard(version, kind, ref.index)
+        subject = self.subjects.shard(version, kind, ref)
         chunk = self.config.chunk_bytes
         count = max(1, -(-len(data) // chunk))
         view = memoryview(data)
@@ -174,7 +178,7 @@ class WeightStream:
 
         Callers bound the wait (`asyncio.timeout`); a cancelled fetch leaves nothing behind.
         """
-        subject = self.subjects.shard(manifest.version, manifest.kind, ref.index)
+        subject = self.subjects.shard(manifest.version, manifest.kind, ref)
         count = max(1, -(-ref.size // self.config.chunk_bytes))
         request = {"seq": 1, "batch": count, "next_by_subj": subject}
         return await connection.get(
