@@ -4,6 +4,8 @@ through a leaf node to the hub's stream, chunks checked, the window of requests 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import uuid
 
 import msgspec
@@ -270,6 +272,36 @@ def test_a_version_put_again_with_other_bytes_is_the_one_received(
             receiver = Receiver(stream)
             assert await receiver.sync() == 1
             assert receiver.state.digest() == WeightState.copy_of(retried, 1).digest()
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_chunk_whose_ack_comes_late_is_sent_again_and_stored_once(
+    nats_servers: StandaloneNats,
+) -> None:
+    """A hub that stalls past the ack wait (here stopped for 7 s, beyond the first 5 s
+    wait) fails no put: the chunk goes again, and the stream keeps one copy of it."""
+    run = _run()
+    hub_pid = nats_servers.supervisor.pids()["nats-hub"]
+
+    async def scenario() -> None:
+        hub, encoded = await _published(nats_servers, run, _model(8))
+        try:
+            stream = WeightStream(hub, run, CONFIG)
+            ref, data = encoded.manifest.shards[0], encoded.shards[0]
+            async with stream.connection() as connection:
+                os.kill(hub_pid, signal.SIGSTOP)
+                try:
+                    put = asyncio.ensure_future(stream.put_shard(1, "full", ref, data, connection))
+                    await asyncio.sleep(7)
+                finally:
+                    os.kill(hub_pid, signal.SIGCONT)
+                await put
+            subject = stream.subjects.shard(1, "full", ref)
+            info = await hub.jetstream().stream_info(stream.subjects.stream, subject)
+            assert info.state.subjects == {subject: -(-ref.size // CONFIG.chunk_bytes)}
         finally:
             await hub.close()
 

@@ -47,8 +47,12 @@ log = logging.getLogger(__name__)
 # Shards a publisher has awaiting the stream's acks at once: with shards of up to 8 MiB in
 # 1 MiB chunks, about 64 messages in flight, and a bounded amount of memory.
 SHARDS_IN_FLIGHT = 8
-# How long a chunk's publish waits for the stream's ack, as nats-py's JetStream publish.
+# How long a chunk's publish waits for the stream's ack, as nats-py's JetStream publish,
+# and how many times it is sent before its put fails. Sending again is safe, as the
+# stream drops a message id it holds: an ack once came later than 5 s on a busy host
+# though the chunk was stored at once, and failed the whole version.
 ACK_TIMEOUT_S = 5.0
+ACK_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,8 @@ class WeightStream:
         view = memoryview(data)
         await asyncio.gather(
             *(
-                connection.publish(
+                self._put_chunk(
+                    connection,
                     subject,
                     view[i * chunk : (i + 1) * chunk],
                     {
@@ -113,11 +118,29 @@ class WeightStream:
                         "Nats-Msg-Id": f"{subject}.{i}",
                         "Nats-Expected-Stream": self.subjects.stream,
                     },
-                    ACK_TIMEOUT_S,
                 )
                 for i in range(count)
             )
         )
+
+    @staticmethod
+    async def _put_chunk(
+        connection: ShardConnection, subject: str, payload: memoryview, headers: dict[str, str]
+    ) -> None:
+        for attempt in range(1, ACK_ATTEMPTS + 1):
+            try:
+                await connection.publish(subject, payload, headers, ACK_TIMEOUT_S)
+                return
+            except TimeoutError:
+                if attempt == ACK_ATTEMPTS:
+                    raise
+                log.warning(
+                    "%s: no ack in %.0f s (try %d of %d); sending it again",
+                    headers["Nats-Msg-Id"],
+                    ACK_TIMEOUT_S,
+                    attempt,
+                    ACK_ATTEMPTS,
+                )
 
     async def put_manifest(self, manifest: WeightManifest) -> None:
         """Put last: receivers take a manifest on the stream as a complete version."""
