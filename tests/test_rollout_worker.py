@@ -98,6 +98,9 @@ class WorkerUnderTest:
             )
         )
         self.publisher = Publisher(WeightStream(self.nc, self.run, SYNC, domain=HUB_DOMAIN), SYNC)
+        # The groups of the test running: `collect` passes over the rest, which a test that
+        # failed may have left running, so that one failure stays one.
+        self.groups: set[str] = set()
         self.publish_weights(read_weights(self.model), 0)
         env = os.environ | servers.bed.leaves[servers.region].client_env()
         env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -122,7 +125,8 @@ class WorkerUnderTest:
                     group_size=group_size,
                     min_policy_version=min_policy_version,
                 )
-                await self.js.publish(task_subject(self.run), encode(message))
+                ack = await self.js.publish(task_subject(self.run), encode(message))
+                self.groups.add(f"{task.id}@{ack.seq}")
 
         self.loop.run_until_complete(publish())
 
@@ -141,7 +145,9 @@ class WorkerUnderTest:
                 except (TimeoutError, nats.errors.TimeoutError):
                     continue
                 for message in messages:
-                    found.append(decode_trajectory(message.data))
+                    trajectory = decode_trajectory(message.data)
+                    if trajectory.group_id in self.groups:
+                        found.append(trajectory)
                     await message.ack()
             return found
 
@@ -179,6 +185,12 @@ def worker(
         yield under_test
     finally:
         under_test.stop()
+
+
+@pytest.fixture(autouse=True)
+def own_groups(request: pytest.FixtureRequest) -> None:
+    if "worker" in request.fixturenames:
+        request.getfixturevalue("worker").groups.clear()
 
 
 def by_task(trajectories: list[Trajectory]) -> dict[str, list[Trajectory]]:
