@@ -337,15 +337,19 @@ def test_a_worker_whose_engine_core_dies_gives_its_task_back_and_exits(
     fresh engine and another worker takes the task."""
     # The task waits for a version that never comes: it is held when the core dies.
     worker.publish_tasks(HAPPY, min_policy_version=99)
+    [group] = worker.groups
+    sequence = int(group.rsplit("@", 1)[1])
 
     async def consumer():
         return await worker.js.consumer_info(task_stream(worker.run), CONSUMER)
 
     def held() -> bool:
         try:
-            return worker.loop.run_until_complete(consumer()).num_ack_pending == 1
+            info = worker.loop.run_until_complete(consumer())
         except nats.js.errors.NotFoundError:  # the worker is still starting
             return False
+        # Delivered and not acknowledged (what an earlier test left may be held beside it).
+        return info.delivered.stream_seq >= sequence > info.ack_floor.stream_seq
 
     wait_for("the task held", held, timeout=300)
     (core,) = [
