@@ -116,8 +116,11 @@ class WorkerUnderTest:
     def publish_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         self.loop.run_until_complete(self.publisher.publish(tensors, version))
 
-    def publish_tasks(self, *tasks, group_size: int = 2, min_policy_version: int = 0) -> None:
-        async def publish() -> None:
+    def publish_tasks(self, *tasks, group_size: int = 2, min_policy_version: int = 0) -> list[int]:
+        """Publishes the tasks; their messages' stream sequences."""
+
+        async def publish() -> list[int]:
+            sequences = []
             for task in tasks:
                 message = TaskMessage(
                     run=self.run,
@@ -127,8 +130,10 @@ class WorkerUnderTest:
                 )
                 ack = await self.js.publish(task_subject(self.run), encode(message))
                 self.groups.add(f"{task.id}@{ack.seq}")
+                sequences.append(ack.seq)
+            return sequences
 
-        self.loop.run_until_complete(publish())
+        return self.loop.run_until_complete(publish())
 
     def publish_raw(self, payload: bytes) -> None:
         self.loop.run_until_complete(self.js.publish(task_subject(self.run), payload))
@@ -336,9 +341,7 @@ def test_a_worker_whose_engine_core_dies_gives_its_task_back_and_exits(
     alive: it gives back what it holds and exits with the cause, so that its pod starts a
     fresh engine and another worker takes the task."""
     # The task waits for a version that never comes: it is held when the core dies.
-    worker.publish_tasks(HAPPY, min_policy_version=99)
-    [group] = worker.groups
-    sequence = int(group.rsplit("@", 1)[1])
+    [sequence] = worker.publish_tasks(HAPPY, min_policy_version=99)
 
     async def consumer():
         return await worker.js.consumer_info(task_stream(worker.run), CONSUMER)
