@@ -55,13 +55,15 @@ def _report(run: str, cycle: int, trained_on: int) -> CycleReport:
     )  # fmt: skip
 
 
-def _step(run: str, version: int, cycle: int, trajectories: int) -> StepReport:
+def _step(
+    run: str, version: int, cycle: int, trajectories: int, held_out_gain: float | None = None
+) -> StepReport:
     return StepReport(
         run=run, step=version, policy_version=version,
         trajectories=[f"cycle-{cycle}/0/{a}" for a in range(trajectories)], groups=1, tokens=10,
         reward_mean=0.5, loss=0.1, staleness_mean=0.0, staleness_max=0, mismatch_mean_abs=0.0,
         mismatch_max_abs=0.0, mismatch_kl=0.0, clipped_fraction=0.0, dropped_stale_total=0,
-        rejected_total=0, step_seconds=0.1, finished_at=time.time(),
+        rejected_total=0, step_seconds=0.1, finished_at=time.time(), held_out_gain=held_out_gain,
     )  # fmt: skip
 
 
@@ -88,9 +90,8 @@ def test_cycles_promote_refuse_and_roll_back_through_the_runs_streams(
     bed = nats_servers.bed
     for role in (BusRole.CONDUCTOR, BusRole.COLLECTOR, BusRole.TRAINER, BusRole.EVALUATOR):
         (tmp_path / f"{role}.creds").write_text(bed.run_user(run, role))
-    config = ConductorConfig(
-        run=run, nats_url=bed.hub.url, gate=GatePolicy(max_regression=0.05), canary=CANARY
-    )
+    gate = GatePolicy(max_regression=0.05, max_held_out_loss=0.01)
+    config = ConductorConfig(run=run, nats_url=bed.hub.url, gate=gate, canary=CANARY)
 
     async def scenario() -> None:
         admin = await bed.hub.connect()
@@ -122,9 +123,9 @@ def test_cycles_promote_refuse_and_roll_back_through_the_runs_streams(
         await collector.publish(cycle_subject(run), encode(_report(run, 1, 6)))
         state = await turn(state)
         assert (state.phase, state.collected) == (CyclePhase.TRAINING, 6)
-        await trainer.publish(step_subject(run), encode(_step(run, 1, 1, 4)))
+        await trainer.publish(step_subject(run), encode(_step(run, 1, 1, 4, 0.004)))
         assert (await turn(state)).phase == CyclePhase.TRAINING  # 4 of 6 taken
-        await trainer.publish(step_subject(run), encode(_step(run, 2, 1, 2)))
+        await trainer.publish(step_subject(run), encode(_step(run, 2, 1, 2, -0.012)))
         state = await turn(state)
         assert (state.phase, state.candidate) == (CyclePhase.EVALUATING, 2)
         request = await newest(
@@ -136,6 +137,8 @@ def test_cycles_promote_refuse_and_roll_back_through_the_runs_streams(
         state = await turn(state)
         assert state.phase == CyclePhase.CANARY
         assert [e.reason for e in state.events] == ["CanaryStarted"]
+        # The cycle's steps' held-out gains add up: -0.008, within the bound of 0.01.
+        assert "held-out gain -8.00e-03 per token" in state.events[0].message
         canary = await newest(
             serving_stream(run), serving_subject(run, "canary"), decode_serving_target
         )
@@ -151,16 +154,18 @@ def test_cycles_promote_refuse_and_roll_back_through_the_runs_streams(
         )
         assert stable.version == 2
 
-        # Cycle 2: its candidate scores worse than the gate allows: refused, trainer reset.
+        # Cycle 2: its candidate scores worse than the gate allows and learnt against the
+        # users of cycle 1: refused for both, trainer reset.
         await collector.publish(cycle_subject(run), encode(_report(run, 2, 2)))
         state = await turn(state)
-        await trainer.publish(step_subject(run), encode(_step(run, 3, 2, 2)))
+        await trainer.publish(step_subject(run), encode(_step(run, 3, 2, 2, -0.02)))
         state = await turn(state)
         await evaluator.publish(evaluation_subject(run), encode(_scores(run, 3, 0.3)))
         state = await turn(state)  # version 2's score is already on the stream
         assert (state.number, state.serving) == (3, 2)
         assert state.history[-1].outcome == CycleOutcome.REJECTED
         assert "not shown within 0.05" in state.events[0].message
+        assert "held-out gain -2.00e-02 per token, below -0.01" in state.events[0].message
         reset = await newest(cycle_stream(run), trainer_reset_subject(run), decode_trainer_reset)
         assert (reset.number, reset.version) == (2, 2)
 

@@ -82,6 +82,7 @@ SPEC_FIELDS = [
     (GateSpec, "confidence", GatePolicy, "confidence", None),
     (GateSpec, "max_empty_increase", GatePolicy, "max_empty_increase", None),
     (GateSpec, "max_malformed_tool_calls", GatePolicy, "max_malformed_tool_calls", None),
+    (GateSpec, "max_held_out_loss", GatePolicy, "max_held_out_loss", None),
     (CanarySpec, "max_drop", CanaryPolicy, "max_drop", None),
     (CanarySpec, "confidence", CanaryPolicy, "confidence", None),
     (CanarySpec, "window_seconds", CanaryPolicy, "window_s", float),

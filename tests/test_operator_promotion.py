@@ -3,6 +3,7 @@ answers and on generated scores for the properties any verdict must keep."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -59,6 +60,19 @@ def test_a_model_that_stops_answering_is_rejected_however_it_scores():
     assert not verdict.passed
     assert any("empty 40.0% of the time against 1.0%" in r for r in verdict.reasons)
     assert any("0.20x as long" in r for r in verdict.reasons)
+
+
+def test_a_candidate_that_learnt_against_the_cycle_befores_users_is_rejected():
+    """However well it scores: one cycle of inverted feedback may not show on the suite."""
+    serving = scores(0.6)
+    policy = msgspec.structs.replace(POLICY, max_held_out_loss=1e-3)
+    verdict = gate(serving, serving, SAME, SAME, policy, held_out_gain=-2.5e-3)
+    assert not verdict.passed and verdict.held_out_gain == -2.5e-3
+    (reason,) = verdict.reasons
+    assert "held-out gain -2.50e-03 per token, below -0.001" in reason
+    # Within the bound, above it, or with nothing held out: the suite decides.
+    for gain in (-1e-3, 0.0, 4e-3, None):
+        assert gate(serving, serving, SAME, SAME, policy, held_out_gain=gain).passed
 
 
 def test_malformed_tool_calls_beyond_the_bound_reject():

@@ -1,6 +1,7 @@
 """The trainer's policy step on its own (`tests/probes/policy_step.py`, in a process of its
 own: DeepSpeed's engine on CPU): the clipped fraction it reports is a fraction of the
-step's tokens, and a micro-batch whose loss is not finite never reaches the weights."""
+step's tokens, a micro-batch whose loss is not finite never reaches the weights, and
+its held-out gain says whether it learnt with or against what users said elsewhere."""
 
 from __future__ import annotations
 
@@ -73,3 +74,18 @@ def test_a_nan_loss_is_left_out_and_never_reaches_the_weights(
     assert math.isfinite(some["loss"]) and math.isfinite(some["mismatch_mean_abs"])
     # Both: no optimiser step at all (AdamW would move weights even on no gradient).
     assert everything["left_out"] == 2 and not everything["changed"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inverted", [False, True])
+def test_a_step_against_what_users_said_has_a_negative_held_out_gain(
+    inverted: bool, tmp_path: Path
+) -> None:
+    """The signal a production run's candidate is held to (`rlfleet.trainer.held_out`): a
+    step on feedback that agrees with the held-out trajectories' raises the policy's
+    preference for what they rewarded; the same step on inverted feedback, as a broken
+    client's, lowers it. With nothing held out there is no gain to report."""
+    kind = "held_out_inverted" if inverted else "held_out"
+    report = run_probe(kind, tmp_path, lr=1e-3, kl_coef=0.0)
+    assert (report["gain"] < 0) if inverted else (report["gain"] > 0)
+    assert report["without"] is None

@@ -5,7 +5,11 @@ micro-batches and writes what they did as JSON. `policy_step.py CONFIG REPORT KI
 - `nonfinite`: a step where one of two micro-batches' loss is NaN, then one where both
   are, each with what it left out and did to the weights. The behaviour log-probs are
   made NaN after the wire's checks (which refuse them), standing in for a model whose
-  own log-probs went NaN."""
+  own log-probs went NaN;
+- `held_out` and `held_out_inverted`: users prefer answers of one token to answers of
+  another; one step on such answers, rewarded as users said (or the opposite), scored on
+  other prompts' answers it did not train on: its held-out gain, and that of a step
+  with none held out."""
 
 import json
 import sys
@@ -52,8 +56,34 @@ def main() -> None:
             "changed": any(not torch.equal(before[n], t) for n, t in after.items()),
         }
 
+    def preferred(sign: float):
+        """Answers of token 7, rewarded `sign`, beside answers of token 9, the opposite."""
+        segments, advantages = [], []
+        for answer, advantage in ((7, sign), (9, -sign)):
+            for _ in range(4):
+                prompt = torch.randint(10, 256, (4,), generator=gen).tolist()
+                segments.append(
+                    Segment(
+                        tokens=prompt + [answer] * 12,
+                        prompt_len=4,
+                        generated=[1] * 12,
+                        logprobs=[-1.0] * 12,
+                        versions=[0] * 12,
+                    )
+                )
+                advantages.append(advantage)
+        return make_rows(segments, advantages, pad_id=0)
+
     if sys.argv[3] == "clipped":
         report = step([rows(), rows()])
+    elif sys.argv[3].startswith("held_out"):
+        sign = -1.0 if sys.argv[3].endswith("inverted") else 1.0
+        train = [preferred(sign), preferred(sign)]
+        tokens = sum(r.tokens for r in train)
+        report = {
+            "gain": policy.train_step(train, tokens, [preferred(1.0)]).held_out_gain,
+            "without": policy.train_step(train, tokens).held_out_gain,
+        }
     else:
         some = step([rows(), rows(poisoned=True)])
         report = {"some": some, "all": step([rows(poisoned=True), rows(poisoned=True)])}

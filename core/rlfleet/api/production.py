@@ -166,6 +166,17 @@ class GateSpec(ApiModel):
     max_malformed_tool_calls: Annotated[
         Share, Field(description="Share of the candidate's tool calls that may be malformed.")
     ] = 0.05
+    max_held_out_loss: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=10,
+            description="How far the candidate's training may lower its preference for what "
+            "users rewarded in the cycle before, on those trajectories (which it did not "
+            "train on; advantage x log-prob, per generated token), before it is refused for "
+            "learning against them: feedback that turned over, as a broken client's does.",
+        ),
+    ] = 0.0
 
     @model_validator(mode="after")
     def _lengths_ordered(self) -> GateSpec:

@@ -241,6 +241,18 @@ def trajectory_id(trajectory: Trajectory) -> str:
     return f"{trajectory.group_id}/{trajectory.attempt}"
 
 
+def cycle_groups(cycle: int) -> str:
+    """The prefix of a production cycle's group ids, as its collector names them."""
+    return f"cycle-{cycle}"
+
+
+def cycle_of(group_id: str) -> int | None:
+    """The production cycle a group belongs to, or None for a group of no cycle."""
+    head, _, rest = group_id.partition("/")
+    number = head.removeprefix("cycle-")
+    return int(number) if rest and head != number and number.isdigit() else None
+
+
 class GroupOutcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The rewards one group of attempts at a task earned, as the trainer trained on them."""
 
@@ -288,6 +300,11 @@ class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
     wait_seconds: float = 0.0
     # Each group trained on, so the feed can tell which tasks still teach the policy.
     outcomes: list[GroupOutcome] = []
+    # A production run's: how this step moved the policy on the trajectories of the cycle
+    # before (when its candidate was promoted), which it did not train on: advantage x
+    # change in log-prob, per generated token. Below zero, the step moved against what
+    # users said then, as a candidate trained on inverted feedback does; None, nothing held.
+    held_out_gain: float | None = None
 
 
 DropReason = Literal["stale", "expired", "rejected"]

@@ -441,6 +441,7 @@ def conductor_settings(name: str, spec: RLRunSpec, at: Placement) -> ConductorCo
             max_empty_increase=gate.max_empty_increase,
             length_ratio=(gate.min_length_ratio, gate.max_length_ratio),
             max_malformed_tool_calls=gate.max_malformed_tool_calls,
+            max_held_out_loss=gate.max_held_out_loss,
         ),
         canary=CanaryPolicy(
             max_drop=canary.max_drop,

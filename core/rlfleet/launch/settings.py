@@ -421,6 +421,10 @@ class GatePolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_malformed_tool_calls: Annotated[float, msgspec.Meta(ge=0, le=1)] = spec_default(
         GateSpec, "max_malformed_tool_calls"
     )
+    # Per generated token, on the cycle before's trajectories (`rlfleet.trainer.held_out`).
+    max_held_out_loss: Annotated[float, msgspec.Meta(ge=0)] = spec_default(
+        GateSpec, "max_held_out_loss"
+    )
 
 
 class CanaryPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -34,8 +34,10 @@ from rlfleet.api.wire import (
     EvaluationRequest,
     RewardTally,
     ServingTarget,
+    StepReport,
     TrainerReset,
     WireMessage,
+    cycle_groups,
     cycle_state_subject,
     cycle_subject,
     decode_cycle_report,
@@ -143,18 +145,23 @@ class Conductor:
 
     async def _taken(self, cycle: int) -> tuple[int, int | None]:
         """How many of the cycle's trajectories the trainer has trained on, and the version
-        its last step that took any made. The collector names their groups after the
-        cycle (`cycle-N/...`); the steps that took them are the newest, as the conductor
-        lets no later cycle's trajectories out before this one is decided."""
-        prefix, taken, after = f"cycle-{cycle}/", 0, None
+        its last step that took any made."""
+        steps, prefix = await self._steps(cycle), f"{cycle_groups(cycle)}/"
+        taken = sum(t.startswith(prefix) for report in steps for t in report.trajectories)
+        return taken, steps[0].policy_version if steps else None
+
+    async def _steps(self, cycle: int) -> list[StepReport]:
+        """The trainer's reports of the steps that took the cycle's trajectories, newest
+        first. The collector names their groups after the cycle (`cycle-N/...`); the steps
+        that took them are the newest, as the conductor lets no later cycle's
+        trajectories out before this one is decided."""
+        prefix, found = f"{cycle_groups(cycle)}/", []
         steps = step_stream(self.run_name), step_subject(self.run_name)
         for report in await self._reports(*steps, decode_step_report):
-            mine = sum(t.startswith(prefix) for t in report.trajectories)
-            if not mine:
+            if not any(t.startswith(prefix) for t in report.trajectories):
                 break
-            taken += mine
-            after = report.policy_version if after is None else after
-        return taken, after
+            found.append(report)
+        return found
 
     async def _gate(self, state: CycleState):
         """The gate's verdict once both versions are scored, else None."""
@@ -168,7 +175,11 @@ class Conductor:
                 break
         if state.candidate not in found or state.serving not in found:
             return None
-        return gate_reports(found[state.candidate], found[state.serving], self.config.gate)
+        gains = [report.held_out_gain for report in await self._steps(state.number)]
+        held_out = None if None in gains or not gains else sum(gains)
+        return gate_reports(
+            found[state.candidate], found[state.serving], self.config.gate, held_out
+        )
 
     async def _live(self, state: CycleState):
         """Users' rewards on the candidate and on the serving version since the canary

@@ -207,6 +207,8 @@ def _evaluating(state: CycleState, seen: Observed) -> Step:
         f"version {candidate} on the canary set: {gate.mean_difference:+.4f} over "
         f"{gate.items} items, lower bound {gate.lower_bound:+.4f}"
     )
+    if gate.held_out_gain is not None:
+        message += f"; held-out gain {gate.held_out_gain:+.2e} per token"
     canary = _phase(state, Phase.CANARY, seen.now)
     return Step(canary, [Action(Act.SERVE, candidate, CANARY)], _event("CanaryStarted", message))
 

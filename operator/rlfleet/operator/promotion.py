@@ -10,6 +10,13 @@ is on the candidate (a non-inferiority test), so a suite too small to show it re
 rather than promotes. Pairing removes the items' own difficulty from the comparison,
 which is why it needs far fewer items than comparing two means would.
 
+Then feedback that turned over between cycles (a client's instrumentation inverted): a
+candidate whose training lowered its preference for what users rewarded in the cycle
+before, on trajectories it did not train on (`rlfleet.trainer.held_out`), by more than
+`max_held_out_loss` per token, learnt against those users, whatever the suite says. One
+cycle of inverted feedback may move a model too little for the suite or the canary to
+see, but it always moves it this way.
+
 Then behaviour drift that users' signals can reward but nobody wants: a model that
 stops answering gets no rejections. The candidate is refused when it answers empty
 more often than the serving one by more than `max_empty_increase`, when its answers'
@@ -52,6 +59,7 @@ class GateVerdict:
     lower_bound: float  # of the difference, at the policy's confidence
     items: int
     reasons: tuple[str, ...]  # empty when it passed
+    held_out_gain: float | None = None  # of the candidate's training, when it had one
 
 
 def paired_lower_bound(differences: list[float], confidence: float) -> float:
@@ -72,8 +80,10 @@ def gate(
     candidate_answers: AnswerStats,
     serving_answers: AnswerStats,
     policy: GatePolicy,
+    held_out_gain: float | None = None,
 ) -> GateVerdict:
-    """The candidate's scores and the serving checkpoint's on the same items, in order."""
+    """The candidate's scores and the serving checkpoint's on the same items, in order, and
+    its training's held-out gain (None: nothing was held out)."""
     if len(candidate) != len(serving):
         raise ValueError(f"{len(candidate)} candidate scores for {len(serving)} items")
     differences = [c - s for c, s in zip(candidate, serving, strict=True)]
@@ -86,12 +96,20 @@ def gate(
             f"difference {mean:+.4f} over {len(differences)} items, "
             f"{policy.confidence:.0%} lower bound {lower:+.4f}"
         )
+    if held_out_gain is not None and held_out_gain < -policy.max_held_out_loss:
+        reasons.append(
+            f"learnt against what users said the cycle before: held-out gain "
+            f"{held_out_gain:+.2e} per token, below -{policy.max_held_out_loss:g}"
+        )
     reasons += _drift(candidate_answers, serving_answers, policy)
-    return GateVerdict(not reasons, mean, lower, len(differences), tuple(reasons))
+    return GateVerdict(not reasons, mean, lower, len(differences), tuple(reasons), held_out_gain)
 
 
 def gate_reports(
-    candidate: EvaluationReport, serving: EvaluationReport, policy: GatePolicy
+    candidate: EvaluationReport,
+    serving: EvaluationReport,
+    policy: GatePolicy,
+    held_out_gain: float | None = None,
 ) -> GateVerdict:
     """The gate on two evaluator reports of one suite, paired by task id."""
     if candidate.answers is None or serving.answers is None:
@@ -105,6 +123,7 @@ def gate_reports(
         candidate.answers,
         serving.answers,
         policy,
+        held_out_gain,
     )
 
 

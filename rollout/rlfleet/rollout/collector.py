@@ -46,6 +46,7 @@ from rlfleet.api.wire import (
     RewardTally,
     capture_stream,
     capture_subject,
+    cycle_groups,
     cycle_state_subject,
     cycle_subject,
     decode_captured,
@@ -161,7 +162,7 @@ class Collector:
         if answered < self.config.min_samples and len(captures) < self.config.max_samples:
             return None
         samples = score_cycle(captures, feedback, self.config.rewards)
-        trajectories = batch(samples, f"cycle-{number}", self.config.rewards.group_size, WORKER)
+        trajectories = batch(samples, cycle_groups(number), self.config.rewards.group_size, WORKER)
         run = self.config.run
         for trajectory in trajectories:
             msg_id = f"{run}/{trajectory.group_id}/{trajectory.attempt}"

@@ -95,14 +95,15 @@ class Kind(Enum):
 @dataclass
 class Order:
     """What rank 0 tells a rank to do next: for a step, its number (the checkpoint's tag),
-    this rank's micro-batches, the whole step's generated tokens and the checkpoint to keep
-    however old (`Policy.save`)."""
+    this rank's micro-batches, the whole step's generated tokens, the checkpoint to keep
+    however old (`Policy.save`) and this rank's share of the held-out trajectories."""
 
     kind: Kind
     step: int = 0
     micro_batches: list[Rows] = field(default_factory=list)
     tokens: int = 0
     pinned: tuple[int, ...] = ()
+    held_out: list[Rows] = field(default_factory=list)
 
 
 def share(micro_batches: list[Rows], ranks: int) -> list[list[Rows]]:

@@ -34,11 +34,13 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from rlfleet.api.wire import (
     CyclePhase,
     DropReason,
+    FinishedCycle,
     GroupOutcome,
     StepReport,
     Trajectory,
     TrajectoryDrop,
     WeightManifest,
+    cycle_of,
     cycle_state_subject,
     decode_cycle_state,
     decode_trainer_reset,
@@ -58,6 +60,7 @@ from rlfleet.launch.settings import TrainerConfig
 from rlfleet.trainer import distributed, metrics
 from rlfleet.trainer.distributed import Kind, Order
 from rlfleet.trainer.groups import GroupBuffer, Received, staleness
+from rlfleet.trainer.held_out import HeldOut
 from rlfleet.trainer.objective import group_advantages
 from rlfleet.trainer.policy import Policy, StepResult
 from rlfleet.trainer.rows import Rows, make_rows, split_by_tokens
@@ -90,6 +93,9 @@ class Trainer:
         # and weights are kept to go back to.
         self.pinned: tuple[int, ...] = ()
         self.cycle_phase: CyclePhase | None = None  # a production run's, as last read
+        self.cycle_history: list[FinishedCycle] = []
+        # The trajectories of a production run's last cycles, to score the next on.
+        self.held_out = HeldOut()
         self.conductor_due = 0.0
 
     @property
@@ -286,14 +292,17 @@ class Trainer:
     def _order(self, kind: Kind, step: int = 0) -> None:
         distributed.send([Order(kind, step)] * distributed.world())
 
-    def _train(self, micro_batches: list[Rows], tokens: int) -> StepResult:
-        """Deals the step's micro-batches to the ranks and trains on rank 0's share."""
+    def _train(self, micro_batches: list[Rows], tokens: int, held_out: list[Rows]) -> StepResult:
+        """Deals the step's micro-batches (and held-out ones) to the ranks and trains on
+        rank 0's share."""
+        world = distributed.world()
+        held = distributed.share(held_out, world) if held_out else [[]] * world
         orders = [
-            Order(Kind.STEP, self.step + 1, share, tokens, self.pinned)
-            for share in distributed.share(micro_batches, distributed.world())
+            Order(Kind.STEP, self.step + 1, share, tokens, self.pinned, rows)
+            for share, rows in zip(distributed.share(micro_batches, world), held, strict=True)
         ]
         mine = distributed.send(orders)
-        return self.policy.train_step(mine.micro_batches, tokens)
+        return self.policy.train_step(mine.micro_batches, tokens, mine.held_out)
 
     async def _maybe_step(self, js) -> bool:
         """Trains one step if one is ready; returns whether it did."""
@@ -334,7 +343,12 @@ class Trainer:
             for chunk in split_by_tokens(segments, self.config.micro_batch_tokens)
         ]
         tokens = sum(rows.tokens for rows in micro_batches)
-        result = await asyncio.to_thread(self._train, micro_batches, tokens)
+        # A production step's trajectories are all of one cycle: the conductor lets out
+        # none of the next before this one's candidate is decided.
+        cycle = cycle_of(items[0].trajectory.group_id) if self.config.production else None
+        held_out = self.held_out.rows_for(cycle, self.cycle_history)
+        result = await asyncio.to_thread(self._train, micro_batches, tokens, held_out)
+        self.held_out.keep(cycle, micro_batches)
         lags = [staleness(i.trajectory, self.version) for i in items]
         report = StepReport(
             run=self.config.run,
@@ -356,6 +370,7 @@ class Trainer:
             step_seconds=time.perf_counter() - started,
             finished_at=time.time(),
             wait_seconds=round(waited, 3),
+            held_out_gain=result.held_out_gain,
             outcomes=[
                 GroupOutcome(
                     task_id=group[0].trajectory.task_id,
@@ -403,6 +418,13 @@ class Trainer:
             result.mismatch.kl,
             report.step_seconds,
         )
+        if result.held_out_gain is not None:
+            log.info(
+                "step %d: held-out gain %+.3e on cycle %d's trajectories",
+                self.step,
+                result.held_out_gain,
+                cycle - 1,
+            )
         return True
 
     def _client_state(self, consumed: list[int], report: dict | None) -> dict:
@@ -428,6 +450,7 @@ class Trainer:
             self.pinned = (state.serving,) + (() if state.previous is None else (state.previous,))
             self.publisher.pinned = min(self.pinned)
             self.cycle_phase = state.phase
+            self.cycle_history = state.history
         reset = await newest(
             js, cycle_stream(run), trainer_reset_subject(run), decode_trainer_reset
         )
@@ -488,7 +511,9 @@ async def follow(config: TrainerConfig, local_rank: int) -> None:
         await publish(policy, publisher, state["step"] if state is not None else 0)
         while (order := await asyncio.to_thread(distributed.receive)).kind is not Kind.STOP:
             if order.kind is Kind.STEP:
-                await asyncio.to_thread(policy.train_step, order.micro_batches, order.tokens)
+                await asyncio.to_thread(
+                    policy.train_step, order.micro_batches, order.tokens, order.held_out
+                )
                 # Rank 0's client state is the one resumed from; this node's own checkpoint
                 # says which version it holds.
                 step = order.step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ class StepResult:
     # Micro-batches whose loss was not finite on some rank: left out of every update of
     # the step (all of them: no update at all), so a NaN never reaches the weights.
     nonfinite_micro_batches: int = 0
+    # How the step moved the policy's preference on held-out trajectories (`preference`):
+    # after minus before, per generated token; None without any, or when not finite.
+    held_out_gain: float | None = None
 
 
 class Policy:
@@ -97,13 +101,18 @@ class Policy:
             temperature=self.config.temperature,
         )
 
-    def train_step(self, micro_batches: list[Rows], tokens: int) -> StepResult:
+    def train_step(
+        self, micro_batches: list[Rows], tokens: int, held_out: list[Rows] | None = None
+    ) -> StepResult:
         """`updates_per_step` optimiser steps over the step's micro-batches, each a mean over
         all the step's `tokens`. Each rank passes its own share of the micro-batches (as many
         as every other rank); the result is the whole step's. The first pass's log-probs are
         the proximal policy: later passes are clipped against it (PPO epochs), which is what
-        makes reusing a batch safe."""
+        makes reusing a batch safe. `held_out`, this rank's share of trajectories not
+        trained on, is scored before and after (`held_out_gain`)."""
         self.engine.train()
+        held_out = held_out or []
+        before = self.preference(held_out)
         references = [self._reference(rows) for rows in micro_batches]  # frozen: once
         first = last = self._update(micro_batches, references, tokens, None, kept=None)
         for _ in range(self.config.updates_per_step - 1):
@@ -136,7 +145,29 @@ class Policy:
             Mismatch.of_sums(totals[2:]),
             float(totals[1]),
             nonfinite_micro_batches=left_out,
+            held_out_gain=self._gain(before, held_out),
         )
+
+    def preference(self, rows: list[Rows]) -> torch.Tensor:
+        """This rank's sum of advantage x log-prob over `rows`' generated tokens, and the
+        tokens' count: how strongly the policy prefers what was rewarded over what was not.
+        A forward pass each, collective under ZeRO-3 like training's (every rank has as
+        many, `distributed.share`)."""
+        sums = torch.zeros(2, dtype=torch.float64)
+        with torch.no_grad():
+            for micro_batch in rows:
+                sums[0] += float((self.logprobs(micro_batch) * micro_batch.advantages).sum())
+                sums[1] += float(micro_batch.mask.sum())
+        return sums
+
+    def _gain(self, before: torch.Tensor, held_out: list[Rows]) -> float | None:
+        if not held_out:  # on every rank alike: the shares of none are all empty
+            return None
+        after = self.preference(held_out)
+        change = torch.stack([after[0] - before[0], before[1]])
+        total, count = distributed.reduce(change, dist.ReduceOp.SUM).tolist()
+        gain = total / max(count, 1.0)
+        return gain if math.isfinite(gain) else None
 
     def _reference(self, rows: Rows) -> torch.Tensor | None:
         if self.reference is None:

@@ -1,0 +1,49 @@
+"""Which trajectories a production run's trainer holds out to score a cycle's candidate
+on (`rlfleet.trainer.held_out`): only the cycle just before, only if its candidate was
+promoted, and about its budget."""
+
+from __future__ import annotations
+
+import torch
+
+from rlfleet.api.wire import CycleOutcome, FinishedCycle
+from rlfleet.trainer.held_out import HeldOut
+from rlfleet.trainer.rows import Rows
+from rlfleet.trainer.scoring import Batch
+
+
+def rows(tokens: int) -> Rows:
+    mask = torch.ones(1, tokens)
+    batch = Batch.of([torch.arange(tokens + 1)], None, pad_id=0, prompts=[1])
+    return Rows(batch, torch.zeros_like(mask), mask, mask)
+
+
+def finished(number: int, outcome: CycleOutcome) -> FinishedCycle:
+    return FinishedCycle(number, outcome, candidate=number * 10, why="")
+
+
+def test_a_cycle_is_scored_on_the_cycle_before_only_when_that_was_promoted():
+    held = HeldOut(budget_tokens=100)
+    first, second = [rows(10)], [rows(20)]
+    held.keep(1, first)
+    assert held.rows_for(2, []) == []  # cycle 1 not decided yet
+    assert held.rows_for(2, [finished(1, CycleOutcome.PROMOTED)]) == first
+    for refused in (CycleOutcome.REJECTED, CycleOutcome.ROLLED_BACK, CycleOutcome.TIMED_OUT):
+        assert held.rows_for(2, [finished(1, refused)]) == []
+    held.keep(2, second)
+    history = [finished(1, CycleOutcome.PROMOTED), finished(2, CycleOutcome.REJECTED)]
+    # After a refusal nothing is held: not the refused cycle, nor the one before it.
+    assert held.rows_for(3, history) == []
+    assert held.rows_for(None, history) == []
+
+
+def test_only_the_cycle_before_is_kept_and_each_within_its_budget():
+    held = HeldOut(budget_tokens=50)
+    held.keep(1, [rows(30), rows(30), rows(20)])  # kept whole until the budget is reached
+    assert [r.tokens for r in held.by_cycle[1]] == [30, 30]
+    held.keep(1, [rows(1)])  # full
+    assert len(held.by_cycle[1]) == 2
+    held.keep(2, [rows(5)])
+    held.keep(3, [rows(5)])
+    held.keep(None, [rows(5)])  # a step of no cycle: kept nowhere
+    assert sorted(held.by_cycle) == [2, 3]

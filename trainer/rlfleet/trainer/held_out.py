@@ -1,0 +1,59 @@
+"""Trajectories a production run's trainer keeps from one cycle to score the next cycle's
+candidate on: what users said about answers it did not train on.
+
+A candidate trained on feedback that turned over (a client's instrumentation inverted,
+say) learns to prefer what users rejected. On the suite it may score no worse, and on
+the canary users may even like it, if one cycle moved it little; but on the cycle
+before's trajectories, with that cycle's advantages, its preference for what was
+rewarded falls, because that is exactly what its training did. So each step reports how
+it moved that preference (`StepReport.held_out_gain`); a candidate whose steps moved it
+down learnt against the users of the cycle before.
+
+Only a promoted cycle's trajectories are held: a refused candidate's feedback is
+suspect, and scoring the next candidate on it would refuse a good one for disagreeing
+with bad feedback. And only the cycle just before: after a refusal nothing is held for
+one cycle, so one bad cycle that got through can cost at most the next candidate.
+"""
+
+from __future__ import annotations
+
+from rlfleet.api.wire import CycleOutcome, FinishedCycle
+from rlfleet.trainer.rows import Rows
+
+# Generated tokens kept of a cycle, each scored twice a step: in the real-time example
+# about 100 trajectories, two steps' worth (its answers are short), which add about a
+# second to a step of its cycles.
+HELD_OUT_TOKENS = 256
+
+
+class HeldOut:
+    def __init__(self, budget_tokens: int = HELD_OUT_TOKENS) -> None:
+        self.budget_tokens = budget_tokens
+        self.by_cycle: dict[int, list[Rows]] = {}
+
+    def keep(self, cycle: int | None, micro_batches: list[Rows]) -> None:
+        """Keeps a step's micro-batches of `cycle` until the cycle's reach the budget (the
+        last may pass it: micro-batches are kept whole), and forgets every cycle older
+        than the one before it."""
+        if cycle is None:
+            return
+        kept = self.by_cycle.setdefault(cycle, [])
+        held = sum(rows.tokens for rows in kept)
+        for rows in micro_batches:
+            if held >= self.budget_tokens:
+                break
+            if rows.tokens:
+                kept.append(rows)
+                held += rows.tokens
+        for old in [c for c in self.by_cycle if c < cycle - 1]:
+            del self.by_cycle[old]
+
+    def rows_for(self, cycle: int | None, history: list[FinishedCycle]) -> list[Rows]:
+        """What to score `cycle`'s steps on: the cycle before's, if its candidate was
+        promoted."""
+        if cycle is None:
+            return []
+        before = next((c for c in history if c.number == cycle - 1), None)
+        if before is None or before.outcome != CycleOutcome.PROMOTED:
+            return []
+        return self.by_cycle.get(cycle - 1, [])
