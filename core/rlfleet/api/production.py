@@ -176,7 +176,7 @@ class GateSpec(ApiModel):
             "train on; advantage x log-prob, per generated token), before it is refused for "
             "learning against them: feedback that turned over, as a broken client's does.",
         ),
-    ] = 0.0
+    ] = 0.03
 
     @model_validator(mode="after")
     def _lengths_ordered(self) -> GateSpec:
