@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rlfleet.api.wire import CycleOutcome, FinishedCycle
+from rlfleet.api.wire import CycleOutcome, FinishedCycle, cycle_groups, cycle_of
 from rlfleet.trainer.held_out import HeldOut
 from rlfleet.trainer.rows import Rows
 from rlfleet.trainer.scoring import Batch
@@ -47,3 +47,9 @@ def test_only_the_cycle_before_is_kept_and_each_within_its_budget():
     held.keep(3, [rows(5)])
     held.keep(None, [rows(5)])  # a step of no cycle: kept nowhere
     assert sorted(held.by_cycle) == [2, 3]
+
+
+def test_a_step_knows_its_cycle_by_its_groups_names():
+    assert cycle_of(f"{cycle_groups(12)}/3") == 12
+    for group in ("cycle-12", "cycle-x/3", "task-7/cycle-2", "cycle-/1", "12/3"):
+        assert cycle_of(group) is None
