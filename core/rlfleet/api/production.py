@@ -172,9 +172,10 @@ class GateSpec(ApiModel):
             ge=0,
             le=10,
             description="How far the candidate's training may lower its preference for what "
-            "users rewarded in the cycle before, on those trajectories (which it did not "
-            "train on; advantage x log-prob, per generated token), before it is refused for "
-            "learning against them: feedback that turned over, as a broken client's does.",
+            "users rewarded in the last promoted cycle before it, on those trajectories "
+            "(which it did not train on; advantage x log-prob, per generated token), before "
+            "it is refused for learning against them: feedback that turned over, as a "
+            "broken client's does.",
         ),
     ] = 0.03
 

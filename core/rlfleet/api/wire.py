@@ -300,8 +300,8 @@ class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
     wait_seconds: float = 0.0
     # Each group trained on, so the feed can tell which tasks still teach the policy.
     outcomes: list[GroupOutcome] = []
-    # A production run's: how this step moved the policy on the trajectories of the cycle
-    # before (when its candidate was promoted), which it did not train on: advantage x
+    # A production run's: how this step moved the policy on trajectories of a cycle before
+    # (the newer of the two before whose candidate was promoted), not trained on: advantage x
     # change in log-prob, per generated token. Below zero, the step moved against what
     # users said then, as a candidate trained on inverted feedback does; None, nothing held.
     held_out_gain: float | None = None

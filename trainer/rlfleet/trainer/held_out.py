@@ -11,8 +11,9 @@ down learnt against the users of the cycle before.
 
 Only a promoted cycle's trajectories are held: a refused candidate's feedback is
 suspect, and scoring the next candidate on it would refuse a good one for disagreeing
-with bad feedback. And only the cycle just before: after a refusal nothing is held for
-one cycle, so one bad cycle that got through can cost at most the next candidate.
+with bad feedback. A cycle is scored on the newer of the two cycles before it that was
+promoted, so one rolled back (which canaries often do) leaves the next one checked; and
+on none older, so one bad cycle that got through can cost at most two candidates.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from rlfleet.trainer.rows import Rows
 # about 100 trajectories, two steps' worth (its answers are short), which add about
 # 0.15 s to a 0.6 s step.
 HELD_OUT_TOKENS = 256
+# Cycles back a cycle may be scored on.
+LOOK_BACK = 2
 
 
 class HeldOut:
@@ -34,7 +37,7 @@ class HeldOut:
     def keep(self, cycle: int | None, micro_batches: list[Rows]) -> None:
         """Keeps a step's micro-batches of `cycle` until the cycle's reach the budget (the
         last may pass it: micro-batches are kept whole), and forgets every cycle older
-        than the one before it."""
+        than the two before it."""
         if cycle is None:
             return
         kept = self.by_cycle.setdefault(cycle, [])
@@ -45,15 +48,16 @@ class HeldOut:
             if rows.tokens:
                 kept.append(rows)
                 held += rows.tokens
-        for old in [c for c in self.by_cycle if c < cycle - 1]:
+        for old in [c for c in self.by_cycle if c < cycle - LOOK_BACK]:
             del self.by_cycle[old]
 
     def rows_for(self, cycle: int | None, history: list[FinishedCycle]) -> list[Rows]:
-        """What to score `cycle`'s steps on: the cycle before's, if its candidate was
-        promoted."""
+        """What to score `cycle`'s steps on: the newest cycle of the two before it whose
+        candidate was promoted and whose trajectories are held, or nothing."""
         if cycle is None:
             return []
-        before = next((c for c in history if c.number == cycle - 1), None)
-        if before is None or before.outcome != CycleOutcome.PROMOTED:
-            return []
-        return self.by_cycle.get(cycle - 1, [])
+        promoted = {c.number for c in history if c.outcome == CycleOutcome.PROMOTED}
+        for before in range(cycle - 1, cycle - 1 - LOOK_BACK, -1):
+            if before in promoted and self.by_cycle.get(before):
+                return self.by_cycle[before]
+        return []
