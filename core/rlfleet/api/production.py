@@ -177,7 +177,7 @@ class GateSpec(ApiModel):
             "it is refused for learning against them: feedback that turned over, as a "
             "broken client's does.",
         ),
-    ] = 0.03
+    ] = 0.045
 
     @model_validator(mode="after")
     def _lengths_ordered(self) -> GateSpec:
