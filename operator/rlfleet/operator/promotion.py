@@ -11,7 +11,7 @@ rather than promotes. Pairing removes the items' own difficulty from the compari
 which is why it needs far fewer items than comparing two means would.
 
 Then feedback that turned over between cycles (a client's instrumentation inverted): a
-candidate whose training lowered its preference for what users rewarded in the cycle
+candidate whose training lowered its preference for what users rewarded in a cycle
 before, on trajectories it did not train on (`rlfleet.trainer.held_out`), by more than
 `max_held_out_loss` per token, learnt against those users, whatever the suite says. One
 cycle of inverted feedback may move a model too little for the suite or the canary to
@@ -98,7 +98,7 @@ def gate(
         )
     if held_out_gain is not None and held_out_gain < -policy.max_held_out_loss:
         reasons.append(
-            f"learnt against what users said the cycle before: held-out gain "
+            f"learnt against what users said in a cycle before: held-out gain "
             f"{held_out_gain:+.2e} per token, below -{policy.max_held_out_loss:g}"
         )
     reasons += _drift(candidate_answers, serving_answers, policy)

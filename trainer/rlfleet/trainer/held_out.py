@@ -3,11 +3,11 @@ candidate on: what users said about answers it did not train on.
 
 A candidate trained on feedback that turned over (a client's instrumentation inverted,
 say) learns to prefer what users rejected. On the suite it may score no worse, and on
-the canary users may even like it, if one cycle moved it little; but on the cycle
-before's trajectories, with that cycle's advantages, its preference for what was
+the canary users may even like it, if one cycle moved it little; but on an earlier
+cycle's trajectories, with that cycle's advantages, its preference for what was
 rewarded falls, because that is exactly what its training did. So each step reports how
 it moved that preference (`StepReport.held_out_gain`); a candidate whose steps moved it
-down learnt against the users of the cycle before.
+down learnt against the users of that cycle.
 
 Only a promoted cycle's trajectories are held: a refused candidate's feedback is
 suspect, and scoring the next candidate on it would refuse a good one for disagreeing

@@ -420,10 +420,9 @@ class Trainer:
         )
         if result.held_out_gain is not None:
             log.info(
-                "step %d: held-out gain %+.3e on cycle %d's trajectories",
+                "step %d: held-out gain %+.3e per token on an earlier cycle's trajectories",
                 self.step,
                 result.held_out_gain,
-                cycle - 1,
             )
         return True
 
