@@ -110,6 +110,8 @@ def share(micro_batches: list[Rows], ranks: int) -> list[list[Rows]]:
     """The step's micro-batches dealt round-robin over `ranks`, each rank's list padded
     to the same length with a micro-batch that trains on nothing: every rank must call
     backward (whose hooks reduce gradients collectively) as often as the others."""
+    if not micro_batches:  # nothing to deal (a step with nothing held out): no filler either
+        return [[] for _ in range(ranks)]
     shares = [micro_batches[r::ranks] for r in range(ranks)]
     longest = max(len(s) for s in shares)
     filler = idle_rows(min(micro_batches, key=lambda rows: rows.batch.inputs.numel()))

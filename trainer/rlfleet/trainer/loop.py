@@ -296,10 +296,12 @@ class Trainer:
         """Deals the step's micro-batches (and held-out ones) to the ranks and trains on
         rank 0's share."""
         world = distributed.world()
-        held = distributed.share(held_out, world) if held_out else [[]] * world
+        shares = zip(
+            distributed.share(micro_batches, world), distributed.share(held_out, world), strict=True
+        )
         orders = [
             Order(Kind.STEP, self.step + 1, share, tokens, self.pinned, rows)
-            for share, rows in zip(distributed.share(micro_batches, world), held, strict=True)
+            for share, rows in shares
         ]
         mine = distributed.send(orders)
         return self.policy.train_step(mine.micro_batches, tokens, mine.held_out)
