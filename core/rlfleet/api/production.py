@@ -172,10 +172,12 @@ class GateSpec(ApiModel):
             ge=0,
             le=10,
             description="How far the candidate's training may lower its preference for what "
-            "users rewarded in the last promoted cycle before it, on those trajectories "
-            "(which it did not train on; advantage x log-prob, per generated token), before "
-            "it is refused for learning against them: feedback that turned over, as a "
-            "broken client's does.",
+            "users rewarded in the newer promoted cycle of the two before it, on those "
+            "trajectories (which it did not train on; advantage x log-prob, per generated "
+            "token), before it is refused for learning against them: feedback that turned "
+            "over, as a broken client's does. The default is measured at the realtime "
+            "example's settings: the gain grows with the learning rate and the steps a cycle "
+            "takes, and as klCoef weakens.",
         ),
     ] = 0.045
 
