@@ -4,18 +4,20 @@ promoted, and about its budget."""
 
 from __future__ import annotations
 
-import torch
-
-from rlfleet.api.wire import CycleOutcome, FinishedCycle, cycle_groups, cycle_of
-from rlfleet.trainer.held_out import HeldOut
-from rlfleet.trainer.rows import Rows
-from rlfleet.trainer.scoring import Batch
+from rlfleet.api.wire import CycleOutcome, FinishedCycle, Segment, cycle_groups, cycle_of
+from rlfleet.trainer.held_out import HeldOut, Kept
 
 
-def rows(tokens: int) -> Rows:
-    mask = torch.ones(1, tokens)
-    batch = Batch.of([torch.arange(tokens + 1)], None, pad_id=0, prompts=[1])
-    return Rows(batch, torch.zeros_like(mask), mask, mask)
+def kept(tokens: int) -> Kept:
+    """A micro-batch of one trajectory with `tokens` generated tokens."""
+    segment = Segment(
+        tokens=list(range(tokens + 1)),
+        prompt_len=1,
+        generated=[1] * tokens,
+        logprobs=[-1.0] * tokens,
+        versions=[0] * tokens,
+    )
+    return Kept([segment], [0.5])
 
 
 def finished(number: int, outcome: CycleOutcome) -> FinishedCycle:
@@ -24,35 +26,35 @@ def finished(number: int, outcome: CycleOutcome) -> FinishedCycle:
 
 def test_a_cycle_is_scored_on_the_newer_promoted_cycle_of_the_two_before_it():
     held = HeldOut(budget_tokens=100)
-    first, second, third = [rows(10)], [rows(20)], [rows(30)]
+    first, second, third = [kept(10)], [kept(20)], [kept(30)]
     held.keep(1, first)
-    assert held.rows_for(2, []) == []  # cycle 1 not decided yet
-    assert held.rows_for(2, [finished(1, CycleOutcome.PROMOTED)]) == first
+    assert held.kept_for(2, []) == []  # cycle 1 not decided yet
+    assert held.kept_for(2, [finished(1, CycleOutcome.PROMOTED)]) == first
     for refused in (CycleOutcome.REJECTED, CycleOutcome.ROLLED_BACK, CycleOutcome.TIMED_OUT):
-        assert held.rows_for(2, [finished(1, refused)]) == []
+        assert held.kept_for(2, [finished(1, refused)]) == []
     held.keep(2, second)
     history = [finished(1, CycleOutcome.PROMOTED), finished(2, CycleOutcome.PROMOTED)]
-    assert held.rows_for(3, history) == second  # the newer
+    assert held.kept_for(3, history) == second  # the newer
     # A refused cycle is passed over for the one before it...
     history = [finished(1, CycleOutcome.PROMOTED), finished(2, CycleOutcome.ROLLED_BACK)]
-    assert held.rows_for(3, history) == first
+    assert held.kept_for(3, history) == first
     # ...but no further: after two refusals in a row, nothing is held.
     held.keep(3, third)
     history.append(finished(3, CycleOutcome.REJECTED))
-    assert held.rows_for(4, history) == []
-    assert held.rows_for(None, history) == []
+    assert held.kept_for(4, history) == []
+    assert held.kept_for(None, history) == []
 
 
 def test_only_the_two_cycles_before_are_kept_and_each_about_its_budget():
     held = HeldOut(budget_tokens=50)
-    held.keep(1, [rows(30), rows(30), rows(20)])  # kept whole until the budget is reached
-    assert [r.tokens for r in held.by_cycle[1]] == [30, 30]
-    held.keep(1, [rows(1)])  # full
+    held.keep(1, [kept(30), kept(30), kept(20)])  # kept whole until the budget is reached
+    assert [b.tokens for b in held.by_cycle[1]] == [30, 30]
+    held.keep(1, [kept(1)])  # full
     assert len(held.by_cycle[1]) == 2
-    held.keep(2, [rows(5)])
-    held.keep(3, [rows(5)])
-    held.keep(4, [rows(5)])
-    held.keep(None, [rows(5)])  # a step of no cycle: kept nowhere
+    held.keep(2, [kept(5)])
+    held.keep(3, [kept(5)])
+    held.keep(4, [kept(5)])
+    held.keep(None, [kept(5)])  # a step of no cycle: kept nowhere
     assert sorted(held.by_cycle) == [2, 3, 4]
 
 

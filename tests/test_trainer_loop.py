@@ -22,11 +22,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlfleet.api.wire import (
+    CycleOutcome,
     CyclePhase,
     CycleState,
+    FinishedCycle,
     Segment,
     TrainerReset,
     Trajectory,
+    cycle_groups,
     cycle_state_subject,
     decode_manifest,
     encode,
@@ -390,6 +393,44 @@ def test_trainer_raises_the_reward_of_a_fixed_policy_on_a_verifiable_task(
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.15, rewards
     assert "dropped stale" not in process.log.read_text()
+
+
+def test_a_restarted_production_trainer_still_scores_a_candidate_on_the_cycle_before(
+    tmp_path: Path, tiny_moe: Path, nats_servers: StandaloneNats
+) -> None:
+    """The trajectories held out of a promoted cycle are in the checkpoint: a trainer
+    killed between two cycles scores the next cycle's step on them (`held_out_gain`), so
+    a crash does not let one candidate skip the check."""
+    hub = nats_servers.bed.hub
+    with trainer(tmp_path, tiny_moe, nats_servers, max_steps=2, production=True) as process:
+        run = process.run
+
+        def cycle(number: int, *history: FinishedCycle) -> None:
+            """Cycle `number`, collected: its trajectories are in the trainer's buffer."""
+            names = [f"{cycle_groups(number)}/{name}" for name in "ab"]
+            asyncio.run(publish(hub, run, [p for name in names for p in group(run, name, 0)]))
+            time.sleep(2)  # fetched (every 0.2 s) before the trainer may train on them
+            state = CycleState(
+                run=run,
+                number=number,
+                phase=CyclePhase.TRAINING,
+                since=0,
+                serving=len(history),
+                history=list(history),
+            )
+            asyncio.run(_conduct(hub, state))
+
+        process.start()
+        cycle(1)
+        process.wait(lambda: len(process.steps()) == 1)
+        process.kill()
+        process.start()
+        cycle(2, FinishedCycle(1, CycleOutcome.PROMOTED, candidate=1, why=""))
+        process.wait(lambda: len(process.steps()) == 2)
+    first, second = process.steps()
+    assert first["held_out_gain"] is None  # nothing before cycle 1
+    assert second["held_out_gain"] is not None
+    assert "resumed at step 1" in process.log.read_text()
 
 
 async def _state_digest(hub: NatsServer, run: str, version: int) -> str:

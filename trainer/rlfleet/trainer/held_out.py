@@ -15,12 +15,17 @@ suspect, and scoring the next candidate on it would refuse a good one for disagr
 with bad feedback. A cycle is scored on the newer of the two cycles before it that was
 promoted, so one rolled back (which canaries often do) leaves the next one checked; and
 on none older, so one bad cycle that got through can cost at most two candidates.
+
+What is held goes into every checkpoint (`encode`), as the segments its rows were made
+from: a trainer restarted between two cycles scores the next one as if it had not.
 """
 
 from __future__ import annotations
 
-from rlfleet.api.wire import CycleOutcome, FinishedCycle
-from rlfleet.trainer.rows import Rows
+import msgspec
+
+from rlfleet.api.wire import CycleOutcome, FinishedCycle, Segment
+from rlfleet.trainer.rows import Rows, make_rows
 
 # Generated tokens kept of a cycle, each scored twice a step: in the real-time example
 # about 100 trajectories, two steps' worth (its answers are short), which add about
@@ -30,29 +35,44 @@ HELD_OUT_TOKENS = 256
 LOOK_BACK = 2
 
 
+class Kept(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A micro-batch of a cycle, as it was made (its rows are made from it again)."""
+
+    segments: list[Segment]
+    advantages: list[float]
+
+    @property
+    def tokens(self) -> int:
+        return sum(sum(segment.generated) for segment in self.segments)
+
+
+class _Stored(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    by_cycle: dict[int, list[Kept]]
+
+
 class HeldOut:
     def __init__(self, budget_tokens: int = HELD_OUT_TOKENS) -> None:
         self.budget_tokens = budget_tokens
-        self.by_cycle: dict[int, list[Rows]] = {}
+        self.by_cycle: dict[int, list[Kept]] = {}
 
-    def keep(self, cycle: int | None, micro_batches: list[Rows]) -> None:
+    def keep(self, cycle: int | None, micro_batches: list[Kept]) -> None:
         """Keeps a step's micro-batches of `cycle` until the cycle's reach the budget (the
         last may pass it: micro-batches are kept whole), and forgets every cycle older
         than the two before it."""
         if cycle is None:
             return
         kept = self.by_cycle.setdefault(cycle, [])
-        held = sum(rows.tokens for rows in kept)
-        for rows in micro_batches:
+        held = sum(batch.tokens for batch in kept)
+        for batch in micro_batches:
             if held >= self.budget_tokens:
                 break
-            if rows.tokens:
-                kept.append(rows)
-                held += rows.tokens
+            if batch.tokens:
+                kept.append(batch)
+                held += batch.tokens
         for old in [c for c in self.by_cycle if c < cycle - LOOK_BACK]:
             del self.by_cycle[old]
 
-    def rows_for(self, cycle: int | None, history: list[FinishedCycle]) -> list[Rows]:
+    def kept_for(self, cycle: int | None, history: list[FinishedCycle]) -> list[Kept]:
         """What to score `cycle`'s steps on: the newest cycle of the two before it whose
         candidate was promoted and whose trajectories are held, or nothing."""
         if cycle is None:
@@ -62,3 +82,20 @@ class HeldOut:
             if before in promoted and self.by_cycle.get(before):
                 return self.by_cycle[before]
         return []
+
+    def rows_for(self, cycle: int | None, history: list[FinishedCycle], pad_id: int) -> list[Rows]:
+        """`kept_for`'s micro-batches as rows."""
+        return [make_rows(b.segments, b.advantages, pad_id) for b in self.kept_for(cycle, history)]
+
+    def encode(self) -> bytes:
+        """What a checkpoint stores, so that a restarted trainer scores the next cycle too:
+        without it, a candidate trained after a crash would skip this check."""
+        return msgspec.msgpack.encode(_Stored(self.by_cycle))
+
+    @classmethod
+    def decode(cls, stored: bytes | None) -> HeldOut:
+        """`encode`'s bytes back (None, from a checkpoint older than it: nothing held)."""
+        held = cls()
+        if stored is not None:
+            held.by_cycle = msgspec.msgpack.decode(stored, type=_Stored).by_cycle
+        return held

@@ -60,7 +60,7 @@ from rlfleet.launch.settings import TrainerConfig
 from rlfleet.trainer import distributed, metrics
 from rlfleet.trainer.distributed import Kind, Order
 from rlfleet.trainer.groups import GroupBuffer, Received, staleness
-from rlfleet.trainer.held_out import HeldOut
+from rlfleet.trainer.held_out import HeldOut, Kept
 from rlfleet.trainer.objective import group_advantages
 from rlfleet.trainer.policy import Policy, StepResult
 from rlfleet.trainer.rows import Rows, make_rows, split_by_tokens
@@ -94,7 +94,8 @@ class Trainer:
         self.pinned: tuple[int, ...] = ()
         self.cycle_phase: CyclePhase | None = None  # a production run's, as last read
         self.cycle_history: list[FinishedCycle] = []
-        # The trajectories of a production run's last cycles, to score the next on.
+        # The trajectories of a production run's last cycles, to score the next on (in
+        # every checkpoint).
         self.held_out = HeldOut()
         self.conductor_due = 0.0
 
@@ -180,6 +181,7 @@ class Trainer:
         self.dropped_stale = state["dropped_stale"]
         self.rejected = state["rejected"]
         self.resets, pinned = state.get("resets", 0), state.get("pinned")
+        self.held_out = HeldOut.decode(state.get("held_out"))
         # One version, an int, in checkpoints from before the one before it was kept too.
         self.pinned = (
             tuple(pinned) if isinstance(pinned, list) else () if pinned is None else (pinned,)
@@ -340,17 +342,18 @@ class Trainer:
             for item, advantage in zip(items, advantages, strict=True)
             for segment in item.trajectory.segments
         ]
-        micro_batches = [
-            make_rows([s for s, _ in chunk], [a for _, a in chunk], self.policy.pad_id)
+        made = [
+            Kept([s for s, _ in chunk], [a for _, a in chunk])
             for chunk in split_by_tokens(segments, self.config.micro_batch_tokens)
         ]
+        micro_batches = [make_rows(b.segments, b.advantages, self.policy.pad_id) for b in made]
         tokens = sum(rows.tokens for rows in micro_batches)
         # A production step's trajectories are all of one cycle: the conductor lets out
         # none of the next before this one's candidate is decided.
         cycle = cycle_of(items[0].trajectory.group_id) if self.config.production else None
-        held_out = self.held_out.rows_for(cycle, self.cycle_history)
+        held_out = self.held_out.rows_for(cycle, self.cycle_history, self.policy.pad_id)
         result = await asyncio.to_thread(self._train, micro_batches, tokens, held_out)
-        self.held_out.keep(cycle, micro_batches)
+        self.held_out.keep(cycle, made)
         lags = [staleness(i.trajectory, self.version) for i in items]
         report = StepReport(
             run=self.config.run,
@@ -438,6 +441,7 @@ class Trainer:
             "resets": self.resets,
             "pinned": list(self.pinned),
             "report": report,
+            "held_out": self.held_out.encode(),
         }
 
     async def _follow_conductor(self, js) -> None:
