@@ -194,6 +194,18 @@ def _healthy(url: str, server: subprocess.Popen, root: Path) -> bool:
         return False
 
 
+def test_a_fresh_server_survives_a_short_prompt_as_its_first_request(pool: Pool):
+    """First in this module: the pool's server has answered no request before it. On this
+    project's CPU a fresh vLLM engine whose first prompt had four tokens or fewer died
+    (SIGILL in its attention kernel); the server samples once before it takes requests
+    (`rlfleet.rollout.serving.warm_up`), which also compiles what log-probs need."""
+    body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "logprobs": 0}
+    status, answer = pool.post("/v1/completions", body)
+    assert status == 200, answer
+    assert answer["usage"]["prompt_tokens"] == 2
+    assert pool.chat("two plus two?")["choices"][0]["message"]["content"] is not None
+
+
 def test_a_served_completion_is_captured_and_the_client_sees_only_what_it_asked(pool: Pool):
     plain = pool.chat("two plus two?", user="ada")
     (choice,) = plain["choices"]

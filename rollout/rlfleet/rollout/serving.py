@@ -13,7 +13,7 @@ applied), which is what the trainer's off-policy correction divides by, and the 
 extension that records routed experts (`--enforce-eager` too when the run replays them).
 Chat completions are captured (`rlfleet.rollout.capture`), streamed or whole; `POST
 /v1/feedback` is answered here (`rlfleet.rollout.feedback`); every other request passes
-through untouched.
+through untouched. It takes requests once its engine has sampled a token (`warm_up`).
 A server in a replica set also serves the version its set is told to, switched in place
 (`rlfleet.rollout.serving_versions`), so weightsync goes into its workers as well.
 """
@@ -128,6 +128,8 @@ class CaptureMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] in ("http", "lifespan"):
             self._start(scope["app"])
+        if scope["type"] == "lifespan":
+            return await self.app(scope, receive, _ready_once_warm(scope["app"], send))
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         if scope["path"] == FEEDBACK:
@@ -295,6 +297,45 @@ def vllm_arguments(config: ServingConfig, given: list[str]) -> list[str]:
     if config.replica_set is not None:
         needed += ["--weight-transfer-config", json.dumps(options["weight_transfer_config"])]
     return [*given, *needed]
+
+
+def _ready_once_warm(app, send):
+    """`send` for the app's lifespan: its start-up completes, and the server takes requests,
+    once the engine has sampled a token with log-probs (`warm_up`)."""
+
+    async def sent(message) -> None:
+        if message["type"] == "lifespan.startup.complete":
+            await warm_up(app.state.engine_client)
+        await send(message)
+
+    return sent
+
+
+# Tokens of the warm-up's prompt. On this project's CPU (AMX), a fresh vLLM engine whose
+# first prompt had four tokens or fewer died (SIGILL in its CPU attention kernel); one
+# with five or more did not, and shorter prompts were served after it.
+WARM_UP_TOKENS = 16
+
+
+async def warm_up(engine) -> None:
+    """One token with its log-prob, before any user's request. vLLM compiles the kernel
+    that ranks a sampled token's log-prob (`batched_count_greater_than`, torch.compile)
+    the first time a request asks for log-probs, which every captured completion does,
+    and its own start-up samples none. A fresh server's first completions waited for it:
+    20-31 s on this project's 2-core machine, with cold compile caches as every pod has.
+    A failure here is logged, not raised: the first request would compile it instead."""
+    from vllm import SamplingParams
+
+    started = time.perf_counter()
+    params = SamplingParams(max_tokens=1, logprobs=0)
+    prompt = {"prompt_token_ids": [0] * WARM_UP_TOKENS}
+    try:
+        async for _ in engine.generate(prompt, params, "rlfleet-warm-up"):
+            pass
+    except Exception:
+        log.exception("warming up failed: the first completion will compile what it needs")
+        return
+    log.info("warmed up: one token with log-probs in %.1fs", time.perf_counter() - started)
 
 
 def settings_and_arguments(argv: list[str]) -> tuple[Path, ServingConfig, list[str]]:
