@@ -15,8 +15,9 @@ candidate whose training lowered its preference for what users rewarded in a cyc
 before, on trajectories it did not train on (`rlfleet.trainer.held_out`), by more than
 `max_held_out_loss` per token, learnt against those users, whatever the suite says. One
 cycle of inverted feedback may move a model too little for the suite or the canary to
-see, yet it mostly moves it this way (measurably in five of seven 15-minute runs of the
-realtime example; in the other two neither this nor the suite saw the candidate worse).
+see, yet it mostly moves it this way (measurably in five of eight 15-minute runs of the
+realtime example; in two others it moved it too little to see, and in one it moved it up,
+and the canary rolled that one back).
 
 Then behaviour drift that users' signals can reward but nobody wants: a model that
 stops answering gets no rejections. The candidate is refused when it answers empty

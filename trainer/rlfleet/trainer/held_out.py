@@ -5,10 +5,10 @@ A candidate trained on feedback that turned over (a client's instrumentation inv
 say) learns to prefer what users rejected. On the suite it may score no worse, and on
 the canary users may even like it, if one cycle moved it little; but on an earlier
 cycle's trajectories, with that cycle's advantages, its preference for what was
-rewarded falls, because that is what its training did (when it did enough of it to
-measure: five of seven inverted cycles of the realtime example). So each step reports how
-it moved that preference (`StepReport.held_out_gain`); a candidate whose steps moved it
-down learnt against the users of that cycle.
+rewarded mostly falls, because that is what its training did (five of eight inverted
+cycles of the realtime example; two moved it too little to see, one moved it up). So each
+step reports how it moved that preference (`StepReport.held_out_gain`); a candidate
+whose steps moved it down learnt against the users of that cycle.
 
 Only a promoted cycle's trajectories are held: a refused candidate's feedback is
 suspect, and scoring the next candidate on it would refuse a good one for disagreeing
