@@ -306,3 +306,33 @@ def test_a_chunk_whose_ack_comes_late_is_sent_again_and_stored_once(
             await hub.close()
 
     asyncio.run(scenario())
+
+
+def test_a_manifest_whose_ack_comes_late_is_sent_again_and_stored_once(
+    nats_servers: StandaloneNats,
+) -> None:
+    """The manifest, the put that makes a version whole, rides out the same stall: before,
+    it had one try, and a late ack failed the whole version for the trainer to publish
+    again."""
+    run = _run()
+    hub_pid = nats_servers.supervisor.pids()["nats-hub"]
+
+    async def scenario() -> None:
+        hub, encoded = await _published(nats_servers, run, _model(8))
+        try:
+            stream = WeightStream(hub, run, CONFIG)
+            manifest = msgspec.structs.replace(encoded.manifest, version=7)
+            os.kill(hub_pid, signal.SIGSTOP)
+            try:
+                put = asyncio.ensure_future(stream.put_manifest(manifest))
+                await asyncio.sleep(7)
+            finally:
+                os.kill(hub_pid, signal.SIGCONT)
+            await put
+            subject = stream.subjects.manifest(7, manifest.kind)
+            info = await hub.jetstream().stream_info(stream.subjects.stream, subject)
+            assert info.state.subjects == {subject: 1}
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())

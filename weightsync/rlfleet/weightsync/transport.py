@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import nats.js.errors
@@ -81,6 +81,26 @@ class Subjects:
         return int(subject.removeprefix(self.prefix + ".").split(".", 1)[0])
 
 
+async def _acknowledged(put: Callable[[], Awaitable[object]], message_id: str) -> None:
+    """`put` until the stream acknowledges it, up to `ACK_ATTEMPTS` tries: an ack late past
+    its wait (a stalled server) sends the same bytes again under the same message id, which
+    the stream stores once."""
+    for attempt in range(1, ACK_ATTEMPTS + 1):
+        try:
+            await put()
+            return
+        except TimeoutError:
+            if attempt == ACK_ATTEMPTS:
+                raise
+            log.warning(
+                "%s: no ack in %.0f s (try %d of %d); sending it again",
+                message_id,
+                ACK_TIMEOUT_S,
+                attempt,
+                ACK_ATTEMPTS,
+            )
+
+
 class WeightStream:
     """One run's weights on one JetStream domain: publish, list, fetch, retire."""
 
@@ -127,29 +147,24 @@ class WeightStream:
     async def _put_chunk(
         connection: ShardConnection, subject: str, payload: memoryview, headers: dict[str, str]
     ) -> None:
-        for attempt in range(1, ACK_ATTEMPTS + 1):
-            try:
-                await connection.publish(subject, payload, headers, ACK_TIMEOUT_S)
-                return
-            except TimeoutError:
-                if attempt == ACK_ATTEMPTS:
-                    raise
-                log.warning(
-                    "%s: no ack in %.0f s (try %d of %d); sending it again",
-                    headers["Nats-Msg-Id"],
-                    ACK_TIMEOUT_S,
-                    attempt,
-                    ACK_ATTEMPTS,
-                )
+        await _acknowledged(
+            lambda: connection.publish(subject, payload, headers, ACK_TIMEOUT_S),
+            headers["Nats-Msg-Id"],
+        )
 
     async def put_manifest(self, manifest: WeightManifest) -> None:
         """Put last: receivers take a manifest on the stream as a complete version."""
         subject = self.subjects.manifest(manifest.version, manifest.kind)
-        await self.js.publish(
+        data = encode_message(manifest)
+        await _acknowledged(
+            lambda: self.js.publish(
+                subject,
+                data,
+                timeout=ACK_TIMEOUT_S,
+                headers={"Nats-Msg-Id": subject},
+                stream=self.subjects.stream,
+            ),
             subject,
-            encode_message(manifest),
-            headers={"Nats-Msg-Id": subject},
-            stream=self.subjects.stream,
         )
 
     async def put_version(self, version: EncodedVersion) -> None:
