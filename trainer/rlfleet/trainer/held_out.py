@@ -17,7 +17,8 @@ promoted, so one rolled back (which canaries often do) leaves the next one check
 on none older, so one bad cycle that got through can cost at most two candidates.
 
 What is held goes into every checkpoint (`encode`), as the segments its rows were made
-from: a trainer restarted between two cycles scores the next one as if it had not.
+from: a trainer restarted between two cycles scores the next one as it would have
+without the restart.
 """
 
 from __future__ import annotations
