@@ -278,6 +278,17 @@ def test_a_version_put_again_with_other_bytes_is_the_one_received(
     asyncio.run(scenario())
 
 
+async def _through_a_stall(hub_pid: int, put) -> None:
+    """Runs `put` while the hub is stopped for 7 s, beyond the first 5 s ack wait."""
+    os.kill(hub_pid, signal.SIGSTOP)
+    try:
+        running = asyncio.ensure_future(put)
+        await asyncio.sleep(7)
+    finally:
+        os.kill(hub_pid, signal.SIGCONT)
+    await running
+
+
 def test_a_chunk_whose_ack_comes_late_is_sent_again_and_stored_once(
     nats_servers: StandaloneNats,
 ) -> None:
@@ -292,13 +303,7 @@ def test_a_chunk_whose_ack_comes_late_is_sent_again_and_stored_once(
             stream = WeightStream(hub, run, CONFIG)
             ref, data = encoded.manifest.shards[0], encoded.shards[0]
             async with stream.connection() as connection:
-                os.kill(hub_pid, signal.SIGSTOP)
-                try:
-                    put = asyncio.ensure_future(stream.put_shard(1, "full", ref, data, connection))
-                    await asyncio.sleep(7)
-                finally:
-                    os.kill(hub_pid, signal.SIGCONT)
-                await put
+                await _through_a_stall(hub_pid, stream.put_shard(1, "full", ref, data, connection))
             subject = stream.subjects.shard(1, "full", ref)
             info = await hub.jetstream().stream_info(stream.subjects.stream, subject)
             assert info.state.subjects == {subject: -(-ref.size // CONFIG.chunk_bytes)}
@@ -322,13 +327,7 @@ def test_a_manifest_whose_ack_comes_late_is_sent_again_and_stored_once(
         try:
             stream = WeightStream(hub, run, CONFIG)
             manifest = msgspec.structs.replace(encoded.manifest, version=7)
-            os.kill(hub_pid, signal.SIGSTOP)
-            try:
-                put = asyncio.ensure_future(stream.put_manifest(manifest))
-                await asyncio.sleep(7)
-            finally:
-                os.kill(hub_pid, signal.SIGCONT)
-            await put
+            await _through_a_stall(hub_pid, stream.put_manifest(manifest))
             subject = stream.subjects.manifest(7, manifest.kind)
             info = await hub.jetstream().stream_info(stream.subjects.stream, subject)
             assert info.state.subjects == {subject: 1}
