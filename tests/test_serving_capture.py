@@ -393,7 +393,7 @@ def _messages(pool: Pool, subjects: str) -> int:
     return asyncio.run(count())
 
 
-def test_a_set_told_a_version_serves_it_in_place_and_back_and_no_request_fails(
+def test_a_set_told_a_version_serves_it_in_place_back_and_ahead_no_request_fails(
     pool: Pool, tmp_path
 ):
     before = pool.chat("what is seven?", max_tokens=12, logprobs=True)
@@ -473,6 +473,22 @@ def test_a_set_told_a_version_serves_it_in_place_and_back_and_no_request_fails(
     wait_for("version 0 again", lambda: _serves(pool, 0, digests[0]), timeout=120)
     again = pool.chat("what is seven?", max_tokens=12, logprobs=True)
     assert again["choices"][0]["logprobs"] == before["choices"][0]["logprobs"]
+
+    # Told to fetch version 1 ahead (a candidate under its canary), it holds it and still
+    # serves version 0, bit for bit; told version 1 then, it writes what it holds without
+    # fetching it again.
+    fetched = "holding version 1 ("
+    assert pool.log.read_text().count(fetched) == 1
+    ahead = ServingTarget(pool.run, "stable", 0, time.time(), prefetch=1)
+    asyncio.run(publish((serving_subject(pool.run, "stable"), encode(ahead))))
+    wait_for("version 1 fetched ahead", lambda: pool.log.read_text().count(fetched) == 2)
+    assert _serves(pool, 0, digests[0])
+    still = pool.chat("what is seven?", max_tokens=12, logprobs=True)
+    assert still["choices"][0]["logprobs"] == before["choices"][0]["logprobs"]
+    told = ServingTarget(pool.run, "stable", 1, time.time())
+    asyncio.run(publish((serving_subject(pool.run, "stable"), encode(told))))
+    wait_for("version 1 served again", lambda: _serves(pool, 1, digests[1]), timeout=120)
+    assert pool.log.read_text().count(fetched) == 2
 
 
 def _serves(pool: Pool, version: int, digest: str) -> bool:

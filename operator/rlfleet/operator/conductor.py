@@ -137,7 +137,9 @@ class Conductor:
         run = self.run_name
         if action.act == Act.SERVE:
             assert action.replica_set is not None
-            target = ServingTarget(run, action.replica_set, action.version, now)
+            target = ServingTarget(
+                run, action.replica_set, action.version, now, prefetch=action.prefetch
+            )
             await self.js.publish(serving_subject(run, action.replica_set), encode(target))
         elif action.act == Act.RESET_TRAINER:
             reset = TrainerReset(run, state.number, action.version)

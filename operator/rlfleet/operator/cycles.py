@@ -15,6 +15,11 @@ learning, forever: past its deadline the cycle ends and the next one collects. A
 needs no deadline of its own: with too little traffic it is rolled back at twice its
 window (`judge_canary`).
 
+A set is told a candidate ahead of serving it (`prefetch`): the canary set as its
+evaluation starts, the stable set as its canary does. Its servers fetch the weights
+while they serve, so a switch pauses them only for the write (`bench/realtime.py`'s
+`serving_p99_ms_during_swap`).
+
 Every cycle ends in exactly one outcome, then the next cycle collects. Only a promotion
 changes what production serves, and only to a candidate that passed the gate and its
 canary. A cycle whose candidate is not promoted sends the trainer back to the serving
@@ -79,6 +84,7 @@ class Action:
     act: Act
     version: int
     replica_set: str | None = None
+    prefetch: int | None = None  # SERVE: a newer version the set should fetch ahead
 
 
 @dataclass(frozen=True)
@@ -184,9 +190,11 @@ def _training(state: CycleState, seen: Observed) -> Step:
     candidate = seen.version_after
     evaluating = _phase(state, Phase.EVALUATING, seen.now, candidate=candidate)
     message = f"cycle {state.number}: candidate version {candidate} against {state.serving}"
+    # The canary set fetches the candidate while it is evaluated, to switch at once.
+    ahead = Action(Act.SERVE, state.serving, CANARY, prefetch=candidate)
     return Step(
         evaluating,
-        [Action(Act.EVALUATE, candidate), Action(Act.EVALUATE, state.serving)],
+        [Action(Act.EVALUATE, candidate), Action(Act.EVALUATE, state.serving), ahead],
         _event("CandidateTrained", message),
     )
 
@@ -210,7 +218,12 @@ def _evaluating(state: CycleState, seen: Observed) -> Step:
     if gate.held_out_gain is not None:
         message += f"; held-out gain {gate.held_out_gain:+.2e} per token"
     canary = _phase(state, Phase.CANARY, seen.now)
-    return Step(canary, [Action(Act.SERVE, candidate, CANARY)], _event("CanaryStarted", message))
+    # The stable set fetches it during the window: a promotion is then only the write.
+    serve = [
+        Action(Act.SERVE, candidate, CANARY),
+        Action(Act.SERVE, state.serving, STABLE, prefetch=candidate),
+    ]
+    return Step(canary, serve, _event("CanaryStarted", message))
 
 
 def _timed_out(state: CycleState, seen: Observed) -> Step:

@@ -1,16 +1,17 @@
 """Which policy version a production server serves, switched in place as it is told.
 
 Each server is in a set of the pool's servers (the canary set, or the stable rest); the
-run's serving stream holds the version each set is to serve, written by whoever runs
-the run's cycles. The server's vLLM workers follow the run's weights (weightsync) into
-a host copy while it serves, up to its set's version and no further; once they hold
-it, the scheduler is paused keeping every request, the copy is written into the model,
-and serving resumes: no request fails, and tokens after the switch carry the new
-version. A set told an older version than it serves (a canary rolled back) goes back
-the same way: its workers rebuild that version from the snapshot before it, verified
-against its digest, so it serves it bit for bit again. That needs the version still on
-the weight stream (`SyncConfig.keep_snapshots`); one retired is never reached, and the
-server goes on serving what it serves.
+run's serving stream holds the version each set is to serve, written by whoever runs the
+run's cycles. The server's vLLM workers follow the run's weights (weightsync) into a
+host copy while it serves, up to its set's version, or the newer one it is told to fetch
+ahead (a candidate under its gate or its canary), and no further; once they hold the
+version to serve, the scheduler is paused keeping every request, the copy is written
+into the model, and serving resumes: no request fails, and tokens after the switch carry
+the new version. A set told an older version than it serves (a canary rolled back) goes
+back the same way: its workers rebuild that version from the snapshot before it,
+verified against its digest, so it serves it bit for bit again. That needs the version
+still on the weight stream (`SyncConfig.keep_snapshots`); one retired is never reached,
+and the server goes on serving what it serves.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class VersionFollower:
                     engine = state.engine_client
                 target = None if engine is None else await self.target()
                 if target is not None:
-                    await self.switch(engine, target.version)
+                    await self.switch(engine, target)
             except Exception:
                 log.exception("following set %s's version; trying again", self.replica_set)
             await asyncio.sleep(config.poll_s)
@@ -90,15 +91,16 @@ class VersionFollower:
             raise ValueError(f"{subject} holds the target of {target.run}/{target.replica_set}")
         return target
 
-    async def switch(self, engine, version: int) -> None:
-        """Load `version` once the workers hold it, forward or back."""
-        if (self.ceiling, self.serving) == (version, version):
-            return
-        if self.ceiling != version:
-            await vllm_hold_at_most_async(engine, version)
-            self.ceiling = version
+    async def switch(self, engine, target: ServingTarget) -> None:
+        """Load the target's version once the workers hold it, forward or back; fetch its
+        `prefetch` meanwhile."""
+        version = target.version
+        ceiling = self.ceiling_for(target)
+        if self.ceiling != ceiling:
+            await vllm_hold_at_most_async(engine, ceiling)
+            self.ceiling = ceiling
         if version == self.serving or await vllm_held_async(engine) != version:
-            return  # not fetched, or not rebuilt, yet
+            return  # served already; or not fetched, or not rebuilt, yet
         update = await vllm_update_async(engine, version)
         self.serving = update.version
         self.announce(update.version, update.digest or "")
@@ -107,6 +109,16 @@ class VersionFollower:
             "set %s serves version %d (digest %s); paused %.3fs",
             self.replica_set, update.version, update.digest, update.pause_s,
         )  # fmt: skip
+
+    def ceiling_for(self, target: ServingTarget) -> int:
+        """The newest version the workers may hold. A set told another version than it
+        serves holds exactly that one, rebuilding an older one if it must. A set told what
+        it serves may fetch ahead (`prefetch`), and keeps what it fetched when a candidate
+        is sent back: the next one is newer, and going back would cost a rebuild for
+        nothing."""
+        if target.version != self.serving:
+            return target.version
+        return max(target.version, target.prefetch or 0, self.ceiling or 0)
 
     def announce(self, version: int, digest: str) -> None:
         """Says on /metrics what the server serves: the pool's operator reads it."""
