@@ -66,15 +66,19 @@ def test_a_cycle_collected_trained_gated_and_canaried_is_promoted():
     assert (state.phase, state.collected) == (Phase.TRAINING, 16)
     assert decide(state, Observed(2, None, taken=10, version_after=3)).state == state
     step = decide(state, Observed(3, None, taken=16, version_after=4))
-    # The canary set fetches the candidate while it is evaluated, the stable set while it
-    # is canaried: each switch is then only the write.
+    # Each set holds the version it may be told next: the canary set the candidate while
+    # it is evaluated, then the serving version while it is canaried (a rollback), and the
+    # stable set the candidate: each switch is then only the write.
     assert step.actions == [
         Action(Act.EVALUATE, 4),
         Action(Act.EVALUATE, 0),
-        Action(Act.SERVE, 0, CANARY, prefetch=4),
+        Action(Act.SERVE, 0, CANARY, standby=4),
     ]
     step = decide(step.state, Observed(4, None, gate=PASSED))
-    assert step.actions == [Action(Act.SERVE, 4, CANARY), Action(Act.SERVE, 0, STABLE, prefetch=4)]
+    assert step.actions == [
+        Action(Act.SERVE, 4, CANARY, standby=0),
+        Action(Act.SERVE, 0, STABLE, standby=4),
+    ]
     assert step.events[0].reason == "CanaryStarted"
     canary = step.state
     even = (live(30, 10), live(300, 100))
@@ -182,9 +186,9 @@ def test_every_cycle_ends_once_and_only_a_judged_candidate_is_served(data, steps
         for action in step.actions:
             if action.act == Act.SERVE:  # a candidate that passed, or the serving version
                 assert action.version in passed or action.version == state.serving
-            if action.prefetch is not None:  # only fetched ahead: the candidate under way
-                assert action.version == state.serving
-                assert action.prefetch == step.state.candidate
+            if action.standby is not None:  # the candidate under way, or the way back
+                kept = {state.serving, step.state.candidate}
+                assert {action.version, action.standby} == kept
             if action.act == Act.RESET_TRAINER:
                 assert action.version == state.serving
         new = step.state

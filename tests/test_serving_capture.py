@@ -474,12 +474,12 @@ def test_a_set_told_a_version_serves_it_in_place_back_and_ahead_no_request_fails
     again = pool.chat("what is seven?", max_tokens=12, logprobs=True)
     assert again["choices"][0]["logprobs"] == before["choices"][0]["logprobs"]
 
-    # Told to fetch version 1 ahead (a candidate under its canary), it holds it and still
+    # With version 1 as its standby (a candidate under its canary), it holds it and still
     # serves version 0, bit for bit; told version 1 then, it writes what it holds without
     # fetching it again.
     fetched = "holding version 1 ("
     assert pool.log.read_text().count(fetched) == 1
-    ahead = ServingTarget(pool.run, "stable", 0, time.time(), prefetch=1)
+    ahead = ServingTarget(pool.run, "stable", 0, time.time(), standby=1)
     asyncio.run(publish((serving_subject(pool.run, "stable"), encode(ahead))))
     wait_for("version 1 fetched ahead", lambda: pool.log.read_text().count(fetched) == 2)
     assert _serves(pool, 0, digests[0])
@@ -489,6 +489,21 @@ def test_a_set_told_a_version_serves_it_in_place_back_and_ahead_no_request_fails
     asyncio.run(publish((serving_subject(pool.run, "stable"), encode(told))))
     wait_for("version 1 served again", lambda: _serves(pool, 1, digests[1]), timeout=120)
     assert pool.log.read_text().count(fetched) == 2
+
+    # With version 0 as its standby (a canary's way back), it rebuilds it and still serves
+    # version 1; rolled back then, it serves version 0 bit for bit, rebuilt once.
+    rebuilt = "holding version 0 ("
+    rebuilds = pool.log.read_text().count(rebuilt)
+    way_back = ServingTarget(pool.run, "stable", 1, time.time(), standby=0)
+    asyncio.run(publish((serving_subject(pool.run, "stable"), encode(way_back))))
+    wait_for("version 0 rebuilt", lambda: pool.log.read_text().count(rebuilt) == rebuilds + 1)
+    assert _serves(pool, 1, digests[1])
+    rolled_back = ServingTarget(pool.run, "stable", 0, time.time())
+    asyncio.run(publish((serving_subject(pool.run, "stable"), encode(rolled_back))))
+    wait_for("version 0 served again", lambda: _serves(pool, 0, digests[0]), timeout=120)
+    restored = pool.chat("what is seven?", max_tokens=12, logprobs=True)
+    assert restored["choices"][0]["logprobs"] == before["choices"][0]["logprobs"]
+    assert pool.log.read_text().count(rebuilt) == rebuilds + 1
 
 
 def _serves(pool: Pool, version: int, digest: str) -> bool:

@@ -626,16 +626,17 @@ def decode_serve_order(data: bytes) -> ServeOrder:
 
 class ServingTarget(WireMessage, tag="rlfleet.io/serving-target/v1"):
     """The policy version one set of a production pool's servers is to serve (the canary
-    set, or the stable rest), as whoever runs the run's cycles decides it. `prefetch`
-    names a newer version the set is likely to be told next (a candidate under its gate
-    or its canary): its servers fetch it while they serve `version`, so the switch, when
-    it comes, is only the write."""
+    set, or the stable rest), as whoever runs the run's cycles decides it. `standby`
+    names the version the set may be told next: a candidate under its gate or its canary,
+    or, for the canary set, the version its candidate replaced (a rollback). Its servers
+    fetch or rebuild it while they serve `version`, so the switch, when it comes, is only
+    the write."""
 
     run: str
     replica_set: SubjectToken
     version: Count
     set_at: float
-    prefetch: Count | None = None
+    standby: Count | None = None
 
 
 def decode_serving_target(data: bytes) -> ServingTarget:

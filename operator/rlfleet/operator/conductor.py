@@ -138,7 +138,7 @@ class Conductor:
         if action.act == Act.SERVE:
             assert action.replica_set is not None
             target = ServingTarget(
-                run, action.replica_set, action.version, now, prefetch=action.prefetch
+                run, action.replica_set, action.version, now, standby=action.standby
             )
             await self.js.publish(serving_subject(run, action.replica_set), encode(target))
         elif action.act == Act.RESET_TRAINER:

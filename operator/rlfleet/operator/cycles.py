@@ -15,10 +15,11 @@ learning, forever: past its deadline the cycle ends and the next one collects. A
 needs no deadline of its own: with too little traffic it is rolled back at twice its
 window (`judge_canary`).
 
-A set is told a candidate ahead of serving it (`prefetch`): the canary set as its
-evaluation starts, the stable set as its canary does. Its servers fetch the weights
-while they serve, so a switch pauses them only for the write (`bench/realtime.py`'s
-`serving_p99_ms_during_swap`).
+A set is told the version it may serve next ahead of serving it (`standby`): the canary
+set the candidate as its evaluation starts, the stable set as its canary does, and the
+canary set, once it serves the candidate, the version to roll back to. Its servers
+fetch or rebuild those weights while they serve, so a switch pauses them only for the
+write (`bench/realtime.py`'s `serving_p99_ms_during_swap`).
 
 Every cycle ends in exactly one outcome, then the next cycle collects. Only a promotion
 changes what production serves, and only to a candidate that passed the gate and its
@@ -84,7 +85,7 @@ class Action:
     act: Act
     version: int
     replica_set: str | None = None
-    prefetch: int | None = None  # SERVE: a newer version the set should fetch ahead
+    standby: int | None = None  # SERVE: the version the set may be told next
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,7 @@ def _training(state: CycleState, seen: Observed) -> Step:
     evaluating = _phase(state, Phase.EVALUATING, seen.now, candidate=candidate)
     message = f"cycle {state.number}: candidate version {candidate} against {state.serving}"
     # The canary set fetches the candidate while it is evaluated, to switch at once.
-    ahead = Action(Act.SERVE, state.serving, CANARY, prefetch=candidate)
+    ahead = Action(Act.SERVE, state.serving, CANARY, standby=candidate)
     return Step(
         evaluating,
         [Action(Act.EVALUATE, candidate), Action(Act.EVALUATE, state.serving), ahead],
@@ -218,10 +219,11 @@ def _evaluating(state: CycleState, seen: Observed) -> Step:
     if gate.held_out_gain is not None:
         message += f"; held-out gain {gate.held_out_gain:+.2e} per token"
     canary = _phase(state, Phase.CANARY, seen.now)
-    # The stable set fetches it during the window: a promotion is then only the write.
+    # During the window the stable set fetches the candidate and the canary set rebuilds
+    # the serving version: a promotion, or a rollback, is then only the write.
     serve = [
-        Action(Act.SERVE, candidate, CANARY),
-        Action(Act.SERVE, state.serving, STABLE, prefetch=candidate),
+        Action(Act.SERVE, candidate, CANARY, standby=state.serving),
+        Action(Act.SERVE, state.serving, STABLE, standby=candidate),
     ]
     return Step(canary, serve, _event("CanaryStarted", message))
 

@@ -2,16 +2,20 @@
 
 Each server is in a set of the pool's servers (the canary set, or the stable rest); the
 run's serving stream holds the version each set is to serve, written by whoever runs the
-run's cycles. The server's vLLM workers follow the run's weights (weightsync) into a
-host copy while it serves, up to its set's version, or the newer one it is told to fetch
-ahead (a candidate under its gate or its canary), and no further; once they hold the
-version to serve, the scheduler is paused keeping every request, the copy is written
-into the model, and serving resumes: no request fails, and tokens after the switch carry
-the new version. A set told an older version than it serves (a canary rolled back) goes
-back the same way: its workers rebuild that version from the snapshot before it,
-verified against its digest, so it serves it bit for bit again. That needs the version
-still on the weight stream (`SyncConfig.keep_snapshots`); one retired is never reached,
-and the server goes on serving what it serves.
+run's cycles, and the version it may be told next (its standby). The server's vLLM
+workers follow the run's weights (weightsync) into a host copy while it serves, up to
+the version to serve and no further; once they hold it, the scheduler is paused keeping
+every request, the copy is written into the model, and serving resumes: no request
+fails, and tokens after the switch carry the new version. A set told an older version
+than it serves (a canary rolled back) goes back the same way: its workers rebuild that
+version from the snapshot before it, verified against its digest, so it serves it bit
+for bit again. That needs the version still on the weight stream
+(`SyncConfig.keep_snapshots`); one retired is never reached, and the server goes on
+serving what it serves.
+
+Between switches the host copy holds the standby (a candidate ahead, or the version a
+canary replaced), fetched or rebuilt while the server serves: the pause is then only the
+write, and the requests in flight wait for nothing else.
 """
 
 from __future__ import annotations
@@ -92,8 +96,8 @@ class VersionFollower:
         return target
 
     async def switch(self, engine, target: ServingTarget) -> None:
-        """Load the target's version once the workers hold it, forward or back; fetch its
-        `prefetch` meanwhile."""
+        """Load the target's version once the workers hold it, forward or back; otherwise
+        hold its standby version ready."""
         version = target.version
         ceiling = self.ceiling_for(target)
         if self.ceiling != ceiling:
@@ -111,14 +115,16 @@ class VersionFollower:
         )  # fmt: skip
 
     def ceiling_for(self, target: ServingTarget) -> int:
-        """The newest version the workers may hold. A set told another version than it
-        serves holds exactly that one, rebuilding an older one if it must. A set told what
-        it serves may fetch ahead (`prefetch`), and keeps what it fetched when a candidate
-        is sent back: the next one is newer, and going back would cost a rebuild for
-        nothing."""
+        """The version the workers are to hold. A set told another version than it serves
+        holds exactly that one, fetching a newer one or rebuilding an older one. A set
+        told what it serves holds the target's standby, ahead or back; with none named it
+        keeps what it holds (a fetched candidate that was sent back: the next one is
+        newer, and going back would be a rebuild for nothing)."""
         if target.version != self.serving:
             return target.version
-        return max(target.version, target.prefetch or 0, self.ceiling or 0)
+        if target.standby is not None:
+            return target.standby
+        return target.version if self.ceiling is None else self.ceiling
 
     def announce(self, version: int, digest: str) -> None:
         """Says on /metrics what the server serves: the pool's operator reads it."""
