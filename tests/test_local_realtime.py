@@ -48,6 +48,9 @@ def test_a_production_run_starts_the_hubs_components_its_pool_and_its_users(tmp_
         assert component.read(process.settings_path) == process.config
     assert processes["trainer"].config.production and processes["trainer"].config.router_replay
     assert processes["evaluator"].config.on_request
+    # The evaluator works while the trainer waits for its verdict: it shares the
+    # trainer's cores, and leaves the pool's to production's servers.
+    assert processes["evaluator"].argv[:3] == processes["trainer"].argv[:3]  # taskset -c
     canary: ServingConfig = processes["serving-canary-0"].config
     assert (canary.replica_set, canary.weights_domain, canary.jetstream_domain) == (
         "canary", "region-a", "hub"

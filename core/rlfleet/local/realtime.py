@@ -114,7 +114,9 @@ def processes(
     )
     evaluator = launch.evaluator_settings(name, spec, model, metered(hub))
     evaluator = replace(evaluator, attempts=pace.attempts, poll_seconds=pace.poll_s)
-    add("evaluator", launch.EVALUATOR, pool_cores, evaluator)
+    # A cycle evaluates only once its candidate is trained: the evaluator has the
+    # trainer's cores to itself, and production's servers keep theirs.
+    add("evaluator", launch.EVALUATOR, trainer_cores, evaluator)
     collector = launch.collector_settings(name, spec, metered(hub))
     add(
         "collector",
