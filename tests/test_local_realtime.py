@@ -102,6 +102,7 @@ def test_the_report_counts_cycles_accept_rates_losses_and_the_poisoned_share():
         3, 1, 1, 1
     )  # fmt: skip
     assert found["accept_rate_by_cycle"] == [0.5, 1.0, 0.5]
+    assert found["accept_rate_fitted_rise"] == 0.0  # up and down again: no trend
     assert (found["requests_total"], found["requests_failed"], found["feedback_lost"]) == (7, 1, 1)
     assert found["poisoned_served_fraction"] == round(1 / 6, 4)  # cycle 3's candidate: 9
     assert found["canary_fraction"] == 0.5
