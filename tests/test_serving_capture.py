@@ -400,11 +400,16 @@ def test_a_set_told_a_version_serves_it_in_place_back_and_ahead_no_request_fails
     assert _serves(pool, 0, "")  # the checkpoint it started from, digest unknown
     v1 = train_step(pool.model, tmp_path / "v1", lr=1e-2)
 
-    async def publish(*messages: tuple[str, bytes]) -> None:
-        nc = await pool.nats.bed.hub.connect()
-        for subject, data in messages:
-            await nc.jetstream().publish(subject, data)
-        await nc.close()
+    def tell(version: int, standby: int | None = None) -> None:
+        """Writes the stable set's target, as the conductor does."""
+        target = ServingTarget(pool.run, "stable", version, time.time(), standby=standby)
+
+        async def publish() -> None:
+            nc = await pool.nats.bed.hub.connect()
+            await nc.jetstream().publish(serving_subject(pool.run, "stable"), encode(target))
+            await nc.close()
+
+        asyncio.run(publish())
 
     async def versions() -> list[str]:
         nc = await pool.nats.bed.hub.connect()
@@ -431,8 +436,7 @@ def test_a_set_told_a_version_serves_it_in_place_back_and_ahead_no_request_fails
     try:
         # Some traffic is served by version 0 first: the switch comes while it flows.
         wait_for("traffic before the switch", lambda: len(served) >= 3, timeout=60)
-        target = ServingTarget(pool.run, "stable", 1, time.time())
-        asyncio.run(publish((serving_subject(pool.run, "stable"), encode(target))))
+        tell(1)
         wait_for(
             "version 1 served",
             lambda: pool.metric("rlfleet_serving_policy_version") == 1,
@@ -468,8 +472,7 @@ def test_a_set_told_a_version_serves_it_in_place_back_and_ahead_no_request_fails
     assert f"set stable serves version 1 (digest {digests[1]})" in pool.log.read_text()
 
     # Rolled back: it serves version 0 again, bit for bit.
-    back = ServingTarget(pool.run, "stable", 0, time.time())
-    asyncio.run(publish((serving_subject(pool.run, "stable"), encode(back))))
+    tell(0)
     wait_for("version 0 again", lambda: _serves(pool, 0, digests[0]), timeout=120)
     again = pool.chat("what is seven?", max_tokens=12, logprobs=True)
     assert again["choices"][0]["logprobs"] == before["choices"][0]["logprobs"]
@@ -479,14 +482,12 @@ def test_a_set_told_a_version_serves_it_in_place_back_and_ahead_no_request_fails
     # fetching it again.
     fetched = "holding version 1 ("
     assert pool.log.read_text().count(fetched) == 1
-    ahead = ServingTarget(pool.run, "stable", 0, time.time(), standby=1)
-    asyncio.run(publish((serving_subject(pool.run, "stable"), encode(ahead))))
+    tell(0, standby=1)
     wait_for("version 1 fetched ahead", lambda: pool.log.read_text().count(fetched) == 2)
     assert _serves(pool, 0, digests[0])
     still = pool.chat("what is seven?", max_tokens=12, logprobs=True)
     assert still["choices"][0]["logprobs"] == before["choices"][0]["logprobs"]
-    told = ServingTarget(pool.run, "stable", 1, time.time())
-    asyncio.run(publish((serving_subject(pool.run, "stable"), encode(told))))
+    tell(1)
     wait_for("version 1 served again", lambda: _serves(pool, 1, digests[1]), timeout=120)
     assert pool.log.read_text().count(fetched) == 2
 
@@ -494,12 +495,10 @@ def test_a_set_told_a_version_serves_it_in_place_back_and_ahead_no_request_fails
     # version 1; rolled back then, it serves version 0 bit for bit, rebuilt once.
     rebuilt = "holding version 0 ("
     rebuilds = pool.log.read_text().count(rebuilt)
-    way_back = ServingTarget(pool.run, "stable", 1, time.time(), standby=0)
-    asyncio.run(publish((serving_subject(pool.run, "stable"), encode(way_back))))
+    tell(1, standby=0)
     wait_for("version 0 rebuilt", lambda: pool.log.read_text().count(rebuilt) == rebuilds + 1)
     assert _serves(pool, 1, digests[1])
-    rolled_back = ServingTarget(pool.run, "stable", 0, time.time())
-    asyncio.run(publish((serving_subject(pool.run, "stable"), encode(rolled_back))))
+    tell(0)
     wait_for("version 0 served again", lambda: _serves(pool, 0, digests[0]), timeout=120)
     restored = pool.chat("what is seven?", max_tokens=12, logprobs=True)
     assert restored["choices"][0]["logprobs"] == before["choices"][0]["logprobs"]

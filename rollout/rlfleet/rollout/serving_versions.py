@@ -99,7 +99,7 @@ class VersionFollower:
         """Load the target's version once the workers hold it, forward or back; otherwise
         hold its standby version ready."""
         version = target.version
-        ceiling = self.ceiling_for(target)
+        ceiling = self._ceiling_for(target)
         if self.ceiling != ceiling:
             await vllm_hold_at_most_async(engine, ceiling)
             self.ceiling = ceiling
@@ -114,7 +114,7 @@ class VersionFollower:
             self.replica_set, update.version, update.digest, update.pause_s,
         )  # fmt: skip
 
-    def ceiling_for(self, target: ServingTarget) -> int:
+    def _ceiling_for(self, target: ServingTarget) -> int:
         """The version the workers are to hold. A set told another version than it serves
         holds exactly that one, fetching a newer one or rebuilding an older one. A set
         told what it serves holds the target's standby, ahead or back; with none named it
