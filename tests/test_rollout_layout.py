@@ -122,12 +122,19 @@ def _fields(config: WorkerConfig) -> dict:
 
 
 def test_workers_that_loaded_different_states_are_refused() -> None:
-    same = {"loaded": 3, "digest": "d3"}
+    same = {"loaded": 3, "verified": "d3", "digest": "d3"}
     disagree([same, dict(same)])
+    disagree([{"loaded": None, "verified": None, "digest": None}] * 2)  # before any update
     with pytest.raises(RuntimeError, match="worker 1: 3 forged"):
-        disagree([same, {"loaded": 3, "digest": "forged"}])
+        disagree([same, {**same, "digest": "forged"}])
     with pytest.raises(RuntimeError, match="worker 0: 2 d2"):
-        disagree([{"loaded": 2, "digest": "d2"}, same])
+        disagree([{"loaded": 2, "verified": "d2", "digest": "d2"}, same])
+    # Workers that computed the same digest, but not the verified one, are refused too.
+    with pytest.raises(RuntimeError, match=r"\(verified: 3 d3\)"):
+        disagree([{**same, "digest": "other"}] * 2)
+    # So are workers told different verified digests.
+    with pytest.raises(RuntimeError, match="verified: 3 d3, 3 d4"):
+        disagree([same, {"loaded": 3, "verified": "d4", "digest": "d3"}])
 
 
 POD = """

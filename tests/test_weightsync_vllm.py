@@ -58,25 +58,36 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
             await hub.close()
 
     asyncio.run(streams())
+    rounds = [
+        {"version": 0, "publish": str(v0)},
+        {"version": 1, "publish": str(v1), "requests": "inflight"},
+    ]
+    env, faults = leaf.client_env(), {}
+    if tensor_parallel > 1:
+        # Then version 2 (version 0's weights again), whose first tensor reaches the
+        # second worker corrupted: refused; and the same version again, honestly.
+        rounds += [{"version": 2, "publish": str(v0), "fault": 1}, {"version": 2}]
+        faults = {"worker_extension": "weightsync_faults.FaultyWorker"}
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(PROBE.parent), os.environ.get("PYTHONPATH")])
+        )
     updated = _probe(
         {
             "checkpoint": str(v0),
             "tensor_parallel": tensor_parallel,
-            "rounds": [
-                {"version": 0, "publish": str(v0)},
-                {"version": 1, "publish": str(v1), "requests": "inflight"},
-            ],
+            "rounds": rounds,
             "hub_url": nats_servers.bed.hub.url,
             "leaf_url": leaf.url,
             "run": run,
             "domain": region,
             "config": msgspec.to_builtins(CONFIG),
+            **faults,
         },
         tmp_path,
         "updated",
-        leaf.client_env(),
+        env,
     )
-    before, after = updated["rounds"]
+    before, after, *faulted = updated["rounds"]
     # Requests running across the update: the tokens sampled before it carry version 0,
     # those after it version 1, and none fails.
     switches = []
@@ -108,7 +119,8 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
     ] == [{k: c[k] for k in ("token_ids", "logprobs")} for c in fresh["continued"]]
     assert (before["version"], after["version"]) == (0, 1)
     assert (before["kinds"], after["kinds"]) == (["full"], ["delta"])
-    # Every worker holds exactly the published state, and says so.
+    # Every worker loaded exactly the published state: the digest each one computed of
+    # the tensors it handed vLLM is the manifest's.
     assert after["digest"] == after["published_digest"]
     assert after["worker_digests"] == [after["published_digest"]] * tensor_parallel
     # Every sample reports the version it was produced under.
@@ -120,3 +132,22 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
         {k: s[k] for k in ("token_ids", "logprobs")} for s in fresh["rounds"][0]["samples"]
     ]
     assert [s["logprobs"] for s in before["samples"]] != [s["logprobs"] for s in after["samples"]]
+    if tensor_parallel == 1:
+        return
+    # A follower that received one bit wrong computes another digest than the leader's
+    # verified one, and the update is refused (the engine stays paused); the workers
+    # take their weights as unknown, so the next update reloads every tensor, all agree,
+    # and the engine runs version 0's weights again exactly.
+    refused, recovered = faulted
+    published = refused["published_digest"]
+    assert refused["refused"] is not None, "the corrupted worker was not noticed"
+    assert f"worker 0: 2 {published}, worker 1: 2 " in refused["refused"]
+    assert f"worker 1: 2 {published}" not in refused["refused"]
+    assert refused["refused"].endswith(f"(verified: 2 {published})")
+    assert [(w["loaded"], w["digest"]) for w in refused["workers"]] == [(None, None)] * 2
+    assert recovered["version"] == 2 and recovered["digest"] == published
+    assert recovered["worker_digests"] == [published] * tensor_parallel
+    assert all(s["weight_versions"] == ["2"] for s in recovered["samples"])
+    assert [{k: s[k] for k in ("token_ids", "logprobs")} for s in recovered["samples"]] == [
+        {k: s[k] for k in ("token_ids", "logprobs")} for s in before["samples"]
+    ]

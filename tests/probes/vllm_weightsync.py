@@ -1,12 +1,15 @@
 """vLLM generating before and after weightsync updates; argv: ARGS_JSON OUT_JSON.
 
 ARGS_JSON: {"checkpoint", "tensor_parallel"? (workers of the engine), and for updates
-"rounds": [{"version", "publish": DIR, "requests"?}], "hub_url", "leaf_url", "run",
-"domain", "config"}. Each round publishes
-DIR's weights as the version (playing the trainer), updates vLLM to it through the
-region's leaf node, and generates. With "requests": "inflight", long requests are
-running (and have sampled tokens) once every worker holds the version, and the update
-happens at once; with "drain", it waits until they finish, as rollout workers used to.
+"rounds": [{"version", "publish"?: DIR, "requests"?, "fault"?}], "hub_url", "leaf_url",
+"run", "domain", "config", "worker_extension"?}. Each round publishes
+DIR's weights as the version (playing the trainer; without "publish", it is already),
+updates vLLM to it through the region's leaf node, and generates. With "requests":
+"inflight", long requests are running (and have sampled tokens) once every worker holds
+the version, and the update happens at once; with "drain", it waits until they finish,
+as rollout workers used to. With "fault": RANK (and "worker_extension":
+"weightsync_faults.FaultyWorker"), worker RANK gets the first tensor of the update
+corrupted, and the round reports the update's refusal ("refused") instead of samples.
 Without "rounds" it only generates from the checkpoint, and "continue":
 [{"prompt_token_ids", "max_tokens"}] generates those too. Greedy decoding with
 log-probs, so two engines on the same weights agree exactly.
@@ -96,7 +99,8 @@ def main() -> None:
 
     args = json.loads(Path(sys.argv[1]).read_text())
     rounds = args.get("rounds", [])
-    options = vllm_options() if rounds else {}
+    extension = args.get("worker_extension")
+    options = (vllm_options(extension) if extension else vllm_options()) if rounds else {}
     llm = LLM(
         model=args["checkpoint"],
         dtype="bfloat16",
@@ -119,9 +123,31 @@ def main() -> None:
         hub = loop.run_until_complete(auth.connect(args["hub_url"]))
         publisher = Publisher(WeightStream(hub, args["run"], config), config)
         vllm_start(llm, args["leaf_url"], args["run"], args["domain"], config)
+        published: dict[int, tuple[list, str]] = {}
         for step in rounds:
-            weights = read_weights(Path(step["publish"]))
-            manifests = loop.run_until_complete(publisher.publish(weights, step["version"]))
+            if "publish" in step:
+                weights = read_weights(Path(step["publish"]))
+                manifests = loop.run_until_complete(publisher.publish(weights, step["version"]))
+                published[step["version"]] = manifests, manifests[0].state_digest
+            manifests, published_digest = published[step["version"]]
+            if "fault" in step:
+                wait_for_version(lambda: held(llm), step["version"], 300.0, what="vLLM's workers")
+                hit = llm.collective_rpc("probe_corrupt_next_received", args=(step["fault"],))
+                assert sum(hit) == 1, hit
+                try:
+                    vllm_update(llm, step["version"])
+                except RuntimeError as error:
+                    refused = str(error)
+                else:
+                    refused = None
+                report["rounds"].append(
+                    {
+                        "refused": refused,
+                        "published_digest": published_digest,
+                        "workers": vllm_status(llm),
+                    }
+                )
+                continue
             requests, long, drain_wait_s = step.get("requests"), [], 0.0
             if requests:
                 wait_for_version(lambda: held(llm), step["version"], 300.0, what="vLLM's workers")
@@ -139,7 +165,7 @@ def main() -> None:
                     "drain_wait_ms": drain_wait_s * 1000,
                     "version": update.version,
                     "kinds": [m.kind for m in manifests],
-                    "published_digest": manifests[0].state_digest,
+                    "published_digest": published_digest,
                     "digest": update.digest,
                     "worker_digests": [s["digest"] for s in vllm_status(llm)],
                     "pause_ms": update.pause_s * 1000,

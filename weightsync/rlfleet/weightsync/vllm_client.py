@@ -17,6 +17,7 @@ ENGINE_NAME = "rlfleet-weightsync"
 _STATUS = "rlfleet_weightsync_status"
 _UPDATE = "rlfleet_weightsync_update"
 _HOLD_AT_MOST = "rlfleet_weightsync_hold_at_most"
+_FORGET_LOADED = "rlfleet_weightsync_forget_loaded"
 
 
 def llm_options(
@@ -91,13 +92,20 @@ async def held_async(engine) -> int | None:
 
 
 def disagree(workers: list[dict[str, Any]]) -> None:
-    """Raise unless every worker (one per device of a parallel engine) says it loaded the
-    same version with the same digest: a worker left behind would compute with shards
-    of another version."""
-    loaded = {(s["loaded"], s["digest"]) for s in workers}
-    if len(loaded) != 1:
+    """Raise unless every worker (one per device of a parallel engine) loaded the same
+    version, and the digest each one computed of the tensors it handed vLLM is that
+    version's state digest as the leader verified it against the manifest (`verified`;
+    the followers report it as the leader sent it, so all must agree on it too). What a
+    worker's digest proves, and what not: `vllm_engine.LoadedTensors`. A worker left
+    behind, or fed other bits, would compute with shards of another state."""
+    verified = {(s["loaded"], s["verified"]) for s in workers}
+    computed = {(s["loaded"], s["digest"]) for s in workers}
+    if len(verified) != 1 or computed != verified:
         found = ", ".join(f"worker {i}: {s['loaded']} {s['digest']}" for i, s in enumerate(workers))
-        raise RuntimeError(f"workers disagree on the loaded version and digest: {found}")
+        expected = ", ".join(f"{version} {digest}" for version, digest in sorted(verified, key=str))
+        raise RuntimeError(
+            f"workers disagree on the loaded version and digest: {found} (verified: {expected})"
+        )
 
 
 def update(llm, version: int | None = None, timeout_s: float = 300.0) -> Update:
@@ -110,8 +118,9 @@ def update(llm, version: int | None = None, timeout_s: float = 300.0) -> Update:
     those after it the new one. Running requests then recompute their context under the
     new weights, so what they sample next is the new policy's alone, as a fresh engine
     on that version would sample it. Waiting for the version happens before the pause.
-    If the write fails, the engine stays paused (the model's weights are unknown) and a
-    later `update` reloads every tensor and resumes it.
+    If the write fails, or the workers disagree on what they loaded (`disagree`), the
+    engine stays paused (the model's weights are unknown) and a later `update` reloads
+    every tensor and resumes it.
     """
     if version is not None:
         wait_for_version(lambda: held(llm), version, timeout_s, what="vLLM's workers")
@@ -119,7 +128,11 @@ def update(llm, version: int | None = None, timeout_s: float = 300.0) -> Update:
     llm.sleep(level=0, mode="keep")
     info = {"version": version, "timeout_s": timeout_s}
     loaded = llm.collective_rpc(_UPDATE, kwargs={"update_info": info})
-    disagree(loaded)
+    try:
+        disagree(loaded)
+    except RuntimeError:
+        llm.collective_rpc(_FORGET_LOADED)  # the next update reloads every tensor
+        raise
     llm.update_weight_version(str(loaded[0]["loaded"]))
     # Drops the KV the old weights computed: the prefix cache, and the running requests'
     # (they go back to the queue and recompute it).
@@ -137,7 +150,11 @@ async def update_async(engine, version: int, timeout_s: float = 300.0) -> Update
     await engine.pause_generation(mode="keep", clear_cache=False)
     info = {"version": version, "timeout_s": timeout_s}
     loaded = await engine.collective_rpc(_UPDATE, kwargs={"update_info": info})
-    disagree(loaded)
+    try:
+        disagree(loaded)
+    except RuntimeError:
+        await engine.collective_rpc(_FORGET_LOADED)
+        raise
     await engine.update_weight_version(str(loaded[0]["loaded"]))
     await engine.reset_prefix_cache(reset_running_requests=True)
     await engine.resume_generation()

@@ -16,6 +16,11 @@ copy, so host memory and the region's NATS traffic do not grow with the devices.
 
 vLLM rebuilds a whole module from what it is given (fused QKV, all experts of a layer),
 so every tensor of a decoder layer goes in when any of them changed.
+
+Every worker proves what it loaded from, on its own (`LoadedTensors`): it keeps the
+xxh3-128 digest of each checkpoint-named tensor it handed to vLLM's `load_weights`, and
+reports the state digest of them all, which the client compares with the digest the
+leader verified against the version's manifest.
 """
 
 from __future__ import annotations
@@ -24,9 +29,13 @@ import asyncio
 import logging
 import re
 import threading
+from collections import deque
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -36,8 +45,10 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from rlfleet.bus import auth
 from rlfleet.launch.stopping import log_with_vllm
+from rlfleet.weightsync.bits import as_bits, dtype_name
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.receiver import Receiver
+from rlfleet.weightsync.state import TensorEntry, entries_digest
 from rlfleet.weightsync.transport import WeightStream
 from rlfleet.weightsync.versions import wait_for_version
 from rlfleet.weightsync.vllm_client import ENGINE_NAME
@@ -45,6 +56,10 @@ from rlfleet.weightsync.vllm_client import ENGINE_NAME
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
 log = logging.getLogger(__name__)
+
+# A follower hashes what it received on this many threads, while vLLM loads it; at most
+# twice as many received tensors wait for their hash (host memory stays bounded).
+HASHERS = 2
 
 
 @dataclass
@@ -73,6 +88,51 @@ def module_groups(names: set[str], all_names: list[str]) -> list[str]:
     ]
 
 
+class LoadedTensors:
+    """The checkpoint tensors one worker has handed to vLLM's `load_weights`, by digest.
+
+    Each entry is the name, dtype, shape and xxh3-128 bits digest of the whole tensor the
+    worker itself passed to `load_weights` (before vLLM's loaders slice it into this
+    worker's shard or fuse it with others): a follower hashes the bytes it received from
+    the broadcast, after receiving them; the leader takes the digests its receiver
+    computed and verified for the very host tensors it sends. A load that sends every
+    tensor of the state replaces the entries; one that sends only what changed updates
+    those it sent, so a tensor the worker never got keeps its old digest.
+
+    `digest()` is the state digest of the entries, computed the way the publisher
+    computes the manifest's `state_digest`. Equal to the verified state's digest, it
+    proves that this worker, since its last whole load, handed vLLM every tensor of that
+    state, with exactly those bits, names, dtypes and shapes: a broadcast corrupted,
+    truncated, mis-ordered or mislabelled on the way to this worker, a tensor it skipped,
+    or one left at an older version is caught. It does not prove what vLLM made of them:
+    the parameters are never read back (they are this worker's slices, fused, and may
+    be repacked for a kernel), so a weight loader that writes a wrong slice, or memory
+    corrupted after the load, is not caught. On the leader of several workers, the device
+    copy it broadcasts is not hashed by the leader; the followers hash the bytes of that
+    copy, so a bad copy shows as every follower disagreeing.
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[str, TensorEntry] = {}
+
+    def record(self, entries: Mapping[str, TensorEntry], whole: bool) -> None:
+        if whole:
+            self.entries = dict(entries)
+        else:
+            self.entries.update(entries)
+
+    def digest(self) -> str | None:
+        return entries_digest(self.entries.values()) if self.entries else None
+
+
+def _entry(name: str, tensor: Any, digest: bytes) -> TensorEntry:
+    return TensorEntry(name, dtype_name(tensor.dtype), tuple(tensor.shape), digest)
+
+
+def _bits_digest(tensor: Any) -> bytes:
+    return xxhash.xxh3_128(as_bits(tensor)).digest()
+
+
 class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
     init_info_cls = InitInfo
     update_info_cls = UpdateInfo
@@ -83,7 +143,11 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
 
         log_with_vllm()
         self.loaded_version: int | None = None
+        # The state digest of `loaded_version` as the leader verified it (sent to the
+        # followers), and this worker's own digest of what it handed to vLLM.
+        self.loaded_verified: str | None = None
         self.loaded_digest: str | None = None
+        self.loaded_tensors = LoadedTensors()
         self._stashed_kernels: list[tuple[Any, Any]] = []
         self._group = get_tp_group()
         self.leads = self._group.rank_in_group == 0
@@ -151,38 +215,85 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 {name: tensors[name] for name in names},
                 receiver.version,
                 receiver.state.digest(),
+                whole=len(names) == len(tensors),
+                digests=receiver.state.digests,
             )
 
     def _load(
-        self, tensors: dict[str, Any], version: int | None = None, digest: str | None = None
+        self,
+        tensors: dict[str, Any],
+        version: int | None = None,
+        digest: str | None = None,
+        whole: bool = False,
+        digests: Mapping[str, bytes] | None = None,
     ) -> None:
         """Write `tensors` (the leader's; empty on followers) into every worker's model:
-        the leader sends what changed, tensor by tensor, and each worker loads its shard."""
+        the leader sends what changed, tensor by tensor, and each worker loads its shard.
+        `digest` is the leader's verified state digest of `version`, `whole` whether the
+        tensors are the whole state, `digests` the leader's verified tensor digests."""
+        shapes = [(name, t.shape, t.dtype) for name, t in tensors.items()]
+        version, digest, whole, shapes = self._group.broadcast_object(
+            (version, digest, whole, shapes)
+        )
+        handed: dict[str, TensorEntry] = {}
+        try:
+            if self.leads:
+                self.model.load_weights(self._sent(tensors, shapes, digests or {}, handed))
+            else:
+                with ThreadPoolExecutor(HASHERS, thread_name_prefix="weightsync-hash") as pool:
+                    self.model.load_weights(self._received(shapes, pool, handed))
+        except BaseException:
+            # What the model holds is unknown: reload it all.
+            self.loaded_version = self.loaded_verified = self.loaded_digest = None
+            raise
+        self.loaded_tensors.record(handed, whole)
+        self.loaded_version, self.loaded_verified = version, digest
+        self.loaded_digest = self.loaded_tensors.digest()
+        log.info("weightsync: wrote %d tensors of version %s", len(shapes), version)
+
+    def _sent(
+        self,
+        tensors: dict[str, Any],
+        shapes: list,
+        digests: Mapping[str, bytes],
+        handed: dict[str, TensorEntry],
+    ) -> Iterator[tuple[str, Any]]:
+        """The leader's tensors for `load_weights`, each broadcast to the followers first;
+        each one handed is entered with its verified digest."""
         import torch
 
-        shapes = [(name, t.shape, t.dtype) for name, t in tensors.items()]
-        version, digest, shapes = self._group.broadcast_object((version, digest, shapes))
+        for name, _, _ in shapes:
+            host = tensor = tensors[name]
+            if self._group.world_size > 1:
+                tensor = tensor.to(self.device)  # NCCL sends from the device
+                self._group.broadcast(tensor.view(-1).view(torch.uint8))
+            yield name, tensor
+            handed[name] = _entry(name, host, digests[name])
 
-        def sent():
-            for name, shape, dtype in shapes:
-                if self.leads:
-                    tensor = tensors[name]
-                    if self._group.world_size > 1:
-                        tensor = tensor.to(self.device)  # NCCL sends from the device
-                        self._group.broadcast(tensor.view(-1).view(torch.uint8))
-                else:
-                    size = shape.numel() * dtype.itemsize
-                    raw = torch.empty(size, dtype=torch.uint8, device=self.device)
-                    tensor = self._group.broadcast(raw).view(dtype).view(shape)
-                yield name, tensor
+    def _received(
+        self, shapes: list, pool: ThreadPoolExecutor, handed: dict[str, TensorEntry]
+    ) -> Iterator[tuple[str, Any]]:
+        """A follower's tensors for `load_weights`, received from the leader's broadcast;
+        each one is hashed, from its host copy, while vLLM loads it."""
+        import torch
 
-        try:
-            self.model.load_weights(sent())
-        except BaseException:
-            self.loaded_version = None  # what the model holds is unknown: reload it all
-            raise
-        self.loaded_version, self.loaded_digest = version, digest
-        log.info("weightsync: wrote %d tensors of version %s", len(shapes), version)
+        hashing: deque[tuple[str, Any, Future[bytes]]] = deque()
+
+        def enter_oldest() -> None:
+            name, tensor, digest = hashing.popleft()
+            handed[name] = _entry(name, tensor, digest.result())
+
+        for name, shape, dtype in shapes:
+            size = shape.numel() * dtype.itemsize
+            raw = torch.empty(size, dtype=torch.uint8, device=self.device)
+            tensor = self._group.broadcast(raw).view(dtype).view(shape)
+            host = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
+            hashing.append((name, host, pool.submit(_bits_digest, host)))
+            if len(hashing) > 2 * HASHERS:
+                enter_oldest()
+            yield name, tensor
+        while hashing:
+            enter_oldest()
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -199,10 +310,22 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if self.leads:
             self._loop.call_soon_threadsafe(setattr, self.receiver, "ceiling", version)
 
+    def forget_loaded(self) -> None:
+        """Take what the model holds as unknown, so the next update reloads every tensor
+        (after workers were found to disagree)."""
+        self.loaded_version = self.loaded_verified = self.loaded_digest = None
+
     def status(self) -> dict[str, Any]:
         """`held`: the version the leader holds verified (None on followers, which hold
-        none); `loaded` and `digest`: what this worker's model runs."""
-        loaded = {"loaded": self.loaded_version, "digest": self.loaded_digest}
+        none); `loaded`: the version this worker's model was written to last; `verified`:
+        that version's state digest, as the leader verified it against the manifest (on
+        followers: as the leader sent it); `digest`: this worker's own digest of the
+        tensors it handed vLLM (`LoadedTensors`), None before the first update."""
+        loaded = {
+            "loaded": self.loaded_version,
+            "verified": self.loaded_verified,
+            "digest": self.loaded_digest,
+        }
         if not self.leads:
             return {"held": None, "leads": False, **loaded}
         receiver = self.receiver
