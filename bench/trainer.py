@@ -88,7 +88,7 @@ def mismatch(model_dir: Path, samples: list[dict]) -> dict[str, float]:
     from rlfleet.trainer.scoring import Batch, prepare, token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    prepare(model, batch_invariant=True).eval()
+    prepare(model, tiled=True).eval()
     batch = Batch.of(
         [torch.tensor(s["tokens"]) for s in samples],
         [torch.tensor(s["experts"]) for s in samples],
@@ -109,7 +109,7 @@ def mismatch(model_dir: Path, samples: list[dict]) -> dict[str, float]:
     with torch.no_grad():
         for replay in (True, False):
             own.clear()
-            trainer = token_logprobs(model, batch, batch_invariant=True, replay=replay)
+            trainer = token_logprobs(model, batch, tiled=True, replay=replay)
             found = Mismatch.of(trainer, behaviour, mask)
             key = "replay" if replay else "no_replay"
             result[f"mismatch_kl_{key}"] = found.kl

@@ -14,7 +14,7 @@ from rlfleet.trainer.scoring import Batch, prepare, token_logprobs
 def trainer_model(model_dir: Path) -> torch.nn.Module:
     """The checkpoint as the trainer scores with it, in fp32."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return prepare(model, batch_invariant=True).eval()
+    return prepare(model, tiled=True).eval()
 
 
 def agreement(model: torch.nn.Module, samples: list[tuple[list[int], np.ndarray]]) -> list[float]:
@@ -34,7 +34,7 @@ def agreement(model: torch.nn.Module, samples: list[tuple[list[int], np.ndarray]
     )
     try:
         with torch.no_grad():
-            token_logprobs(model, batch, batch_invariant=True, replay=False)
+            token_logprobs(model, batch, tiled=True, replay=False)
     finally:
         for hook in hooks:
             hook.remove()

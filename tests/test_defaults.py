@@ -44,6 +44,7 @@ SPEC_FIELDS = [
     (RLRunSpec, "max_staleness", FeedConfig, "max_staleness", None),
     (TrainerSpec, "zero_stage", TrainerConfig, "zero_stage", None),
     (TrainerSpec, "batch_invariant", TrainerConfig, "batch_invariant", None),
+    (TrainerSpec, "precision", TrainerConfig, "precision", None),
     (TrainerSpec, "router_replay", TrainerConfig, "router_replay", None),
     (TrainerSpec, "kl_coef", TrainerConfig, "kl_coef", None),
     (TrainerSpec, "learning_rate", TrainerConfig, "lr", None),

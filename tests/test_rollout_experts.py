@@ -65,9 +65,9 @@ def test_vllm_reports_the_experts_of_every_token_it_ran(tmp_path: Path) -> None:
     def gap(s: dict, temperature: float) -> float:
         one = Batch.of([torch.tensor(s["tokens"])], [torch.tensor(s["experts"])])
         with torch.no_grad():
-            scored = token_logprobs(
-                model, one, batch_invariant=True, replay=True, temperature=temperature
-            )[0, s["prompt_len"] - 1 :]
+            scored = token_logprobs(model, one, tiled=True, replay=True, temperature=temperature)[
+                0, s["prompt_len"] - 1 :
+            ]
         return float((scored - torch.tensor(s["logprobs"])).abs().mean())
 
     hot, temperature = report["hot"]["sample"], report["hot"]["temperature"]

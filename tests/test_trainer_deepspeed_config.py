@@ -53,7 +53,17 @@ def test_without_a_user_file_the_engine_gets_the_trainers_own_settings() -> None
         "zero_allow_untested_optimizer": True,
         "checkpoint": {"use_node_local_storage": True},
         "steps_per_print": 1 << 30,
+        "bf16": {"enabled": False},
     }
+
+
+def test_the_runs_precision_and_checkpoint_folder_set_the_engines() -> None:
+    """bf16 in the RLRun is DeepSpeed's bf16 (float32 master weights and Adam state); on a
+    folder every node shares, rank 0 alone writes the model states."""
+    bf16 = msgspec.structs.replace(settings(), precision="bf16")
+    engine = deepspeed_config(bf16, shared_checkpoints=True)
+    assert engine["bf16"] == {"enabled": True}
+    assert engine["checkpoint"] == {"use_node_local_storage": False}
 
 
 def test_the_users_keys_merge_under_the_trainers_nested_ones_too() -> None:
@@ -104,6 +114,7 @@ def test_every_refused_key_is_named_at_once_with_where_the_run_sets_it() -> None
     message = str(refused.value)
     assert "bf16, zero_optimization.stage, optimizer;" in message
     assert "zero_optimization.stage is spec.trainer.zeroStage" in message
+    assert "bf16 is spec.trainer.precision" in message
 
 
 def test_merging_leaves_the_users_settings_as_they_were() -> None:

@@ -23,7 +23,7 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _model(path: Path, batch_invariant: bool) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return prepare(model, batch_invariant=batch_invariant).eval()
+    return prepare(model, tiled=batch_invariant).eval()
 
 
 def _sequences(count: int, seed: int = 1) -> list[torch.Tensor]:
@@ -37,7 +37,7 @@ def _alone_vs_batched(model: torch.nn.Module, invariant: bool) -> list[bool]:
     sequences = _sequences(8)
     with torch.no_grad():
         alone = [
-            token_logprobs(model, Batch.of([s]), batch_invariant=invariant, replay=False)[0]
+            token_logprobs(model, Batch.of([s]), tiled=invariant, replay=False)[0]
             for s in sequences
         ]
         same = []
@@ -45,9 +45,7 @@ def _alone_vs_batched(model: torch.nn.Module, invariant: bool) -> list[bool]:
             for i in range(size):
                 # Vary who shares the batch: sequence i sits among different neighbours.
                 members = [sequences[(i + j) % 8] for j in range(size)]
-                rows = token_logprobs(
-                    model, Batch.of(members), batch_invariant=invariant, replay=False
-                )
+                rows = token_logprobs(model, Batch.of(members), tiled=invariant, replay=False)
                 n = len(sequences[i]) - 1
                 same.append(torch.equal(rows[0, :n], alone[i][:n]))
     return same
@@ -65,12 +63,8 @@ def test_default_kernels_do_depend_on_the_batch(tiny_moe: Path) -> None:
 def test_both_modes_compute_the_same_function(tiny_moe: Path) -> None:
     batch = Batch.of(_sequences(4))
     with torch.no_grad():
-        invariant = token_logprobs(
-            _model(tiny_moe, True), batch, batch_invariant=True, replay=False
-        )
-        default = token_logprobs(
-            _model(tiny_moe, False), batch, batch_invariant=False, replay=False
-        )
+        invariant = token_logprobs(_model(tiny_moe, True), batch, tiled=True, replay=False)
+        default = token_logprobs(_model(tiny_moe, False), batch, tiled=False, replay=False)
     torch.testing.assert_close(invariant, default, rtol=0, atol=1e-4)
 
 
@@ -103,7 +97,7 @@ def test_a_shared_prompt_runs_once_and_each_sequence_scores_as_it_would_alone(
     assert shared.inputs.numel() < Batch.of(sequences, experts).inputs.numel() / 2
     order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.no_grad():
-        together = token_logprobs(model, shared, batch_invariant=True, replay=True)
+        together = token_logprobs(model, shared, tiled=True, replay=True)
         shuffled = token_logprobs(
             model,
             Batch.of(
@@ -111,7 +105,7 @@ def test_a_shared_prompt_runs_once_and_each_sequence_scores_as_it_would_alone(
                 [experts[i] for i in order],
                 prompts=[prompts[i] for i in order],
             ),
-            batch_invariant=True,
+            tiled=True,
             replay=True,
         )
         for index, (sequence, routed, prompt) in enumerate(
@@ -120,7 +114,7 @@ def test_a_shared_prompt_runs_once_and_each_sequence_scores_as_it_would_alone(
             alone = token_logprobs(
                 model,
                 Batch.of([sequence], [routed], prompts=[prompt]),
-                batch_invariant=True,
+                tiled=True,
                 replay=True,
             )[0]
             n = len(sequence) - 1
@@ -139,8 +133,8 @@ def test_sharing_a_prompt_computes_the_same_function_as_scoring_each_sequence_wh
     with torch.no_grad():
         for invariant in (True, False):
             model = _model(tiny_moe, invariant)
-            expected = token_logprobs(model, whole, batch_invariant=invariant, replay=True)
-            found = token_logprobs(model, shared, batch_invariant=invariant, replay=True)
+            expected = token_logprobs(model, whole, tiled=invariant, replay=True)
+            found = token_logprobs(model, shared, tiled=invariant, replay=True)
             torch.testing.assert_close(found, expected, rtol=0, atol=1e-4)
 
 
@@ -185,7 +179,7 @@ def test_router_replay_trains_with_exactly_the_trajectory_experts(
     model = _model(tiny_moe, batch_invariant)
     model.train()
     seen = _record_experts(model)
-    logprobs = token_logprobs(model, rows.batch, batch_invariant=batch_invariant, replay=True)
+    logprobs = token_logprobs(model, rows.batch, tiled=batch_invariant, replay=True)
     loss = policy_loss(
         logprobs, logprobs.detach(), rows.behaviour, rows.advantages, rows.mask, ObjectiveConfig()
     ).loss
@@ -212,9 +206,7 @@ def test_without_replay_the_trainer_routes_by_itself(tiny_moe: Path) -> None:
     model = _model(tiny_moe, True)
     seen = _record_experts(model)
     with torch.no_grad():
-        token_logprobs(
-            model, make_rows([segment], [1.0], 0).batch, batch_invariant=True, replay=False
-        )
+        token_logprobs(model, make_rows([segment], [1.0], 0).batch, tiled=True, replay=False)
     own = seen[0][0].view(-1, 2)[: n - 1].sort(-1).values
     assert not torch.equal(own, routed_experts(segment)[:, 0])
 

@@ -77,15 +77,21 @@ def test_a_nan_loss_is_left_out_and_never_reaches_the_weights(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("inverted", [False, True])
+@pytest.mark.parametrize(
+    ("inverted", "precision", "kl_coef"),
+    [(False, "fp32", 0.0), (True, "bf16", 0.1)],
+    ids=["agreeing-fp32", "inverted-bf16-with-reference"],
+)
 def test_a_step_against_what_users_said_has_a_negative_held_out_gain(
-    inverted: bool, tmp_path: Path
+    inverted: bool, precision: str, kl_coef: float, tmp_path: Path
 ) -> None:
     """The signal a production run's candidate is held to (`rlfleet.trainer.held_out`): a
     step on feedback that agrees with the held-out trajectories' raises the policy's
     preference for what they rewarded; the same step on inverted feedback, as a broken
-    client's, lowers it. With nothing held out there is no gain to report."""
+    client's, lowers it. With nothing held out there is no gain to report. The inverted
+    step trains in bf16 over float32 master weights, with a reference model beside it:
+    a GPU's precision learns (and is scored) as float32 does."""
     kind = "held_out_inverted" if inverted else "held_out"
-    report = run_probe(kind, tmp_path, lr=1e-3, kl_coef=0.0)
+    report = run_probe(kind, tmp_path, lr=1e-3, kl_coef=kl_coef, precision=precision)
     assert (report["gain"] < 0) if inverted else (report["gain"] > 0)
     assert report["without"] is None

@@ -37,7 +37,8 @@ def free_port() -> int:
 
 class Job:
     """One trainer process per node, as the StatefulSet's pods run them (each starting
-    `procs_per_node` ranks), each with its own checkpoint volume, as each pod's claim is."""
+    `procs_per_node` ranks), each with its own checkpoint volume, as each pod's claim is,
+    or all on one folder (`shared_checkpoints`), as on a ReadWriteMany volume."""
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class Job:
         servers: StandaloneNats,
         nodes: int = 2,
         procs_per_node: int = 1,
+        shared_checkpoints: bool = False,
         **settings,
     ) -> None:
         port = free_port()
@@ -54,6 +56,8 @@ class Job:
             directory = tmp_path / f"node-{node}"
             directory.mkdir()
             shared = {"run": self.nodes[0].run} if node else {}
+            if shared_checkpoints:  # the first node's, where its steps are logged
+                shared["checkpoint_dir"] = str(tmp_path / "node-0" / "checkpoints")
             ranks = {
                 "node_rank": node,
                 "nodes": nodes,
@@ -136,9 +140,9 @@ def one_rank(tmp_path_factory, tiny_moe_fp32: Path, nats_servers: StandaloneNats
 
 
 @pytest.mark.parametrize(
-    ("zero_stage", "nodes", "procs_per_node"),
-    [(1, 2, 1), (2, 2, 1), (3, 2, 1), (2, 1, 2)],
-    ids=["zero1-2pods", "zero2-2pods", "zero3-2pods", "zero2-1pod-2procs"],
+    ("zero_stage", "nodes", "procs_per_node", "shared_checkpoints"),
+    [(1, 2, 1, True), (2, 2, 1, False), (3, 2, 1, False), (2, 1, 2, False)],
+    ids=["zero1-2pods-one-checkpoint-folder", "zero2-2pods", "zero3-2pods", "zero2-1pod-2procs"],
 )
 def test_two_ranks_train_one_stream_into_one_version_stream_like_one_rank(
     tmp_path: Path,
@@ -148,9 +152,18 @@ def test_two_ranks_train_one_stream_into_one_version_stream_like_one_rank(
     zero_stage: int,
     nodes: int,
     procs_per_node: int,
+    shared_checkpoints: bool,
 ) -> None:
+    """Two pods may share one checkpoint folder (a ReadWriteMany volume): they train as
+    well, and keep only the newest checkpoints there without tripping over each other."""
     versions, weights, first = train(
-        tmp_path, tiny_moe_fp32, nats_servers, nodes, procs_per_node, zero_stage=zero_stage
+        tmp_path,
+        tiny_moe_fp32,
+        nats_servers,
+        nodes,
+        procs_per_node,
+        zero_stage=zero_stage,
+        shared_checkpoints=shared_checkpoints,
     )
     # One version stream: each version published once, by one publisher.
     assert versions == list(range(STEPS + 1))
@@ -170,6 +183,8 @@ def test_two_ranks_train_one_stream_into_one_version_stream_like_one_rank(
     gap = sum(float((weights[k] - reference[k]).norm() ** 2) for k in base) ** 0.5
     assert moved > 0
     assert gap <= 1e-3 * moved, (gap, moved)
+    kept = sorted(p.name for p in (first.directory / "checkpoints").glob("step-*"))
+    assert kept == ["step-00000002", "step-00000003"]  # keep_checkpoints: the newest 2
 
 
 def test_losing_a_rank_stops_the_job_and_a_restart_resumes_without_repeating(

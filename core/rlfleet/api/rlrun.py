@@ -23,6 +23,7 @@ from rlfleet.api.production import ProductionSpec, ProductionStatus
 from rlfleet.api.wire import MAX_GROUP_SIZE
 
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
+Precision = Literal["fp32", "bf16"]
 
 # An RLRun's own name names its NATS streams and subjects, where `.` cannot go, and its
 # trainer's pods carry the label `<name>-trainer-<hash of up to 10>`, which must fit 63.
@@ -152,6 +153,19 @@ class TrainerSpec(ApiModel):
         bool,
         Field(description="Batch-invariant kernels: log-probs do not depend on the batch."),
     ] = True
+    precision: Annotated[
+        Precision,
+        Field(
+            description=(
+                "What the trainer computes in. bf16: bfloat16 weights, activations and "
+                "gradients over float32 master weights and Adam state (about 18 bytes a "
+                "parameter before ZeRO partitions it, half fp32's activations), the GPU's "
+                "fast path, batch-invariant with the model's own kernels on Hopper and "
+                "newer. fp32: float32 throughout (16 bytes a parameter), what CPUs train in."
+                " Published versions are in the checkpoint's dtype either way."
+            )
+        ),
+    ] = "fp32"
     router_replay: Annotated[
         bool,
         Field(

@@ -259,6 +259,7 @@ def trainer_settings(
         checkpoint_dir=Path(checkpoint_dir),
         zero_stage=spec.trainer.zero_stage,
         batch_invariant=spec.trainer.batch_invariant,
+        precision=spec.trainer.precision,
         router_replay=spec.trainer.router_replay,
         kl_coef=spec.trainer.kl_coef,
         lr=spec.trainer.learning_rate,

@@ -18,6 +18,7 @@ from rlfleet.api.production import CanarySpec, CycleSpec, FeedbackSpec, GateSpec
 from rlfleet.api.rlrun import (
     STEP_TOKENS,
     EvaluationGate,
+    Precision,
     RLRunSpec,
     RolloutSpec,
     TrainerSpec,
@@ -126,6 +127,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     weight_mirrors: list[str] = msgspec.field(default_factory=list)
     zero_stage: Annotated[int, msgspec.Meta(ge=0, le=3)] = spec_default(TrainerSpec, "zero_stage")
     batch_invariant: bool = spec_default(TrainerSpec, "batch_invariant")
+    precision: Precision = spec_default(TrainerSpec, "precision")
     router_replay: bool = spec_default(TrainerSpec, "router_replay")
     max_staleness: Annotated[int, msgspec.Meta(ge=0)] = spec_default(RLRunSpec, "max_staleness")
     step_tokens: Positive = STEP_TOKENS  # each optimiser step trains on at least this many tokens

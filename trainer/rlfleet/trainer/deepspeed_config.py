@@ -12,9 +12,10 @@ from rlfleet.launch.settings import TrainerConfig
 
 # Set by the trainer outside the DeepSpeed JSON, so a user's value would fight it: the
 # optimiser and its schedule are torch's, built from the trainer's settings and handed to
-# DeepSpeed (and kept in its checkpoints); the engine trains float32 weights, which the
-# scores, the reference model and published versions (cast to the serving dtype) assume;
-# a step's size is the loop's, counted in tokens, not DeepSpeed's batch.
+# DeepSpeed (and kept in its checkpoints); the precision is the RLRun's
+# (`spec.trainer.precision`, bf16 over float32 master weights or float32), which the
+# scores, the reference model and the kernels (`numerics`) follow; a step's size is the
+# loop's, counted in tokens, not DeepSpeed's batch.
 # ZeRO's optimizer offload runs DeepSpeed's own CPU Adam (it refuses a client optimizer,
 # `zero_force_ds_cpu_optimizer`), which needs a compiler the trainer image does not carry.
 RESERVED = (
@@ -30,12 +31,19 @@ RESERVED = (
 # The trainer's choices a user may change.
 DEFAULTS: dict[str, Any] = {"steps_per_print": 1 << 30}  # the loop logs its own steps
 # Where the RLRun says what a refused key would.
-SPEC_FIELDS = {"zero_optimization.stage": "spec.trainer.zeroStage"}
+SPEC_FIELDS = {
+    "zero_optimization.stage": "spec.trainer.zeroStage",
+    "bf16": "spec.trainer.precision",
+    "fp16": "spec.trainer.precision",
+}
 
 
-def own_settings(config: TrainerConfig) -> dict[str, Any]:
-    """What the trainer decides, whatever the user's file says."""
+def own_settings(config: TrainerConfig, shared_checkpoints: bool = False) -> dict[str, Any]:
+    """What the trainer decides, whatever the user's file says. `shared_checkpoints`: every
+    node sees one checkpoint folder (`checkpoints.shared_across_nodes`)."""
     return {
+        # DeepSpeed keeps float32 master weights and optimiser state under bf16.
+        "bf16": {"enabled": config.precision == "bf16"},
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         # A step has as many micro-batches as its tokens need: the loop owns the boundary.
@@ -43,9 +51,9 @@ def own_settings(config: TrainerConfig) -> dict[str, Any]:
         "gradient_clipping": config.grad_clip,
         "zero_optimization": {"stage": config.zero_stage},
         "zero_allow_untested_optimizer": True,  # torch's AdamW
-        # Each trainer pod checkpoints to its own volume: the first process of every node,
-        # not only rank 0, writes the model states its ranks resume from.
-        "checkpoint": {"use_node_local_storage": True},
+        # A trainer pod checkpointing to its own volume has its first process write the
+        # model states its ranks resume from; on a shared folder rank 0 alone writes them.
+        "checkpoint": {"use_node_local_storage": not shared_checkpoints},
     }
 
 
@@ -104,6 +112,6 @@ def _overlay(target: dict[str, Any], top: Mapping[str, Any]) -> None:
             target[key] = copy.deepcopy(value)
 
 
-def deepspeed_config(config: TrainerConfig) -> dict[str, Any]:
+def deepspeed_config(config: TrainerConfig, shared_checkpoints: bool = False) -> dict[str, Any]:
     """The engine's configuration: the user's (`config.deepspeed`) under the trainer's."""
-    return merged(config.deepspeed, own_settings(config))
+    return merged(config.deepspeed, own_settings(config, shared_checkpoints))

@@ -65,7 +65,7 @@ def policy_loss(
     surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
     is_weight = torch.exp(proximal - behaviour).clamp(max=config.is_cap).detach()
     loss = -(is_weight * surrogate * mask).sum() / tokens
-    kl = torch.zeros(())
+    kl = torch.zeros((), device=logprobs.device)
     if reference is not None and config.kl_coef > 0:
         log_ratio = reference - logprobs
         kl = ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum() / tokens
@@ -107,10 +107,10 @@ def mismatch_sums(
     `Mismatch` is made of, summable over a batch split across ranks."""
     delta = (trainer - behaviour)[mask.bool()].double()
     if not delta.numel():
-        return torch.zeros(4, dtype=torch.float64)
+        return torch.zeros(4, dtype=torch.float64, device=delta.device)
     return torch.stack(
         [
-            torch.tensor(float(delta.numel()), dtype=torch.float64),
+            torch.tensor(float(delta.numel()), dtype=torch.float64, device=delta.device),
             delta.abs().sum(),
             delta.abs().max(),
             (torch.exp(delta) - 1 - delta).sum(),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -13,11 +12,13 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
 from rlfleet.launch.settings import TrainerConfig
-from rlfleet.trainer import distributed, routing
+from rlfleet.trainer import checkpoints, distributed, numerics, routing
+from rlfleet.trainer.checkpoints import tag
 from rlfleet.trainer.deepspeed_config import deepspeed_config
 from rlfleet.trainer.objective import Mismatch, ObjectiveConfig, mismatch_sums, policy_loss
 from rlfleet.trainer.rows import Rows
@@ -43,17 +44,29 @@ class StepResult:
 
 
 class Policy:
+    """The policy on this rank's device (its GPU, or the host): its weights, optimiser and
+    reference model live there, and every micro-batch is moved there to be scored."""
+
     def __init__(self, config: TrainerConfig, local_rank: int = 0) -> None:
         self.config = config
         self.local_rank = local_rank
-        engine_config = deepspeed_config(config)  # a user's bad file fails before any load
+        deepspeed_config(config)  # a user's bad file fails before anything starts
         self.objective = ObjectiveConfig(
             clip_low=config.clip_low,
             clip_high=config.clip_high,
             is_cap=config.is_cap,
             kl_coef=config.kl_coef,
         )
+        accelerator = get_accelerator()
+        self.device = torch.device(accelerator.device_name(local_rank))
+        # Before the first kernel: cuBLAS reads its workspace settings once.
+        self.numerics = numerics.for_device(self.device, config.precision, config.batch_invariant)
+        numerics.apply(self.numerics)
+        if self.device.type != "cpu":
+            accelerator.set_device(local_rank)  # one rank per GPU; NCCL needs it set
         distributed.init_distributed(config.ranks, local_rank)
+        self.shared_checkpoints = checkpoints.shared_across_nodes(config.checkpoint_dir, local_rank)
+        engine_config = deepspeed_config(config, self.shared_checkpoints)
         torch.manual_seed(config.seed)
         model_config = json.loads((config.model / "config.json").read_text())
         # Published weights keep the checkpoint's dtype, the one the inference engine serves.
@@ -66,7 +79,12 @@ class Policy:
             top_k=getattr(model.config, "num_experts_per_tok", 0),
         )
         self.pad_id = model.config.pad_token_id or 0
-        self.reference = self._load_model().eval() if config.kl_coef > 0 else None
+        # Not DeepSpeed's to place: frozen, in the engine's dtype, on the rank's device.
+        self.reference = (
+            self._load_model().to(self.device, self.numerics.dtype).eval()
+            if config.kl_coef > 0
+            else None
+        )
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
@@ -84,8 +102,10 @@ class Policy:
         )
 
     def _load_model(self) -> torch.nn.Module:
+        # float32: DeepSpeed's master weights are made from it; under bf16 it casts the
+        # module itself.
         model = AutoModelForCausalLM.from_pretrained(self.config.model, dtype=torch.float32)
-        prepare(model, batch_invariant=self.config.batch_invariant)
+        prepare(model, tiled=self.numerics.tiled)
         return model
 
     @property
@@ -93,13 +113,19 @@ class Policy:
         return self.config.router_replay and self.shape.moe_layers > 0
 
     def logprobs(self, rows: Rows, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Log-probs of `rows` (on the rank's device) under the policy or `model`."""
         return token_logprobs(
             model or self.engine,
             rows.batch,
-            batch_invariant=self.config.batch_invariant,
+            tiled=self.numerics.tiled,
             replay=self.replay,
             temperature=self.config.temperature,
         )
+
+    def placed(self, rows: list[Rows]) -> list[Rows]:
+        """`rows` on the rank's device: they arrive in host memory (made by rank 0 from
+        trajectories, scattered over the process group)."""
+        return [r.to(self.device) for r in rows]
 
     def train_step(
         self, micro_batches: list[Rows], tokens: int, held_out: list[Rows] | None = None
@@ -111,7 +137,7 @@ class Policy:
         makes reusing a batch safe. `held_out`, this rank's share of trajectories not
         trained on, is scored before and after (`held_out_gain`)."""
         self.engine.train()
-        held_out = held_out or []
+        micro_batches, held_out = self.placed(micro_batches), self.placed(held_out or [])
         before = self.preference(held_out)
         references = [self._reference(rows) for rows in micro_batches]  # frozen: once
         first = last = self._update(micro_batches, references, tokens, None, kept=None)
@@ -152,7 +178,7 @@ class Policy:
         """This rank's sum of advantage x log-prob over `rows`' generated tokens, and the
         tokens' count: how strongly the policy prefers what was rewarded over what was not.
         A forward pass each, collective under ZeRO-3 like training's (every rank has as
-        many, `distributed.share`)."""
+        many, `distributed.share`). `rows` are on the rank's device (`placed`)."""
         sums = torch.zeros(2, dtype=torch.float64)
         with torch.no_grad():
             for micro_batch in rows:
@@ -238,24 +264,22 @@ class Policy:
 
     def save(self, step: int, client_state: dict[str, Any], pinned: Collection[int] = ()) -> None:
         """Collective: every rank saves its part, into its node's `checkpoint_dir` (a volume
-        per pod); rank 0's `client_state` is the one resumed from. The newest few are kept,
-        and the `pinned` steps' too (a production run's serving version and the one before
-        it, to go back to)."""
+        per pod, or one every node shares: `checkpoints`); rank 0's `client_state` is the
+        one resumed from. The newest few are kept, and the `pinned` steps' too (a
+        production run's serving version and the one before it, to go back to)."""
         directory = self.config.checkpoint_dir
-        self.engine.save_checkpoint(str(directory), tag=_tag(step), client_state=client_state)
-        if self.local_rank == 0:  # once every rank has written (the save ends in a barrier)
-            tags = sorted(p for p in directory.glob("step-*") if p.is_dir())
-            for old in tags[: -self.config.keep_checkpoints]:
-                if old.name not in {_tag(version) for version in pinned}:
-                    shutil.rmtree(old)
+        self.engine.save_checkpoint(str(directory), tag=tag(step), client_state=client_state)
+        # Once every rank has written (the save ends in a barrier), one process per folder.
+        if checkpoints.prunes(self.shared_checkpoints, self.local_rank):
+            checkpoints.prune(directory, self.config.keep_checkpoints, pinned)
 
     def restore(self, step: int) -> bool:
         """Collective: the weights and optimiser state back to step `step`'s checkpoint,
         if this node still has it. The caller keeps counting versions from where it is:
         a version number is never used twice."""
-        if not (self.config.checkpoint_dir / _tag(step)).is_dir():
+        if not (self.config.checkpoint_dir / tag(step)).is_dir():
             return False
-        self.engine.load_checkpoint(str(self.config.checkpoint_dir), tag=_tag(step))
+        self.engine.load_checkpoint(str(self.config.checkpoint_dir), tag=tag(step))
         return True
 
     def load(self) -> dict[str, Any] | None:
@@ -288,7 +312,3 @@ def _finite_everywhere(loss: torch.Tensor) -> bool:
     """Whether every rank's `loss` is finite: they all skip a micro-batch, or none does."""
     bad = torch.tensor([0.0 if torch.isfinite(loss.detach()).item() else 1.0])
     return not distributed.reduce(bad, dist.ReduceOp.MAX)[0].item()
-
-
-def _tag(step: int) -> str:
-    return f"step-{step:08d}"

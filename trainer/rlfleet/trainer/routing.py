@@ -37,7 +37,7 @@ def routers(model: nn.Module) -> list[nn.Module]:
 
 def _route(self, hidden_states: torch.Tensor):
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    project = kernels.linear if self._rlfleet_invariant else F.linear
+    project = kernels.linear if self._rlfleet_tiled else F.linear
     logits = project(hidden_states, self.weight)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     replay = _replay.get()
@@ -51,12 +51,12 @@ def _route(self, hidden_states: torch.Tensor):
     return logits, weights.to(logits.dtype), indices
 
 
-def take_over_routers(model: nn.Module, *, batch_invariant: bool) -> int:
+def take_over_routers(model: nn.Module, *, tiled: bool) -> int:
     """Route `model`'s MoE layers through `_route`; returns the number of MoE layers."""
     found = routers(model)
     for layer, router in enumerate(found):
         router._rlfleet_layer = layer
-        router._rlfleet_invariant = batch_invariant
+        router._rlfleet_tiled = tiled
         router.forward = types.MethodType(_route, router)
     return len(found)
 

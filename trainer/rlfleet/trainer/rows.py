@@ -25,6 +25,15 @@ class Rows:
     def tokens(self) -> int:
         return int(self.mask.sum())
 
+    def to(self, device: torch.device | str) -> Rows:
+        """These rows with every tensor, the batch's too, on `device`."""
+        return Rows(
+            self.batch.to(device),
+            self.behaviour.to(device),
+            self.mask.to(device),
+            self.advantages.to(device),
+        )
+
 
 def routed_experts(segment: Segment) -> torch.Tensor:
     """[len(tokens) - 1, layers, top_k] int64 experts for the tokens the engine ran."""

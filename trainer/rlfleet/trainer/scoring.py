@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -91,9 +92,21 @@ class Batch:
         )
 
     def attention_mask(self) -> torch.Tensor:
-        """[rows, 1, width, width] bool: each row's sequences, for the default kernels."""
+        """[rows, 1, width, width] bool: each row's sequences, for the model's kernels."""
         width = self.inputs.shape[1]
-        return torch.stack([layout.allowed(width) for layout in self.layouts])[:, None]
+        allowed = torch.stack([layout.allowed(width) for layout in self.layouts])[:, None]
+        return allowed.to(self.inputs.device)
+
+    def to(self, device: torch.device | str) -> Batch:
+        """This batch with every tensor on `device` (the layouts are plain numbers)."""
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: value.to(device)
+                for f in dataclasses.fields(self)
+                if isinstance(value := getattr(self, f.name), torch.Tensor)
+            },
+        )
 
 
 def _padded(rows: Sequence[torch.Tensor], width: int, fill: int) -> torch.Tensor:
@@ -103,11 +116,12 @@ def _padded(rows: Sequence[torch.Tensor], width: int, fill: int) -> torch.Tensor
     return out
 
 
-def prepare(model: nn.Module, *, batch_invariant: bool) -> nn.Module:
-    """Make `model` score with the chosen kernels and honour router replay."""
-    if batch_invariant:
+def prepare(model: nn.Module, *, tiled: bool) -> nn.Module:
+    """Make `model` score with rlfleet's tiled kernels (`tiled`) or its own, and honour
+    router replay. Which is batch-invariant where is `numerics`' decision."""
+    if tiled:
         kernels.make_batch_invariant(model)
-    routing.take_over_routers(model, batch_invariant=batch_invariant)
+    routing.take_over_routers(model, tiled=tiled)
     return model
 
 
@@ -115,20 +129,21 @@ def token_logprobs(
     model: nn.Module,
     batch: Batch,
     *,
-    batch_invariant: bool,
+    tiled: bool,
     replay: bool,
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """log p(token[t+1] | tokens[:t+1]) of each sequence as [sequences, longest - 1] float32,
-    0 past each sequence's end.
+    0 past each sequence's end, on `batch`'s device, which must be the model's.
 
     With `replay`, MoE layers route each input by `batch.experts`. `temperature` scores
-    under softmax(logits / temperature), as the engine samples.
+    under softmax(logits / temperature), as the engine samples. `tiled`: the model was
+    prepared with the tiled kernels.
     """
     if replay and batch.experts is None:
         raise ValueError("router replay needs the routed experts of every sequence")
-    # Batch-invariant attention attends to each sequence alone; the default kernels take a mask.
-    attention_mask = None if batch_invariant else batch.attention_mask()
+    # The tiled attention attends to each sequence alone; the model's kernels take a mask.
+    attention_mask = None if tiled else batch.attention_mask()
     with kernels.layouts(batch.layouts), routing.replay(batch.experts if replay else None):
         logits = model(
             input_ids=batch.inputs,
