@@ -21,6 +21,13 @@ It beats XOR because an RL step moves most changed weights by one unit in the la
 place: a step of +1 or -1 (about one bit each), where the XOR of those same patterns is
 a run of ones of varying length (about three). Subtracting the steps again restores the
 old bits, which is how a receiver rolls back a version that fails verification.
+
+Encoding a delta is two steps: compaction compares the new bits with the old and keeps
+what the candidate encodings need (`Compacted`: the changed positions and their steps,
+the bitmap, every step), and `encode_compacted` prices and builds them. Host pieces are
+compacted here with numpy (`compact`); a device tensor's pieces are compacted on the
+device (`bits.compact_bits`) and only what that keeps crosses to the host. Both follow
+`bits.sections_needed` and meet in `encode_compacted`, so they give the same bytes.
 """
 
 from __future__ import annotations
@@ -34,15 +41,18 @@ import zstandard
 
 from rlfleet.api.wire import Count
 from rlfleet.weightsync import positions
-from rlfleet.weightsync.bits import from_planes, to_planes
+from rlfleet.weightsync.bits import (
+    BITMAP_FROM_FRACTION as BITMAP_FROM_FRACTION,  # where the bitmap is priced: codec's rule
+)
+from rlfleet.weightsync.bits import (
+    Compacted,
+    from_planes,
+    sections_needed,
+    to_planes,
+)
 from rlfleet.weightsync.errors import CorruptShard
 
 Encoding = Literal["raw", "sparse", "bitmap", "dense"]
-
-# Below this fraction of changed elements the bitmap is not even priced: on changes
-# spread at random it measured 13 % (at 0.1) to 75 % (at 0.01) dearer than Rice coding,
-# the two costing the same from about 0.19 up.
-BITMAP_FROM_FRACTION = 0.1
 
 
 class Piece(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
@@ -125,10 +135,11 @@ def _few_changes(new: np.ndarray, old: np.ndarray) -> np.ndarray | None:
     return np.concatenate((found, tail)) if tail.size else found
 
 
-def encode_delta(
-    new: np.ndarray, old: np.ndarray, level: int, dense_from_fraction: float
-) -> tuple[Encoding, list[bytes]] | None:
-    """The smallest encoding of `new` against `old`, or None when nothing changed."""
+def compact(
+    new: np.ndarray, old: np.ndarray, dense_from_fraction: float
+) -> Compacted[np.ndarray] | None:
+    """Host bits compared and compacted (what `bits.compact_bits` does on a device);
+    None when nothing changed."""
     changed: np.ndarray | None = None
     where = _few_changes(new, old)
     if where is None:
@@ -138,25 +149,57 @@ def encode_delta(
         count = where.size
     if count == 0:
         return None
-    options: list[tuple[Encoding, list[bytes]]] = []
-    fraction = count / new.size
-    if fraction < 0.5:
+    sparse, bitmap, dense = sections_needed(count, new.size, dense_from_fraction)
+    steps = packed = every = None
+    if sparse:
         if where is None:
             where = np.flatnonzero(changed)
-        steps = _compress(to_planes(_steps(new[where], old[where])), level)
-        bitmap = None
-        if fraction >= BITMAP_FROM_FRACTION:
+        steps = _steps(new[where], old[where])
+        if bitmap:
             if changed is None:
                 changed = np.not_equal(new, old)
-            bitmap = _compress(np.packbits(changed, bitorder="little"), level)
+            packed = np.packbits(changed, bitorder="little")
+    del changed
+    if dense:
+        every = _steps(new, old)
+    return Compacted(new.size, count, where if sparse else None, steps, packed, every)
+
+
+def encode_compacted(compacted: Compacted[np.ndarray], level: int) -> tuple[Encoding, list[bytes]]:
+    """The smallest encoding of a compacted delta (host arrays), wherever it was found."""
+    options: list[tuple[Encoding, list[bytes]]] = []
+    if compacted.steps is not None:
+        steps = _compress(to_planes(compacted.steps), level)
+        bitmap = None
+        if compacted.bitmap is not None:
+            bitmap = _compress(compacted.bitmap, level)
             options.append(("bitmap", [bitmap, steps]))
         # Rice is priced before it is built: built only where it is the cheaper code.
-        rice = positions.encode(where, within=None if bitmap is None else len(bitmap) - 1)
+        rice = positions.encode(compacted.where, within=None if bitmap is None else len(bitmap) - 1)
         if rice is not None:
             options.append(("sparse", [rice, steps]))
-    if fraction >= min(dense_from_fraction, 0.5):
-        options.append(("dense", [_compress(to_planes(_steps(new, old)), level)]))
+    if compacted.dense is not None:
+        options.append(("dense", [_compress(to_planes(compacted.dense), level)]))
     return min(options, key=lambda option: sum(map(len, option[1])))
+
+
+def encode_delta(
+    new: np.ndarray, old: np.ndarray, level: int, dense_from_fraction: float
+) -> tuple[Encoding, list[bytes]] | None:
+    """The smallest encoding of `new` against `old`, or None when nothing changed."""
+    compacted = compact(new, old, dense_from_fraction)
+    return None if compacted is None else encode_compacted(compacted, level)
+
+
+def apply_compacted(compacted: Compacted[np.ndarray], target: np.ndarray) -> None:
+    """Bring `target`, the old bits, to the new ones the compacted delta was found from:
+    what a receiver of any of its encodings does, without their coding."""
+    if target.size != compacted.size:
+        raise ValueError(f"a delta of {compacted.size} elements for {target.size}")
+    if compacted.where is not None:
+        target[compacted.where] += _differences(compacted.steps)
+    else:
+        target += _differences(compacted.dense)
 
 
 def apply(piece: Piece, sections: list[memoryview], target: np.ndarray, undo: bool = False) -> None:

@@ -12,8 +12,10 @@ is purged.
 
 A trainer whose ranks each hold part of the model publishes with a `Part` per rank: each
 rank encodes and puts only its own tensors' shards, streaming them out as they are made,
-and rank 0 puts the manifest. The base of the next delta is a host copy of only the
-rank's own tensors, so no process ever holds the whole model.
+and rank 0 puts the manifest. The base of the next delta is a copy of only the rank's
+own tensors, so no process ever holds the whole model; each is kept where the tensor
+is (host or device), so a trainer's GPU finds and compacts its delta and only that
+crosses to the host (`Publisher._commit` says what the host keeps of it).
 """
 
 from __future__ import annotations
@@ -60,12 +62,19 @@ class Publisher:
         config: SyncConfig,
         mirrors: Sequence[WeightStream] = (),
         part: Part | None = None,
+        on_device: bool | None = None,
     ) -> None:
+        """`on_device`: find deltas where each tensor is (None), also for host tensors
+        as if they were on a device (True: tests and benchmarks of that path), or always
+        on the host, copying device tensors there whole (False)."""
         self.stream = stream
         self.config = config
         self.mirrors = list(mirrors)
         self.part = part or ALONE
+        self.on_device = on_device
         self._base: WeightState | None = None
+        # Host copies of the base's tensors that live on a device, for their digests.
+        self._host_base: dict[str, torch.Tensor] = {}
         self._snapshots: list[int] = []  # this publisher's, oldest first, none purged
         self._purged_before = 0
         self.pinned: int | None = None  # a version never purged, nor the snapshot before it
@@ -78,6 +87,22 @@ class Publisher:
         `tensors` (host or device) must not change until this returns: they are read
         while encoding and copied into the base only once the version is out.
         """
+        host_base = self._host_base
+        try:
+            return await self._publish(tensors, version)
+        except BaseException:
+            # Unless the version became the base, encoding brought these copies part or
+            # all of the way to a version that is not: they are made again from the base
+            # as the next version needs them. A new dict, so that an encoding still
+            # running in its thread cannot write into the one the next version uses.
+            committed = self._base is not None and self._base.version == version
+            if not committed and self._host_base is host_base:
+                self._host_base = {}
+            raise
+
+    async def _publish(
+        self, tensors: Mapping[str, torch.Tensor], version: int
+    ) -> list[WeightManifest]:
         base = self._base
         if base is not None and version <= base.version:
             raise ValueError(f"version {version} is not after {base.version}")
@@ -150,6 +175,8 @@ class Publisher:
             digests,
             rank=self.part.rank,
             world=self.part.world,
+            host_base=self._host_base,
+            on_device=self.on_device,
         )
         window = asyncio.Semaphore(SHARDS_IN_FLIGHT)
         puts: set[asyncio.Task[None]] = set()
@@ -216,14 +243,35 @@ class Publisher:
         self, tensors: Mapping[str, torch.Tensor], version: int, digests: dict[str, bytes]
     ) -> None:
         """Makes `tensors` the next base, into the old base's buffers where they fit, so that
-        this rank holds one host copy of its tensors, never two."""
+        this rank holds one copy of its tensors, never two, each on the tensor's device:
+        a device tensor's next delta is then found there, and the model does not cross
+        to the host at every version.
+
+        Digests are computed on the host, so the host also keeps a copy of each device
+        tensor (`_host_base`), which encoding brought to this version by applying each
+        compacted delta to it, as a receiver would apply the delta. That costs host
+        memory for a copy of the rank's device tensors and host time in proportion to
+        what changed; copying each tensor to the host to hash it would keep no host
+        memory but move the whole model over PCIe at every version (in RL every tensor
+        changes at every step), which finding the delta on the device is there to avoid.
+        A tensor sent raw (new, reshaped, or in a snapshot) crosses whole anyway, and
+        that copy becomes its host copy."""
         old = self._base.tensors if self._base is not None else {}
         copies = {}
         for name, tensor in tensors.items():
             buffer = old.get(name)
-            if buffer is None or buffer.dtype != tensor.dtype or buffer.shape != tensor.shape:
-                buffer = torch.empty(tensor.shape, dtype=tensor.dtype)
+            if (
+                buffer is None
+                or buffer.dtype != tensor.dtype
+                or buffer.shape != tensor.shape
+                or buffer.device != tensor.device
+            ):
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
             copies[name] = buffer.copy_(tensor.detach())
+        for device in {buffer.device for buffer in copies.values() if buffer.is_cuda}:
+            torch.cuda.synchronize(device)  # `tensors` are the caller's again on return
+        for name in [n for n in self._host_base if n not in tensors]:
+            self._host_base.pop(name, None)
         self._base = self._base or WeightState()
         self._base.commit(copies, version, digests)
 

@@ -25,7 +25,14 @@ import zstandard
 
 from rlfleet.api.wire import ShardRef, WeightManifest
 from rlfleet.weightsync import codec
-from rlfleet.weightsync.bits import UnsupportedDtype, as_bits, dtype_name, torch_dtype
+from rlfleet.weightsync.bits import (
+    UnsupportedDtype,
+    as_bits,
+    compact_bits,
+    device_bits,
+    dtype_name,
+    torch_dtype,
+)
 from rlfleet.weightsync.codec import Piece
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.errors import CorruptShard, DigestMismatch, UnknownBase
@@ -74,7 +81,22 @@ def _encode_piece(
     start: int,
     count: int,
     config: SyncConfig,
+    host_old: torch.Tensor | None = None,
 ) -> tuple[Piece, list[bytes]] | None:
+    """One piece: raw when there is no `old`; else a delta found on the host, or, given
+    `host_old` (a host copy of `old`), found where `new` and `old` are, and applied to
+    `host_old`, which then holds the new bits."""
+    if host_old is not None:
+        end = start + count
+        found = compact_bits(
+            device_bits(new)[start:end], device_bits(old)[start:end], config.dense_from_fraction
+        )
+        if found is None:
+            return None
+        compacted = found.host()
+        codec.apply_compacted(compacted, as_bits(host_old)[start:end])
+        encoded = codec.encode_compacted(compacted, config.zstd_level)
+        return _piece(name, new, start, count, encoded)
     new_bits = as_bits(new)[start : start + count]
     if old is None:
         encoded = codec.encode_raw(new_bits, config.zstd_level)
@@ -85,6 +107,16 @@ def _encode_piece(
         )
         if encoded is None:
             return None
+    return _piece(name, new, start, count, encoded)
+
+
+def _piece(
+    name: str,
+    new: torch.Tensor,
+    start: int,
+    count: int,
+    encoded: tuple[codec.Encoding, list[bytes]],
+) -> tuple[Piece, list[bytes]]:
     encoding, sections = encoded
     piece = Piece(
         name,
@@ -139,6 +171,11 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu").contiguous()
 
 
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of the tensor in host memory, never sharing it."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.detach())
+
+
 def encode_shards(
     run: str,
     version: int,
@@ -149,6 +186,8 @@ def encode_shards(
     *,
     rank: int = 0,
     world: int = 1,
+    host_base: dict[str, torch.Tensor] | None = None,
+    on_device: bool | None = None,
 ) -> Iterator[tuple[ShardRef, bytes]]:
     """Shards of `tensors` as `version`, a delta on `base` or full when None, each yielded
     as soon as it is full: the caller puts it away before the next is made.
@@ -156,18 +195,48 @@ def encode_shards(
     Fills `digests` with the tensors' digests (those already in it are taken as known).
     Among `world` ranks each encoding its own tensors, shard `i` of rank `rank` gets index
     ``i * world + rank``: indices never collide, and need no agreement beforehand.
+
+    A tensor off the host whose base is on its device has its delta found and compacted
+    there (`on_device`: None decides so by where the tensor is; True does it for host
+    tensors too, False never), and only the compacted delta crosses to the host. Its
+    digest comes from `host_base`, host copies of such tensors' bases (made from the base
+    where missing), which the compacted delta brings to the new bits as it is encoded.
+    Every tensor encoded so, or sent raw while off the host (or `on_device`), ends with
+    its new bits in `host_base`; any other tensor leaves it. Encoding stopped part way
+    leaves `host_base` part old, part new: the caller drops it.
     """
+    host_base = {} if host_base is None else host_base
+    hashed_late: list[str] = []  # digests taken from `host_base` once their pieces are in
 
     def jobs() -> Iterator[tuple]:
         for name in sorted(tensors):
-            new = _host(tensors[name])
+            tensor = tensors[name]
+            old = base.tensors.get(name) if base is not None else None
+            if old is not None and (old.dtype != tensor.dtype or old.shape != tensor.shape):
+                old = None  # carried whole: new shape or dtype
+            off_host = tensor.device.type != "cpu" if on_device is None else on_device
+            piece_elements = max(1, config.shard_bytes // 4 // tensor.element_size())
+            ranges = _ranges(tensor.numel(), piece_elements)
+            if off_host and old is not None and old.device == tensor.device:
+                host = host_base.get(name)
+                if host is None or host.dtype != old.dtype or host.shape != old.shape:
+                    host = host_base[name] = _host_copy(old)
+                if name not in digests:
+                    hashed_late.append(name)
+                new, old = tensor.detach().contiguous(), old.contiguous()
+                for start, count in ranges:
+                    yield name, new, old, start, count, config, host
+                continue
+            new = _host(tensor)
+            if old is not None:
+                old = _host(old)  # a copy only where base and tensor are on other devices
             if name not in digests:
                 digests[name] = xxhash.xxh3_128(as_bits(new)).digest()
-            old = base.tensors.get(name) if base is not None else None
-            if old is not None and (old.dtype != new.dtype or old.shape != new.shape):
-                old = None  # carried whole: new shape or dtype
-            piece_elements = max(1, config.shard_bytes // 4 // new.element_size())
-            for start, count in _ranges(new.numel(), piece_elements):
+            if off_host:  # the host copy made to send it, kept (never the caller's own)
+                host_base[name] = new if tensor.device.type != "cpu" else _host_copy(new)
+            else:
+                host_base.pop(name, None)
+            for start, count in ranges:
                 yield name, new, old, start, count, config
 
     group: list[tuple[Piece, list[bytes]]] = []
@@ -179,6 +248,9 @@ def encode_shards(
             group, size, local = [], 0, local + 1
         group.append(item)
         size += item_size
+    # Every piece is in (the pool is done with them): `host_base` holds the new bits.
+    if hashed_late:
+        digests.update(tensor_digests({name: host_base[name] for name in hashed_late}))
     if group:
         yield _shard(run, version, local * world + rank, group)
 

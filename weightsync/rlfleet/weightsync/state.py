@@ -18,7 +18,8 @@ WORKERS = os.cpu_count() or 1
 def tensor_digests(
     tensors: Mapping[str, torch.Tensor], reuse: Mapping[str, bytes] | None = None
 ) -> dict[str, bytes]:
-    """xxh3-128 of each tensor's bits, taking those in `reuse` as already known."""
+    """xxh3-128 of each tensor's bits, taking those in `reuse` as already known. Hashed
+    on the host: a device tensor's digest is known, or taken from a host copy."""
     reuse = reuse or {}
     missing = [name for name in tensors if name not in reuse]
     with ThreadPoolExecutor(WORKERS) as pool:
@@ -61,7 +62,8 @@ def state_digest(tensors: Mapping[str, torch.Tensor], digests: Mapping[str, byte
 
 
 class WeightState:
-    """The tensors a receiver (or a publisher, as its base) holds, host-side.
+    """The tensors a receiver holds, host-side, or a publisher as its base (each where the
+    publisher's tensor is: host or device).
 
     Tensor digests are kept so that proving a new version rehashes only what it changed.
     """
