@@ -71,6 +71,14 @@ TASKS_WAITING = 100_000
 # The spec's default, in bytes.
 TRAJECTORY_BACKLOG = RLRunSpec.model_fields["trajectory_backlog_mib"].default << 20
 MAX_TRAJECTORY_BYTES = 32 << 20  # one trajectory, its routed experts included
+# One task: its prompt, starting tree, hidden tests and environment's files.
+MAX_TASK_BYTES = 8 << 20
+# One report (a step's, an evaluation's, a cycle's or the conductor's state, whose history
+# is bounded) or order: small, and bounded so that no writer can fill a stream with a few.
+MAX_REPORT_BYTES = 1 << 20
+MAX_FEEDBACK_BYTES = 64 << 10  # one client event on one response
+MAX_SERVING_BYTES = 64 << 10  # which version one set of servers serves
+MAX_WEIGHTS_BYTES = WEIGHT_CHUNK_BYTES + 4096  # a chunk of a shard and its headers
 # How long a component waits for a stream its run's owner has not made yet: the hub
 # operator starts a run's pods and makes its streams in the same reconcile.
 BIND_WAIT_S = 30.0
@@ -99,6 +107,7 @@ def task_stream_config(run: str) -> StreamConfig:
         storage=StorageType.FILE,
         discard=DiscardPolicy.NEW,
         max_msgs=TASKS_WAITING,
+        max_msg_size=MAX_TASK_BYTES,
     )
 
 
@@ -124,6 +133,7 @@ def _reports(name: str, subject: str, kept: int) -> StreamConfig:
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
         max_msgs=kept,
+        max_msg_size=MAX_REPORT_BYTES,
         allow_direct=True,
     )
 
@@ -170,7 +180,7 @@ def feedback_stream_config(run: str) -> StreamConfig:
         max_msgs_per_subject=1,
         max_age=PRODUCTION_KEPT_S,
         max_msgs=FEEDBACK_KEPT,
-        max_msg_size=64 << 10,
+        max_msg_size=MAX_FEEDBACK_BYTES,
         allow_direct=True,  # the collector reads a completion's events by subject
     )
 
@@ -184,6 +194,7 @@ def serving_stream_config(run: str) -> StreamConfig:
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
         max_msgs_per_subject=16,
+        max_msg_size=MAX_SERVING_BYTES,
         allow_direct=True,
     )
 
@@ -203,6 +214,7 @@ def cycle_stream_config(run: str) -> StreamConfig:
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
         max_msgs_per_subject=CYCLES_KEPT,
+        max_msg_size=MAX_REPORT_BYTES,
         allow_direct=True,
     )
 
@@ -216,7 +228,7 @@ def weights_stream_config(run: str) -> StreamConfig:
         storage=StorageType.FILE,
         allow_direct=True,
         discard=DiscardPolicy.OLD,
-        max_msg_size=WEIGHT_CHUNK_BYTES + 4096,
+        max_msg_size=MAX_WEIGHTS_BYTES,
         duplicate_window=120.0,
     )
 
@@ -229,6 +241,7 @@ def weights_mirror_config(run: str, hub_domain: str) -> StreamConfig:
         name=name,
         storage=StorageType.FILE,
         allow_direct=True,
+        max_msg_size=MAX_WEIGHTS_BYTES,
         mirror=StreamSource(name=name, external=ExternalStream(api=f"$JS.{hub_domain}.API")),
     )
 
@@ -249,6 +262,14 @@ def run_stream_configs(
         cycle_stream_config(run),
         serving_stream_config(run),
     ]
+
+
+def largest_message() -> int:
+    """The largest message any stream of a run takes: a server's (and every leaf node's)
+    `max_payload` must allow it, else a message the stream would take is refused at
+    publish (a rollout worker whose trajectory it is redoes the whole group), and a leaf
+    node drops its link on one."""
+    return max(config.max_msg_size for config in run_stream_configs("any"))
 
 
 async def _ensure(js: JetStreamContext, config: StreamConfig) -> None:

@@ -32,6 +32,7 @@ from rlfleet.bus.auth import (
     mint_user,
     operator_jwt,
 )
+from rlfleet.bus.streams import largest_message
 from rlfleet.local.binaries import binary
 from rlfleet.local.files import write_secret
 from rlfleet.local.processes import Supervisor, free_port
@@ -123,6 +124,8 @@ class _Trust:
             "resolver_preload": self.accounts,
             # A run's user JWT lists its subjects and streams: longer than the default 4 KiB.
             "max_control_line": MAX_CONTROL_LINE,
+            # Every server alike, the leaf nodes too: each takes what a stream takes.
+            "max_payload": largest_message(),
         }
 
 

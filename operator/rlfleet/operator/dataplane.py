@@ -43,6 +43,7 @@ from rlfleet.bus.streams import (
     delete_run_streams,
     ensure_run_streams,
     evaluation_stream,
+    largest_message,
     step_stream,
 )
 from rlfleet.operator.production import CycleUpdates
@@ -118,6 +119,13 @@ class DataPlane:
                     max_reconnect_attempts=-1,
                     name="rlfleet-operator",
                 )
+                if self._nc.max_payload < largest_message():
+                    log.warning(
+                        "NATS %s takes messages of at most %d bytes (its max_payload), a "
+                        "run's streams up to %d: a larger trajectory or task is refused at "
+                        "publish; give every server, leaf nodes too, max_payload: %d",
+                        *(self.url, self._nc.max_payload, largest_message(), largest_message()),
+                    )
             return self._nc
 
     def run_users(self, run: str) -> dict[BusRole, str]:
