@@ -4,6 +4,10 @@ spec and a placement, which a pod builds at start and `rlfleet run` writes as JS
 A field the spec decides takes its default from the API model (`rlfleet.api.rlrun`), its
 one home (`spec_default`); the other fields are the components' own tunables. The types
 live here, not in the components, because core builds them and may not import those.
+
+Unlike the wire's messages (`rlfleet.api.wire`), settings forbid unknown fields: they are
+built by the release that reads them (in the pod at its start, or by the `rlfleet run` of
+the same checkout), never by another release, so an unknown field is a mistake to stop on.
 """
 
 from __future__ import annotations
