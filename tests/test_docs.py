@@ -1,6 +1,6 @@
 """The docs site builds with no warning, its reference is the code's, and its commands run.
 
-Commands: every ```sh block of docs/ is run as written from the repository
+Commands: every ```sh block of README.md and docs/ is run as written from the repository
 root, unless its fence carries a title (`sh title="about 10 minutes"`), which tells the
 reader why it is not quick: it takes minutes, needs clusters or changes the tree.
 """
@@ -22,7 +22,7 @@ from rlfleet.cli import docs
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted((ROOT / "docs").rglob("*.md"))
 GENERATED = {path.resolve() for path in docs.generated(ROOT)}
-WRITTEN = [p for p in PAGES if p.resolve() not in GENERATED]
+WRITTEN = [ROOT / "README.md", *(p for p in PAGES if p.resolve() not in GENERATED)]
 FENCE = re.compile(r"^```(sh|bash|shell)\b(?P<info>[^\n]*)\n(?P<body>.*?)^```", re.M | re.S)
 QUICK_S = 60
 
