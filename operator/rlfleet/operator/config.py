@@ -113,6 +113,32 @@ def _merged(default: Any, given: Any) -> Any:
     return given
 
 
+class MetricsScraper(BaseModel):
+    """Where a Prometheus that scrapes the runs' pods runs: a NetworkPolicy peer, as the
+    chart's `workloads.metricsScrapers` names it (both selectors: pods so labelled in
+    namespaces so labelled; a podSelector alone: the run's own namespace)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True)
+
+    namespace_selector: dict[str, Any] | None = Field(None, alias="namespaceSelector")
+    pod_selector: dict[str, Any] | None = Field(None, alias="podSelector")
+
+    @model_validator(mode="after")
+    def _some_selector(self) -> MetricsScraper:
+        if self.namespace_selector is None and self.pod_selector is None:
+            raise ValueError("a metrics scraper needs a namespaceSelector or a podSelector")
+        return self
+
+    def peer(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+# Prometheus where kube-prometheus-stack (and kube-prometheus) is usually installed.
+MONITORING_NAMESPACE = MetricsScraper(
+    namespace_selector={"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+)
+
+
 class Workloads(BaseModel):
     """What every pod the operator makes for a run asks for and serves."""
 
@@ -122,6 +148,9 @@ class Workloads(BaseModel):
     # Each pod serves its Prometheus metrics here: its container's `metrics` port, its
     # `prometheus.io/port` annotation and the component's settings all take this number.
     metrics_port: Annotated[int, Field(ge=1, le=65535)] = 9400
+    # Who besides a run's own ranks may reach that port on its trainer pods (their
+    # NetworkPolicy, `workloads.trainer_network_policy`); empty: no one.
+    metrics_scrapers: list[MetricsScraper] = Field(default_factory=lambda: [MONITORING_NAMESPACE])
     # The node label whose value is a node's GPU type: rollout pods are placed by their
     # pool's `serving.gpuType`, trainer pods by the run's `trainer.gpuType`, on its value.
     gpu_type_label: Annotated[str, Field(min_length=1, max_length=316)] = GPU_TYPE_LABEL

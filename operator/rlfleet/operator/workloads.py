@@ -51,6 +51,12 @@ METRICS_PORT_NAME = "metrics"  # the container port a component serves Prometheu
 # The user (and group) each image runs as: `USER` in images/trainer.Dockerfile and
 # images/rollout.Dockerfile. An EnvPool's server runs as root in its VM (below).
 WORKLOAD_USER = 1000
+# A credential a workload mounts (its NATS user, its EnvPool token): read-only, for the
+# pod's own group alone, which is its fsGroup, WORKLOAD_USER's (`_least_privilege`). The
+# kubelet owns a Secret volume's files root:fsGroup and adds group read to them (0400
+# lands as 0440 all the same); without the group bit a non-root uid could not read it.
+# Nothing for other uids: no process of another uid in the pod reads it.
+CREDENTIALS_MODE = 0o440
 # An EnvPool's pods: the session server (images/env-sandbox.Dockerfile) and where it keeps
 # its state, the runs' tokens, the port it serves and probes on, and the capabilities it
 # makes sandboxes with: namespaces and mounts, each sandbox's uid, its tree's owner, and
@@ -227,9 +233,8 @@ def _with_nats(pod: dict, run: str, role: BusRole, minted: bool) -> dict:
     what its component does, nothing more (`rlfleet.bus.auth.role_access`)."""
     if not minted:
         return pod
-    pod["volumes"].append(
-        {"name": "nats", "secret": {"secretName": launch.nats_credentials_secret(run, role)}}
-    )
+    secret = {"secretName": launch.nats_credentials_secret(run, role)}
+    pod["volumes"].append({"name": "nats", "secret": secret | {"defaultMode": CREDENTIALS_MODE}})
     container = pod["containers"][0]
     container["volumeMounts"].append(
         {"name": "nats", "mountPath": launch.NATS_CREDENTIALS_DIR, "readOnly": True}
@@ -301,8 +306,9 @@ def hub_objects(
     run: dict, images: Images, workloads: Workloads, nats: NatsAccess | None, held: bool = False
 ) -> list[dict]:
     """The run's spec, its trainer (StatefulSet with stable ranks, headless Service for
-    rendezvous, PodDisruptionBudget), its task feed and, with an evaluation gate, its
-    evaluator. A suspended run, or one `held` (it failed its gate), keeps them at zero."""
+    rendezvous, PodDisruptionBudget, NetworkPolicy), its task feed and, with an evaluation
+    gate, its evaluator. A suspended run, or one `held` (it failed its gate), keeps them
+    at zero."""
     name = run["metadata"]["name"]
     spec = RLRunSpec.model_validate(run["spec"])
     stopped = spec.suspend or held
@@ -327,13 +333,37 @@ def hub_objects(
         "spec": {"maxUnavailable": 0, "selector": {"matchLabels": labels}},
     }
     statefulset = _trainer(run, spec, images, workloads, nats, stopped, labels)
-    objects = [spec_config_map(run), statefulset, service, budget]
+    network = trainer_network_policy(run, labels, workloads)
+    objects = [spec_config_map(run), statefulset, service, budget, network]
     for component in launch.components_of(spec):
         if component not in (launch.TRAINER, launch.ROLLOUT):
             objects.append(
                 _hub_component(run, spec, images, workloads, nats, component.name, stopped)
             )
     return objects
+
+
+def trainer_network_policy(run: dict, labels: dict[str, str], workloads: Workloads) -> dict:
+    """Who reaches the run's trainer pods (`labels`): the run's own ranks, on every port
+    (the rendezvous, and those the collectives' backends pick at random), and the chart's
+    metrics scrapers on the metrics port alone. No other pod, of another run or another
+    namespace, reaches the rendezvous (a rank that joins it joins the job)."""
+    ranks = {"podSelector": {"matchLabels": labels}}  # without a namespaceSelector: this one
+    ingress: list[dict[str, Any]] = [{"from": [ranks]}]
+    scrapers = [scraper.peer() for scraper in workloads.metrics_scrapers]
+    if scrapers:
+        metrics = {"protocol": "TCP", "port": workloads.metrics_port}
+        ingress.append({"from": scrapers, "ports": [metrics]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(run, f"{run['metadata']['name']}-trainer", labels),
+        "spec": {
+            "podSelector": {"matchLabels": labels},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
 
 
 def _trainer(
@@ -579,7 +609,9 @@ def envpool_service(envpool: str) -> str:
 def _with_envpool(pod: dict, run: dict, envpool: str) -> dict:
     """Tells the worker where its run's EnvPool is, and mounts the run's token for it."""
     secret = launch.envpool_token_secret(run["metadata"]["name"])
-    pod["volumes"].append({"name": "envpool", "secret": {"secretName": secret}})
+    pod["volumes"].append(
+        {"name": "envpool", "secret": {"secretName": secret, "defaultMode": CREDENTIALS_MODE}}
+    )
     container = pod["containers"][0]
     container["volumeMounts"].append(
         {"name": "envpool", "mountPath": launch.ENVPOOL_TOKEN_DIR, "readOnly": True}
