@@ -264,6 +264,30 @@ def run_stream_configs(
     ]
 
 
+# Users revoked with their runs (`rlfleet.bus.auth.revoke_run_users`): the owner of the
+# runs' account reads them back each time it signs the account again.
+REVOCATIONS = "RLFLEET-REVOKED"
+
+
+def revocation_subject(incarnation: str = "*") -> str:
+    return f"rlfleet.revoked.{incarnation}"
+
+
+def revocation_stream_config(kept_s: float) -> StreamConfig:
+    """One record per deleted run (its users' keys), kept `kept_s`: as long as a JWT of
+    theirs may still be valid; past that, expiry refuses them without a revocation."""
+    return StreamConfig(
+        name=REVOCATIONS,
+        subjects=[revocation_subject()],
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=kept_s,
+        max_msgs_per_subject=1,
+        max_msg_size=MAX_REPORT_BYTES,
+        allow_direct=True,
+    )
+
+
 def largest_message() -> int:
     """The largest message any stream of a run takes: a server's (and every leaf node's)
     `max_payload` must allow it, else a message the stream would take is refused at

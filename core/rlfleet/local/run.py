@@ -57,7 +57,6 @@ from rlfleet.launch import EVALUATION, WARMUP
 from rlfleet.launch.caches import own_caches
 from rlfleet.launch.settings import to_json
 from rlfleet.local import plan, realtime, report
-from rlfleet.local.files import write_secret
 from rlfleet.local.nats import NatsBed, start_nats
 from rlfleet.local.processes import Supervisor, stop_pids
 
@@ -362,9 +361,8 @@ class LocalPlane:
         try:
             regions = self.spec.region_names
             bed = start_nats(regions, self.supervisor, self.layout.nats)
-            self.url = bed.hub.url
-            for role in BusRole:
-                write_secret(self.layout.credentials(role), bed.run_user(self.key, role))
+            self.url, self.bed = bed.hub.url, bed
+            bed.keep_run_users(self.key, self.users())
             backlog = self.spec.trajectory_backlog_mib << 20
             asyncio.run(make_streams(bed, self.key, backlog))
             if self.spec.production is not None:
@@ -381,8 +379,12 @@ class LocalPlane:
         print_metrics(processes)
         return self
 
+    def users(self) -> dict[BusRole, Path]:
+        return {role: self.layout.credentials(role) for role in BusRole}
+
     def check_alive(self) -> None:
         self.supervisor.check_alive()
+        self.bed.keep_run_users(self.key, self.users())  # renewed before they expire
 
     def status(self, trained_s: float) -> str | None:
         return None

@@ -48,9 +48,10 @@ watches every namespace, each watched namespace's Role's otherwise (rbac.yaml). 
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [create, patch]
+# Each run's NATS user Secrets: applied when minted and again when renewed.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [create]
+  verbs: [create, patch]
 {{- else }}
 # A region mirrors runs and serves its InferencePools and EnvPools: rollout Deployments,
 # serving Deployments read and scaled, sandbox servers behind a NetworkPolicy.

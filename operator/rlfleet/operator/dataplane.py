@@ -74,6 +74,9 @@ class NatsLogin:
 
     credentials: str | None  # the operator's own user (.creds text); None: anonymous
     signing_seed: str | None = None  # the account's signing key, which mints runs' users
+    # Both or neither: what revokes a deleted run's users (`rlfleet.bus.auth.AccountOwner`).
+    operator_seed: str | None = None  # the NATS operator's key, which signs the account
+    system_credentials: str | None = None  # a system account user (.creds text)
 
 
 class DataPlane:
@@ -128,9 +131,10 @@ class DataPlane:
                     )
             return self._nc
 
-    def run_users(self, run: str) -> dict[BusRole, str]:
-        """New users (.creds text) for the run: one per component, each allowed what that
-        component does with the run's subjects and streams, and a read-only observer."""
+    def run_users(self, run: str, incarnation: str, ttl_s: float) -> dict[BusRole, str]:
+        """The run's users (.creds text), signed now for `ttl_s`: one per component, each
+        allowed what that component does with the run's subjects and streams, and a
+        read-only observer; `incarnation` (the run's uid) names their keys."""
         login = self.login()
         if login.credentials is None or login.signing_seed is None:
             raise DataPlaneUnavailable(
@@ -139,9 +143,46 @@ class DataPlane:
             )
         account = auth.account_of(login.credentials)
         return {
-            role: auth.mint_run_user(login.signing_seed, account, run, role)
+            role: auth.mint_run_user(login.signing_seed, account, run, role, incarnation, ttl_s)
             for role in launch.POD_ROLES
         }
+
+    def revoke_users(self, run: str, incarnation: str, ttl_s: float, servers: int) -> None:
+        """Revokes the users of a deleted run (`incarnation`: its uid) on every server that
+        hears the hub's system account (`servers` of them: the hub and a leaf node per
+        region); without the keys that takes, they only expire (within `ttl_s`)."""
+        login = self.login()
+        if login.operator_seed is None or login.system_credentials is None:
+            log.warning(
+                "run %s: its NATS users are left to expire (within %.0fs): the operator's "
+                "NATS Secret has no `operator-seed` and `system-creds` to revoke them with",
+                *(run, ttl_s),
+            )
+            return
+        assert login.credentials is not None and login.signing_seed is not None
+        owner = auth.AccountOwner(
+            login.operator_seed,
+            login.system_credentials,
+            auth.account_of(login.credentials),
+            login.signing_seed,
+        )
+        try:
+            took = self._run(self._revoke(owner, incarnation, ttl_s, servers))
+        except ValueError as error:  # a server refused the account
+            raise DataPlaneUnavailable(str(error)) from error
+        if len(took) < servers:
+            log.warning(
+                "run %s: %d of %d NATS servers said they revoked its users (%s)",
+                *(run, len(took), servers, ", ".join(took)),
+            )
+
+    async def _revoke(
+        self, owner: auth.AccountOwner, incarnation: str, ttl_s: float, servers: int
+    ) -> list[str]:
+        nc = await self._client()
+        return await auth.revoke_run_users(
+            nc, self.url, self.domain, owner, incarnation, ttl_s, servers, self.timeout_s / 2
+        )
 
     def ensure_streams(self, run: str, regions: list[str], trajectory_backlog: int) -> list[str]:
         """Creates the run's streams in the hub (its trajectories' bytes bounded by
