@@ -84,8 +84,9 @@ SPEC_FIELDS = [
     (GateSpec, "max_empty_increase", GatePolicy, "max_empty_increase", None),
     (GateSpec, "max_malformed_tool_calls", GatePolicy, "max_malformed_tool_calls", None),
     (GateSpec, "max_held_out_loss", GatePolicy, "max_held_out_loss", None),
-    (CanarySpec, "max_drop", CanaryPolicy, "max_drop", None),
-    (CanarySpec, "confidence", CanaryPolicy, "confidence", None),
+    (CanarySpec, "detectable_drop", CanaryPolicy, "detectable_drop", None),
+    (CanarySpec, "false_rollback_rate", CanaryPolicy, "false_rollback_rate", None),
+    (CanarySpec, "miss_rate", CanaryPolicy, "miss_rate", None),
     (CanarySpec, "window_seconds", CanaryPolicy, "window_s", float),
     (CanarySpec, "min_samples", CanaryPolicy, "min_samples", None),
 ]

@@ -547,27 +547,44 @@ def decode_cycle_report(data: bytes) -> CycleReport:
 
 class RewardTally(msgspec.Struct, frozen=True):
     """Users' rewards on some answered completions: count, sum and sum of squares, so
-    that tallies add up and a mean's spread is known without keeping every reward."""
+    that tallies add up and a mean's spread is known without keeping every reward. With
+    each reward, what the pool's history expected of it (0 when it expected nothing): their
+    sums let a canary's difference be adjusted by it (`rlfleet.operator.promotion`)."""
 
     count: Count = 0
     total: float = 0.0
     total_squares: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    expected_total: float = 0.0
+    expected_squares: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    products: float = 0.0  # of each reward and its expectation
 
     def __post_init__(self) -> None:
-        _finite("a tally's sums", self.total, self.total_squares)
+        _finite(
+            "a tally's sums",
+            self.total,
+            self.total_squares,
+            self.expected_total,
+            self.expected_squares,
+            self.products,
+        )
 
-    def add(self, reward: float) -> RewardTally:
-        return RewardTally(self.count + 1, self.total + reward, self.total_squares + reward**2)
+    def add(self, reward: float, expected: float = 0.0) -> RewardTally:
+        return RewardTally(
+            self.count + 1,
+            self.total + reward,
+            self.total_squares + reward**2,
+            self.expected_total + expected,
+            self.expected_squares + expected**2,
+            self.products + reward * expected,
+        )
 
     @property
     def mean(self) -> float:
         return self.total / self.count if self.count else 0.0
 
     @property
-    def variance(self) -> float:
-        if self.count < 2:
-            return 1.0  # rewards lie in [-1, 1]: the widest it can be, until measured
-        return max(0.0, (self.total_squares - self.count * self.mean**2) / (self.count - 1))
+    def expected_mean(self) -> float:
+        return self.expected_total / self.count if self.count else 0.0
 
 
 class LiveRewards(WireMessage, tag="rlfleet.io/live-rewards/v1"):

@@ -445,8 +445,9 @@ def conductor_settings(name: str, spec: RLRunSpec, at: Placement) -> ConductorCo
             max_held_out_loss=gate.max_held_out_loss,
         ),
         canary=CanaryPolicy(
-            max_drop=canary.max_drop,
-            confidence=canary.confidence,
+            detectable_drop=canary.detectable_drop,
+            false_rollback_rate=canary.false_rollback_rate,
+            miss_rate=canary.miss_rate,
             window_s=float(canary.window_seconds),
             min_samples=canary.min_samples,
         ),

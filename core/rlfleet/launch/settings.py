@@ -39,6 +39,7 @@ from rlfleet.api.wire import (
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Confidence = Annotated[float, msgspec.Meta(gt=0.5, lt=1)]
 Weight = Annotated[float, msgspec.Meta(ge=0)]
+ErrorRate = Annotated[float, msgspec.Meta(gt=0, lt=0.5)]
 MIB = 1 << 20
 # Where a component serves its Prometheus metrics (`rlfleet.launch.METRICS_PORT_ENV` in a
 # pod, a free port in `rlfleet run`); None serves none.
@@ -437,10 +438,14 @@ class CanaryPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How a candidate is judged on a share of live traffic
     (`rlfleet.operator.promotion.judge_canary`)."""
 
-    max_drop: Weight = spec_default(CanarySpec, "max_drop")  # in mean live reward
-    confidence: Confidence = spec_default(CanarySpec, "confidence")
+    # In mean live reward: a candidate this much worse is to be rolled back.
+    detectable_drop: Annotated[float, msgspec.Meta(gt=0)] = spec_default(
+        CanarySpec, "detectable_drop"
+    )
+    false_rollback_rate: ErrorRate = spec_default(CanarySpec, "false_rollback_rate")
+    miss_rate: ErrorRate = spec_default(CanarySpec, "miss_rate")
     window_s: Annotated[float, msgspec.Meta(gt=0)] = spec_default(CanarySpec, "window_seconds")
-    # Answered canary completions before a verdict at the window's end.
+    # Answered completions on each side before any verdict.
     min_samples: Positive = spec_default(CanarySpec, "min_samples")
 
 

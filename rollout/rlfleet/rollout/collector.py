@@ -17,7 +17,8 @@ The run's conductor paces it: a cycle closes only while the conductor's state sa
 cycle is collecting, so the trainer never learns from the next cycle's traffic while a
 candidate is still being judged. During a canary it also tallies users' rewards so far
 on the completions served since the canary began, by the version that served them
-(`LiveRewards`): what the conductor judges the canary on.
+(`LiveRewards`): what the conductor judges the canary on, each reward with what the
+cycles it closed before expected of it (`rlfleet.rollout.history`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from rlfleet.bus.reading import messages, newest
 from rlfleet.bus.streams import cycle_stream
 from rlfleet.launch.settings import CollectorConfig
 from rlfleet.launch.stopping import run_until_signalled
+from rlfleet.rollout.history import RewardHistory, prompt_key
 from rlfleet.rollout.signals import CycleSamples, batch, reward, score_cycle
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,8 @@ class Collector:
     def __init__(self, config: CollectorConfig) -> None:
         self.config = config
         self.live: _Tally | None = None
+        # What the cycles closed so far expect of a completion: a canary's covariate.
+        self.history = RewardHistory()
 
     async def run(self, stopping: asyncio.Event) -> None:
         nc = await connect(self.config.nats_url)
@@ -140,8 +144,9 @@ class Collector:
             scored = reward(capture, events, rewards) if events else None
             if scored is not None:
                 version = capture.segment.versions[0]
+                expected = self.history.expected(prompt_key(capture), capture.user)
                 live.by_version[version] = live.by_version.get(version, RewardTally()).add(
-                    scored.reward
+                    scored.reward, expected
                 )
             if events or now - capture.served_at > rewards.window_s:
                 del live.pending[response_id]
@@ -175,6 +180,9 @@ class Collector:
         report = self._report(number, seq, captures, answered, samples, len(trajectories))
         await js.publish(cycle_subject(run), encode(report))
         cycles_closed.inc()
+        self.history.learn(
+            (prompt_key(s.capture), s.capture.user, s.reward) for s in samples.scored
+        )
         log.info(
             "cycle %d: %d completions, %d answered, %d trajectories, reward %.3f",
             number, report.captured, answered, report.trained_on, report.reward_mean,
