@@ -1267,7 +1267,20 @@ def test_a_production_runs_cycles_show_in_its_status_columns_and_events(world: W
     # Columns left empty print blank: each is read where its header starts.
     starts = [m.start() for m in re.finditer(r"\S+", header)] + [None]
     columns = {header[a:b].strip(): row[a:b].strip() for a, b in itertools.pairwise(starts)}
-    assert (columns["CYCLE"], columns["SERVING"]) == ("3", "5")
+    # What production serves, the candidate under way (none: cycle 3 collects), its stage
+    # and how the last cycle ended; no staleness, which means nothing here.
+    shown_columns = [columns[c] for c in ("SERVING", "CANDIDATE", "STAGE", "LAST", "STALENESS")]
+    assert shown_columns == ["5", "", "Collecting", "Promoted", ""]
+    conditions = {
+        c["type"]: c for c in world.get(HUB, "rlrun", PRODUCTION_RUN)["status"]["conditions"]
+    }
+    progressing, last = conditions["Progressing"], conditions["Promoted"]
+    assert (progressing["status"], progressing["reason"]) == ("False", "Collecting")
+    assert progressing["message"].endswith("production serves version 5")
+    assert (last["status"], last["reason"]) == ("True", "Promoted")
+    assert last["message"].startswith("cycle 2, finished ") and last["message"].endswith(
+        promoted.why
+    )
     posted = world.events(HUB, PRODUCTION_RUN)
     events = {e["reason"]: e for e in posted}
     for reason in ("CycleCollected", "CandidateRejected", "CanaryStarted", "CheckpointPromoted"):

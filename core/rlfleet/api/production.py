@@ -332,14 +332,24 @@ class ProductionStatus(ApiModel):
     under way, the version production serves, and the last finished cycles."""
 
     cycle: Annotated[Number, Field(description="The cycle under way.")]
-    phase: CyclePhase
+    phase: Annotated[
+        CyclePhase,
+        Field(
+            description="Its stage: collecting, or its candidate training, evaluated or canaried."
+        ),
+    ]
     since: Annotated[Moment, Field(description="When the phase began.")]
     serving_version: Annotated[Count, Field(description="What production's stable set serves.")]
     previous_version: Annotated[
         Count | None,
         Field(description="What it served before, kept to go back to (`rlfleet rollback`)."),
     ] = None
-    candidate_version: Count | None = None
+    candidate_version: Annotated[
+        Count | None, Field(description="The cycle's candidate, once trained.")
+    ] = None
+    last_outcome: Annotated[
+        CycleOutcome | None, Field(description="How the newest finished cycle ended.")
+    ] = None
     orders_done: Annotated[
         Count, Field(description="The newest spec.production.order carried out, by number.")
     ] = 0
