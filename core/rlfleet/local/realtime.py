@@ -227,6 +227,11 @@ def summary(records: list[dict], state: CycleState | None, invert_cycle: int | N
         "rolled_back": outcomes.count(CycleOutcome.ROLLED_BACK),
         "skipped": outcomes.count(CycleOutcome.SKIPPED),
         "timed_out": outcomes.count(CycleOutcome.TIMED_OUT),
+        # Each canaried candidate had passed the gate, its suite score within maxRegression
+        # of the serving version's: rolled back, its cycle of users' signal was lost.
+        "canary_false_rollbacks": sum(
+            c.outcome == CycleOutcome.ROLLED_BACK and c.number != invert_cycle for c in history
+        ),
         "outcomes": [f"{c.number}: {c.outcome} ({c.why})" for c in history],
         "accept_rate_by_cycle": accept,
         "accept_rate_first": known[0] if known else None,
