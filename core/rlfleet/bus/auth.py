@@ -60,6 +60,8 @@ from rlfleet.api.wire import (
 from rlfleet.bus.reading import messages
 from rlfleet.bus.streams import (
     REVOCATIONS,
+    TRAINER_CONSUMER,
+    WORKER_CONSUMER,
     cycle_stream,
     evaluation_stream,
     revocation_stream_config,
@@ -363,11 +365,13 @@ def run_inbox(run: str, role: BusRole) -> str:
 
 @dataclass(frozen=True)
 class Access:
-    """What one role does with a run's subjects and streams."""
+    """What one role does with a run's subjects and streams. No role makes, changes or
+    deletes a consumer, nor lists streams: it reads through direct gets, and takes
+    messages from the durable consumer made for it with the run's streams."""
 
     publishes: tuple[str, ...] = ()  # subjects it writes into their streams
-    consumes: tuple[str, ...] = ()  # streams it takes messages from, acknowledging each
-    follows: tuple[str, ...] = ()  # streams it reads in order through consumers, no acks
+    # (stream, durable consumer) it takes messages from, acknowledging each
+    consumes: tuple[tuple[str, str], ...] = ()
     reads: tuple[str, ...] = ()  # streams it looks into: info, one message, direct gets
     purges: tuple[str, ...] = ()  # streams whose old messages it removes
     listens: tuple[str, ...] = ()  # subjects it subscribes to without a consumer
@@ -384,12 +388,13 @@ def role_access(run: str, role: BusRole) -> Access:
         *(steps, evaluations, tasks, trajectories, weights),
         *(captures, feedback, cycles, serving),
     )
+    # A new version's manifest wakes a receiver, which reads it from its stream.
+    manifests = f"{weights_prefix(run)}.*.manifest.*"
     match role:
         case BusRole.TRAINER:  # learns from trajectories; reports steps; publishes weights
             return Access(
                 publishes=(step_subject(run), f"{weights_prefix(run)}.>"),
-                consumes=(trajectories,),
-                follows=(weights,),
+                consumes=((trajectories, TRAINER_CONSUMER),),
                 # Cycles: a production run's resets, back to the serving version.
                 reads=(trajectories, steps, weights, cycles),
                 purges=(weights,),  # retires versions older than the kept snapshots
@@ -397,24 +402,28 @@ def role_access(run: str, role: BusRole) -> Access:
         case BusRole.ROLLOUT:  # takes tasks; publishes trajectories; follows weights
             return Access(
                 publishes=(trajectory_subject(run),),
-                consumes=(tasks,),
-                follows=(weights,),
+                consumes=((tasks, WORKER_CONSUMER),),
                 reads=(tasks, trajectories, weights),
+                listens=(manifests,),
             )
         case BusRole.FEED:  # follows step reports; publishes tasks
-            return Access(publishes=(task_subject(run),), follows=(steps,), reads=(steps, tasks))
+            return Access(
+                publishes=(task_subject(run),),
+                reads=(steps, tasks),
+                listens=(step_subject(run),),  # a new report wakes it
+            )
         case BusRole.EVALUATOR:  # follows weights; publishes evaluation reports
             return Access(
                 publishes=(evaluation_subject(run),),
-                follows=(weights,),
                 reads=(evaluations, weights, cycles),  # cycles: what a gate asks it to score
+                listens=(manifests,),
             )
         case BusRole.SERVING:  # captures what it serves; records feedback; loads versions
             return Access(
                 publishes=(capture_subject(run), feedback_subject(run)),
-                follows=(weights,),
                 # Captures: is a response id one of ours. Serving: its set's version.
                 reads=(captures, weights, serving),
+                listens=(manifests,),
             )
         case BusRole.COLLECTOR:  # reads captures and feedback; publishes trajectories
             return Access(
@@ -428,11 +437,6 @@ def role_access(run: str, role: BusRole) -> Access:
             )
         case BusRole.OBSERVER:  # reads everything, writes nothing, acknowledges nothing
             return Access(
-                # Not the task queue: a consumer without acks cannot read a work queue.
-                follows=(
-                    *(steps, evaluations, trajectories, weights),
-                    *(captures, feedback, cycles, serving),
-                ),
                 reads=everything,
                 listens=(
                     step_subject(run),
@@ -452,18 +456,16 @@ def role_access(run: str, role: BusRole) -> Access:
 # The JetStream API is reached on the local domain or through another one's prefix (the
 # hub's, from a region; a region's mirror, from the hub).
 _API = ("$JS.API", "$JS.*.API")
-# No DELETE: nobody deletes a consumer (an ephemeral one goes when unused), so a component
-# cannot take another's away.
-_CONSUMER_OPS = ("CREATE", "DURABLE.CREATE", "INFO", "MSG.NEXT")
 
 
 def role_permissions(run: str, role: BusRole) -> Permissions:
     """NATS permissions for `role_access`: each stream operation as its JetStream API
-    subject, so a user may not create, update, delete or purge a stream it only uses."""
+    subject, so a user may not create, update, delete or purge a stream it only uses,
+    list streams, make a consumer, or take from (or acknowledge for) a consumer not its
+    own."""
     access = role_access(run, role)
     publish = list(access.publishes)
     for api in _API:
-        publish += [f"{api}.INFO", f"{api}.STREAM.NAMES"]
         for stream in access.reads:
             publish += [
                 f"{api}.STREAM.INFO.{stream}",
@@ -471,13 +473,14 @@ def role_permissions(run: str, role: BusRole) -> Permissions:
                 f"{api}.DIRECT.GET.{stream}",
                 f"{api}.DIRECT.GET.{stream}.>",
             ]
-        for stream in dict.fromkeys(access.consumes + access.follows):
-            for op in _CONSUMER_OPS:
-                publish += [f"{api}.CONSUMER.{op}.{stream}", f"{api}.CONSUMER.{op}.{stream}.>"]
+        for stream, consumer in access.consumes:
+            publish += [
+                f"{api}.CONSUMER.INFO.{stream}.{consumer}",
+                f"{api}.CONSUMER.MSG.NEXT.{stream}.{consumer}",
+            ]
         publish += [f"{api}.STREAM.PURGE.{stream}" for stream in access.purges]
-    for stream in access.consumes:
-        publish += [f"$JS.ACK.{stream}.>", f"$JS.ACK.*.*.{stream}.>"]
-    publish += [f"$JS.FC.{stream}.>" for stream in dict.fromkeys(access.consumes + access.follows)]
+    for stream, consumer in access.consumes:
+        publish += [f"$JS.ACK.{stream}.{consumer}.>", f"$JS.ACK.*.*.{stream}.{consumer}.>"]
     inbox = f"{run_inbox(run, role)}.>"
     return Permissions(publish=publish, subscribe=[*access.listens, inbox])
 

@@ -13,11 +13,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    ConsumerInfo,
     DiscardPolicy,
     ExternalStream,
     RetentionPolicy,
@@ -85,12 +89,58 @@ BIND_WAIT_S = 30.0
 
 
 class StreamMissing(LookupError):
-    """A stream a component needs is not there: whoever starts the run makes it."""
+    """A stream or consumer a component needs is not there: whoever starts the run makes
+    it."""
 
 
-# The trainer's durable consumer of the trajectory stream: its acknowledgements say which
-# trajectories are done with (an audit reads its ack floor).
+# The run's durable consumers, made with its streams by whoever starts it: a component
+# only binds to its own (`bind_consumer`), with no right to make, change or delete one,
+# nor to take messages from another's. The trainer's, of the trajectory stream: its
+# acknowledgements say which trajectories are done with (an audit reads its ack floor).
 TRAINER_CONSUMER = "trainer"
+WORKER_CONSUMER = "rollout"  # the task queue's, shared by every rollout worker of the run
+# JetStream redelivers what a dead trainer never acknowledged after this; a live one
+# keeps what it holds by saying so a third of it apart.
+TRAINER_ACK_WAIT_S = 60.0
+WORKER_ACK_WAIT_S = 600.0  # a task whose worker died is redelivered after this
+TASK_MAX_DELIVER = 5  # a task that keeps failing is not a loop
+
+
+@dataclass(frozen=True)
+class ConsumerWaits:
+    """How long the run's durable consumers wait for an acknowledgement."""
+
+    trainer_s: float = TRAINER_ACK_WAIT_S
+    worker_s: float = WORKER_ACK_WAIT_S
+
+
+def trainer_consumer_config(run: str, ack_wait_s: float) -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=TRAINER_CONSUMER,
+        filter_subject=trajectory_subject(run),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait_s,
+        max_ack_pending=-1,
+    )
+
+
+def worker_consumer_config(run: str, ack_wait_s: float) -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=WORKER_CONSUMER,
+        filter_subject=task_subject(run),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait_s,
+        max_ack_pending=-1,
+        max_deliver=TASK_MAX_DELIVER,
+    )
+
+
+def run_consumer_configs(run: str, waits: ConsumerWaits) -> list[tuple[str, ConsumerConfig]]:
+    """Every durable consumer of the run, with the stream it reads."""
+    return [
+        (trajectory_stream(run), trainer_consumer_config(run, waits.trainer_s)),
+        (task_stream(run), worker_consumer_config(run, waits.worker_s)),
+    ]
 
 
 def step_stream(run: str) -> str:
@@ -310,17 +360,20 @@ async def ensure_run_streams(
     hub_domain: str | None,
     regions: Sequence[str] = (),
     trajectory_backlog: int = TRAJECTORY_BACKLOG,
+    waits: ConsumerWaits = ConsumerWaits(),
 ) -> list[str]:
-    """Makes the run's streams on the hub and a mirror of its weights in each region's
-    JetStream domain, or brings them back to their declared config (idempotent); returns
-    the regions whose mirror could not be made yet. `nc` reaches the hub's JetStream
-    through `hub_domain` (None: no domains, and so no regions); `trajectory_backlog`
-    bounds the trajectories' bytes."""
+    """Makes the run's streams and durable consumers on the hub and a mirror of its
+    weights in each region's JetStream domain, or brings them back to their declared
+    config (idempotent); returns the regions whose mirror could not be made yet. `nc`
+    reaches the hub's JetStream through `hub_domain` (None: no domains, and so no
+    regions); `trajectory_backlog` bounds the trajectories' bytes."""
     if regions and hub_domain is None:
         raise ValueError("a region's mirror names the hub's JetStream domain: give it")
     hub = nc.jetstream(domain=hub_domain)
     for config in run_stream_configs(run, trajectory_backlog):
         await _ensure(hub, config)
+    for stream, consumer in run_consumer_configs(run, waits):
+        await hub.add_consumer(stream, consumer)  # made, or brought to its config
     missing = []
     for region in regions:
         try:
@@ -350,6 +403,25 @@ async def delete_run_streams(
             log.warning("weights mirror of run %s in region %s: %s", run, region, error)
             left.append(region)
     return left
+
+
+async def bind_consumer(js: JetStreamContext, stream: str, name: str) -> ConsumerInfo:
+    """The durable consumer `name` of `stream`, as `js` reaches it, waiting up to
+    `BIND_WAIT_S` for the run's owner to make it; StreamMissing, naming both, when it is
+    still not there."""
+    deadline = time.monotonic() + BIND_WAIT_S
+    while True:
+        try:
+            return await js.consumer_info(stream, name)
+        except NotFoundError:
+            if time.monotonic() >= deadline:
+                raise StreamMissing(
+                    f"consumer {name} of stream {stream} does not exist: a run's consumers "
+                    "are made with its streams by whoever starts it (the hub operator, or "
+                    "`rlfleet run`), not by its components"
+                ) from None
+            log.info("waiting for consumer %s of %s, which its run's owner makes", name, stream)
+            await asyncio.sleep(1.0)
 
 
 async def bind_stream(js: JetStreamContext, name: str) -> StreamInfo:

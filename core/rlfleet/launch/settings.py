@@ -162,9 +162,6 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # distributions. The KL to the reference is taken at it too.
     temperature: Annotated[float, msgspec.Meta(gt=0)] = spec_default(RolloutSpec, "temperature")
     group_timeout_s: float = 600.0
-    # JetStream redelivers what a dead trainer never acknowledged after this; a live one
-    # keeps what it holds by saying so a third of it apart.
-    ack_wait_s: float = 60.0
     keep_checkpoints: Positive = 2
     max_steps: int | None = None  # stop after this step (tests, fixed-budget runs)
     # A production run's: keeps the serving version's checkpoint and goes back to it when
@@ -290,7 +287,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # None: a session server of the worker's own, making namespace sandboxes as root.
     envpool: PoolConfig | None = None
     rewards: RewardConfig = RewardConfig()
-    ack_wait_s: float = 600.0  # a task whose worker died is redelivered after this
     seed: int = 0
     metrics_port: MetricsPort = None
     weightsync: SyncConfig = SyncConfig()
