@@ -85,6 +85,7 @@ RENEW_WHEN_LEFT = 1 / 3
 RENEWAL_POLL_S = 10.0
 
 RUN_USER_PREFIX = "run:"  # run:<run>:<role>; its replies come to `run_inbox(run, role)`
+RUN_INBOXES = "_RUN_INBOX"  # the first token of every run user's reply subjects
 
 # nkey role prefixes (the first base32 letter of a key says what it is: O, A, U, S...).
 OPERATOR, ACCOUNT, USER = 14 << 3, 0, 20 << 3
@@ -360,7 +361,7 @@ def renewal_due(credentials: str, now: float, ttl_s: float) -> bool:
 def run_inbox(run: str, role: BusRole) -> str:
     """The reply subjects of one of a run's users: no other user may subscribe to them, of
     this run or another, so none reads another's replies."""
-    return f"_INBOX_{run}.{role}"
+    return f"{RUN_INBOXES}.{run}.{role}"
 
 
 @dataclass(frozen=True)
@@ -483,6 +484,45 @@ def role_permissions(run: str, role: BusRole) -> Permissions:
         publish += [f"$JS.ACK.{stream}.{consumer}.>", f"$JS.ACK.*.*.{stream}.{consumer}.>"]
     inbox = f"{run_inbox(run, role)}.>"
     return Permissions(publish=publish, subscribe=[*access.listens, inbox])
+
+
+def leaf_permissions(hub_domain: str, region: str) -> Permissions:
+    """What a region's leaf node may carry to and from the hub, as the user it logs in
+    with there (every client at the leaf is bound by its own user besides): the region's
+    work (trajectories, captures and feedback published into the hub's streams; tasks
+    pulled from, and acknowledged to, the workers' consumer; streams read), its weights'
+    mirror (the ephemeral consumer it makes on the hub, and what that delivers), and the
+    hub's requests to the region's JetStream and their answers. Not a stream made,
+    changed, purged or deleted at the hub, nor a durable consumer made, deleted or pulled
+    from there but the workers', nor a step, weight, task or order published there: a
+    region's credentials cannot steer training."""
+    hub, mine = f"$JS.{hub_domain}.API", f"$JS.{region}.API"
+    api = [
+        f"{hub}.STREAM.INFO.*",
+        f"{hub}.STREAM.MSG.GET.*",
+        f"{hub}.DIRECT.GET.>",
+        f"{hub}.CONSUMER.INFO.*.{WORKER_CONSUMER}",
+        f"{hub}.CONSUMER.MSG.NEXT.*.{WORKER_CONSUMER}",
+        # The weights' mirror's: an ephemeral consumer, which this subject cannot name, so
+        # cannot be a durable one (the server refuses a durable name here).
+        f"{hub}.CONSUMER.CREATE.*",
+    ]
+    work = [trajectory_subject("*"), capture_subject("*"), feedback_subject("*")]
+    acks = [f"$JS.ACK.*.{WORKER_CONSUMER}.>", f"$JS.ACK.*.*.*.{WORKER_CONSUMER}.>"]
+    return Permissions(
+        # Flow control: the mirror's consumer's. Replies: to the hub's operator and trainer.
+        publish=[*api, *work, *acks, "$JS.FC.>", "_INBOX.>"],
+        subscribe=[
+            f"{mine}.>",  # the hub's operator and trainer keep the region's mirror
+            f"{weights_prefix('*')}.*.manifest.*",  # a new version wakes its receivers
+            "$JSC.R.>",  # the hub's answer when the mirror makes its consumer
+            "$JS.M.>",  # what the mirror's consumer delivers
+            "$JS.FC.>",
+            "_INBOX.>",
+            # Answers to the region's components, its rollout workers and pool servers.
+            *(f"{RUN_INBOXES}.*.{role}.>" for role in (BusRole.ROLLOUT, BusRole.SERVING)),
+        ],
+    )
 
 
 @dataclass(frozen=True)

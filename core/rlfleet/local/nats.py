@@ -23,6 +23,7 @@ from rlfleet.api.wire import BusRole
 from rlfleet.bus.auth import (
     ACCOUNT,
     CREDENTIALS_ENV,
+    LEAF,
     OPERATOR,
     USER_TTL_S,
     AccountOwner,
@@ -31,6 +32,7 @@ from rlfleet.bus.auth import (
     account_jwt,
     account_of,
     connect,
+    leaf_permissions,
     mint_run_user,
     mint_user,
     operator_jwt,
@@ -216,8 +218,14 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
     leaves: dict[str, NatsServer] = {}
     for region in regions:
         port = free_port()
-        # Each region's leaf node logs in to the hub as a user of its own.
-        login = _user_creds(state / f"leaf-{region}.creds", signer, account, f"leaf-{region}")
+        # Each region's leaf node logs in to the hub as a user of its own, allowed only
+        # what a region does there, and only as a leaf node.
+        login = state / f"leaf-{region}.creds"
+        allowed = leaf_permissions(HUB_DOMAIN, region)
+        write_secret(
+            login,
+            mint_user(signer.seed, account, f"leaf-{region}", allowed, connections=(LEAF,)),
+        )
         conf = trust.conf() | {
             "server_name": f"leaf-{region}",
             "listen": f"127.0.0.1:{port}",
