@@ -246,6 +246,9 @@ class Bus:
         return self.nc.jetstream(domain=self.config.jetstream_domain)
 
 
+_TOO_LARGE = 10054  # JetStream's answer to a message over the stream's max_msg_size
+
+
 class Captures:
     """A bounded buffer of captures and the task that stores them in the run's stream."""
 
@@ -291,6 +294,8 @@ class Captures:
         except nats.errors.MaxPayloadError:
             return "dropped_too_large"  # no retry makes it fit
         except nats.js.errors.APIError as error:  # the stream said no: it would again
+            if error.err_code == _TOO_LARGE:  # the server's payload is larger than the stream's
+                return "dropped_too_large"
             log.warning("capture on %s refused by its stream: %s", subject, error)
             return "dropped_refused"
         except (nats.errors.Error, TimeoutError):
