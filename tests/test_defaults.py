@@ -75,6 +75,8 @@ SPEC_FIELDS = [
     (FeedbackSpec, "window_seconds", SignalRewards, "window_s", float),
     (FeedbackSpec, "weights", SignalRewards, "weights", None),
     (FeedbackSpec, "max_per_user", SignalRewards, "max_per_user", None),
+    (FeedbackSpec, "max_events_per_response", SignalRewards, "max_events_per_response", None),
+    (FeedbackSpec, "max_events_per_response", ServingConfig, "max_events_per_response", None),
     (CycleSpec, "group_size", SignalRewards, "group_size", None),
     (CycleSpec, "interval_seconds", CollectorConfig, "interval_s", float),
     (CycleSpec, "min_samples", CollectorConfig, "min_samples", None),

@@ -90,8 +90,22 @@ class FeedbackSpec(ApiModel):
     ]
     max_per_user: Annotated[
         int,
-        Field(ge=1, le=100000, description="Completions of one user trained on per cycle."),
+        Field(
+            ge=1,
+            le=100000,
+            description="Completions of one user trained on per cycle, and counted per "
+            "version in a canary's live rewards: no one client steers either.",
+        ),
     ] = 64
+    max_events_per_response: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=1000,
+            description="Feedback events one completion may receive; the pool's servers "
+            "refuse more, and the collector reads no more than this of any one.",
+        ),
+    ] = 16
 
     @model_validator(mode="after")
     def _kinds_known(self) -> FeedbackSpec:

@@ -474,7 +474,9 @@ class CapturedCompletion(WireMessage, tag="rlfleet.io/captured-completion/v1"):
 
     run: str
     response_id: SubjectToken
-    user: str  # the request's `user` field ("" when it had none): caps count per user
+    # Who was served, as the pool's gateway authenticated them ("" when it named no one),
+    # never the request body's say: caps count per user, and only they post feedback on it.
+    user: str
     segment: Segment
     text: str  # the answer as the client read it: an edit's final text is compared with it
     finish_reason: str
@@ -497,6 +499,17 @@ class FeedbackKind(StrEnum):
     THUMBS = "thumbs"  # `value` is 1 (up) or -1 (down)
 
 
+# The built-in kinds that carry a value; the others carry none, and a value sent with one
+# is refused by the pool's servers and never scored (a `rejected` with a value of -1 would
+# score +1). A pool's own kinds may carry one.
+VALUED_KINDS = frozenset({FeedbackKind.THUMBS})
+_BUILT_IN_KINDS = frozenset(FeedbackKind)
+
+
+def takes_value(kind: str) -> bool:
+    return kind in VALUED_KINDS or kind not in _BUILT_IN_KINDS
+
+
 class Feedback(WireMessage, tag="rlfleet.io/feedback/v1"):
     """One client event about a captured completion, stored once per `event_id`."""
 
@@ -506,7 +519,7 @@ class Feedback(WireMessage, tag="rlfleet.io/feedback/v1"):
     kind: FeedbackKindName
     value: float | None
     text: str | None
-    user: str  # the captured request's, not the client's say
+    user: str  # the captured completion's, whose feedback token the client sent
     received_at: float
     late: bool  # it came after the pool's feedback window closed on the completion
 

@@ -410,6 +410,7 @@ def _signal_rewards(production: ProductionSpec) -> SignalRewards:
         weights=dict(feedback.weights),
         window_s=float(feedback.window_seconds),
         max_per_user=feedback.max_per_user,
+        max_events_per_response=feedback.max_events_per_response,
         group_size=production.cycle.group_size,
     )
 
@@ -469,6 +470,7 @@ def serving_settings(name: str, spec: RLRunSpec, at: Placement) -> ServingConfig
         temperature=production.temperature,
         feedback_window_s=float(production.feedback.window_seconds),
         custom_kinds=list(production.feedback.custom_kinds),
+        max_events_per_response=production.feedback.max_events_per_response,
         replica_set=at.replica_set,
         weights_domain=at.region if at.jetstream_domain else None,
         weightsync=_sync(spec),

@@ -18,6 +18,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 import msgspec
 from pydantic import BaseModel
 
+from rlfleet.api.inferencepool import ServingWorkload
 from rlfleet.api.production import CanarySpec, CycleSpec, FeedbackSpec, GateSpec, ProductionSpec
 from rlfleet.api.rlrun import (
     STEP_TOKENS,
@@ -345,9 +346,13 @@ class SignalRewards(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         default_factory=lambda: spec_default(FeedbackSpec, "weights")
     )
     window_s: Annotated[float, msgspec.Meta(gt=0)] = FEEDBACK_WINDOW_S
-    # Completions of one user (the request's `user`; all anonymous ones are one) trained
-    # on per cycle, so one client cannot steer a cycle.
+    # Completions of one user (as the pool's gateway named them; all anonymous ones are
+    # one) trained on per cycle, and tallied per version in a canary, so one client cannot
+    # steer a cycle or a canary.
     max_per_user: Positive = spec_default(FeedbackSpec, "max_per_user")
+    # Events of one completion read at most (its first ones): the pool's servers refuse
+    # more, and what several servers let through past it is never loaded.
+    max_events_per_response: Positive = spec_default(FeedbackSpec, "max_events_per_response")
     # Completions per baseline group (`rlfleet.rollout.signals.batch`).
     group_size: Annotated[int, msgspec.Meta(ge=2, le=MAX_GROUP_SIZE)] = spec_default(
         CycleSpec, "group_size"
@@ -373,12 +378,18 @@ class CollectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metrics_port: MetricsPort = None
 
 
+# A pool's server reads its feedback key and user header from files in this folder.
+FEEDBACK_DIR_ENV = "RLFLEET_FEEDBACK_DIR"
+
+
 class ServingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A production pool's vLLM server's capture, feedback and policy versions
     (`rlfleet.rollout.serving`).
 
     The API key feedback is checked against is vLLM's own, `VLLM_API_KEY` in the
-    server's environment, never a setting: settings are files and arguments."""
+    server's environment, never a setting: settings are files and arguments. Nor are the
+    pool's feedback key and the header its gateway names users in: they are files in the
+    folder `FEEDBACK_DIR_ENV` names (the pool's Secret, `rlfleet.api.inferencepool`)."""
 
     run: str
     nats_url: str
@@ -393,6 +404,8 @@ class ServingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Feedback later than this after its completion is kept and counted as late.
     feedback_window_s: Annotated[float, msgspec.Meta(gt=0)] = FEEDBACK_WINDOW_S
     custom_kinds: list[FeedbackKindName] = []
+    # Feedback events one completion may receive; more are refused.
+    max_events_per_response: Positive = spec_default(FeedbackSpec, "max_events_per_response")
     # Captures waiting for NATS; a full buffer drops new captures, never requests.
     buffer: Positive = 10_000
     # Response ids this server remembers capturing, so feedback on them needs no lookup.
@@ -483,6 +496,8 @@ class UsersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # While this file exists every user says the opposite: a broken client's events.
     inverted_while: Path | None = None
     max_tokens: Positive = 24
+    # Where each request names its user, as the pool's gateway would.
+    user_header: str = spec_default(ServingWorkload, "user_header")
     # A user's mean pause after an answer before asking again (exponential): the load.
     think_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     seed: int = 0

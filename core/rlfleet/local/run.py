@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -278,6 +278,8 @@ class Trained:
     end: dict | None  # the last version's evaluation on the whole suite
     scores: list[EvaluationReport]  # the gate's evaluator's, this time round
     cycles: CycleState | None = None  # a production run's conductor's, at the end
+    # A production run's captured completions: the version that answered each, by id.
+    served: dict[str, int] = field(default_factory=dict)
 
     def verdict(self, spec: RLRunSpec) -> str | None:
         """`Failed` or `Succeeded` when the evaluation gate ended the run."""
@@ -430,7 +432,8 @@ def train(
         if spec.production is not None:
             state = asyncio.run(last_cycle_state(plane.key, plane.url, plane.credentials))
             steps = asyncio.run(recorded_steps(plane.key, plane.url, plane.credentials))
-            return Trained(steps, None, scores, state)
+            served = asyncio.run(realtime.served_versions(plane.key, plane.url, plane.credentials))
+            return Trained(steps, None, scores, state, served)
         console.print("evaluating the last version on the whole suite")
         end = evaluate(
             plan.model_path(spec, layout),
@@ -472,7 +475,7 @@ def run(
         evaluate(plan.model_path(spec, layout), spec.suite, start)
     trained = train(name, spec, layout, minutes * 60, tuning, plane_for, invert_cycle)
     if spec.production is not None:
-        found = realtime.write_report(layout, trained.cycles, invert_cycle)
+        found = realtime.write_report(layout, trained.cycles, invert_cycle, trained.served)
         console.print_json(data=found)
         console.print(f"report in {layout.report}")
         return 0

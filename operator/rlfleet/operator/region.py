@@ -65,6 +65,7 @@ from rlfleet.operator.workloads import (
     envpool_objects,
     envpool_service,
     envpool_token,
+    pool_feedback,
     rollout_deployment,
     spec_config_map,
 )
@@ -264,6 +265,9 @@ class Region:
         self.mint = TokenMint(local, config.namespace, config.envpool_key_secret)
         # (namespace, pool) -> (when, answers): what its serving pods said last.
         self._served_seen: dict[tuple[str, str], tuple[float, Answers]] = {}
+        # (namespace, pool) -> ((its uid, its user header), when): what the pool's feedback
+        # Secret this process wrote holds, and when the pool was last reconciled.
+        self._feedback_written: dict[tuple[str, str], tuple[tuple[str, str], float]] = {}
 
     # --- runs -------------------------------------------------------------------------
 
@@ -395,6 +399,7 @@ class Region:
             canary_replicas,
         )  # fmt: skip
         self._keep_canary(pool, serving, canary, canary_replicas)
+        self._keep_feedback(pool, spec)
         clock = reclaim_clock(
             parse_time(old.reclaim_started_at), reclaiming, now(), spec, decision.total
         )
@@ -580,6 +585,24 @@ class Region:
             self.local.apply(canary_deployment(pool, serving, replicas))
         elif canary is not None and canary["spec"].get("replicas"):
             self.local.scale(Ref.of(canary), 0)
+
+    def _keep_feedback(self, pool: dict, spec: InferencePoolSpec) -> None:
+        """The pool's feedback Secret, written once per process (and again when its user
+        header changes). Its key is minted from the region's key and the pool's uid, so a
+        restart writes the same one and a pool made again under its name gets another;
+        deleting the region's key Secret and restarting rotates every pool's."""
+        meta = pool["metadata"]
+        here, holds = (meta["namespace"], meta["name"]), (meta["uid"], spec.serving.user_header)
+        seen = time.monotonic()
+        # A pool still there is reconciled again within a resync: older entries are of
+        # pools deleted since, which nothing else would ever remove.
+        for other, (_, when) in list(self._feedback_written.items()):
+            if seen - when >= 2 * self.config.run_resync_seconds:
+                self._feedback_written.pop(other, None)
+        if self._feedback_written.get(here, (None, 0.0))[0] != holds:
+            key = self.mint.token(meta["namespace"], "feedback", meta["name"], meta["uid"])
+            self.local.apply(pool_feedback(pool, key))
+        self._feedback_written[here] = (holds, seen)
 
     def _force(self, namespace: str, pool: str) -> int:
         """Kills rollout pods still terminating past the reclaim deadline."""

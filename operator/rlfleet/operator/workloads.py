@@ -20,7 +20,14 @@ from kubernetes.utils.quantity import parse_quantity
 
 from rlfleet import launch
 from rlfleet.api.envpool import EnvPoolSpec
-from rlfleet.api.inferencepool import CANARY, REPLICA_SET_LABEL, InferencePoolSpec
+from rlfleet.api.inferencepool import (
+    CANARY,
+    FEEDBACK_KEY_FILE,
+    REPLICA_SET_LABEL,
+    USER_HEADER_FILE,
+    InferencePoolSpec,
+    feedback_secret,
+)
 from rlfleet.api.meta import (
     API_VERSION,
     COMPONENT_LABEL,
@@ -594,6 +601,22 @@ def canary_deployment(pool: dict, serving: dict, replicas: int) -> dict:
             "selector": selector,
             "template": template,
         },
+    }
+
+
+def pool_feedback(pool: dict, key: str) -> dict:
+    """A pool's feedback Secret, owned by the pool: the `key` its servers sign feedback
+    tokens with and the header its gateway names users in. Its serving pods mount it (the
+    canary set's, copied from them, too) where `RLFLEET_FEEDBACK_DIR` says."""
+    spec = InferencePoolSpec.model_validate(pool["spec"])
+    name = pool["metadata"]["name"]
+    values = {FEEDBACK_KEY_FILE: key, USER_HEADER_FILE: spec.serving.user_header}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(pool, feedback_secret(name), {POOL_LABEL: name}),
+        "type": "Opaque",
+        "data": _secret_data(values),
     }
 
 
