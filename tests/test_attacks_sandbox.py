@@ -1,10 +1,11 @@
 """Attacks on the EnvPool sandboxes' trust boundary, each one test, each against the real
-parts: a real session server (root, namespace sandboxes) that two runs share, and the
-real `sandbox_init`.
+parts: a real session server (root, namespace sandboxes) that two runs share, the real
+`sandbox_init`, and for the pool's Kubernetes side the bed's API server with the chart's
+own admission policy and the region operator's own reconcile.
 
 An attack succeeds when it reaches what is not its run's: another run's environment, the
-pod's filesystem, or root's hand (root writing where a run pointed it). Each test asserts
-that it does not.
+pod's filesystem, root's hand (root writing where a run pointed it), a container on a
+shared kernel, or a sandbox pod's port. Each test asserts that it does not.
 """
 
 from __future__ import annotations
@@ -18,15 +19,27 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
+from conftest import ROOT, Kubectl
+from kubernetes.client.exceptions import ApiException
 
+from rlfleet.api.inferencepool import InferencePoolSpec
+from rlfleet.api.meta import API_VERSION
 from rlfleet.launch.settings import Limits, ServerConfig
+from rlfleet.local.binaries import binary
+from rlfleet.operator.config import OperatorConfig, Workloads
+from rlfleet.operator.kube import Kube, Ref
+from rlfleet.operator.region import Region as RegionOperator
+from rlfleet.operator.workloads import ENVPOOL_PORT, mirror, rollout_deployment
 from rlfleet.rollout import envsessions
 from rlfleet.rollout.envclient import EnvClient, EnvServerError, LocalServer
+from rlfleet.testbed.bed import BedInfo
 
 LIMITS = Limits(
     disk_bytes=8 << 20,
@@ -324,3 +337,244 @@ def test_sandbox_sees_none_of_the_pods_filesystem(pool: Pool) -> None:
         assert f"{place}: No such file" in output or f"'{place}': No such file" in output, output
     assert "ROOT tmpfs" in output, output
     assert "Read-only file system" in output or "Permission denied" in output, output
+
+
+# --- the pool's Kubernetes side, on the bed ----------------------------------------------
+
+REGION = "region-a"
+POOL = "sandboxes"
+
+
+def chart(namespace: str, *values: str) -> list[dict]:
+    """The chart as the real helm renders it for a region in `namespace`."""
+    rendered = subprocess.run(
+        [
+            binary("helm"),
+            *("template", "rlfleet", str(ROOT / "helm" / "rlfleet"), "-n", namespace),
+            *("--set", "role=region", "--set", f"cluster={REGION}", "--set", "crds.install=false"),
+            *values,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [d for d in yaml.safe_load_all(rendered) if d]
+
+
+def operator_config(documents: list[dict]) -> OperatorConfig:
+    (config_map,) = [d for d in documents if d["kind"] == "ConfigMap"]
+    return OperatorConfig.model_validate(yaml.safe_load(config_map["data"]["config.yaml"]))
+
+
+def envpool(name: str, runtime_class: str, image: str = "ghcr.io/rlfleet/env-sandbox:0.1.0"):
+    document = yaml.safe_load((ROOT / "examples" / "envpool.yaml").read_text())
+    document["metadata"] = {"name": name}
+    document["spec"]["template"] = {"image": image, "runtimeClassName": runtime_class}
+    return document
+
+
+@dataclass
+class Region:
+    kube: Kube
+    namespace: str  # the pools' and runs'
+    operator_namespace: str
+    documents: list[dict]  # the chart, rendered for this region
+
+    def reconcile(self, name: str, config: OperatorConfig | None = None) -> list:
+        """The region operator's reconcile of the pool, as its handler runs it."""
+        region = RegionOperator(self.kube, config or operator_config(self.documents))
+        return region.reconcile_envpool(
+            self.kube.get(Ref(API_VERSION, "EnvPool", name, self.namespace))
+        )
+
+    def create(self, document: dict, dry: bool = False) -> str | None:
+        """The API server's refusal of the pool, or None if it took it."""
+        path = f"/apis/{API_VERSION}/namespaces/{self.namespace}/envpools"
+        try:
+            self.kube.request("POST", path, document, query=[("dryRun", "All")] if dry else None)
+        except ApiException as error:
+            return f"{error.status} {json.loads(error.body).get('message', '')}"
+        return None
+
+    def get(self, kind: str, name: str, api_version: str = "v1") -> dict | None:
+        return self.kube.get(Ref(api_version, kind, name, self.namespace))
+
+
+@pytest.fixture(scope="module")
+def region(bed: BedInfo, kubectl: Kubectl, crds_installed: None) -> Iterator[Region]:
+    """A namespace of pools in a region of the bed, and the chart's admission policy for
+    EnvPools, applied as `helm install` would. One pool is stored before the policy is,
+    with a RuntimeClass it refuses: as a pool made before the chart's upgrade was."""
+    kube = Kube.from_kubeconfig(yaml.safe_load(bed.kubeconfigs[REGION].read_text()), REGION)
+    suffix = uuid.uuid4().hex[:6]
+    namespace, operators = f"attacks-{suffix}", f"attacks-operator-{suffix}"
+    for each in (namespace, operators):
+        kubectl.run(REGION, "create", "namespace", each)
+    documents = chart(operators)
+    admission = [d for d in documents if d["kind"].startswith("ValidatingAdmissionPolicy")]
+    world = Region(kube, namespace, operators, documents)
+    assert world.create(envpool("stored-before", "runc")) is None
+    if admission:
+        kubectl.run(REGION, "apply", "-f", "-", stdin=yaml.safe_dump_all(admission))
+    try:
+        yield world
+    finally:
+        for document in admission:
+            kubectl.run(
+                REGION, "delete", document["kind"], document["metadata"]["name"], check=False
+            )
+        for each in (namespace, operators):
+            kubectl.run(REGION, "delete", "namespace", each, "--wait=false", check=False)
+
+
+def refused_in_time(region: Region, document: dict) -> str | None:
+    """The API server's refusal of the pool (dry run), once the admission policy is live
+    (the API server loads it within seconds); None if it still takes it then."""
+    deadline = time.monotonic() + 20
+    while (refusal := region.create(document, dry=True)) is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return refusal
+
+
+@pytest.mark.bed
+@pytest.mark.attack("sandbox")
+def test_runtime_class_runc_is_refused(region: Region) -> None:
+    """An EnvPool under runc: a root container with SYS_ADMIN on the node's shared kernel,
+    for whoever may create an EnvPool. The API server refuses it, naming the field."""
+    refusal = refused_in_time(region, envpool("on-runc", "runc"))
+    assert refusal is not None and refusal.startswith("422 "), refusal
+    assert "spec.template.runtimeClassName: runc is not a RuntimeClass" in refusal
+    assert region.create(envpool("on-gvisor", "gvisor"), dry=True) is None  # the honest case
+
+
+@pytest.mark.bed
+@pytest.mark.attack("sandbox")
+def test_pool_switched_to_an_unlisted_runtime_class_is_refused(region: Region) -> None:
+    """A pool made under gVisor, then patched to a RuntimeClass of the attacker's choosing:
+    the update is refused as a new pool would be."""
+    assert region.create(envpool("switched", "gvisor")) is None
+    assert refused_in_time(region, envpool("probe", "runc")) is not None  # the policy is live
+    patch = {"spec": {"template": {"runtimeClassName": "runc-unconfined"}}}
+    with pytest.raises(ApiException) as refused:
+        region.kube.merge_patch(Ref(API_VERSION, "EnvPool", "switched", region.namespace), patch)
+    assert refused.value.status == 422
+    assert "spec.template.runtimeClassName" in json.loads(refused.value.body)["message"]
+
+
+@pytest.mark.bed
+@pytest.mark.attack("sandbox")
+def test_pool_with_an_unlisted_runtime_class_gets_the_condition_and_no_pods(
+    region: Region,
+) -> None:
+    """A pool stored before the policy (or before the allowlist narrowed), under runc: the
+    region operator runs no session server for it, and says why on the pool, naming the
+    field, with a Warning event."""
+    events = region.reconcile("stored-before")
+    assert region.get("Deployment", "stored-before-sandbox", "apps/v1") is None
+    pool = region.get("EnvPool", "stored-before", API_VERSION)
+    (ready,) = [c for c in pool["status"]["conditions"] if c["type"] == "Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec"), ready
+    assert ready["message"].startswith("spec.template.runtimeClassName: 'runc'"), ready
+    assert [(e.type, e.reason) for e in events] == [("Warning", "InvalidSpec")]
+    assert "spec.template.runtimeClassName" in events[0].message
+    assert region.reconcile("stored-before") == []  # said once, not every resync
+
+
+@pytest.mark.bed
+@pytest.mark.attack("sandbox")
+def test_pool_image_from_an_unlisted_registry_gets_no_pods(region: Region) -> None:
+    """With the chart's registry allowlist set, a pool whose image comes from elsewhere
+    (stored before the list was set) runs nothing, and says why, naming the field."""
+    documents = chart(
+        region.operator_namespace, "--set-json", 'envPoolImageRegistries=["ghcr.io/rlfleet"]'
+    )
+    config = operator_config(documents)
+    pool = envpool("elsewhere", "gvisor", image="ghcr.io/rlfleet-lookalike/env-sandbox:1")
+    assert region.create(pool) is None  # the bed's policy lists no registries
+    events = region.reconcile("elsewhere", config)
+    assert region.get("Deployment", "elsewhere-sandbox", "apps/v1") is None
+    assert [e.reason for e in events] == ["InvalidSpec"]
+    assert events[0].message.startswith("spec.template.image: 'ghcr.io/rlfleet-lookalike/")
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector's verdict on `labels`."""
+    if any(labels.get(key) != value for key, value in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, values = expression["key"], expression.get("values", [])
+        verdict = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[expression["operator"]]
+        if not verdict:
+            return False
+    return True
+
+
+def admits(policy: dict, namespace: dict, pod_labels: dict[str, str], port: int) -> bool:
+    """Whether the NetworkPolicy lets a pod (its labels, and its namespace as the API
+    server holds it) connect to the pods it selects on `port`, by the API's rules: a peer
+    with a podSelector alone means pods of the policy's namespace; with both selectors,
+    pods so labelled in namespaces so labelled."""
+    spec = policy["spec"]
+    for rule in spec.get("ingress", []):
+        ports = rule.get("ports")
+        if ports and not any(p.get("port") in (None, port) for p in ports):
+            continue
+        for peer in rule.get("from") or [{"namespaceSelector": {}}]:
+            if "namespaceSelector" in peer:
+                in_namespace = selects(peer["namespaceSelector"], namespace["metadata"]["labels"])
+            else:
+                in_namespace = namespace["metadata"]["name"] == policy["metadata"]["namespace"]
+            if in_namespace and selects(peer.get("podSelector", {}), pod_labels):
+                return True
+    return False
+
+
+@pytest.mark.bed
+@pytest.mark.attack("sandbox")
+def test_network_policy_admits_only_the_pools_rollout_pods(region: Region) -> None:
+    """Who may open a connection to a pool's session servers: the rollout pods of the runs
+    that name the pool, and the region operator's pod (its /healthz reads); not any pod of
+    the operator's namespace, nor another run's rollout pods, nor a pod that wears a
+    rollout pod's labels in another namespace, nor anything on another port."""
+    run = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())
+    for name, names_pool in (("solver", POOL), ("bystander", "another-pool")):
+        run["metadata"] = {"name": name, "namespace": region.namespace, "uid": f"{name}-uid"}
+        run["spec"]["rollout"]["envPool"] = names_pool
+        region.kube.apply(mirror(run, "hub", None) | {"apiVersion": API_VERSION})
+    assert region.create(envpool(POOL, "gvisor")) is None
+    region.reconcile(POOL)
+    policy = region.get("NetworkPolicy", f"{POOL}-sandbox", "networking.k8s.io/v1")
+    assert policy is not None
+    pods, operators = (
+        region.kube.get(Ref("v1", "Namespace", n))
+        for n in (region.namespace, region.operator_namespace)
+    )
+    pool_spec = InferencePoolSpec.model_validate(
+        yaml.safe_load((ROOT / "examples" / "inferencepool.yaml").read_text())["spec"]
+    )
+
+    def rollout_labels(name: str) -> dict[str, str]:
+        mirrored = region.kube.get(Ref(API_VERSION, "RLRun", name, region.namespace))
+        deployment = rollout_deployment(
+            mirrored, "chat-prod", pool_spec, 1, "img", Workloads(), REGION
+        )
+        return deployment["spec"]["template"]["metadata"]["labels"]
+
+    (operator,) = [d for d in region.documents if d["kind"] == "Deployment"]
+    operator_labels = operator["spec"]["template"]["metadata"]["labels"]
+    port = ENVPOOL_PORT
+    assert admits(policy, pods, rollout_labels("solver"), port)
+    assert admits(policy, operators, operator_labels, port)
+    assert not admits(policy, pods, rollout_labels("solver"), port + 1)
+    assert not admits(policy, pods, rollout_labels("bystander"), port)
+    assert not admits(policy, operators, {"app": "debug-shell"}, port)
+    assert not admits(policy, operators, operator_labels | {"rlfleet.io/role": "hub"}, port)
+    assert not admits(policy, operators, rollout_labels("solver"), port)
+    assert not admits(
+        policy, pods, {"rlfleet.io/envpool": POOL, "rlfleet.io/component": "sandbox"}, port
+    )

@@ -15,6 +15,10 @@ from rlfleet.bus.auth import USER_TTL_S
 Name = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 ]
+RuntimeClassName = Annotated[
+    str,
+    Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"),
+]
 
 
 class RegionAccess(BaseModel):
@@ -208,6 +212,16 @@ class OperatorConfig(BaseModel):
     # A Secret in the operator's namespace: the key a region mints EnvPool tokens with
     # (`rlfleet.operator.envtokens`), made on first use.
     envpool_key_secret: Annotated[str, Field(min_length=1, max_length=253)] = "rlfleet-envpool-key"
+    # The RuntimeClasses an EnvPool's pods may run under: VM-grade ones, as a pool's session
+    # server runs as root with SYS_ADMIN (`workloads.SANDBOX_CAPABILITIES`). A pool naming
+    # another runs no pod (`envpools.refusals`).
+    envpool_runtime_classes: Annotated[list[RuntimeClassName], Field(min_length=1)] = [
+        "gvisor",
+        "kata",
+    ]
+    # Where an EnvPool's image may come from: registries or repository prefixes, each
+    # matched up to a "/"; empty: anywhere.
+    envpool_image_registries: list[Annotated[str, Field(min_length=1, max_length=255)]] = []
 
 
 def load(path: Path) -> OperatorConfig:

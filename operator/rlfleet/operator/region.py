@@ -38,7 +38,7 @@ from rlfleet.api.meta import API_VERSION, Condition
 from rlfleet.api.rlrun import RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.operator import telemetry
 from rlfleet.operator.config import OperatorConfig
-from rlfleet.operator.envpools import DELETION_COST, ServerSeen, plan_pool
+from rlfleet.operator.envpools import DELETION_COST, ServerSeen, plan_pool, refusals
 from rlfleet.operator.envtokens import TokenMint
 from rlfleet.operator.kube import Kube, Ref
 from rlfleet.operator.locks import KeyedLocks
@@ -618,7 +618,8 @@ class Region:
     def reconcile_envpool(self, envpool: dict) -> list[Event]:
         """Sizes the pool's servers from what they say (`envpools.plan_pool`), records the
         plan in its status, then acts: each pod's deletion cost (idle ones go first), then
-        its objects. Returns the events to post."""
+        its objects. A pool this region will not run (`envpools.refusals`) gets no server.
+        Returns the events to post."""
         meta = envpool["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         old = EnvPoolStatus.model_validate(envpool.get("status") or {})
@@ -627,6 +628,15 @@ class Region:
             spec = EnvPoolSpec.model_validate(envpool["spec"])
         except ValidationError as error:  # stored before the schema asked for it
             problems = [f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()]
+            ready, told = invalid_spec(old.conditions, problems, generation)
+            self.local.write_status(envpool, EnvPoolStatus(conditions=[ready]))
+            return told
+        allowed = self.config.envpool_runtime_classes, self.config.envpool_image_registries
+        if problems := refusals(spec, *allowed):
+            # No session server for it: one an earlier spec made stops.
+            ref = Ref("apps/v1", "Deployment", envpool_service(name), namespace)
+            if (self.local.get(ref) or {}).get("spec", {}).get("replicas"):
+                self.local.scale(ref, 0)
             ready, told = invalid_spec(old.conditions, problems, generation)
             self.local.write_status(envpool, EnvPoolStatus(conditions=[ready]))
             return told

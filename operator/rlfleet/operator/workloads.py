@@ -75,6 +75,10 @@ ENVPOOL_TOKENS_DIR = "/etc/rlfleet/envpool"
 ENVPOOL_TOKENS_KEY = "tokens.json"
 ENVPOOL_PORT, ENVPOOL_PORT_NAME = 8080, "sessions"
 POD_IP_ENV = "POD_IP"
+# A region operator's pods, as the chart labels them (`rlfleet.selector` and
+# `rlfleet.labels` in templates/_helpers.tpl): the one peer besides rollout pods that an
+# EnvPool's NetworkPolicy lets in.
+REGION_OPERATOR_LABELS = {"app.kubernetes.io/name": "rlfleet-operator", "rlfleet.io/role": "region"}
 SANDBOX_CAPABILITIES = ["SYS_ADMIN", "SETUID", "SETGID", "CHOWN", "FOWNER", "DAC_OVERRIDE", "KILL"]
 # Where a component with a read-only root writes: an emptyDir at /tmp, also its $HOME, so
 # the caches torch, Triton, vLLM, DeepSpeed and Hugging Face keep under ~/.cache, ~/.triton
@@ -695,8 +699,8 @@ def envpool_objects(
 ) -> list[dict]:
     """The session servers (a Deployment of `replicas` pods), the Service rollout workers
     claim through, the runs' tokens (a Secret: run -> token), and a NetworkPolicy: in, only
-    the rollout pods of those runs and the operator's probes; out, nothing unless the pool
-    allows egress."""
+    the rollout pods of those runs and the region operator's pods; out, nothing unless the
+    pool allows egress."""
     name = envpool["metadata"]["name"]
     spec = EnvPoolSpec.model_validate(envpool["spec"])
     labels = {ENVPOOL_LABEL: name, COMPONENT_LABEL: "sandbox"}
@@ -782,8 +786,10 @@ def _envpool_pod(spec: EnvPoolSpec, name: str) -> dict:
 def _envpool_policy(
     spec: EnvPoolSpec, labels: dict[str, str], runs: list[str], operator_namespace: str
 ) -> dict:
-    """In: the rollout pods of `runs` and the operator's namespace (its probes), on the
-    server's port alone; out: nothing, unless the pool allows egress."""
+    """In: the rollout pods of `runs` (those that name the pool) in its namespace, and the
+    region operator's own pods (which read each server's /healthz to size the pool), on
+    the server's port alone; the kubelet's probes come from the pod's node, which a
+    NetworkPolicy always lets in. Out: nothing, unless the pool allows egress."""
     callers = [
         {
             "podSelector": {
@@ -793,7 +799,8 @@ def _envpool_policy(
         }
     ]
     prober = {
-        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}}
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}},
+        "podSelector": {"matchLabels": REGION_OPERATOR_LABELS},
     }
     policy: dict[str, Any] = {
         "podSelector": {"matchLabels": labels},
