@@ -158,7 +158,7 @@ class TrainerSpec(ApiModel):
         Field(
             description=(
                 "What the trainer computes in. bf16: bfloat16 weights, activations and "
-                "gradients over float32 master weights and Adam state (about 18 bytes a "
+                "gradients over float32 master weights and Adam state (about 20 bytes a "
                 "parameter before ZeRO partitions it, half fp32's activations), the GPU's "
                 "fast path, batch-invariant with the model's own kernels on Hopper and "
                 "newer. fp32: float32 throughout (16 bytes a parameter), what CPUs train in."
