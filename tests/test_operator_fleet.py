@@ -1417,6 +1417,8 @@ def test_a_pools_status_shows_the_version_each_serving_replica_says_it_serves(
 
 
 def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:
+    secret = world.get("region-a", "secret", f"{RUN}-nats-rollout")
+    leaked = base64.b64decode(secret["data"]["creds"]).decode()  # a worker's, say
     world.fleet.kubectl(HUB, "-n", world.ns, "delete", "rlrun", RUN, "--wait=false")
     wait_for("the hub object gone", lambda: not world.items(HUB, "rlruns"))
     for region in REGIONS:
@@ -1453,6 +1455,18 @@ def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:
 
     # Nothing of the run is left on NATS for a run made again under its name to read.
     assert on_hub_nats(world, left) == []
+
+    async def logs_in() -> bool:
+        url = world.fleet.bed.nats.leaves["region-a"].url
+        try:
+            nc = await auth.connect(url, leaked, allow_reconnect=False, connect_timeout=5)
+        except nats.errors.Error:
+            return False
+        await nc.close()
+        return True
+
+    # Its users were revoked with it: a credential it leaked no longer logs in.
+    assert not asyncio.run(logs_in())
 
 
 def test_no_operator_reconcile_raised_through_every_scenario(world: World) -> None:

@@ -96,14 +96,15 @@ class DataPlane:
         self._nc: nats.NATS | None = None
         self._connecting = asyncio.Lock()
 
-    def _run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+    def _run(self, coroutine: Coroutine[Any, Any, Any], calls: int = 1) -> Any:
+        """`coroutine`'s result, given `calls` times the timeout (it makes that many)."""
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         try:
-            return future.result(self.timeout_s)
+            return future.result(self.timeout_s * calls)
         except TimeoutError as error:
             future.cancel()
             raise DataPlaneUnavailable(
-                f"NATS {self.url}: no answer in {self.timeout_s}s"
+                f"NATS {self.url}: no answer in {self.timeout_s * calls}s"
             ) from error
         except nats.js.errors.APIError as error:
             if error.err_code == _NO_STORAGE:
@@ -167,7 +168,8 @@ class DataPlane:
             login.signing_seed,
         )
         try:
-            took = self._run(self._revoke(owner, incarnation, ttl_s, servers))
+            # Five calls: the record kept, the records read, a login, the push and answers.
+            took = self._run(self._revoke(owner, incarnation, ttl_s, servers), calls=5)
         except ValueError as error:  # a server refused the account
             raise DataPlaneUnavailable(str(error)) from error
         if len(took) < servers:
@@ -181,7 +183,7 @@ class DataPlane:
     ) -> list[str]:
         nc = await self._client()
         return await auth.revoke_run_users(
-            nc, self.url, self.domain, owner, incarnation, ttl_s, servers, self.timeout_s / 2
+            nc, self.url, self.domain, owner, incarnation, ttl_s, servers, self.timeout_s
         )
 
     def ensure_streams(self, run: str, regions: list[str], trajectory_backlog: int) -> list[str]:
