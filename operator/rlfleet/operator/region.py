@@ -624,22 +624,9 @@ class Region:
         namespace, name = meta["namespace"], meta["name"]
         old = EnvPoolStatus.model_validate(envpool.get("status") or {})
         generation = meta.get("generation", 0)
-        try:
-            spec = EnvPoolSpec.model_validate(envpool["spec"])
-        except ValidationError as error:  # stored before the schema asked for it
-            problems = [f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()]
-            ready, told = invalid_spec(old.conditions, problems, generation)
-            self.local.write_status(envpool, EnvPoolStatus(conditions=[ready]))
-            return told
-        allowed = self.config.envpool_runtime_classes, self.config.envpool_image_registries
-        if problems := refusals(spec, *allowed):
-            # No session server for it: one an earlier spec made stops.
-            ref = Ref("apps/v1", "Deployment", envpool_service(name), namespace)
-            if (self.local.get(ref) or {}).get("spec", {}).get("replicas"):
-                self.local.scale(ref, 0)
-            ready, told = invalid_spec(old.conditions, problems, generation)
-            self.local.write_status(envpool, EnvPoolStatus(conditions=[ready]))
-            return told
+        spec = self._envpool_spec(envpool, old, generation)
+        if not isinstance(spec, EnvPoolSpec):
+            return spec  # refused: the events that say so
         pods = [
             p
             for p in self._pods(namespace, {ENVPOOL_LABEL: name})
@@ -681,6 +668,28 @@ class Region:
         for manifest in envpool_objects(envpool, plan.replicas, tokens, self.config.namespace):
             self.local.apply(manifest)
         return []
+
+    def _envpool_spec(
+        self, envpool: dict, old: EnvPoolStatus, generation: int
+    ) -> EnvPoolSpec | list[Event]:
+        """The pool's spec, or for one this region will not run (stored before the schema
+        asked for a field, or refused by `envpools.refusals`) the events of refusing it:
+        its status says why, and a session server an earlier spec made stops."""
+        try:
+            spec = EnvPoolSpec.model_validate(envpool["spec"])
+        except ValidationError as error:
+            problems = [f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()]
+        else:
+            allowed = self.config.envpool_runtime_classes, self.config.envpool_image_registries
+            if not (problems := refusals(spec, *allowed)):
+                return spec
+            meta = envpool["metadata"]
+            ref = Ref("apps/v1", "Deployment", envpool_service(meta["name"]), meta["namespace"])
+            if (self.local.get(ref) or {}).get("spec", {}).get("replicas"):
+                self.local.scale(ref, 0)
+        ready, told = invalid_spec(old.conditions, problems, generation)
+        self.local.write_status(envpool, EnvPoolStatus(conditions=[ready]))
+        return told
 
     def _annotate(self, pod: dict, annotations: dict[str, str]) -> None:
         try:
