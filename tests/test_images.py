@@ -20,23 +20,12 @@ import pytest
 import yaml
 
 import images
-from rlfleet import launch
 from rlfleet.api.envpool import EnvPoolSpec
 from rlfleet.operator.workloads import envpool_server
 
 HEAVY = ("torch", "vllm", "deepspeed", "transformers")
-# What each component's image runs (`python -m MODULE`): its ENTRYPOINT first, then the
-# other components the operator starts in it (`rlfleet.launch`), and a production pool's
-# server, which its user's Deployment runs in the rollout image (`examples/serving.yaml`).
-# Every module of each image's packages is imported by `bench/images.py`.
-ENTRY_POINTS = {
-    "operator": ["rlfleet.operator", launch.CONDUCTOR.module],
-    "rollout": [
-        *(launch.ROLLOUT.module, launch.FEED.module, launch.EVALUATOR.module),
-        *(launch.COLLECTOR.module, launch.SERVING.module),
-    ],
-    "trainer": [launch.TRAINER.module],
-}
+COMPONENTS = {"operator": "rlfleet.operator", "trainer": "rlfleet.trainer"}
+COMPONENTS["rollout"] = "rlfleet.rollout"
 # Flags of `pip install` that choose where and how, not what.
 HOW = re.compile(r"--no-cache-dir|--prefix=\S+")
 
@@ -56,7 +45,7 @@ def test_each_dockerfile_installs_its_own_set_from_the_lock_and_names_no_package
                 "`make lock` made) and "
                 "the project without dependencies, and names no package"
             )
-    assert {image.name for image in images.dockerfiles() if image.sets} == set(ENTRY_POINTS)
+    assert {image.name for image in images.dockerfiles() if image.sets} == set(COMPONENTS)
 
 
 def _declared(extras: dict[str, list[str]], name: str) -> set[str]:
@@ -97,36 +86,27 @@ def _python(python: Path, code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-# `python -m ENTRY --help`, then imports the other modules given into the same process
-# (each image's heavy imports are paid once) and prints which heavy packages came along.
-ENTRY = """
-import importlib, json, runpy, sys
-entry, *others = sys.argv[1:]
-sys.argv = [entry, "--help"]
-try:
-    runpy.run_module(entry, run_name="__main__", alter_sys=True)
-except SystemExit as stopped:
-    if stopped.code:
-        raise
-for module in others:
-    importlib.import_module(module)
+# Imports every module of the packages given, then prints which heavy packages came along.
+IMPORT_ALL = """
+import importlib, json, pkgutil, sys
+for package in sys.argv[1:]:
+    root = importlib.import_module(package)
+    for module in pkgutil.walk_packages(root.__path__, package + "."):
+        importlib.import_module(module.name)
 print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(%r))))
 """
 
 
-def _entry_points(python: Path, entry: str, *others: str) -> tuple[str, list[str]]:
-    """ENTRY's `--help` as run from an image's environment, and the heavy packages that
-    it and the other modules given import."""
+def _import_all(python: Path, *packages: str) -> list[str]:
     result = subprocess.run(
-        [str(python), "-c", ENTRY % (HEAVY,), entry, *others],
+        [str(python), "-c", IMPORT_ALL % (HEAVY,), *packages],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    *shown, heavy = result.stdout.splitlines()
-    return "\n".join(shown), json.loads(heavy)
+    return json.loads(result.stdout.splitlines()[-1])
 
 
 def _help(python: Path, module: str) -> str:
@@ -142,23 +122,17 @@ def _help(python: Path, module: str) -> str:
     return result.stdout
 
 
-def test_every_component_runs_from_an_image_whose_entrypoint_comes_first() -> None:
-    components = {c.module for c in (*launch.COMPONENTS.values(), launch.SERVING)}
-    assert components <= {module for modules in ENTRY_POINTS.values() for module in modules}
-    for image, modules in ENTRY_POINTS.items():
-        assert dockerfile(image).entrypoint == ["python", "-m", modules[0]]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("component", sorted(ENTRY_POINTS))
+@pytest.mark.parametrize("component", sorted(COMPONENTS))
 def test_each_image_runs_its_component(
     component: str, image_environments: images.Environments
 ) -> None:
     python = image_environments.python(component)
-    shown, heavy = _entry_points(python, *ENTRY_POINTS[component])
-    assert "usage:" in shown
+    assert "usage:" in _help(python, COMPONENTS[component])
+    packages = [COMPONENTS[component]] + (["rlfleet.api"] if component == "operator" else [])
+    heavy = _import_all(python, *packages)
     if component == "operator":
-        assert heavy == [], f"the operator's entry points import {heavy}"
+        assert heavy == [], f"the operator's modules import {heavy}"
 
 
 @pytest.mark.slow
@@ -201,6 +175,7 @@ def test_the_env_sandbox_image_serves_sessions_with_the_settings_the_operator_wr
     )
     settings = msgspec.to_builtins(envpool_server(spec))
     home = Path(tempfile.mkdtemp(dir="/run/rlfleet"))
+    home.chmod(0o711)  # sandboxes' uids pass through to their trees
     token = "t" * 24
     (home / "tokens.json").write_text(json.dumps({"run-a": token}))
     settings |= {

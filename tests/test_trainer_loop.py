@@ -40,12 +40,7 @@ from rlfleet.api.wire import (
     weights_prefix,
     weights_stream,
 )
-from rlfleet.bus.streams import (
-    TRAINER_ACK_WAIT_S,
-    TRAINER_CONSUMER,
-    ConsumerWaits,
-    ensure_run_streams,
-)
+from rlfleet.bus.streams import TRAINER_CONSUMER, ensure_run_streams
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.local.processes import run_in_session
 from rlfleet.models.tiny import init_model
@@ -95,12 +90,11 @@ def group(run: str, name: str, version: int) -> list[bytes]:
     return [encode_trajectory(trajectory(run, name, a, version)) for a in range(GROUP)]
 
 
-async def make_streams(hub: NatsServer, run: str, ack_wait_s: float = TRAINER_ACK_WAIT_S) -> None:
-    """The run's streams and consumers, as whoever starts a run makes them; the trainer's
-    consumer waits `ack_wait_s` for an acknowledgement."""
+async def make_streams(hub: NatsServer, run: str) -> None:
+    """The run's streams, as whoever starts a run makes them."""
     nc = await hub.connect()
     try:
-        await ensure_run_streams(nc, run, HUB_DOMAIN, waits=ConsumerWaits(trainer_s=ack_wait_s))
+        await ensure_run_streams(nc, run, HUB_DOMAIN)
     finally:
         await nc.close()
 
@@ -177,14 +171,10 @@ class TrainerProcess:
 
 @contextlib.contextmanager
 def trainer(
-    tmp_path: Path,
-    tiny_moe: Path,
-    servers: StandaloneNats,
-    ack_wait_s: float = TRAINER_ACK_WAIT_S,
-    **settings,
+    tmp_path: Path, tiny_moe: Path, servers: StandaloneNats, **settings
 ) -> Iterator[TrainerProcess]:
     process = TrainerProcess(tmp_path, tiny_moe, servers.bed.hub, **settings)
-    asyncio.run(make_streams(servers.bed.hub, process.run, ack_wait_s))
+    asyncio.run(make_streams(servers.bed.hub, process.run))
     try:
         yield process
     finally:
