@@ -20,12 +20,23 @@ import pytest
 import yaml
 
 import images
+from rlfleet import launch
 from rlfleet.api.envpool import EnvPoolSpec
 from rlfleet.operator.workloads import envpool_server
 
 HEAVY = ("torch", "vllm", "deepspeed", "transformers")
-COMPONENTS = {"operator": "rlfleet.operator", "trainer": "rlfleet.trainer"}
-COMPONENTS["rollout"] = "rlfleet.rollout"
+# What each component's image runs (`python -m MODULE`): its ENTRYPOINT first, then the
+# other components the operator starts in it (`rlfleet.launch`), and a production pool's
+# server, which its user's Deployment runs in the rollout image (`examples/serving.yaml`).
+# Every module of each image's packages is imported by `bench/images.py`.
+ENTRY_POINTS = {
+    "operator": ["rlfleet.operator", launch.CONDUCTOR.module],
+    "rollout": [
+        *(launch.ROLLOUT.module, launch.FEED.module, launch.EVALUATOR.module),
+        *(launch.COLLECTOR.module, launch.SERVING.module),
+    ],
+    "trainer": [launch.TRAINER.module],
+}
 # Flags of `pip install` that choose where and how, not what.
 HOW = re.compile(r"--no-cache-dir|--prefix=\S+")
 
@@ -45,7 +56,7 @@ def test_each_dockerfile_installs_its_own_set_from_the_lock_and_names_no_package
                 "`make lock` made) and "
                 "the project without dependencies, and names no package"
             )
-    assert {image.name for image in images.dockerfiles() if image.sets} == set(COMPONENTS)
+    assert {image.name for image in images.dockerfiles() if image.sets} == set(ENTRY_POINTS)
 
 
 def _declared(extras: dict[str, list[str]], name: str) -> set[str]:
@@ -86,27 +97,36 @@ def _python(python: Path, code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-# Imports every module of the packages given, then prints which heavy packages came along.
-IMPORT_ALL = """
-import importlib, json, pkgutil, sys
-for package in sys.argv[1:]:
-    root = importlib.import_module(package)
-    for module in pkgutil.walk_packages(root.__path__, package + "."):
-        importlib.import_module(module.name)
+# `python -m ENTRY --help`, then imports the other modules given into the same process
+# (each image's heavy imports are paid once) and prints which heavy packages came along.
+ENTRY = """
+import importlib, json, runpy, sys
+entry, *others = sys.argv[1:]
+sys.argv = [entry, "--help"]
+try:
+    runpy.run_module(entry, run_name="__main__", alter_sys=True)
+except SystemExit as stopped:
+    if stopped.code:
+        raise
+for module in others:
+    importlib.import_module(module)
 print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(%r))))
 """
 
 
-def _import_all(python: Path, *packages: str) -> list[str]:
+def _entry_points(python: Path, entry: str, *others: str) -> tuple[str, list[str]]:
+    """ENTRY's `--help` as run from an image's environment, and the heavy packages that
+    it and the other modules given import."""
     result = subprocess.run(
-        [str(python), "-c", IMPORT_ALL % (HEAVY,), *packages],
+        [str(python), "-c", ENTRY % (HEAVY,), entry, *others],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.splitlines()[-1])
+    *shown, heavy = result.stdout.splitlines()
+    return "\n".join(shown), json.loads(heavy)
 
 
 def _help(python: Path, module: str) -> str:
@@ -122,17 +142,23 @@ def _help(python: Path, module: str) -> str:
     return result.stdout
 
 
+def test_every_component_runs_from_an_image_whose_entrypoint_comes_first() -> None:
+    components = {c.module for c in (*launch.COMPONENTS.values(), launch.SERVING)}
+    assert components <= {module for modules in ENTRY_POINTS.values() for module in modules}
+    for image, modules in ENTRY_POINTS.items():
+        assert dockerfile(image).entrypoint == ["python", "-m", modules[0]]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("component", sorted(COMPONENTS))
+@pytest.mark.parametrize("component", sorted(ENTRY_POINTS))
 def test_each_image_runs_its_component(
     component: str, image_environments: images.Environments
 ) -> None:
     python = image_environments.python(component)
-    assert "usage:" in _help(python, COMPONENTS[component])
-    packages = [COMPONENTS[component]] + (["rlfleet.api"] if component == "operator" else [])
-    heavy = _import_all(python, *packages)
+    shown, heavy = _entry_points(python, *ENTRY_POINTS[component])
+    assert "usage:" in shown
     if component == "operator":
-        assert heavy == [], f"the operator's modules import {heavy}"
+        assert heavy == [], f"the operator's entry points import {heavy}"
 
 
 @pytest.mark.slow
