@@ -61,7 +61,6 @@ SLICE = dict(  # a slice of a 30B-A3B-class MoE: its layer shapes, 8 of its laye
     vocab_size=32768,
 )
 QUICK_SLICE = dict(SLICE, hidden_size=256, num_hidden_layers=2, num_experts=16)
-PART_TIMEOUT_S = 300
 
 
 def _device() -> torch.device:
@@ -284,7 +283,7 @@ def codec(quick: bool) -> dict:
     }
 
 
-def _part(name: str, quick: bool, config: str | None = None) -> dict:
+def _part(name: str, quick: bool, config: str | None, timeout_s: float) -> dict:
     """One part, in a process of its own."""
     command = [sys.executable, __file__, "--part", name] + (["--quick"] if quick else [])
     command += ["--config", config] if config else []
@@ -292,9 +291,12 @@ def _part(name: str, quick: bool, config: str | None = None) -> dict:
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
     started = time.perf_counter()
-    done = subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=PART_TIMEOUT_S, check=False
-    )
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"{name} {config or ''} ran past {timeout_s:.0f} s"}
     if done.returncode != 0:
         tail = done.stderr[-1500:]
         return {"error": f"{name} {config or ''} exited {done.returncode}: {tail}"}
@@ -312,6 +314,7 @@ def main() -> None:
     parser.add_argument("--part", choices=["invariance", "train", "codec"])
     parser.add_argument("--config", choices=["trainer", "default"], default="trainer")
     parser.add_argument("--out", type=Path, help="also write the JSON object here")
+    parser.add_argument("--part-timeout", type=float, default=300, help="seconds a part")
     args = parser.parse_args()
     args.quick = args.quick or not torch.cuda.is_available()  # a CPU: small shapes only
     if args.part:
@@ -320,14 +323,28 @@ def main() -> None:
         print(json.dumps(parts[args.part]()))
         return
     device = _device()
-    trainer = _part("invariance", args.quick, "trainer")
-    default = _part("invariance", args.quick, "default")
-    trained, coded = _part("train", args.quick), _part("codec", args.quick)
-    errors = [p["error"] for p in (trainer, default, trained, coded) if "error" in p]
-    result = {
+    parts: dict[str, dict] = {}
+    # The quick parts first, and the object written after each: a run cut short by its
+    # machine's limit still returns what it measured.
+    for key, name, config in (
+        ("train", "train", None),
+        ("codec", "codec", None),
+        ("invariance", "invariance", "trainer"),
+        ("invariance_default", "invariance", "default"),
+    ):
+        parts[key] = _part(name, args.quick, config, args.part_timeout)
+        text = json.dumps(_summary(device, args.quick, parts), default=str)
+        if args.out:
+            args.out.write_text(text + "\n")
+    print(text)
+
+
+def _summary(device: torch.device, quick: bool, parts: dict[str, dict]) -> dict:
+    trainer, default = parts.get("invariance", {}), parts.get("invariance_default", {})
+    return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
-        "quick": args.quick,
+        "quick": quick,
         "torch": torch.__version__,
         **_without_seconds(trainer),
         **{f"{k}_default": v for k, v in default.items() if k.startswith(("invariant", "tok"))},
@@ -336,20 +353,11 @@ def main() -> None:
             if "step_s_bf16" in trainer and "step_s_bf16" in default
             else None
         ),
-        **_without_seconds(trained),
-        **_without_seconds(coded),
-        "part_seconds": {
-            "invariance": trainer.get("seconds"),
-            "invariance_default": default.get("seconds"),
-            "train": trained.get("seconds"),
-            "codec": coded.get("seconds"),
-        },
-        "errors": errors,
+        **_without_seconds(parts.get("train", {})),
+        **_without_seconds(parts.get("codec", {})),
+        "part_seconds": {key: part.get("seconds") for key, part in parts.items()},
+        "errors": [part["error"] for part in parts.values() if "error" in part],
     }
-    text = json.dumps(result, default=str)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

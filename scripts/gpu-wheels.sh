@@ -7,9 +7,10 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-# transformers at the lock's version: the trainer's kernels register into its internals.
+# transformers at the lock's version: the trainer's kernels register into its internals;
+# regex and typing-extensions at the lock's too, as transformers and pydantic check theirs.
 wheels=(msgspec nats-py zstandard xxhash pydantic pydantic-core annotated-types
-  typing-inspection hjson transformers)
+  typing-inspection typing-extensions regex hjson transformers)
 pins=()
 for name in "${wheels[@]}"; do
   pins+=("$(grep -i "^${name}==" requirements/lock.txt)")
