@@ -4,7 +4,7 @@ SHELL := bash
 export PATH := $(CURDIR)/.bin:$(CURDIR)/.venv/bin:$(PATH)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo bed down bench lock crds
+.PHONY: setup test lint demo bed down bench lock crds docs
 
 setup:
 	@bash scripts/setup.sh
@@ -14,6 +14,7 @@ lint: setup
 	ruff format --check .
 	lint-imports
 	rlfleet crds check
+	rlfleet docs check
 
 test: lint
 	pytest $(PYTEST_ARGS)
@@ -32,6 +33,12 @@ bench: setup
 
 crds: setup
 	rlfleet crds generate
+
+# The site (mkdocs.yml) into .rlfleet/site: its reference pages must match the code
+# (`rlfleet docs generate` rewrites them), and a warning or a broken link fails the build.
+docs: setup
+	rlfleet docs check
+	NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet
 
 # Re-resolve the lock after changing a dependency set in pyproject.toml: requirements/lock.txt
 # holds the whole environment (`dev`); requirements/<set>.txt each image's set, at the

@@ -1,6 +1,7 @@
 """Upgrading: the previous release's chart and operator, with a run going, upgraded with
 `helm upgrade` to this tree's chart and operator on the bed; and this tree's CRDs held
-against the previous release's, field by field, with the README's conversion notes.
+against the previous release's, field by field, with the upgrading guide's conversion
+notes (docs/guides/upgrading.md).
 
 The previous release is read from git (`PREVIOUS_RELEASE`): its chart, its CRDs and its
 operator's code, which runs from the extracted tree under the development environment.
@@ -45,7 +46,7 @@ RUN = "tiny-moe-arith"
 POOL = "chat-prod"
 SERVING = "chat-vllm"
 REMOVED = {"model.format": "hf-safetensors", "environments": ["arith-sandbox"]}
-# What the README's Upgrading section tells users to run in each cluster.
+# What the upgrading guide tells users to run in each cluster.
 UPGRADE = (
     "upgrade",
     RELEASE,
@@ -138,11 +139,8 @@ def crd_narrowings(previous: dict, current: dict | None) -> dict[str, str]:
 
 
 def upgrading_notes() -> str:
-    """The README's "Upgrading" section."""
-    readme = (ROOT / "README.md").read_text()
-    section = re.search(r"^## Upgrading\n(.*?)(?=^## |\Z)", readme, re.M | re.S)
-    assert section, "the README has no '## Upgrading' section"
-    return section[1]
+    """The upgrading guide, its conversion notes included."""
+    return (ROOT / "docs" / "guides" / "upgrading.md").read_text()
 
 
 def test_a_removed_or_narrowed_field_is_found_and_an_added_one_is_not() -> None:
@@ -176,7 +174,7 @@ def test_a_removed_or_narrowed_field_is_found_and_an_added_one_is_not() -> None:
     assert set(narrowings(old, narrowed, "")) == {"", ".a", ".b", ".n", ".e", ".l[].k"}
 
 
-def test_the_crds_only_add_fields_or_the_readme_says_how_to_convert_what_they_drop() -> None:
+def test_the_crds_only_add_fields_or_the_guide_says_how_to_convert_what_they_drop() -> None:
     listed = git("ls-tree", "--name-only", PREVIOUS_RELEASE, "crds/").stdout.decode().split()
     current = {kind.kind: crd(kind) for kind in KINDS}
     found = {}
@@ -187,7 +185,7 @@ def test_the_crds_only_add_fields_or_the_readme_says_how_to_convert_what_they_dr
     unexplained = {name: what for name, what in found.items() if f"`{name}`" not in notes}
     assert not unexplained, (
         f"changed since {PREVIOUS_RELEASE[:7]} in a way stored objects or old manifests "
-        f"may not survive, with no conversion note in the README's Upgrading section "
+        f"may not survive, with no conversion note in docs/guides/upgrading.md "
         f"(name each as `Kind.path`): {unexplained}"
     )
 
@@ -394,7 +392,7 @@ def upgrade(
         sampler = Sampler(fleet, ns)
         for cluster in (HUB, REGION):
             fleet.supervisor.stop(f"operator-{cluster}")
-        for cluster in (REGION, HUB):  # as the README says: regions first
+        for cluster in (REGION, HUB):  # as the upgrading guide says: regions first
             upgraded = fleet.helm(cluster, *UPGRADE)
             assert upgraded.returncode == 0, upgraded.stderr
         stored = {

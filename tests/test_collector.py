@@ -36,6 +36,7 @@ from rlfleet.bus.streams import cycle_stream, ensure_run_streams
 from rlfleet.launch.settings import CollectorConfig, SignalRewards, to_json
 from rlfleet.local.nats import StandaloneNats
 from rlfleet.rollout.collector import Collector
+from rlfleet.rollout.history import prompt_key
 from rlfleet.trainer.validation import ModelShape, problem
 
 WINDOW_S = 10.0
@@ -130,6 +131,17 @@ def test_cycles_take_each_completion_once_and_score_it_from_its_signals(
             len([t for t in trained if t.group_id == g]) for g in {"cycle-1/0", "cycle-1/1"}
         ) == [3, 3]
         assert all(problem(t, SHAPE, run, needs_experts=False) is None for t in trained)
+
+        # A canary after it tallies each answered completion with what the cycles closed
+        # expected of it: of ada, who accepted all she was served, more than of grace.
+        asked = prompt_key(recent)
+        expects = collector.history.expected
+        assert expects(asked, "ada") > expects(asked, "") > expects(asked, "grace")
+        canary = CycleState(run, 2, CyclePhase.CANARY, recent.served_at, 0, candidate=1)
+        tallied = await collector.tally(js, canary, first)
+        assert list(tallied.by_version) == [0]  # the recent completion, accepted
+        tally = tallied.by_version[0]
+        assert (tally.count, tally.total, tally.expected_total) == (1, 1.0, expects(asked, "ada"))
 
         # A restarted collector goes on after the last cycle: the recent completion's
         # window is still open, so there is nothing to close yet.

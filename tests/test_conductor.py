@@ -44,7 +44,9 @@ from rlfleet.operator.conductor import Conductor
 
 TASKS = [f"task-{i}" for i in range(40)]
 ANSWERS = AnswerStats(answers=40, empty=0, tokens=400)
-CANARY = CanaryPolicy(max_drop=0.05, confidence=0.95, window_s=0.5, min_samples=10)
+CANARY = CanaryPolicy(
+    detectable_drop=0.2, false_rollback_rate=0.05, miss_rate=0.05, window_s=0.5, min_samples=10
+)
 
 
 def _report(run: str, cycle: int, trained_on: int) -> CycleReport:

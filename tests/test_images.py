@@ -201,7 +201,6 @@ def test_the_env_sandbox_image_serves_sessions_with_the_settings_the_operator_wr
     )
     settings = msgspec.to_builtins(envpool_server(spec))
     home = Path(tempfile.mkdtemp(dir="/run/rlfleet"))
-    home.chmod(0o711)  # sandboxes' uids pass through to their trees
     token = "t" * 24
     (home / "tokens.json").write_text(json.dumps({"run-a": token}))
     settings |= {

@@ -13,9 +13,10 @@ from rlfleet import launch
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import BusRole, CycleOutcome, CyclePhase, CycleState, FinishedCycle
 from rlfleet.bus.auth import CREDENTIALS_ENV
-from rlfleet.launch.settings import ServingConfig, UsersConfig, to_json
+from rlfleet.launch.settings import FEEDBACK_DIR_ENV, ServingConfig, UsersConfig, to_json
 from rlfleet.local import plan, realtime
 from rlfleet.local.run import inverting
+from rlfleet.rollout.feedback import PoolFeedback
 
 
 def _spec() -> RLRunSpec:
@@ -64,9 +65,19 @@ def test_a_production_run_starts_the_hubs_components_its_pool_and_its_users(tmp_
     )
     key = realtime.api_key(layout)
     assert serving.env["VLLM_API_KEY"] == key and key not in " ".join(serving.argv)
+    # Every server signs feedback tokens with the pool's one key, read from its folder as
+    # a pod reads the pool's Secret: feedback on any server's answer is taken by any.
+    folder = Path(serving.env[FEEDBACK_DIR_ENV])
+    assert {p.env[FEEDBACK_DIR_ENV] for n, p in processes.items() if "serving" in n} == {
+        str(folder)
+    }
+    pool = PoolFeedback.from_dir(folder)
+    assert pool.key.decode() not in " ".join(serving.argv) + str(serving.config)
     users: UsersConfig = processes["users"].config
     assert set(users.servers) == {"serving-canary-0", "serving-stable-1"}
-    assert processes["users"].env == {"VLLM_API_KEY": key}
+    # The users name themselves in the header the servers take a user from, as a gateway.
+    assert users.user_header.encode() == pool.user_header
+    assert processes["users"].env == {"VLLM_API_KEY": key}  # no feedback key: tokens only
 
 
 def _state(*outcomes: tuple[int, CycleOutcome, int, float]) -> CycleState:
@@ -74,10 +85,10 @@ def _state(*outcomes: tuple[int, CycleOutcome, int, float]) -> CycleState:
     return CycleState("rt", len(history) + 1, CyclePhase.COLLECTING, 0.0, 0, history=history)
 
 
-def _request(at: float, server: str, version: int, right: bool, latency_ms=10.0, **fields):
+def _request(at: float, server: str, right: bool, latency_ms=10.0, **fields):
     return {
         "at": at, "server": server, "user": "user-1", "task": "t", "status": 200,
-        "latency_ms": latency_ms, "response_id": f"r{at}", "version": version,
+        "latency_ms": latency_ms, "response_id": f"r{at}",
         "right": right, "said": "accepted", "inverted": False, "feedback_status": 200,
     } | fields  # fmt: skip
 
@@ -89,18 +100,23 @@ def test_the_report_counts_cycles_accept_rates_losses_and_the_poisoned_share():
         (3, CycleOutcome.ROLLED_BACK, 9, 300.0),
     )
     records = [
-        _request(10, "serving-stable-1", 0, False),
-        _request(20, "serving-canary-0", 0, True),
-        _request(150, "serving-stable-1", 3, True),
-        _request(160, "serving-canary-0", 3, True),
-        _request(250, "serving-canary-0", 9, False, latency_ms=40.0),
-        _request(260, "serving-stable-1", None, None, status=500, said=None),
-        _request(270, "serving-stable-1", 3, True, feedback_status=503),
+        _request(10, "serving-stable-1", False),
+        _request(20, "serving-canary-0", True),
+        _request(150, "serving-stable-1", True),
+        _request(160, "serving-canary-0", True),
+        _request(250, "serving-canary-0", False, latency_ms=40.0),
+        _request(260, "serving-stable-1", None, status=500, said=None, response_id=None),
+        _request(270, "serving-stable-1", True, feedback_status=503),
     ]
-    found = realtime.summary(records, state, invert_cycle=3)
+    # Which version answered each, as the run's captures say: no answer tells its user.
+    versions = {"r10": 0, "r20": 0, "r150": 3, "r160": 3, "r250": 9, "r270": 3}
+    found = realtime.summary(records, state, 3, versions)
     assert (found["cycles"], found["promoted"], found["rejected"], found["rolled_back"]) == (
         3, 1, 1, 1
     )  # fmt: skip
+    # Cycle 3's rollback stopped the inverted cycle's candidate; any other would be lost.
+    assert found["canary_false_rollbacks"] == 0
+    assert realtime.summary(records, state, 2, versions)["canary_false_rollbacks"] == 1
     assert found["accept_rate_by_cycle"] == [0.5, 1.0, 0.5]
     assert found["accept_rate_fitted_rise"] == 0.0  # up and down again: no trend
     assert (found["requests_total"], found["requests_failed"], found["feedback_lost"]) == (7, 1, 1)

@@ -25,7 +25,9 @@ from rlfleet.operator.cycles import (
 )
 from rlfleet.operator.promotion import GateVerdict
 
-POLICY = CanaryPolicy(max_drop=0.05, confidence=0.95, window_s=600, min_samples=20)
+POLICY = CanaryPolicy(
+    detectable_drop=0.2, false_rollback_rate=0.05, miss_rate=0.05, window_s=600, min_samples=20
+)
 DEADLINE = 3000.0  # for training, and for evaluating, a candidate
 PASSED = GateVerdict(True, 0.01, -0.005, 200, ())
 REFUSED = GateVerdict(False, -0.1, -0.12, 200, ("not shown within 0.02",))
@@ -97,7 +99,7 @@ def test_a_poisoned_candidate_is_rolled_back_and_the_trainer_sent_back():
     assert step.actions == [Action(Act.SERVE, 4, CANARY), Action(Act.RESET_TRAINER, 4)]
     assert step.state.serving == 4 and step.state.history[-1].outcome == Outcome.ROLLED_BACK
     reason, message = step.events[0].reason, step.events[0].message
-    assert reason == "CanaryRolledBack" and message.startswith("version 7: worse by more")
+    assert reason == "CanaryRolledBack" and message.startswith("version 7: worse by 0.2")
 
 
 def test_a_refused_candidate_never_reaches_users():
@@ -142,10 +144,10 @@ def test_a_cycle_whose_trainer_or_evaluator_never_finishes_times_out():
     assert step.events[0].message.startswith("cycle 3: version 6 not evaluated after 3000 s")
 
 
-def test_a_canary_no_user_answers_is_rolled_back_at_twice_its_window():
+def test_a_canary_no_user_answers_is_rolled_back_at_its_windows_end():
     canary = CycleState(run="live", number=2, phase=Phase.CANARY, since=0, serving=4, candidate=7)
-    assert decide(canary, Observed(1199, None)).state == canary
-    step = decide(canary, Observed(1200, None))
+    assert decide(canary, Observed(599, None)).state == canary
+    step = decide(canary, Observed(600, None))
     assert step.actions == [Action(Act.SERVE, 4, CANARY), Action(Act.RESET_TRAINER, 4)]
     assert "too little canary traffic" in step.events[0].message
 

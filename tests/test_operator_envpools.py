@@ -1,6 +1,7 @@
 """An EnvPool's sizing alone (`rlfleet.operator.envpools.plan_pool`, pure): how many
-session-server pods it runs for the claims its servers report. The operator acting on it
-is tested on the bed (`test_operator_fleet.py`)."""
+session-server pods it runs for the claims its servers report; and which pools a region
+refuses to run (`refusals`). The operator acting on them is tested on the bed
+(`test_operator_fleet.py`, `test_attacks_sandbox.py`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlfleet.api.envpool import EnvPoolSpec
-from rlfleet.operator.envpools import ServerSeen, floor_pods, plan_pool
+from rlfleet.operator.config import OperatorConfig
+from rlfleet.operator.envpools import ServerSeen, floor_pods, image_allowed, plan_pool, refusals
 
 NOW = datetime(2026, 11, 25, 12, 0, 0, tzinfo=UTC)
 
@@ -106,3 +108,26 @@ def test_a_burst_grows_at_once_and_scales_back_after_idle_seconds() -> None:
     later = NOW + timedelta(seconds=300)
     back = plan_pool(spec, quiet, 3, waiting.idle_since, later)
     assert (back.replicas, back.idle_since, back.bursting) == (1, None, 0)
+
+
+def test_a_region_runs_pools_only_under_its_runtime_classes_and_from_its_registries() -> None:
+    config = OperatorConfig(role="region", cluster="region-a", namespace="rlfleet-system")
+    allowed = (config.envpool_runtime_classes, config.envpool_image_registries)
+    assert allowed == (["gvisor", "kata"], [])  # as the chart's values say
+
+    def pool(runtime: str, image: str = "ghcr.io/rlfleet/env-sandbox:0.1.0") -> EnvPoolSpec:
+        return EnvPoolSpec(template={"image": image, "runtimeClassName": runtime}, maxBurst=1)
+
+    assert refusals(pool("gvisor"), *allowed) == refusals(pool("kata"), *allowed) == []
+    for runtime in ("runc", "crun", "gvisor-debug", "Kata"):
+        (problem,) = refusals(pool(runtime), *allowed)
+        assert problem.startswith(f"spec.template.runtimeClassName: {runtime!r} is not")
+    registries = ["ghcr.io/rlfleet", "registry.internal:5000/"]
+    for image in ("ghcr.io/rlfleet/env-sandbox:1", "registry.internal:5000/team/env@sha256:ab"):
+        assert image_allowed(image, registries)
+        assert refusals(pool("gvisor", image), ["gvisor"], registries) == []
+    for image in ("ghcr.io/rlfleet-lookalike/env", "ghcr.io.evil/rlfleet/env", "env-sandbox"):
+        assert not image_allowed(image, registries)
+        (problem,) = refusals(pool("gvisor", image), ["gvisor"], registries)
+        assert problem.startswith(f"spec.template.image: {image!r}")
+    assert len(refusals(pool("runc", "evil.example/x"), ["gvisor"], registries)) == 2

@@ -1267,7 +1267,20 @@ def test_a_production_runs_cycles_show_in_its_status_columns_and_events(world: W
     # Columns left empty print blank: each is read where its header starts.
     starts = [m.start() for m in re.finditer(r"\S+", header)] + [None]
     columns = {header[a:b].strip(): row[a:b].strip() for a, b in itertools.pairwise(starts)}
-    assert (columns["CYCLE"], columns["SERVING"]) == ("3", "5")
+    # What production serves, the candidate under way (none: cycle 3 collects), its stage
+    # and how the last cycle ended; no staleness, which means nothing here.
+    shown_columns = [columns[c] for c in ("SERVING", "CANDIDATE", "STAGE", "LAST", "STALENESS")]
+    assert shown_columns == ["5", "", "Collecting", "Promoted", ""]
+    conditions = {
+        c["type"]: c for c in world.get(HUB, "rlrun", PRODUCTION_RUN)["status"]["conditions"]
+    }
+    progressing, last = conditions["Progressing"], conditions["Promoted"]
+    assert (progressing["status"], progressing["reason"]) == ("False", "Collecting")
+    assert progressing["message"].endswith("production serves version 5")
+    assert (last["status"], last["reason"]) == ("True", "Promoted")
+    assert last["message"].startswith("cycle 2, finished ") and last["message"].endswith(
+        promoted.why
+    )
     posted = world.events(HUB, PRODUCTION_RUN)
     events = {e["reason"]: e for e in posted}
     for reason in ("CycleCollected", "CandidateRejected", "CanaryStarted", "CheckpointPromoted"):
@@ -1404,6 +1417,8 @@ def test_a_pools_status_shows_the_version_each_serving_replica_says_it_serves(
 
 
 def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:
+    secret = world.get("region-a", "secret", f"{RUN}-nats-rollout")
+    leaked = base64.b64decode(secret["data"]["creds"]).decode()  # a worker's, say
     world.fleet.kubectl(HUB, "-n", world.ns, "delete", "rlrun", RUN, "--wait=false")
     wait_for("the hub object gone", lambda: not world.items(HUB, "rlruns"))
     for region in REGIONS:
@@ -1440,6 +1455,18 @@ def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:
 
     # Nothing of the run is left on NATS for a run made again under its name to read.
     assert on_hub_nats(world, left) == []
+
+    async def logs_in() -> bool:
+        url = world.fleet.bed.nats.leaves["region-a"].url
+        try:
+            nc = await auth.connect(url, leaked, allow_reconnect=False, connect_timeout=5)
+        except nats.errors.Error:
+            return False
+        await nc.close()
+        return True
+
+    # Its users were revoked with it: a credential it leaked no longer logs in.
+    assert not asyncio.run(logs_in())
 
 
 def test_no_operator_reconcile_raised_through_every_scenario(world: World) -> None:

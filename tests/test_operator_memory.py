@@ -8,6 +8,7 @@ import time
 import yaml
 from conftest import ROOT
 
+from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.wire import BusRole
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.hub import Hub
@@ -42,3 +43,19 @@ def test_a_deleted_pools_served_versions_are_forgotten_once_others_are_asked_aga
     )
     assert region._served_by(("team", "chat"), None, running=[]) == ()
     assert set(region._served_seen) == {("team", "chat")}
+
+
+def test_a_deleted_pools_feedback_secret_is_forgotten_once_others_are_reconciled() -> None:
+    config = OperatorConfig(role="region", cluster="region-a", namespace="rlfleet-system")
+    region = Region(None, config)
+    pool = yaml.safe_load((ROOT / "examples" / "inferencepool.yaml").read_text())
+    pool["metadata"] |= {"namespace": "team", "uid": "u-1"}
+    spec = InferencePoolSpec.model_validate(pool["spec"])
+    written = ("u-1", spec.serving.user_header)  # its Secret is written: no kube needed
+    region._feedback_written[("team", "chat-prod")] = (written, time.monotonic())
+    region._feedback_written[("team", "deleted")] = (
+        written,
+        time.monotonic() - 3 * config.run_resync_seconds,
+    )
+    region._keep_feedback(pool, spec)
+    assert set(region._feedback_written) == {("team", "chat-prod")}

@@ -4,6 +4,8 @@ the newest state is the status; what is not the run's is passed over."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from rlfleet.api.wire import (
     CycleEvent,
     CycleOutcome,
@@ -12,7 +14,7 @@ from rlfleet.api.wire import (
     CycleState,
     FinishedCycle,
 )
-from rlfleet.operator.production import CycleUpdates, fold
+from rlfleet.operator.production import CycleUpdates, conditions, fold
 
 RUN = "team-a_chat"
 
@@ -78,3 +80,50 @@ def test_what_is_not_the_runs_is_passed_over() -> None:
     )
     folded = fold(CycleUpdates(RUN, [(3, forged)], report(run="team-b_chat")), None)
     assert (folded.status, folded.events) == (None, [])
+
+
+MOMENT = datetime(2026, 11, 28, 12, 0, tzinfo=UTC)
+
+
+def test_the_candidate_under_way_its_stage_and_the_last_outcome_are_said_at_a_glance() -> None:
+    rolled_back = FinishedCycle(3, CycleOutcome.ROLLED_BACK, 6, "version 6: worse by 0.2", 5.0)
+    canary = state(4, CyclePhase.CANARY, candidate=7, history=[rolled_back])
+    status = fold(CycleUpdates(RUN, [(9, canary)]), None).status
+    assert status is not None
+    assert (status.serving_version, status.candidate_version, status.phase) == (2, 7, "Canary")
+    assert status.last_outcome == CycleOutcome.ROLLED_BACK
+    progressing, promoted = conditions(status, [], 3, MOMENT)
+    assert (progressing.type, progressing.status, progressing.reason) == (
+        "Progressing",
+        "True",
+        "Canary",
+    )
+    assert progressing.message.startswith("cycle 4: candidate version 7 on the canary set since")
+    assert progressing.message.endswith("production serves version 2")
+    assert (promoted.type, promoted.status, promoted.reason) == ("Promoted", "False", "RolledBack")
+    assert promoted.message.endswith("version 6: worse by 0.2")
+    # Promoted, the next cycle collects: nothing under way, the last one promoted.
+    done = FinishedCycle(4, CycleOutcome.PROMOTED, 7, "version 7: no worse", 6.0)
+    collecting = state(5, CyclePhase.COLLECTING, history=[rolled_back, done])
+    later = MOMENT.replace(minute=5)
+    after = conditions(
+        fold(CycleUpdates(RUN, [(10, collecting)]), status).status,
+        [progressing, promoted],
+        3,
+        later,
+    )
+    assert [(c.status, c.reason) for c in after] == [("False", "Collecting"), ("True", "Promoted")]
+    assert all(c.last_transition_time == "2026-11-28T12:05:00Z" for c in after)
+    # Said again with nothing new: the same conditions, their transitions where they were.
+    assert (
+        conditions(fold(CycleUpdates(RUN, [(10, collecting)]), status).status, after, 3, MOMENT)
+        == after
+    )
+
+
+def test_before_the_conductor_says_anything_both_are_unknown() -> None:
+    said = conditions(None, [], 1, MOMENT)
+    assert [(c.type, c.status, c.reason) for c in said] == [
+        ("Progressing", "Unknown", "NoCycleYet"),
+        ("Promoted", "Unknown", "NoCycleYet"),
+    ]

@@ -3,6 +3,8 @@ answers and on generated scores for the properties any verdict must keep."""
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from rlfleet.api.wire import AnswerStats, EvaluationReport, RewardTally
 from rlfleet.launch.settings import CanaryPolicy, GatePolicy
 from rlfleet.operator.promotion import (
     CanaryCall,
+    compare_live,
     gate,
     gate_reports,
     judge_canary,
@@ -26,7 +29,9 @@ POLICY = GatePolicy(
     max_malformed_tool_calls=0.1,
 )
 SAME = AnswerStats(answers=100, empty=1, tokens=3000, tool_calls=50, malformed_tool_calls=1)
-CANARY = CanaryPolicy(max_drop=0.05, confidence=0.95, window_s=600, min_samples=50)
+CANARY = CanaryPolicy(
+    detectable_drop=0.2, false_rollback_rate=0.05, miss_rate=0.05, window_s=600, min_samples=50
+)
 
 
 def scores(mean: float, items: int = 200, seed: int = 0) -> list[float]:
@@ -96,10 +101,10 @@ def test_better_scores_never_turn_a_pass_into_a_rejection(serving, shift, lift):
     assert gate(candidate, serving, SAME, SAME, POLICY) == first  # the same verdict again
 
 
-def live(rewards: list[float]) -> RewardTally:
+def live(rewards: list[float], expected: list[float] | None = None) -> RewardTally:
     total = RewardTally()
-    for reward in rewards:
-        total = total.add(reward)
+    for reward, guess in zip(rewards, expected or [0.0] * len(rewards), strict=True):
+        total = total.add(reward, guess)
     return total
 
 
@@ -108,47 +113,130 @@ def test_a_clearly_worse_canary_is_rolled_back_before_its_window_ends():
     poisoned = live([1.0] * 10 + [-1.0] * 50)
     verdict = judge_canary(poisoned, stable, elapsed_s=60, policy=CANARY)
     assert verdict.call == CanaryCall.ROLL_BACK
-    assert verdict.reason.startswith("worse by more than 0.05: canary -0.667 over 60")
+    assert verdict.reason.startswith("worse by 0.2 at odds of 20 or more: canary -0.667 over 60")
 
 
-def test_an_equal_canary_waits_for_its_window_then_is_promoted():
+def test_a_clearly_equal_canary_is_promoted_before_its_window_ends():
     stable = live([1.0] * 700 + [-1.0] * 300)
     canary = live([1.0] * 140 + [-1.0] * 60)
-    assert judge_canary(canary, stable, 60, CANARY).call == CanaryCall.WAIT
-    assert judge_canary(canary, stable, 600, CANARY).call == CanaryCall.PROMOTE
+    verdict = judge_canary(canary, stable, 60, CANARY)
+    assert verdict.call == CanaryCall.PROMOTE and verdict.reason.startswith("no worse")
+    assert verdict.evidence <= -math.log(20)
 
 
-def test_a_canary_that_fell_beyond_the_bound_is_rolled_back_at_the_windows_end():
-    stable = live([1.0] * 700 + [-1.0] * 300)  # +0.4
-    canary = live([1.0] * 65 + [-1.0] * 35)  # +0.3: not yet confidently worse
-    assert judge_canary(canary, stable, 60, CANARY).call == CanaryCall.WAIT
-    verdict = judge_canary(canary, stable, 600, CANARY)
-    assert verdict.call == CanaryCall.ROLL_BACK and verdict.reason.startswith("fell more")
+def test_a_close_canary_waits_for_the_evidence_then_goes_the_likelier_way():
+    stable = live([1.0] * 60 + [-1.0] * 40)  # +0.2
+    nearer_none = live([1.0] * 56 + [-1.0] * 44)  # +0.12: 0.08 below
+    nearer_the_drop = live([1.0] * 54 + [-1.0] * 46)  # +0.08: 0.12 below
+    for canary in (nearer_none, nearer_the_drop):
+        assert judge_canary(canary, stable, 60, CANARY).call == CanaryCall.WAIT
+    promoted = judge_canary(nearer_none, stable, 600, CANARY)
+    assert promoted.call == CanaryCall.PROMOTE and "nearer no drop" in promoted.reason
+    rolled_back = judge_canary(nearer_the_drop, stable, 600, CANARY)
+    assert rolled_back.call == CanaryCall.ROLL_BACK and "nearer a drop" in rolled_back.reason
 
 
 def test_a_canary_without_traffic_is_never_promoted():
     stable = live([1.0] * 100)
     quiet = live([1.0] * 3)
-    assert judge_canary(quiet, stable, 600, CANARY).call == CanaryCall.WAIT
-    verdict = judge_canary(quiet, stable, 1200, CANARY)
+    assert judge_canary(quiet, stable, 599, CANARY).call == CanaryCall.WAIT
+    verdict = judge_canary(quiet, stable, 600, CANARY)
     assert verdict.call == CanaryCall.ROLL_BACK and "too little canary traffic" in verdict.reason
 
 
+def test_what_history_expected_takes_the_prompts_share_of_the_spread_away():
+    """Half the prompts every version gets right, half none (but for users' mistakes):
+    history knows which, and the same difference is then far surer."""
+    rng = np.random.default_rng(0)
+    easy = rng.random(400) < 0.5
+    liked = np.where(rng.random(400) < 0.05, ~easy, easy)
+    rewards, guesses = np.where(liked, 1.0, -1.0).tolist(), np.where(easy, 0.9, -0.9).tolist()
+    canary, stable = live(rewards[:200], guesses[:200]), live(rewards[200:], guesses[200:])
+    plain = compare_live(live(rewards[:200]), live(rewards[200:]))
+    adjusted = compare_live(canary, stable)
+    assert plain.variance_kept == pytest.approx(1.0)
+    assert adjusted.variance_kept < 0.3 and adjusted.variance < 0.3 * plain.variance
+    assert adjusted.plain_difference == plain.difference
+    # History that expects the same of every completion (a prompt and a user it never saw)
+    # adjusts nothing, however its sums round.
+    same = compare_live(live(rewards[:200], [0.1] * 200), live(rewards[200:], [0.1] * 200))
+    assert (same.difference, same.variance) == (plain.difference, plain.variance)
+
+
 rewards = st.lists(st.sampled_from([-1.0, -0.5, 0.0, 0.5, 1.0]), max_size=300)
+calls = [CanaryCall.ROLL_BACK, CanaryCall.WAIT, CanaryCall.PROMOTE]  # worst to best
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
+@given(rewards, rewards, st.data(), st.floats(0, 3000))
+def test_a_worse_canary_is_never_promoted_where_a_better_one_would_be_rolled_back(
+    canary_rewards, stable_rewards, data, elapsed
+):
+    lowered = [max(-1.0, r - data.draw(st.sampled_from([0.0, 0.5, 1.0]))) for r in canary_rewards]
+    stable = live(stable_rewards)
+    better = judge_canary(live(canary_rewards), stable, elapsed, CANARY)
+    worse = judge_canary(live(lowered), stable, elapsed, CANARY)
+    assert not (better.call == CanaryCall.ROLL_BACK and worse.call == CanaryCall.PROMOTE)
+    if better.call == CanaryCall.ROLL_BACK:  # nor may a better stable set save it
+        raised = live([min(1.0, r + 0.5) for r in stable_rewards])
+        assert (
+            judge_canary(live(canary_rewards), raised, elapsed, CANARY).call != CanaryCall.PROMOTE
+        )
+
+
+expectations = st.lists(st.floats(-1, 1), min_size=300, max_size=300)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rewards.filter(bool), rewards, expectations, st.floats(0, 2), st.floats(0, 3000))
+def test_with_history_a_lower_canary_is_judged_no_better(
+    canary_rewards, stable_rewards, guesses, lower, elapsed
+):
+    """Every canary reward lower by the same amount, what history expected of each the
+    same: the adjusted difference falls by that much, its spread stays, the call is no
+    better."""
+    canary = live(canary_rewards, guesses[: len(canary_rewards)])
+    stable = live(stable_rewards, guesses[-len(stable_rewards) :] if stable_rewards else [])
+    n = canary.count
+    shifted = msgspec.structs.replace(
+        canary,
+        total=canary.total - lower * n,
+        total_squares=canary.total_squares - 2 * lower * canary.total + lower**2 * n,
+        products=canary.products - lower * canary.expected_total,
+    )
+    before = judge_canary(canary, stable, elapsed, CANARY)
+    after = judge_canary(shifted, stable, elapsed, CANARY)
+    assert after.difference == pytest.approx(before.difference - lower, rel=1e-6, abs=1e-9)
+    assert after.variance == pytest.approx(before.variance, rel=1e-6, abs=1e-12)
+    assert calls.index(after.call) <= calls.index(before.call)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rewards, rewards, st.integers(2, 20), st.floats(0, 3000))
+def test_more_of_the_same_evidence_never_turns_a_confident_call_around(
+    canary_rewards, stable_rewards, times, elapsed
+):
+    first = judge_canary(live(canary_rewards), live(stable_rewards), elapsed, CANARY)
+    more = judge_canary(live(canary_rewards * times), live(stable_rewards * times), elapsed, CANARY)
+    if first.call != CanaryCall.WAIT and min(len(canary_rewards), len(stable_rewards)) >= 50:
+        assert more.call == first.call
+
+
+@settings(max_examples=300, deadline=None)
 @given(rewards, rewards, st.floats(0, 3000))
-def test_a_promoted_canary_fell_within_the_bound_and_a_better_one_is_never_called_worse(
+def test_a_verdict_before_the_window_ends_is_one_the_evidence_bears_out(
     canary_rewards, stable_rewards, elapsed
 ):
     canary, stable = live(canary_rewards), live(stable_rewards)
     verdict = judge_canary(canary, stable, elapsed, CANARY)
     if verdict.call == CanaryCall.PROMOTE:
-        assert canary.count >= CANARY.min_samples and elapsed >= CANARY.window_s
-        assert verdict.difference >= -CANARY.max_drop
+        assert min(canary.count, stable.count) >= CANARY.min_samples
+        assert verdict.difference >= -CANARY.detectable_drop / 2
+        assert elapsed >= CANARY.window_s or verdict.evidence <= math.log(CANARY.miss_rate)
+    if verdict.call == CanaryCall.ROLL_BACK and elapsed < CANARY.window_s:
+        assert verdict.evidence >= -math.log(CANARY.false_rollback_rate)
     if canary.mean >= stable.mean:  # never called worse when it is not
-        assert not verdict.reason.startswith("worse")
+        assert verdict.call != CanaryCall.ROLL_BACK or "too little" in verdict.reason
 
 
 def test_gate_refuses_unpaired_scores():

@@ -4,6 +4,8 @@ on a named port Prometheus is told of. Pure: the bed's check is in test_operator
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 import yaml
 from conftest import ROOT
@@ -14,7 +16,13 @@ from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import COMPONENT_LABEL, GPU_RESOURCE, GPU_TYPE_LABEL
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.operator.config import Images, NatsAccess, OperatorConfig, Workloads
-from rlfleet.operator.workloads import canary_deployment, hub_objects, mirror, rollout_deployment
+from rlfleet.operator.workloads import (
+    canary_deployment,
+    hub_objects,
+    mirror,
+    pool_feedback,
+    rollout_deployment,
+)
 
 NATS = NatsAccess(url="nats://nats.hub:4222")
 
@@ -207,3 +215,23 @@ def test_a_canary_set_is_the_serving_pods_told_the_canary_set_and_selected_apart
     served = serving["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == served["image"] and container["args"] == served["args"]
     assert serving["spec"]["template"]["metadata"]["labels"] == {"app": "chat"}  # a copy
+
+
+def test_a_pools_feedback_secret_holds_its_key_and_its_gateways_header() -> None:
+    """What the pool's servers mount: the key their feedback tokens are signed with and
+    the header the pool's gateway names users in (the spec's, else the API's default),
+    owned by the pool so it goes with it."""
+    pool = yaml.safe_load((ROOT / "examples" / "inferencepool.yaml").read_text())
+    pool["metadata"] |= {"namespace": "serving", "uid": "u-1"}
+    secret = pool_feedback(pool, "minted")
+    assert (secret["kind"], secret["metadata"]["name"]) == ("Secret", "chat-prod-feedback")
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    data = {name: base64.b64decode(value).decode() for name, value in secret["data"].items()}
+    assert data == {"key": "minted", "user-header": "x-forwarded-user"}
+    pool["spec"]["serving"]["userHeader"] = "x-auth-request-user"
+    assert base64.b64decode(pool_feedback(pool, "minted")["data"]["user-header"]) == (
+        b"x-auth-request-user"
+    )
+    with pytest.raises(ValidationError, match="userHeader"):
+        pool["spec"]["serving"]["userHeader"] = "X-Not Lower"
+        pool_feedback(pool, "minted")

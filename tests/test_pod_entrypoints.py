@@ -7,6 +7,7 @@ rollout worker placed in region-a train together, and the run's evaluator scores
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import subprocess
@@ -48,6 +49,7 @@ from rlfleet.launch import (
     run_key,
 )
 from rlfleet.launch.caches import CACHE_ROOT_ENV
+from rlfleet.launch.settings import FEEDBACK_DIR_ENV
 from rlfleet.local.files import write_secret
 from rlfleet.local.nats import HUB_DOMAIN, NatsBed, NatsServer, start_nats
 from rlfleet.local.plan import cpu_flags, serving_dtype
@@ -61,6 +63,7 @@ from rlfleet.operator.workloads import (
     POD_INDEX_LABEL,
     hub_objects,
     mirror,
+    pool_feedback,
     rollout_deployment,
     spec_config_map,
 )
@@ -391,6 +394,15 @@ def test_a_production_pools_server_starts_from_the_spec_its_region_mounts(tmp_pa
         assert volumes["nats"]["secret"]["secretName"] == nats_credentials_secret(
             run["metadata"]["name"], BusRole.SERVING
         )
+        # The pool's feedback Secret, as the region's operator mints it for pool `chat`.
+        pool = yaml.safe_load((ROOT / "examples" / "inferencepool.yaml").read_text())
+        pool["metadata"] |= {"name": "chat", "namespace": "team-a", "uid": "pool-uid"}
+        secret = pool_feedback(pool, "minted-key")
+        assert volumes["feedback"]["secret"]["secretName"] == secret["metadata"]["name"]
+        feedback = tmp_path / "feedback"
+        feedback.mkdir()
+        for name, value in secret["data"].items():
+            (feedback / name).write_bytes(base64.b64decode(value))
         model, port = init_model("tiny-moe", tmp_path / "model"), free_port()
         places = {"/models/tiny-moe": str(model), "8000": str(port)}
         args = [places.get(a, a) for a in container["args"]]
@@ -405,6 +417,7 @@ def test_a_production_pools_server_starts_from_the_spec_its_region_mounts(tmp_pa
             # Deeper than a pod's: vLLM's sockets would not fit under it (`sockets_folder`).
             CACHE_ROOT_ENV: str(tmp_path / "state" / "cache"),
             "VLLM_API_KEY": "k",
+            FEEDBACK_DIR_ENV: str(feedback),  # where the pod mounts it
         }
         supervisor.start("serving", argv, env | CPU_ENV)
         said = ServedVersion(run=key, replica_set="stable", version=0, digest="", replicas=1)
@@ -420,3 +433,8 @@ def test_a_production_pools_server_starts_from_the_spec_its_region_mounts(tmp_pa
     done = subprocess.run(unplaced, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "RLFLEET_NATS_URL is not set" in done.stderr
     assert "Traceback" not in done.stderr
+    # Without the pool's feedback Secret mounted it says so, and serves nothing.
+    placed = {"RLFLEET_NATS_URL": bed.leaves[REGION].url, STATE_DIR_ENV: str(tmp_path / "s")}
+    done = subprocess.run(unplaced, capture_output=True, text=True, timeout=120, env=placed)
+    assert done.returncode != 0 and "no feedback key" in done.stderr
+    assert f"{FEEDBACK_DIR_ENV} is not set" in done.stderr and "Traceback" not in done.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from rlfleet.testbed.rbac import Grant, chart_grants, unused_grants, used_grants
+from rlfleet.testbed.rbac import Grant, chart_grants, chart_rbac, unused_grants, used_grants
 
 OPERATOR = "system:serviceaccount:rlfleet-system:rlfleet-operator"
 
@@ -48,3 +48,28 @@ def test_the_chart_grants_each_role_its_rules_and_an_unused_one_is_named() -> No
     assert Grant("rlfleet-hub", "rlfleet.io", "rlruns", "create") in region - hub
     assert any(g.name and g.verb == "get" and g.resource == "secrets" for g in region)
     assert unused_grants(hub, hub - {status}) == [status]
+
+
+def test_watched_namespaces_hold_the_operators_rights_and_the_cluster_keeps_none() -> None:
+    """With `watchNamespaces`, the operator's rights are the same ones, each a Role's in
+    every watched namespace; cluster-wide it keeps what kopf reads (namespaces, CRDs)."""
+    watch = ("team-a", "team-b")
+    for role in ("hub", "region"):
+        assert chart_grants(role, watch) == chart_grants(role), role
+        documents = chart_rbac(role, watch)
+        rules = {
+            (d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d["rules"]
+            for d in documents
+            if d["kind"] in ("ClusterRole", "Role")
+        }
+        held: dict[str | None, set[str]] = {}  # namespace (None: cluster-wide) -> resources
+        for binding in (d for d in documents if d["kind"].endswith("Binding")):
+            if not any(s["name"] == "rlfleet-operator" for s in binding["subjects"]):
+                continue
+            ref = binding["roleRef"]
+            namespace = binding["metadata"].get("namespace") if ref["kind"] == "Role" else None
+            for rule in rules[(ref["kind"], namespace, ref["name"])]:
+                held.setdefault(namespace, set()).update(rule["resources"])
+        assert held[None] == {"namespaces", "customresourcedefinitions"}, role
+        for namespace in watch:
+            assert {"secrets", "events", "configmaps"} <= held[namespace], role

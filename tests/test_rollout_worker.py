@@ -36,13 +36,12 @@ from rlfleet.api.wire import (
     trajectory_stream,
     trajectory_subject,
 )
-from rlfleet.bus.streams import ensure_run_streams
+from rlfleet.bus.streams import WORKER_CONSUMER, ensure_run_streams
 from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.local.processes import free_port
 from rlfleet.models.tiny import init_model, read_weights
 from rlfleet.rollout.session import SUMMARY_HEADER, window_text
 from rlfleet.rollout.tasks import SUITES, load_suite
-from rlfleet.rollout.worker import CONSUMER
 from rlfleet.trainer.validation import ModelShape, problem
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 
@@ -344,7 +343,7 @@ def test_a_worker_whose_engine_core_dies_gives_its_task_back_and_exits(
     [sequence] = worker.publish_tasks(HAPPY, min_policy_version=99)
 
     async def consumer():
-        return await worker.js.consumer_info(task_stream(worker.run), CONSUMER)
+        return await worker.js.consumer_info(task_stream(worker.run), WORKER_CONSUMER)
 
     def held() -> bool:
         try:

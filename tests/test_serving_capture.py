@@ -8,26 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
-from conftest import scrape, wait_for
+from conftest import wait_for
 from nats.js.errors import NotFoundError
 from prometheus_client import REGISTRY
 from router_agreement import agreement, trainer_model
-from tcp_gate import TcpGate
+from serving_pool import SIGNER, USER_HEADER, Pool, serving_pool
 
 from rlfleet.api.inferencepool import ServedVersion
 from rlfleet.api.wire import (
@@ -37,7 +30,6 @@ from rlfleet.api.wire import (
     ServingTarget,
     capture_stream,
     capture_subject,
-    decode_captured,
     decode_feedback,
     encode,
     encode_captured,
@@ -47,108 +39,26 @@ from rlfleet.api.wire import (
 )
 from rlfleet.bus.auth import CREDENTIALS_ENV
 from rlfleet.bus.streams import ensure_run_streams
-from rlfleet.launch.settings import ServingConfig, to_json
-from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
-from rlfleet.local.processes import free_port
-from rlfleet.models.tiny import init_model, read_weights, train_step
+from rlfleet.launch.settings import ServingConfig
+from rlfleet.local.nats import StandaloneNats
+from rlfleet.models.tiny import read_weights, train_step
 from rlfleet.operator.served import read_served
 from rlfleet.rollout import vllm_experts
 from rlfleet.rollout.capture import Asked, Bus, Captures, Streamed, extract
+from rlfleet.rollout.feedback import TOKEN_HEADER
 from rlfleet.rollout.serving import MIDDLEWARE, vllm_arguments
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 
-API_KEY = "pool-key-for-tests"
 WINDOW_S = 4.0  # the pool's feedback window
 BUFFER = 3  # captures the server holds while NATS is away
 SYNC = SyncConfig(shard_bytes=256 << 10, chunk_bytes=64 << 10)
 
 
-@dataclass
-class Pool:
-    url: str
-    run: str
-    nats: StandaloneNats
-    gate: TcpGate
-    model: Path
-    log: Path  # the server's stdout and stderr, as a pod's log holds them
-
-    def chat(self, content: str, headers: dict | None = None, **fields) -> dict:
-        body = _chat(content, **{"max_tokens": 6, **fields})
-        return self.post("/v1/chat/completions", body, headers)[1]
-
-    def post(self, path: str, body, headers: dict | None = None, key: str | None = API_KEY):
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        request = urllib.request.Request(f"{self.url}{path}", data=data, method="POST")
-        request.add_header("content-type", "application/json")
-        if key is not None:
-            request.add_header("authorization", f"Bearer {key}")
-        for name, value in (headers or {}).items():
-            request.add_header(name, value)
-        try:
-            with urllib.request.urlopen(request, timeout=60) as response:
-                return response.status, json.load(response)
-        except urllib.error.HTTPError as error:
-            return error.code, json.load(error)
-
-    def stream(self, content: str, **fields) -> list[str]:
-        """A streamed chat completion's server-sent events' data, in order."""
-        body = json.dumps(_chat(content, **{"max_tokens": 6, "stream": True, **fields}))
-        request = urllib.request.Request(
-            f"{self.url}/v1/chat/completions", data=body.encode(), method="POST"
-        )
-        request.add_header("content-type", "application/json")
-        request.add_header("authorization", f"Bearer {API_KEY}")
-        with urllib.request.urlopen(request, timeout=60) as response:
-            assert response.status == 200
-            events = response.read().decode().split("\n\n")
-        assert events.pop() == ""  # every event whole
-        assert all(e.startswith("data: ") for e in events)
-        return [e.removeprefix("data: ") for e in events]
-
-    def feedback(self, response_id: str, kind: str = "accepted", **fields):
-        body = {"response_id": response_id, "event_id": uuid.uuid4().hex, "kind": kind, **fields}
-        return self.post("/v1/feedback", body)
-
-    def metric(self, name: str) -> float:
-        return scrape(f"{self.url}/metrics").get(name, 0.0)
-
-    def stored(self, stream: str, subject: str) -> bytes | None:
-        async def get() -> bytes | None:
-            nc = await self.nats.bed.hub.connect()
-            try:
-                message = await nc.jetstream().get_last_msg(stream, subject)
-                return message.data
-            except NotFoundError:
-                return None
-            finally:
-                await nc.close()
-
-        return asyncio.run(get())
-
-    def capture(self, response_id: str) -> CapturedCompletion | None:
-        data = self.stored(capture_stream(self.run), capture_subject(self.run, response_id))
-        return None if data is None else decode_captured(data)
-
-
 @pytest.fixture(scope="module")
 def pool(nats_servers: StandaloneNats, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
-    root = tmp_path_factory.mktemp("serving")
-    run = "serving-" + uuid.uuid4().hex[:6]
-
-    async def streams() -> None:
-        nc = await nats_servers.bed.hub.connect()
-        assert await ensure_run_streams(nc, run, HUB_DOMAIN, [nats_servers.region]) == []
-        await nc.close()
-
-    asyncio.run(streams())
-    leaf = nats_servers.bed.leaves[nats_servers.region]
-    gate = TcpGate(int(leaf.url.rsplit(":", 1)[1]))
-    creds = root / "serving.creds"
-    creds.write_text(nats_servers.bed.run_user(run, BusRole.SERVING))
-    settings = ServingConfig(
-        run=run,
-        nats_url=gate.url,
-        jetstream_domain=HUB_DOMAIN,
+    with serving_pool(
+        nats_servers,
+        tmp_path_factory.mktemp("serving"),
         feedback_window_s=WINDOW_S,
         custom_kinds=["copied"],
         buffer=BUFFER,
@@ -157,41 +67,8 @@ def pool(nats_servers: StandaloneNats, tmp_path_factory: pytest.TempPathFactory)
         weightsync=SYNC,
         poll_s=0.2,
         routed_experts=True,
-    )
-    (root / "settings.json").write_bytes(to_json(settings))
-    port = free_port()
-    env = os.environ | {
-        "RLFLEET_NATS_CREDS": str(creds),
-        "VLLM_API_KEY": API_KEY,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    model = init_model("tiny-moe", root / "model")
-    command = [  # as a pool runs it: rlfleet's launcher, then vLLM's own arguments
-        *(sys.executable, "-m", "rlfleet.rollout.serving", str(root / "settings.json")),
-        *("--model", str(model), "--served-model-name", "tiny", "--port", str(port)),
-        *("--dtype", "bfloat16", "--max-model-len", "512", "--seed", "0"),
-    ]
-    log = (root / "server.log").open("wb")
-    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for("the pool's vLLM server", lambda: _healthy(url, server, root), timeout=300)
-        yield Pool(url, run, nats_servers, gate, model, root / "server.log")
-    finally:
-        server.terminate()
-        server.wait(60)
-        gate.close()
-
-
-def _healthy(url: str, server: subprocess.Popen, root: Path) -> bool:
-    if server.poll() is not None:
-        raise AssertionError((root / "server.log").read_text()[-3000:])
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
+    ) as started:
+        yield started
 
 
 def test_a_fresh_server_survives_a_short_prompt_as_its_first_request(pool: Pool):
@@ -259,6 +136,9 @@ def test_a_streamed_completion_is_relayed_as_asked_and_captured_whole(pool: Pool
     assert captured.segment.logprobs == pytest.approx(expected, abs=1e-5)
     assert (captured.user, captured.text) == ("lin", text)
     assert captured.finish_reason == answer["finish_reason"]
+    # Its headers went before its id was in any chunk: they carry its token all the same.
+    assert pool.given[chunks[0]["id"]][0] == "lin"
+    assert pool.feedback(chunks[0]["id"]) == (200, {"status": "recorded", "late": False})
     whole = wait_for("the whole one's capture", lambda: pool.capture(full["id"]), timeout=30)
     assert captured.segment.routed_experts == whole.segment.routed_experts
     assert len(whole.segment.routed_experts) == 2 * 2 * 2 * (len(whole.segment.tokens) - 1)
@@ -312,26 +192,39 @@ def test_a_stream_cut_anywhere_is_relayed_in_whole_events_and_read_once():
 
 
 def test_feedback_gets_an_answer_for_each_kind_of_request(pool: Pool):
-    served = pool.chat("name a colour", user="grace")["id"]
+    answered = pool.ask("name a colour", user="grace")
+    served = answered.body["id"]
     wait_for("the capture", lambda: pool.capture(served), timeout=30)
+    token = pool.given[served][1]
+    assert answered.headers[TOKEN_HEADER.decode()] == token
 
-    assert pool.feedback("chatcmpl-nobody-served-this")[0] == 404
-    status, body = pool.feedback(served, kind="loved")
-    assert status == 400 and "'loved'" in body["error"]
-    status, body = pool.post("/v1/feedback", {"response_id": served, "kind": "accepted"})
-    assert status == 400 and "event_id" in body["error"]
-    assert pool.post("/v1/feedback", b"{not json")[0] == 400
+    def refused(answer: tuple[int, dict], status: int, param: str | None, says: str = "") -> bool:
+        """An OpenAI-shaped error naming the field at fault."""
+        code, body = answer
+        error = body["error"]
+        assert (code, error["param"], error["code"]) == (status, param, status), body
+        assert says in error["message"] and error["type"], body
+        return True
+
+    nobody = "chatcmpl-nobody-served-this"
+    assert refused(pool.feedback(nobody, token=SIGNER.token(nobody, "ada")), 404, "response_id")
+    assert refused(pool.feedback(served, kind="loved"), 400, "kind", "'loved'")
+    incomplete = {"response_id": served, "kind": "accepted", "token": token}
+    assert refused(pool.post("/v1/feedback", incomplete), 400, "event_id")
+    assert refused(pool.post("/v1/feedback", b"{not json"), 400, None)
     huge = {"response_id": served, "event_id": "e-2", "kind": "edited", "text": "x" * 60_000}
-    assert pool.post("/v1/feedback", huge)[0] == 413
-    status, body = pool.feedback(served, kind="edited")
-    assert status == 400 and "final text" in body["error"]
-    event = {"response_id": served, "event_id": "e-1", "kind": "accepted"}
-    assert pool.post("/v1/feedback", event, key=None)[0] == 401
-    assert pool.post("/v1/feedback", event, key="wrong")[0] == 401
+    assert refused(pool.post("/v1/feedback", huge), 413, None)
+    assert refused(pool.feedback(served, kind="edited"), 400, "text", "final text")
+    assert refused(pool.feedback(served, kind="thumbs", value=0.5), 400, "value")
+    event = {"response_id": served, "event_id": "e-1", "kind": "accepted", "token": token}
+    as_grace = {USER_HEADER: "grace"}
+    assert refused(pool.post("/v1/feedback", event, as_grace, key=None), 401, None)
+    assert refused(pool.post("/v1/feedback", event, as_grace, key="wrong"), 401, None)
 
-    assert pool.post("/v1/feedback", event) == (200, {"status": "recorded", "late": False})
-    assert pool.post("/v1/feedback", event) == (200, {"status": "duplicate"})
-    assert pool.feedback(served, kind="copied")[0] == 200  # the pool's own kind
+    recorded = (200, {"status": "recorded", "late": False})
+    assert pool.post("/v1/feedback", event, as_grace) == recorded
+    assert pool.post("/v1/feedback", event, as_grace) == (200, {"status": "duplicate"})
+    assert pool.feedback(served, kind="copied", value=-0.5)[0] == 200  # the pool's own kind
     assert pool.feedback(served, kind="edited", text="teal")[0] == 200
 
     subject = feedback_subject(pool.run, served, "e-1")
@@ -356,7 +249,10 @@ def test_feedback_on_another_servers_capture_is_checked_in_the_stream(pool: Pool
         await nc.close()
 
     asyncio.run(publish())
-    assert pool.feedback(elsewhere.response_id, kind="thumbs", value=1)[0] == 200
+    # The token the server that served it gave: every server of the pool holds its key.
+    token = SIGNER.token(elsewhere.response_id, "lin")
+    answer = pool.feedback(elsewhere.response_id, "thumbs", user="lin", token=token, value=1)
+    assert answer == (200, {"status": "recorded", "late": False})
 
 
 def test_with_nats_cut_requests_are_served_and_captures_wait_or_are_dropped_counted(pool: Pool):
@@ -368,7 +264,7 @@ def test_with_nats_cut_requests_are_served_and_captures_wait_or_are_dropped_coun
         ids = [pool.chat(f"count to {n}")["id"] for n in range(held + 2)]
         assert all(ids)  # every request served
         status, body = pool.feedback(ids[0])
-        assert status == 503 and "retry" in body["error"]
+        assert status == 503 and "retry" in body["error"]["message"]
         dropped = pool.metric('rlfleet_serving_captures_total{outcome="dropped_buffer_full"}')
         assert dropped - before_dropped == 2
     finally:
@@ -427,8 +323,8 @@ def test_a_set_told_a_version_serves_it_in_place_back_and_ahead_no_request_fails
 
     def traffic() -> None:  # requests in flight all through the switch
         while not stop.is_set():
-            status, body = pool.post("/v1/chat/completions", _chat("count on", max_tokens=24))
-            served.append((status, body.get("id", "")))
+            answered = pool.ask("count on", max_tokens=24)
+            served.append((answered.status, answered.body.get("id", "")))
 
     clients = [threading.Thread(target=traffic) for _ in range(3)]
     for client in clients:
@@ -456,7 +352,7 @@ def test_a_set_told_a_version_serves_it_in_place_back_and_ahead_no_request_fails
     # Feedback on one that spanned it is acknowledged: there is nothing to learn from it.
     spanned = pool.metric('rlfleet_serving_capture_skipped_total{reason="version_changed"}')
     told = [
-        pool.post("/v1/feedback", {"response_id": r, "event_id": "e1", "kind": "accepted"})
+        pool.feedback(r)
         for (_, r), captured in zip(served, captures, strict=True)
         if captured is None
     ]
@@ -513,15 +409,6 @@ def _serves(pool: Pool, version: int, digest: str) -> bool:
     return said == ServedVersion(
         run=pool.run, replica_set="stable", version=version, digest=digest, replicas=1
     )
-
-
-def _chat(content: str, **fields) -> dict:
-    return {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": content}],
-        "seed": 7,  # sampled at the pool's temperature, the same tokens every time
-        **fields,
-    }
 
 
 def test_the_launcher_keeps_the_arguments_capture_depends_on():

@@ -51,6 +51,25 @@ def test_a_completions_reward_from_its_signals(events, expected):
     assert reward(capture("r"), events, REWARDS).reward == pytest.approx(expected)
 
 
+def test_a_value_counts_only_on_a_kind_that_takes_one():
+    """A `rejected` sent with a value of -1 once scored +1 (the value times rejected's
+    weight). The pool's servers refuse such events; one stored anyway scores as the kind
+    says, and a pool's own kind still counts its value."""
+    assert reward(capture("r"), [event("rejected", -1.0)], REWARDS).reward == -1.0
+    assert reward(capture("r"), [event("accepted", -1.0)], REWARDS).reward == 1.0
+    valued = SignalRewards(weights={"copied": 0.5})
+    assert reward(capture("r"), [event("copied", -1.0)], valued).reward == -0.5
+
+
+def test_a_response_id_is_trained_on_once_whatever_captures_name_it():
+    """Two captures under one response id would both take its feedback: the first is
+    trained on, the second dropped, counted."""
+    twice = [capture("r", "ada", served_at=1.0), capture("r", "lin", served_at=2.0)]
+    samples = score_cycle(twice, {"r": [event("accepted")]}, REWARDS)
+    assert [s.capture.user for s in samples.scored] == ["ada"]
+    assert samples.dropped[Dropped.DUPLICATE] == 1
+
+
 def test_late_feedback_and_silence_teach_nothing():
     assert reward(capture("r"), [event("accepted", late=True)], REWARDS) is None
     samples = score_cycle(

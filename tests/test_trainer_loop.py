@@ -40,7 +40,12 @@ from rlfleet.api.wire import (
     weights_prefix,
     weights_stream,
 )
-from rlfleet.bus.streams import TRAINER_CONSUMER, ensure_run_streams
+from rlfleet.bus.streams import (
+    TRAINER_ACK_WAIT_S,
+    TRAINER_CONSUMER,
+    ConsumerWaits,
+    ensure_run_streams,
+)
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.local.processes import run_in_session
 from rlfleet.models.tiny import init_model
@@ -90,11 +95,12 @@ def group(run: str, name: str, version: int) -> list[bytes]:
     return [encode_trajectory(trajectory(run, name, a, version)) for a in range(GROUP)]
 
 
-async def make_streams(hub: NatsServer, run: str) -> None:
-    """The run's streams, as whoever starts a run makes them."""
+async def make_streams(hub: NatsServer, run: str, ack_wait_s: float = TRAINER_ACK_WAIT_S) -> None:
+    """The run's streams and consumers, as whoever starts a run makes them; the trainer's
+    consumer waits `ack_wait_s` for an acknowledgement."""
     nc = await hub.connect()
     try:
-        await ensure_run_streams(nc, run, HUB_DOMAIN)
+        await ensure_run_streams(nc, run, HUB_DOMAIN, waits=ConsumerWaits(trainer_s=ack_wait_s))
     finally:
         await nc.close()
 
@@ -171,10 +177,14 @@ class TrainerProcess:
 
 @contextlib.contextmanager
 def trainer(
-    tmp_path: Path, tiny_moe: Path, servers: StandaloneNats, **settings
+    tmp_path: Path,
+    tiny_moe: Path,
+    servers: StandaloneNats,
+    ack_wait_s: float = TRAINER_ACK_WAIT_S,
+    **settings,
 ) -> Iterator[TrainerProcess]:
     process = TrainerProcess(tmp_path, tiny_moe, servers.bed.hub, **settings)
-    asyncio.run(make_streams(servers.bed.hub, process.run))
+    asyncio.run(make_streams(servers.bed.hub, process.run, ack_wait_s))
     try:
         yield process
     finally:

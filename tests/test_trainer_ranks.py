@@ -190,9 +190,9 @@ def test_two_ranks_train_one_stream_into_one_version_stream_like_one_rank(
 def test_losing_a_rank_stops_the_job_and_a_restart_resumes_without_repeating(
     tmp_path: Path, tiny_moe_fp32: Path, nats_servers: StandaloneNats
 ) -> None:
-    job = Job(tmp_path, tiny_moe_fp32, nats_servers, **(SETTINGS | {"ack_wait_s": 3}))
+    job = Job(tmp_path, tiny_moe_fp32, nats_servers, **SETTINGS)
     hub = nats_servers.bed.hub
-    asyncio.run(make_streams(hub, job.run))
+    asyncio.run(make_streams(hub, job.run, ack_wait_s=3))
     first, second = job.nodes
     try:
         asyncio.run(publish(hub, job.run, [p for n in NAMES for p in group(job.run, n, 0)]))

@@ -33,6 +33,14 @@ SERVED_WEIGHTS = "rlfleet_serving_weights"
 # makes from the serving one) and the rest, the serving Deployment.
 CANARY, STABLE = "canary", "stable"
 REPLICA_SET_LABEL = f"{GROUP}/replica-set"  # on the canary set's pods
+# The pool's feedback Secret, which the region operator mints in the pool's namespace and
+# its serving pods mount (the folder `RLFLEET_FEEDBACK_DIR` names): the key its servers
+# sign each completion's feedback token with, and the header its gateway names users in.
+FEEDBACK_KEY_FILE, USER_HEADER_FILE = "key", "user-header"
+
+
+def feedback_secret(pool: str) -> str:
+    return f"{pool}-feedback"
 
 
 class ServingWorkload(ApiModel):
@@ -70,6 +78,20 @@ class ServingWorkload(ApiModel):
             ),
         ),
     ] = 8000
+    user_header: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=64,
+            pattern=r"^[a-z0-9][a-z0-9-]*$",
+            description=(
+                "The request header (lower case) in which the pool's gateway forwards the "
+                "identity it authenticated: a captured completion's user, and the only one "
+                "who may post feedback on it. The gateway must set it on every request and "
+                "drop any a client sent; the request body's `user` is never taken."
+            ),
+        ),
+    ] = "x-forwarded-user"
 
 
 class TrafficSignal(ApiModel):

@@ -20,6 +20,7 @@ Name = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
 KindName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,31}$")]
 Share = Annotated[float, Field(ge=0, le=1)]
 Confidence = Annotated[float, Field(gt=0.5, lt=1)]
+ErrorRate = Annotated[float, Field(gt=0, lt=0.5)]
 DAY_S = 24 * 3600
 
 
@@ -89,8 +90,22 @@ class FeedbackSpec(ApiModel):
     ]
     max_per_user: Annotated[
         int,
-        Field(ge=1, le=100000, description="Completions of one user trained on per cycle."),
+        Field(
+            ge=1,
+            le=100000,
+            description="Completions of one user trained on per cycle, and counted per "
+            "version in a canary's live rewards: no one client steers either.",
+        ),
     ] = 64
+    max_events_per_response: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=1000,
+            description="Feedback events one completion may receive; the pool's servers "
+            "refuse more, and the collector reads no more than this of any one.",
+        ),
+    ] = 16
 
     @model_validator(mode="after")
     def _kinds_known(self) -> FeedbackSpec:
@@ -189,7 +204,11 @@ class GateSpec(ApiModel):
 
 
 class CanarySpec(ApiModel):
-    """A candidate that passed the gate serves on the canary replicas first."""
+    """A candidate that passed the gate serves on the canary replicas first, while users'
+    rewards on its answers and on the serving version's are compared as they come in: a
+    sequential test that stops as soon as the evidence is strong enough either way
+    (`rlfleet.operator.promotion`). The defaults hold both rates at the realtime example's
+    traffic, about four answered completions a second on each side."""
 
     replicas: Annotated[
         int,
@@ -203,18 +222,44 @@ class CanarySpec(ApiModel):
             ),
         ),
     ] = 1
-    window_seconds: Annotated[int, Field(ge=1, le=7 * DAY_S)] = 1800
-    max_drop: Annotated[
+    window_seconds: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=7 * DAY_S,
+            description="The longest a canary runs. Its test ends it as soon as the "
+            "evidence is strong enough either way; at the window's end an undecided one "
+            "goes the likelier way, and one without minSamples answered on each side is "
+            "rolled back. Give it several times what a decision takes at the pool's "
+            "traffic: the rates below hold for the test, and the window's end adds to them.",
+        ),
+    ] = 1800
+    detectable_drop: Annotated[
         float,
         Field(
-            ge=0,
+            gt=0,
             le=2,
-            description="How far the canary's mean live reward may fall below the rest's.",
+            description="How far below the serving version's mean live reward (rewards "
+            "lie in [-1, 1]) a candidate must be caught: one this much worse is promoted "
+            "at most missRate of the time.",
+        ),
+    ] = 0.2
+    false_rollback_rate: Annotated[
+        ErrorRate,
+        Field(
+            description="How often a candidate no worse than the serving version may be "
+            "rolled back, at most."
         ),
     ] = 0.05
-    confidence: Confidence = 0.95
+    miss_rate: Annotated[
+        ErrorRate,
+        Field(description="How often a candidate detectableDrop worse may be promoted, at most."),
+    ] = 0.05
     min_samples: Annotated[
-        int, Field(ge=1, le=1000000, description="Answered canary completions to judge by.")
+        int,
+        Field(
+            ge=1, le=1000000, description="Answered completions on each side before any verdict."
+        ),
     ] = 50
 
 
@@ -301,14 +346,24 @@ class ProductionStatus(ApiModel):
     under way, the version production serves, and the last finished cycles."""
 
     cycle: Annotated[Number, Field(description="The cycle under way.")]
-    phase: CyclePhase
+    phase: Annotated[
+        CyclePhase,
+        Field(
+            description="Its stage: collecting, or its candidate training, evaluated or canaried."
+        ),
+    ]
     since: Annotated[Moment, Field(description="When the phase began.")]
     serving_version: Annotated[Count, Field(description="What production's stable set serves.")]
     previous_version: Annotated[
         Count | None,
         Field(description="What it served before, kept to go back to (`rlfleet rollback`)."),
     ] = None
-    candidate_version: Count | None = None
+    candidate_version: Annotated[
+        Count | None, Field(description="The cycle's candidate, once trained.")
+    ] = None
+    last_outcome: Annotated[
+        CycleOutcome | None, Field(description="How the newest finished cycle ended.")
+    ] = None
     orders_done: Annotated[
         Count, Field(description="The newest spec.production.order carried out, by number.")
     ] = 0

@@ -17,6 +17,8 @@ Positive = Annotated[float, msgspec.Meta(gt=0)]
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
 
+# Strict, unlike the wire's messages: people write this file, and an unknown field in it
+# is a misspelling to point out, not a newer writer's addition.
 class _Costs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pass
 

@@ -752,6 +752,9 @@ RLRUN = ResourceKind(
     columns=(
         PrinterColumn("Phase", ".status.phase", "string"),
         PrinterColumn("Version", ".status.policyVersion", "integer", "Current policy version"),
+        # A production run's trainer learns from what production served: it has no
+        # staleness to show, and shows the next four instead, which a run with rollouts
+        # leaves empty.
         PrinterColumn(
             "Staleness",
             ".status.staleness",
@@ -759,19 +762,35 @@ RLRUN = ResourceKind(
             "Versions behind of the oldest rollout in the newest step",
         ),
         PrinterColumn("GPUs-Lent", ".status.gpusLent", "integer", "Rollout GPUs borrowed"),
-        PrinterColumn("Running", ".status.gpusRunning", "integer", "Rollout GPUs in running pods"),
-        PrinterColumn("Cycle", ".status.production.cycle", "integer", "Production cycle under way"),
         PrinterColumn(
-            "Serving",
-            ".status.production.servingVersion",
-            "integer",
-            "Version production serves",
+            "Serving", ".status.production.servingVersion", "integer", "Version production serves"
         ),
         PrinterColumn(
-            "Eval", ".status.lastEvaluation.reward", "number", "Newest evaluation reward"
+            "Candidate",
+            ".status.production.candidateVersion",
+            "integer",
+            "The production cycle's candidate, once trained",
+        ),
+        PrinterColumn(
+            "Stage",
+            ".status.production.phase",
+            "string",
+            "The production cycle's: Collecting, Training, Evaluating or Canary",
+        ),
+        PrinterColumn(
+            "Last", ".status.production.lastOutcome", "string", "How the last cycle ended"
         ),
         PrinterColumn(
             "Ready", '.status.conditions[?(@.type=="Ready")].status', "string", "All well"
+        ),
+        PrinterColumn(
+            "Running", ".status.gpusRunning", "integer", "Rollout GPUs in running pods", 1
+        ),
+        PrinterColumn(
+            "Cycle", ".status.production.cycle", "integer", "Production cycle under way", 1
+        ),
+        PrinterColumn(
+            "Eval", ".status.lastEvaluation.reward", "number", "Newest evaluation reward", 1
         ),
         AGE,
     ),

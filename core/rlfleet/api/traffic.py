@@ -14,6 +14,8 @@ import msgspec
 HOURS = 24
 
 
+# Strict, unlike the wire's messages: people write this file, and an unknown field in it
+# is a misspelling to point out, not a newer writer's addition.
 class PoolTraffic(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     region: str
     pool: str  # an InferencePool manifest, relative to the traffic file

@@ -3,6 +3,24 @@
 Each message carries its schema as a tag; decoding anything else (another schema, an
 older version, a stray message on our subject) raises `msgspec.ValidationError`, which
 the reader counts and logs instead of acting on it.
+
+How a message changes, so that components of two releases read each other mid-upgrade (a
+newer trainer's step report reaches an older hub; a newer feed's task, an older region):
+
+- Readers accept fields they do not know and skip them: no struct here forbids unknown
+  fields. Everything a reader does know stays as strict as ever: types, bounds, patterns
+  and the `__post_init__` checks refuse a message just as before.
+- A field may be added when an older reader loses nothing by skipping it: it has a
+  default, and the default means what the message meant before the field existed. The
+  reader of the newer release must take the message without it too.
+- A field is never removed, renamed, retyped, narrowed or given another meaning in
+  place; nor may a new field change what the old ones mean. Any of these takes a new tag
+  (`.../v2`), which an older reader refuses (and counts) rather than misreads; the
+  writer publishes the old tag until every reader takes the new one.
+- Array-like structs (a shard's header and pieces, `rlfleet.weightsync`) have positions,
+  not names, so they stay strict; their layout is versioned by the shard's magic.
+- Documents people write (a task suite) are read with `decode_strict`, where a misspelt
+  field is an error, not a newer writer's addition.
 """
 
 from __future__ import annotations
@@ -11,13 +29,13 @@ import hashlib
 import math
 from enum import StrEnum
 from pathlib import PurePosixPath
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 
-class WireMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="schema"):
-    pass
+class WireMessage(msgspec.Struct, frozen=True, tag_field="schema"):
+    """A tagged message. Unknown fields are skipped, never an error: see the module's rules."""
 
 
 # Bounds a reader holds every message to, whoever sent it: a number out of them is refused
@@ -36,7 +54,7 @@ def _finite(what: str, *values: float) -> None:
             raise ValueError(f"{what}: {value} is not finite")
 
 
-class ShardRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ShardRef(msgspec.Struct, frozen=True):
     """One shard of a weight version: bounded in size, fetched and verified on its own."""
 
     index: Count
@@ -74,7 +92,7 @@ class WeightManifest(WireMessage, tag="rlfleet.io/weight-manifest/v1"):
             raise ValueError("two shards share an index")
 
 
-class Segment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Segment(msgspec.Struct, frozen=True):
     """One context window of an episode: what the model saw and what it produced in it.
 
     `tokens[:prompt_len]` is the window's start (system prompt, task, and after a
@@ -158,7 +176,7 @@ def check_relative_path(path: str) -> None:
         raise ValueError(f"path {path!r} must be relative and stay inside the working tree")
 
 
-class Environment(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+class Environment(msgspec.Struct, frozen=True, omit_defaults=True):
     """What tasks start from besides their own files, set up once per run and pool: a tree,
     then a command run in it (a repository's dependencies installed, a build). Every
     attempt at a task naming it, and its grading, starts from a fork of the result."""
@@ -179,7 +197,7 @@ class Environment(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
         return f"{self.name}-{digest}"
 
 
-class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+class Task(msgspec.Struct, frozen=True, omit_defaults=True):
     """A task as data: what the model is asked, what it starts from, how it is graded."""
 
     id: str
@@ -223,6 +241,70 @@ def encode(message: WireMessage) -> bytes:
     return msgspec.json.encode(message)
 
 
+T = TypeVar("T")
+
+
+def decode_strict(data: bytes | str, kind: type[T]) -> T:
+    """JSON `data` as `kind`, refusing any field `kind` does not know, at any depth: for
+    documents people write (a task suite), where an unknown field is a misspelling that
+    would otherwise be skipped. Messages between components are read leniently instead
+    (see the module's rules), so that a newer writer's added field is no error."""
+    value = msgspec.json.decode(data, type=kind)
+    if where := _unknown_field(msgspec.json.decode(data), msgspec.inspect.type_info(kind)):
+        raise msgspec.ValidationError(where)
+    return value
+
+
+def _unknown_field(value: Any, info: msgspec.inspect.Type, at: str = "$") -> str | None:
+    """The first field in `value` (decoded JSON, known to decode as `info`) that `info`
+    does not know, in msgspec's words; None if there is none."""
+    inspect = msgspec.inspect
+    if isinstance(info, inspect.Metadata):
+        return _unknown_field(value, info.type, at)
+    if isinstance(info, inspect.UnionType):  # what `value` decoded as: one member at most
+        for member in info.types:
+            if isinstance(member, inspect.StructType) and isinstance(value, dict):
+                if member.tag_field is None or value.get(member.tag_field) == member.tag:
+                    return _unknown_field(value, member, at)
+            elif _holds(member, value):
+                return _unknown_field(value, member, at)
+        return None
+    if isinstance(info, inspect.StructType) and isinstance(value, dict):
+        fields = {field.encode_name: field for field in info.fields}
+        for key, item in value.items():
+            if key == info.tag_field:
+                continue
+            if key not in fields:
+                where = f" - at `{at}`" if at != "$" else ""
+                return f"Object contains unknown field `{key}`{where}"
+            if found := _unknown_field(item, fields[key].type, f"{at}.{key}"):
+                return found
+    elif _holds(info, value) and isinstance(value, list):
+        for index, item in enumerate(value):
+            if found := _unknown_field(item, info.item_type, f"{at}[{index}]"):
+                return found
+    elif _holds(info, value):
+        for item in value.values():
+            if found := _unknown_field(item, info.value_type, f"{at}[...]"):
+                return found
+    return None
+
+
+_SEQUENCES = (
+    msgspec.inspect.ListType,
+    msgspec.inspect.VarTupleType,
+    msgspec.inspect.SetType,
+    msgspec.inspect.FrozenSetType,
+)
+
+
+def _holds(info: msgspec.inspect.Type, value: Any) -> bool:
+    """`info` is a collection of the kind `value` is (an array, or an object as a dict)."""
+    if isinstance(info, _SEQUENCES):
+        return isinstance(value, list)
+    return isinstance(info, msgspec.inspect.DictType) and isinstance(value, dict)
+
+
 def decode_manifest(data: bytes) -> WeightManifest:
     return msgspec.json.decode(data, type=WeightManifest)
 
@@ -253,7 +335,7 @@ def cycle_of(group_id: str) -> int | None:
     return int(number) if rest and head != number and number.isdigit() else None
 
 
-class GroupOutcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class GroupOutcome(msgspec.Struct, frozen=True):
     """The rewards one group of attempts at a task earned, as the trainer trained on them."""
 
     task_id: str
@@ -310,7 +392,7 @@ class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
 DropReason = Literal["stale", "expired", "rejected"]
 
 
-class TrajectoryDrop(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class TrajectoryDrop(msgspec.Struct, frozen=True):
     """A trajectory the trainer acknowledged without training it, one a line of its
     `drops.jsonl`: with the step log, what accounts for every trajectory on the stream."""
 
@@ -319,7 +401,7 @@ class TrajectoryDrop(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reason: DropReason
 
 
-class AnswerStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class AnswerStats(msgspec.Struct, frozen=True):
     """How a version answered a suite, apart from how well: what a production gate's drift
     bounds compare between a candidate and the serving version."""
 
@@ -392,7 +474,9 @@ class CapturedCompletion(WireMessage, tag="rlfleet.io/captured-completion/v1"):
 
     run: str
     response_id: SubjectToken
-    user: str  # the request's `user` field ("" when it had none): caps count per user
+    # Who was served, as the pool's gateway authenticated them ("" when it named no one),
+    # never the request body's say: caps count per user, and only they post feedback on it.
+    user: str
     segment: Segment
     text: str  # the answer as the client read it: an edit's final text is compared with it
     finish_reason: str
@@ -415,6 +499,17 @@ class FeedbackKind(StrEnum):
     THUMBS = "thumbs"  # `value` is 1 (up) or -1 (down)
 
 
+# The built-in kinds that carry a value; the others carry none, and a value sent with one
+# is refused by the pool's servers and never scored (a `rejected` with a value of -1 would
+# score +1). A pool's own kinds may carry one.
+VALUED_KINDS = frozenset({FeedbackKind.THUMBS})
+_BUILT_IN_KINDS = frozenset(FeedbackKind)
+
+
+def takes_value(kind: str) -> bool:
+    return kind in VALUED_KINDS or kind not in _BUILT_IN_KINDS
+
+
 class Feedback(WireMessage, tag="rlfleet.io/feedback/v1"):
     """One client event about a captured completion, stored once per `event_id`."""
 
@@ -424,7 +519,7 @@ class Feedback(WireMessage, tag="rlfleet.io/feedback/v1"):
     kind: FeedbackKindName
     value: float | None
     text: str | None
-    user: str  # the captured request's, not the client's say
+    user: str  # the captured completion's, whose feedback token the client sent
     received_at: float
     late: bool  # it came after the pool's feedback window closed on the completion
 
@@ -463,29 +558,46 @@ def decode_cycle_report(data: bytes) -> CycleReport:
     return msgspec.json.decode(data, type=CycleReport)
 
 
-class RewardTally(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class RewardTally(msgspec.Struct, frozen=True):
     """Users' rewards on some answered completions: count, sum and sum of squares, so
-    that tallies add up and a mean's spread is known without keeping every reward."""
+    that tallies add up and a mean's spread is known without keeping every reward. With
+    each reward, what the pool's history expected of it (0 when it expected nothing): their
+    sums let a canary's difference be adjusted by it (`rlfleet.operator.promotion`)."""
 
     count: Count = 0
     total: float = 0.0
     total_squares: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    expected_total: float = 0.0
+    expected_squares: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    products: float = 0.0  # of each reward and its expectation
 
     def __post_init__(self) -> None:
-        _finite("a tally's sums", self.total, self.total_squares)
+        _finite(
+            "a tally's sums",
+            self.total,
+            self.total_squares,
+            self.expected_total,
+            self.expected_squares,
+            self.products,
+        )
 
-    def add(self, reward: float) -> RewardTally:
-        return RewardTally(self.count + 1, self.total + reward, self.total_squares + reward**2)
+    def add(self, reward: float, expected: float = 0.0) -> RewardTally:
+        return RewardTally(
+            self.count + 1,
+            self.total + reward,
+            self.total_squares + reward**2,
+            self.expected_total + expected,
+            self.expected_squares + expected**2,
+            self.products + reward * expected,
+        )
 
     @property
     def mean(self) -> float:
         return self.total / self.count if self.count else 0.0
 
     @property
-    def variance(self) -> float:
-        if self.count < 2:
-            return 1.0  # rewards lie in [-1, 1]: the widest it can be, until measured
-        return max(0.0, (self.total_squares - self.count * self.mean**2) / (self.count - 1))
+    def expected_mean(self) -> float:
+        return self.expected_total / self.count if self.count else 0.0
 
 
 class LiveRewards(WireMessage, tag="rlfleet.io/live-rewards/v1"):
@@ -524,7 +636,7 @@ class CycleOutcome(StrEnum):
     TIMED_OUT = "TimedOut"  # training or evaluating its candidate outlasted the deadline
 
 
-class FinishedCycle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class FinishedCycle(msgspec.Struct, frozen=True):
     number: Annotated[int, msgspec.Meta(ge=1)]
     outcome: CycleOutcome
     candidate: Count | None
@@ -532,7 +644,7 @@ class FinishedCycle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     finished_at: float = 0.0
 
 
-class CycleEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class CycleEvent(msgspec.Struct, frozen=True):
     """A transition as on-call reads it: a Kubernetes event's reason and message."""
 
     reason: Annotated[str, msgspec.Meta(pattern=r"^[A-Z][A-Za-z]{0,63}$")]

@@ -13,11 +13,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    ConsumerInfo,
     DiscardPolicy,
     ExternalStream,
     RetentionPolicy,
@@ -71,18 +75,72 @@ TASKS_WAITING = 100_000
 # The spec's default, in bytes.
 TRAJECTORY_BACKLOG = RLRunSpec.model_fields["trajectory_backlog_mib"].default << 20
 MAX_TRAJECTORY_BYTES = 32 << 20  # one trajectory, its routed experts included
+# One task: its prompt, starting tree, hidden tests and environment's files.
+MAX_TASK_BYTES = 8 << 20
+# One report (a step's, an evaluation's, a cycle's or the conductor's state, whose history
+# is bounded) or order: small, and bounded so that no writer can fill a stream with a few.
+MAX_REPORT_BYTES = 1 << 20
+MAX_FEEDBACK_BYTES = 64 << 10  # one client event on one response
+MAX_SERVING_BYTES = 64 << 10  # which version one set of servers serves
+MAX_WEIGHTS_BYTES = WEIGHT_CHUNK_BYTES + 4096  # a chunk of a shard and its headers
 # How long a component waits for a stream its run's owner has not made yet: the hub
 # operator starts a run's pods and makes its streams in the same reconcile.
 BIND_WAIT_S = 30.0
 
 
 class StreamMissing(LookupError):
-    """A stream a component needs is not there: whoever starts the run makes it."""
+    """A stream or consumer a component needs is not there: whoever starts the run makes
+    it."""
 
 
-# The trainer's durable consumer of the trajectory stream: its acknowledgements say which
-# trajectories are done with (an audit reads its ack floor).
+# The run's durable consumers, made with its streams by whoever starts it: a component
+# only binds to its own (`bind_consumer`), with no right to make, change or delete one,
+# nor to take messages from another's. The trainer's, of the trajectory stream: its
+# acknowledgements say which trajectories are done with (an audit reads its ack floor).
 TRAINER_CONSUMER = "trainer"
+WORKER_CONSUMER = "rollout"  # the task queue's, shared by every rollout worker of the run
+# JetStream redelivers what a dead trainer never acknowledged after this; a live one
+# keeps what it holds by saying so a third of it apart.
+TRAINER_ACK_WAIT_S = 60.0
+WORKER_ACK_WAIT_S = 600.0  # a task whose worker died is redelivered after this
+TASK_MAX_DELIVER = 5  # a task that keeps failing is not a loop
+
+
+@dataclass(frozen=True)
+class ConsumerWaits:
+    """How long the run's durable consumers wait for an acknowledgement."""
+
+    trainer_s: float = TRAINER_ACK_WAIT_S
+    worker_s: float = WORKER_ACK_WAIT_S
+
+
+def trainer_consumer_config(run: str, ack_wait_s: float) -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=TRAINER_CONSUMER,
+        filter_subject=trajectory_subject(run),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait_s,
+        max_ack_pending=-1,
+    )
+
+
+def worker_consumer_config(run: str, ack_wait_s: float) -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=WORKER_CONSUMER,
+        filter_subject=task_subject(run),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait_s,
+        max_ack_pending=-1,
+        max_deliver=TASK_MAX_DELIVER,
+    )
+
+
+def run_consumer_configs(run: str, waits: ConsumerWaits) -> list[tuple[str, ConsumerConfig]]:
+    """Every durable consumer of the run, with the stream it reads."""
+    return [
+        (trajectory_stream(run), trainer_consumer_config(run, waits.trainer_s)),
+        (task_stream(run), worker_consumer_config(run, waits.worker_s)),
+    ]
 
 
 def step_stream(run: str) -> str:
@@ -99,6 +157,7 @@ def task_stream_config(run: str) -> StreamConfig:
         storage=StorageType.FILE,
         discard=DiscardPolicy.NEW,
         max_msgs=TASKS_WAITING,
+        max_msg_size=MAX_TASK_BYTES,
     )
 
 
@@ -124,6 +183,7 @@ def _reports(name: str, subject: str, kept: int) -> StreamConfig:
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
         max_msgs=kept,
+        max_msg_size=MAX_REPORT_BYTES,
         allow_direct=True,
     )
 
@@ -170,7 +230,7 @@ def feedback_stream_config(run: str) -> StreamConfig:
         max_msgs_per_subject=1,
         max_age=PRODUCTION_KEPT_S,
         max_msgs=FEEDBACK_KEPT,
-        max_msg_size=64 << 10,
+        max_msg_size=MAX_FEEDBACK_BYTES,
         allow_direct=True,  # the collector reads a completion's events by subject
     )
 
@@ -184,6 +244,7 @@ def serving_stream_config(run: str) -> StreamConfig:
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
         max_msgs_per_subject=16,
+        max_msg_size=MAX_SERVING_BYTES,
         allow_direct=True,
     )
 
@@ -203,6 +264,7 @@ def cycle_stream_config(run: str) -> StreamConfig:
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
         max_msgs_per_subject=CYCLES_KEPT,
+        max_msg_size=MAX_REPORT_BYTES,
         allow_direct=True,
     )
 
@@ -216,7 +278,7 @@ def weights_stream_config(run: str) -> StreamConfig:
         storage=StorageType.FILE,
         allow_direct=True,
         discard=DiscardPolicy.OLD,
-        max_msg_size=WEIGHT_CHUNK_BYTES + 4096,
+        max_msg_size=MAX_WEIGHTS_BYTES,
         duplicate_window=120.0,
     )
 
@@ -229,6 +291,7 @@ def weights_mirror_config(run: str, hub_domain: str) -> StreamConfig:
         name=name,
         storage=StorageType.FILE,
         allow_direct=True,
+        max_msg_size=MAX_WEIGHTS_BYTES,
         mirror=StreamSource(name=name, external=ExternalStream(api=f"$JS.{hub_domain}.API")),
     )
 
@@ -251,6 +314,38 @@ def run_stream_configs(
     ]
 
 
+# Users revoked with their runs (`rlfleet.bus.auth.revoke_run_users`): the owner of the
+# runs' account reads them back each time it signs the account again.
+REVOCATIONS = "RLFLEET-REVOKED"
+
+
+def revocation_subject(incarnation: str = "*") -> str:
+    return f"rlfleet.revoked.{incarnation}"
+
+
+def revocation_stream_config(kept_s: float) -> StreamConfig:
+    """One record per deleted run (its users' keys), kept `kept_s`: as long as a JWT of
+    theirs may still be valid; past that, expiry refuses them without a revocation."""
+    return StreamConfig(
+        name=REVOCATIONS,
+        subjects=[revocation_subject()],
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=kept_s,
+        max_msgs_per_subject=1,
+        max_msg_size=MAX_REPORT_BYTES,
+        allow_direct=True,
+    )
+
+
+def largest_message() -> int:
+    """The largest message any stream of a run takes: a server's (and every leaf node's)
+    `max_payload` must allow it, else a message the stream would take is refused at
+    publish (a rollout worker whose trajectory it is redoes the whole group), and a leaf
+    node drops its link on one."""
+    return max(config.max_msg_size for config in run_stream_configs("any"))
+
+
 async def _ensure(js: JetStreamContext, config: StreamConfig) -> None:
     """Creates the stream, or brings an existing one to `config`."""
     try:
@@ -265,17 +360,20 @@ async def ensure_run_streams(
     hub_domain: str | None,
     regions: Sequence[str] = (),
     trajectory_backlog: int = TRAJECTORY_BACKLOG,
+    waits: ConsumerWaits = ConsumerWaits(),
 ) -> list[str]:
-    """Makes the run's streams on the hub and a mirror of its weights in each region's
-    JetStream domain, or brings them back to their declared config (idempotent); returns
-    the regions whose mirror could not be made yet. `nc` reaches the hub's JetStream
-    through `hub_domain` (None: no domains, and so no regions); `trajectory_backlog`
-    bounds the trajectories' bytes."""
+    """Makes the run's streams and durable consumers on the hub and a mirror of its
+    weights in each region's JetStream domain, or brings them back to their declared
+    config (idempotent); returns the regions whose mirror could not be made yet. `nc`
+    reaches the hub's JetStream through `hub_domain` (None: no domains, and so no
+    regions); `trajectory_backlog` bounds the trajectories' bytes."""
     if regions and hub_domain is None:
         raise ValueError("a region's mirror names the hub's JetStream domain: give it")
     hub = nc.jetstream(domain=hub_domain)
     for config in run_stream_configs(run, trajectory_backlog):
         await _ensure(hub, config)
+    for stream, consumer in run_consumer_configs(run, waits):
+        await hub.add_consumer(stream, consumer)  # made, or brought to its config
     missing = []
     for region in regions:
         try:
@@ -305,6 +403,25 @@ async def delete_run_streams(
             log.warning("weights mirror of run %s in region %s: %s", run, region, error)
             left.append(region)
     return left
+
+
+async def bind_consumer(js: JetStreamContext, stream: str, name: str) -> ConsumerInfo:
+    """The durable consumer `name` of `stream`, as `js` reaches it, waiting up to
+    `BIND_WAIT_S` for the run's owner to make it; StreamMissing, naming both, when it is
+    still not there."""
+    deadline = time.monotonic() + BIND_WAIT_S
+    while True:
+        try:
+            return await js.consumer_info(stream, name)
+        except NotFoundError:
+            if time.monotonic() >= deadline:
+                raise StreamMissing(
+                    f"consumer {name} of stream {stream} does not exist: a run's consumers "
+                    "are made with its streams by whoever starts it (the hub operator, or "
+                    "`rlfleet run`), not by its components"
+                ) from None
+            log.info("waiting for consumer %s of %s, which its run's owner makes", name, stream)
+            await asyncio.sleep(1.0)
 
 
 async def bind_stream(js: JetStreamContext, name: str) -> StreamInfo:

@@ -410,6 +410,7 @@ def _signal_rewards(production: ProductionSpec) -> SignalRewards:
         weights=dict(feedback.weights),
         window_s=float(feedback.window_seconds),
         max_per_user=feedback.max_per_user,
+        max_events_per_response=feedback.max_events_per_response,
         group_size=production.cycle.group_size,
     )
 
@@ -445,8 +446,9 @@ def conductor_settings(name: str, spec: RLRunSpec, at: Placement) -> ConductorCo
             max_held_out_loss=gate.max_held_out_loss,
         ),
         canary=CanaryPolicy(
-            max_drop=canary.max_drop,
-            confidence=canary.confidence,
+            detectable_drop=canary.detectable_drop,
+            false_rollback_rate=canary.false_rollback_rate,
+            miss_rate=canary.miss_rate,
             window_s=float(canary.window_seconds),
             min_samples=canary.min_samples,
         ),
@@ -468,6 +470,7 @@ def serving_settings(name: str, spec: RLRunSpec, at: Placement) -> ServingConfig
         temperature=production.temperature,
         feedback_window_s=float(production.feedback.window_seconds),
         custom_kinds=list(production.feedback.custom_kinds),
+        max_events_per_response=production.feedback.max_events_per_response,
         replica_set=at.replica_set,
         weights_domain=at.region if at.jetstream_domain else None,
         weightsync=_sync(spec),

@@ -4,6 +4,10 @@ spec and a placement, which a pod builds at start and `rlfleet run` writes as JS
 A field the spec decides takes its default from the API model (`rlfleet.api.rlrun`), its
 one home (`spec_default`); the other fields are the components' own tunables. The types
 live here, not in the components, because core builds them and may not import those.
+
+Unlike the wire's messages (`rlfleet.api.wire`), settings forbid unknown fields: they are
+built by the release that reads them (in the pod at its start, or by the `rlfleet run` of
+the same checkout), never by another release, so an unknown field is a mistake to stop on.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 import msgspec
 from pydantic import BaseModel
 
+from rlfleet.api.inferencepool import ServingWorkload
 from rlfleet.api.production import CanarySpec, CycleSpec, FeedbackSpec, GateSpec, ProductionSpec
 from rlfleet.api.rlrun import (
     STEP_TOKENS,
@@ -35,6 +40,7 @@ from rlfleet.api.wire import (
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Confidence = Annotated[float, msgspec.Meta(gt=0.5, lt=1)]
 Weight = Annotated[float, msgspec.Meta(ge=0)]
+ErrorRate = Annotated[float, msgspec.Meta(gt=0, lt=0.5)]
 MIB = 1 << 20
 # Where a component serves its Prometheus metrics (`rlfleet.launch.METRICS_PORT_ENV` in a
 # pod, a free port in `rlfleet run`); None serves none.
@@ -157,9 +163,6 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # distributions. The KL to the reference is taken at it too.
     temperature: Annotated[float, msgspec.Meta(gt=0)] = spec_default(RolloutSpec, "temperature")
     group_timeout_s: float = 600.0
-    # JetStream redelivers what a dead trainer never acknowledged after this; a live one
-    # keeps what it holds by saying so a third of it apart.
-    ack_wait_s: float = 60.0
     keep_checkpoints: Positive = 2
     max_steps: int | None = None  # stop after this step (tests, fixed-budget runs)
     # A production run's: keeps the serving version's checkpoint and goes back to it when
@@ -285,7 +288,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # None: a session server of the worker's own, making namespace sandboxes as root.
     envpool: PoolConfig | None = None
     rewards: RewardConfig = RewardConfig()
-    ack_wait_s: float = 600.0  # a task whose worker died is redelivered after this
     seed: int = 0
     metrics_port: MetricsPort = None
     weightsync: SyncConfig = SyncConfig()
@@ -344,9 +346,13 @@ class SignalRewards(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         default_factory=lambda: spec_default(FeedbackSpec, "weights")
     )
     window_s: Annotated[float, msgspec.Meta(gt=0)] = FEEDBACK_WINDOW_S
-    # Completions of one user (the request's `user`; all anonymous ones are one) trained
-    # on per cycle, so one client cannot steer a cycle.
+    # Completions of one user (as the pool's gateway named them; all anonymous ones are
+    # one) trained on per cycle, and tallied per version in a canary, so one client cannot
+    # steer a cycle or a canary.
     max_per_user: Positive = spec_default(FeedbackSpec, "max_per_user")
+    # Events of one completion read at most (its first ones): the pool's servers refuse
+    # more, and what several servers let through past it is never loaded.
+    max_events_per_response: Positive = spec_default(FeedbackSpec, "max_events_per_response")
     # Completions per baseline group (`rlfleet.rollout.signals.batch`).
     group_size: Annotated[int, msgspec.Meta(ge=2, le=MAX_GROUP_SIZE)] = spec_default(
         CycleSpec, "group_size"
@@ -372,12 +378,18 @@ class CollectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metrics_port: MetricsPort = None
 
 
+# A pool's server reads its feedback key and user header from files in this folder.
+FEEDBACK_DIR_ENV = "RLFLEET_FEEDBACK_DIR"
+
+
 class ServingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A production pool's vLLM server's capture, feedback and policy versions
     (`rlfleet.rollout.serving`).
 
     The API key feedback is checked against is vLLM's own, `VLLM_API_KEY` in the
-    server's environment, never a setting: settings are files and arguments."""
+    server's environment, never a setting: settings are files and arguments. Nor are the
+    pool's feedback key and the header its gateway names users in: they are files in the
+    folder `FEEDBACK_DIR_ENV` names (the pool's Secret, `rlfleet.api.inferencepool`)."""
 
     run: str
     nats_url: str
@@ -392,6 +404,8 @@ class ServingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Feedback later than this after its completion is kept and counted as late.
     feedback_window_s: Annotated[float, msgspec.Meta(gt=0)] = FEEDBACK_WINDOW_S
     custom_kinds: list[FeedbackKindName] = []
+    # Feedback events one completion may receive; more are refused.
+    max_events_per_response: Positive = spec_default(FeedbackSpec, "max_events_per_response")
     # Captures waiting for NATS; a full buffer drops new captures, never requests.
     buffer: Positive = 10_000
     # Response ids this server remembers capturing, so feedback on them needs no lookup.
@@ -433,10 +447,14 @@ class CanaryPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How a candidate is judged on a share of live traffic
     (`rlfleet.operator.promotion.judge_canary`)."""
 
-    max_drop: Weight = spec_default(CanarySpec, "max_drop")  # in mean live reward
-    confidence: Confidence = spec_default(CanarySpec, "confidence")
+    # In mean live reward: a candidate this much worse is to be rolled back.
+    detectable_drop: Annotated[float, msgspec.Meta(gt=0)] = spec_default(
+        CanarySpec, "detectable_drop"
+    )
+    false_rollback_rate: ErrorRate = spec_default(CanarySpec, "false_rollback_rate")
+    miss_rate: ErrorRate = spec_default(CanarySpec, "miss_rate")
     window_s: Annotated[float, msgspec.Meta(gt=0)] = spec_default(CanarySpec, "window_seconds")
-    # Answered canary completions before a verdict at the window's end.
+    # Answered completions on each side before any verdict.
     min_samples: Positive = spec_default(CanarySpec, "min_samples")
 
 
@@ -478,6 +496,8 @@ class UsersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # While this file exists every user says the opposite: a broken client's events.
     inverted_while: Path | None = None
     max_tokens: Positive = 24
+    # Where each request names its user, as the pool's gateway would.
+    user_header: str = spec_default(ServingWorkload, "user_header")
     # A user's mean pause after an answer before asking again (exponential): the load.
     think_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     seed: int = 0

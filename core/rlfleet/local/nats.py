@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,16 +23,23 @@ from rlfleet.api.wire import BusRole
 from rlfleet.bus.auth import (
     ACCOUNT,
     CREDENTIALS_ENV,
+    LEAF,
     OPERATOR,
+    USER_TTL_S,
+    AccountOwner,
     NKey,
     Permissions,
     account_jwt,
     account_of,
     connect,
+    leaf_permissions,
     mint_run_user,
     mint_user,
     operator_jwt,
+    renewal_due,
+    runs_account_jwt,
 )
+from rlfleet.bus.streams import largest_message
 from rlfleet.local.binaries import binary
 from rlfleet.local.files import write_secret
 from rlfleet.local.processes import Supervisor, free_port
@@ -60,24 +68,47 @@ class NatsBed:
     hub: NatsServer
     leaves: dict[str, NatsServer]
     signing_seed: str  # a file: the account's signing key, which mints users (runs')
+    operator_seed: str  # a file: the NATS operator's key, which signs the account again
+    system_credentials: str  # a file: a user of the system account, which sends it out
 
     def to_json(self) -> str:
         leaves = {k: asdict(v) for k, v in self.leaves.items()}
         return json.dumps(
-            {"hub": asdict(self.hub), "leaves": leaves, "signing_seed": self.signing_seed}
+            {"hub": asdict(self.hub), "leaves": leaves}
+            | {k: getattr(self, k) for k in ("signing_seed", "operator_seed", "system_credentials")}
         )
 
-    def run_user(self, run: str, role: BusRole) -> str:
+    def owner(self) -> AccountOwner:
+        """What revokes a run's users, as the hub operator holds it."""
+        return AccountOwner(
+            operator_seed=Path(self.operator_seed).read_text(),
+            system_credentials=Path(self.system_credentials).read_text(),
+            account=account_of(Path(self.hub.credentials).read_text()),
+            signer_seed=Path(self.signing_seed).read_text(),
+        )
+
+    def run_user(
+        self, run: str, role: BusRole, incarnation: str | None = None, ttl_s: float = USER_TTL_S
+    ) -> str:
         """The user (.creds text) of one of a run's components, as the hub operator mints
-        it."""
+        it; `incarnation`: the run's life it belongs to (a Kubernetes uid; the run's name
+        here unless given)."""
         admin = Path(self.hub.credentials).read_text()
-        return mint_run_user(Path(self.signing_seed).read_text(), account_of(admin), run, role)
+        signer = Path(self.signing_seed).read_text()
+        return mint_run_user(signer, account_of(admin), run, role, incarnation or run, ttl_s=ttl_s)
+
+    def keep_run_users(self, run: str, files: dict[BusRole, Path]) -> None:
+        """Writes each of a run's users to its file, or signs it again there when its time
+        is nearly up (`rlfleet.bus.auth.renewal_due`): its processes reconnect with it."""
+        for role, path in files.items():
+            if not path.exists() or renewal_due(path.read_text(), time.time(), USER_TTL_S):
+                write_secret(path, self.run_user(run, role))
 
     @classmethod
     def from_json(cls, text: str) -> NatsBed:
         data = json.loads(text)
-        leaves = {k: NatsServer(**v) for k, v in data["leaves"].items()}
-        return cls(NatsServer(**data["hub"]), leaves, data["signing_seed"])
+        leaves = {k: NatsServer(**v) for k, v in data.pop("leaves").items()}
+        return cls(NatsServer(**data.pop("hub")), leaves, **data)
 
 
 def _conf(values: dict) -> str:
@@ -123,6 +154,8 @@ class _Trust:
             "resolver_preload": self.accounts,
             # A run's user JWT lists its subjects and streams: longer than the default 4 KiB.
             "max_control_line": MAX_CONTROL_LINE,
+            # Every server alike, the leaf nodes too: each takes what a stream takes.
+            "max_payload": largest_message(),
         }
 
 
@@ -138,19 +171,19 @@ def _keys(path: Path) -> dict[str, NKey]:
     return keys
 
 
-def _trust(state: Path) -> tuple[_Trust, str, NKey]:
+def _trust(state: Path) -> tuple[_Trust, dict[str, NKey]]:
     """The operator, its system account, and the one account runs live in; returns the
-    trust, the account's public key and its signing key."""
+    trust and the keys."""
     keys = _keys(state / "keys.json")
     operator, system, account, signer = (
         keys[k] for k in ("operator", "system", "account", "signer")
     )
     write_secret(state / "operator.jwt", operator_jwt(operator, system.public))
     accounts = {
-        system.public: account_jwt(operator, system, "SYS", None, jetstream=False),
-        account.public: account_jwt(operator, account, "RLFLEET", signer.public, jetstream=True),
+        system.public: account_jwt(operator, system.public, "SYS", None, jetstream=False),
+        account.public: runs_account_jwt(operator, account.public, signer.public),
     }
-    return _Trust(state / "operator.jwt", system.public, accounts), account.public, signer
+    return _Trust(state / "operator.jwt", system.public, accounts), keys
 
 
 def _user_creds(path: Path, signer: NKey, account: str, name: str) -> Path:
@@ -161,9 +194,13 @@ def _user_creds(path: Path, signer: NKey, account: str, name: str) -> Path:
 
 def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsBed:
     state.mkdir(parents=True, exist_ok=True)
-    trust, account, signer = _trust(state)
+    trust, keys = _trust(state)
+    signer, account, system = keys["signer"], keys["account"].public, keys["system"]
     write_secret(state / "signing.seed", signer.seed)
+    write_secret(state / "operator.seed", keys["operator"].seed)
     admin = str(_user_creds(state / "admin.creds", signer, account, "admin"))
+    # The system account's user: it sends the runs' account, signed again, to every server.
+    system_user = _user_creds(state / "system.creds", system, system.public, "system")
     hub_port, leaf_port, monitor_port = free_port(), free_port(), free_port()
     hub = NatsServer("hub", f"nats://127.0.0.1:{hub_port}", HUB_DOMAIN, admin)
     hub_conf = trust.conf() | {
@@ -181,8 +218,14 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
     leaves: dict[str, NatsServer] = {}
     for region in regions:
         port = free_port()
-        # Each region's leaf node logs in to the hub as a user of its own.
-        login = _user_creds(state / f"leaf-{region}.creds", signer, account, f"leaf-{region}")
+        # Each region's leaf node logs in to the hub as a user of its own, allowed only
+        # what a region does there, and only as a leaf node.
+        login = state / f"leaf-{region}.creds"
+        allowed = leaf_permissions(HUB_DOMAIN, region)
+        write_secret(
+            login,
+            mint_user(signer.seed, account, f"leaf-{region}", allowed, connections=(LEAF,)),
+        )
         conf = trust.conf() | {
             "server_name": f"leaf-{region}",
             "listen": f"127.0.0.1:{port}",
@@ -194,7 +237,15 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
                         "credentials": str(login),
                         "account": account,
                         "compression": "off",
-                    }
+                    },
+                    # The system account's link: the hub's operator reaches this server
+                    # through it, to send it the runs' account when a run's users are revoked.
+                    {
+                        "urls": [f"nats://127.0.0.1:{leaf_port}"],
+                        "credentials": str(system_user),
+                        "account": system.public,
+                        "compression": "off",
+                    },
                 ]
             },
         }
@@ -205,12 +256,14 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
         supervisor.wait_until(f"nats {region}", lambda p=port: _listening(p), 30, interval=0.1)
         leaves[region] = NatsServer(region, f"nats://127.0.0.1:{port}", region, admin)
     supervisor.wait_until(
-        "every region's leaf connection at the hub",
-        lambda: _leaf_count(monitor_port) >= len(leaves),
+        "every region's leaf connections at the hub",
+        lambda: _leaf_count(monitor_port) >= 2 * len(leaves),
         30,
         interval=0.1,
     )
-    return NatsBed(hub, leaves, str(state / "signing.seed"))
+    return NatsBed(
+        hub, leaves, *(str(state / f) for f in ("signing.seed", "operator.seed", "system.creds"))
+    )
 
 
 class StandaloneNats:

@@ -78,15 +78,14 @@ class Tuning:
     What the run learns by (learning rate, step size, turns, ...) is the spec's, as in a
     cluster (`examples/local.yaml` states `make demo`'s recipe)."""
 
-    # Supervised steps on the suite before RL (`bench/warmup.py`): 160 leave the model
-    # right on 17% of attempts and some attempt right on 44% of tasks; 240 on about a
-    # third and two thirds. RL turns "sometimes right" into "right", so the gap between
-    # the two is what a run can gain; 280 already answers most tasks outright.
+    # Supervised steps on the suite before RL (`bench/warmup.py` measures the choice): 240
+    # leave the model right on about a third of attempts and some attempt right on two
+    # thirds of tasks. RL turns "sometimes right" into "right", so that gap is what a run
+    # can gain; fewer steps leave less right, more answer most tasks outright.
     warmup_steps: int = 240
     max_model_len: int = 1024
-    # Three groups at once per rollout worker. With one (16), a worker's engine idled while
-    # a group's last attempts finished and ran small batches: the demo took 376 steps in
-    # its 7 minutes; with three, 525 to 561 (before the engine changes in `processes`).
+    # Three groups at once per rollout worker: with one, a worker's engine idles while a
+    # group's last attempts finish and runs small batches.
     max_sessions: int = 48
     queue_depth: int = 8
 
@@ -121,9 +120,9 @@ def local_pipeline(spec: RLRunSpec, profile: Profile, tuning: Tuning) -> Pipelin
 def serving_dtype(cpu_flags: set[str]) -> str:
     """What the rollout engines compute in on this machine's CPU. Without bf16 instructions
     (AVX-512 BF16, AMX) every bf16 matmul is converted on the fly: float32 generates the
-    demo's rollouts twice as fast (939 steps in its 7 minutes instead of 662-687) and
-    computes as the trainer does (step 1's mismatch: mean |dlogp| 2.6e-7 instead of
-    5.8e-3). Weights still travel in the checkpoint's dtype."""
+    demo's rollouts about twice as fast and computes as the trainer does (the
+    train/inference mismatch falls by four orders of magnitude). Weights still travel in
+    the checkpoint's dtype."""
     return "bfloat16" if cpu_flags & {"avx512_bf16", "amx_bf16"} else "float32"
 
 
@@ -196,8 +195,7 @@ def processes(
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, rollout_cores)),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         # Engine and model in the worker's own process: on one shared core, vLLM's usual
-        # three processes only add a hand-off per engine step and per weight update: the
-        # demo took 662-687 steps in its 7 minutes instead of 545-561.
+        # three processes only add a hand-off per engine step and per weight update.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
     dtype = serving_dtype(cpu_flags())

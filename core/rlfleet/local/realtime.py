@@ -8,7 +8,8 @@ parts and simulated users.
   started by `rlfleet.rollout.serving`, `spec.production.canary.replicas` of them in the
   canary set and one in the stable set, capturing what they serve and taking feedback.
 - Users (`rlfleet.rollout.users`), who speak only HTTP to the servers, spread over them
-  as a Service spreads requests.
+  as a Service spreads requests, each named in the header the pool's gateway would set
+  and posting feedback with the token each answer came with.
 
 The pool's servers share the rollout cores (they generate), the trainer has its own.
 """
@@ -21,6 +22,7 @@ import os
 import secrets
 import statistics
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,11 +30,26 @@ import matplotlib
 from msgspec.structs import replace
 
 from rlfleet import launch
-from rlfleet.api.inferencepool import CANARY, STABLE
+from rlfleet.api.inferencepool import (
+    CANARY,
+    FEEDBACK_KEY_FILE,
+    STABLE,
+    USER_HEADER_FILE,
+    ServingWorkload,
+)
 from rlfleet.api.rlrun import RLRunSpec
-from rlfleet.api.wire import BusRole, CycleOutcome, CycleState
+from rlfleet.api.wire import (
+    BusRole,
+    CycleOutcome,
+    CycleState,
+    capture_stream,
+    capture_subject,
+    decode_captured,
+)
+from rlfleet.bus import auth
 from rlfleet.bus.auth import CREDENTIALS_ENV
-from rlfleet.launch.settings import UsersConfig
+from rlfleet.bus.reading import decoded
+from rlfleet.launch.settings import FEEDBACK_DIR_ENV, UsersConfig, spec_default
 from rlfleet.local import plan
 from rlfleet.local.nats import HUB_DOMAIN, NatsBed
 from rlfleet.local.processes import free_port
@@ -43,6 +60,7 @@ import matplotlib.pyplot as plt
 USERS = launch.Program("rlfleet.rollout.users")
 SERVED_MODEL = "policy"
 API_KEY_FILE = "api-key"  # under the run's NATS folder: the pool's key, for its users too
+FEEDBACK_DIR = "feedback"  # under the run's NATS folder: what the pool's Secret would hold
 REQUESTS = "requests.jsonl"  # the users' records, in the run's report folder
 
 
@@ -66,6 +84,20 @@ def api_key(layout: plan.Layout) -> str:
         path.write_text(secrets.token_urlsafe(24))
         path.chmod(0o600)
     return path.read_text()
+
+
+def feedback_dir(layout: plan.Layout) -> Path:
+    """The pool's feedback key and user header, as its servers read them from the pool's
+    Secret in a cluster: the key made once per run folder, the header the API's default
+    (these users' gateway is themselves)."""
+    folder = layout.nats / FEEDBACK_DIR
+    folder.mkdir(mode=0o700, exist_ok=True)
+    key = folder / FEEDBACK_KEY_FILE
+    if not key.exists():
+        key.write_text(secrets.token_urlsafe(32))
+        key.chmod(0o600)
+    (folder / USER_HEADER_FILE).write_text(spec_default(ServingWorkload, "user_header"))
+    return folder
 
 
 def server_urls(processes: list[plan.Process]) -> dict[str, str]:
@@ -132,6 +164,7 @@ def processes(
     at = launch.Placement(nats.leaves[region].url, HUB_DOMAIN, region)
     serving_env = {
         "VLLM_API_KEY": key,
+        FEEDBACK_DIR_ENV: str(feedback_dir(layout)),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, pool_cores)),
         "TOKENIZERS_PARALLELISM": "false",
@@ -183,6 +216,21 @@ def _fitted_rise(rates: list[float]) -> float | None:
     return round(slope * (len(rates) - 1), 4)
 
 
+async def served_versions(run: str, url: str, credentials: Path) -> dict[str, int]:
+    """The policy version that answered each captured completion, by response id: what
+    no answer tells its user, read from the run's captures (as its observer)."""
+    nc = await auth.connect(url, credentials)
+    try:
+        js = nc.jetstream()
+        stream, subject = capture_stream(run), capture_subject(run)
+        return {
+            capture.response_id: capture.segment.versions[0]
+            async for _, capture in decoded(js, stream, subject, decode_captured)
+        }
+    finally:
+        await nc.close()
+
+
 def _swaps(records: list[dict]) -> list[tuple[str, float, float]]:
     """(server, from, to): each time a server's answers changed version, the span from
     sending the last request the old version answered to the first new answer's end."""
@@ -195,9 +243,16 @@ def _swaps(records: list[dict]) -> list[tuple[str, float, float]]:
     return found
 
 
-def summary(records: list[dict], state: CycleState | None, invert_cycle: int | None) -> dict:
-    """What a production run did, from its users' records of every request and the
-    conductor's last state (the cycles it finished)."""
+def summary(
+    records: list[dict],
+    state: CycleState | None,
+    invert_cycle: int | None,
+    versions: Mapping[str, int],
+) -> dict:
+    """What a production run did, from its users' records of every request, the version
+    that answered each captured one (`served_versions`), and the conductor's last state
+    (the cycles it finished)."""
+    records = [r | {"version": versions.get(r.get("response_id") or "")} for r in records]
     history = state.history if state is not None else []
     outcomes = [c.outcome for c in history]
     accept, start = [], min((r["at"] for r in records), default=0.0)
@@ -227,6 +282,11 @@ def summary(records: list[dict], state: CycleState | None, invert_cycle: int | N
         "rolled_back": outcomes.count(CycleOutcome.ROLLED_BACK),
         "skipped": outcomes.count(CycleOutcome.SKIPPED),
         "timed_out": outcomes.count(CycleOutcome.TIMED_OUT),
+        # Each canaried candidate had passed the gate, its suite score within maxRegression
+        # of the serving version's: rolled back, its cycle of users' signal was lost.
+        "canary_false_rollbacks": sum(
+            c.outcome == CycleOutcome.ROLLED_BACK and c.number != invert_cycle for c in history
+        ),
         "outcomes": [f"{c.number}: {c.outcome} ({c.why})" for c in history],
         "accept_rate_by_cycle": accept,
         "accept_rate_first": known[0] if known else None,
@@ -254,11 +314,16 @@ def summary(records: list[dict], state: CycleState | None, invert_cycle: int | N
     }
 
 
-def write_report(layout: plan.Layout, state: CycleState | None, invert_cycle: int | None) -> dict:
+def write_report(
+    layout: plan.Layout,
+    state: CycleState | None,
+    invert_cycle: int | None,
+    versions: Mapping[str, int],
+) -> dict:
     """`realtime.json` and a plot of the accept rate per cycle, in the run's report."""
     path = layout.report / REQUESTS
     lines = path.read_text().splitlines() if path.exists() else []
-    found = summary([json.loads(line) for line in lines], state, invert_cycle)
+    found = summary([json.loads(line) for line in lines], state, invert_cycle, versions)
     layout.report.mkdir(parents=True, exist_ok=True)
     (layout.report / "realtime.json").write_text(json.dumps(found, indent=2) + "\n")
     rates = found["accept_rate_by_cycle"]

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -57,7 +57,6 @@ from rlfleet.launch import EVALUATION, WARMUP
 from rlfleet.launch.caches import own_caches
 from rlfleet.launch.settings import to_json
 from rlfleet.local import plan, realtime, report
-from rlfleet.local.files import write_secret
 from rlfleet.local.nats import NatsBed, start_nats
 from rlfleet.local.processes import Supervisor, stop_pids
 
@@ -279,6 +278,8 @@ class Trained:
     end: dict | None  # the last version's evaluation on the whole suite
     scores: list[EvaluationReport]  # the gate's evaluator's, this time round
     cycles: CycleState | None = None  # a production run's conductor's, at the end
+    # A production run's captured completions: the version that answered each, by id.
+    served: dict[str, int] = field(default_factory=dict)
 
     def verdict(self, spec: RLRunSpec) -> str | None:
         """`Failed` or `Succeeded` when the evaluation gate ended the run."""
@@ -362,9 +363,8 @@ class LocalPlane:
         try:
             regions = self.spec.region_names
             bed = start_nats(regions, self.supervisor, self.layout.nats)
-            self.url = bed.hub.url
-            for role in BusRole:
-                write_secret(self.layout.credentials(role), bed.run_user(self.key, role))
+            self.url, self.bed = bed.hub.url, bed
+            bed.keep_run_users(self.key, self.users())
             backlog = self.spec.trajectory_backlog_mib << 20
             asyncio.run(make_streams(bed, self.key, backlog))
             if self.spec.production is not None:
@@ -381,8 +381,12 @@ class LocalPlane:
         print_metrics(processes)
         return self
 
+    def users(self) -> dict[BusRole, Path]:
+        return {role: self.layout.credentials(role) for role in BusRole}
+
     def check_alive(self) -> None:
         self.supervisor.check_alive()
+        self.bed.keep_run_users(self.key, self.users())  # renewed before they expire
 
     def status(self, trained_s: float) -> str | None:
         return None
@@ -428,7 +432,8 @@ def train(
         if spec.production is not None:
             state = asyncio.run(last_cycle_state(plane.key, plane.url, plane.credentials))
             steps = asyncio.run(recorded_steps(plane.key, plane.url, plane.credentials))
-            return Trained(steps, None, scores, state)
+            served = asyncio.run(realtime.served_versions(plane.key, plane.url, plane.credentials))
+            return Trained(steps, None, scores, state, served)
         console.print("evaluating the last version on the whole suite")
         end = evaluate(
             plan.model_path(spec, layout),
@@ -470,7 +475,7 @@ def run(
         evaluate(plan.model_path(spec, layout), spec.suite, start)
     trained = train(name, spec, layout, minutes * 60, tuning, plane_for, invert_cycle)
     if spec.production is not None:
-        found = realtime.write_report(layout, trained.cycles, invert_cycle)
+        found = realtime.write_report(layout, trained.cycles, invert_cycle, trained.served)
         console.print_json(data=found)
         console.print(f"report in {layout.report}")
         return 0

@@ -323,6 +323,8 @@ class Fleet:
             {
                 "creds": Path(hub_nats.credentials).read_text(),
                 "signing-seed": Path(self.bed.nats.signing_seed).read_text(),
+                "operator-seed": Path(self.bed.nats.operator_seed).read_text(),
+                "system-creds": Path(self.bed.nats.system_credentials).read_text(),
             },
         )
         for region in self.regions:

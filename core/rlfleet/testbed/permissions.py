@@ -37,7 +37,13 @@ from rlfleet.api.wire import (
     weights_stream,
 )
 from rlfleet.bus.auth import connect, run_inbox
-from rlfleet.bus.streams import cycle_stream, evaluation_stream, step_stream
+from rlfleet.bus.streams import (
+    TRAINER_CONSUMER,
+    WORKER_CONSUMER,
+    cycle_stream,
+    evaluation_stream,
+    step_stream,
+)
 from rlfleet.local.nats import NatsBed, NatsServer
 
 VERDICT_WAIT_S = 10.0  # the longest to wait for the servers' refusals
@@ -49,39 +55,41 @@ _SUBJECTS = (
     *("captures", "feedback", "cycles", "live", "conductor", "serving"),
 )
 
-# What each component needs, by the kinds of operations below (on its own run only).
+# What each component needs, by the kinds of operations below (on its own run only). No
+# one lists streams or makes a consumer: a component pulls from, and acknowledges for,
+# the durable consumer its run's owner made for it, and reads the rest by direct gets.
 NEEDS: dict[BusRole, set[str]] = {
     BusRole.TRAINER: {
         "publish steps",
         "publish weights",
+        "publish manifest",
         *(f"{op} {s}" for op in ("info", "get") for s in ("TRAJ", "STEPS", "WEIGHTS", "CYCLES")),
-        "consume TRAJ",
+        "pull TRAJ",
         "ack TRAJ",
-        "consume WEIGHTS",  # reads its own manifests back on a restart
         "purge WEIGHTS",  # retires versions older than the kept snapshots
     },
     BusRole.ROLLOUT: {
         "publish trajectories",
         *(f"{op} {s}" for op in ("info", "get") for s in ("TASKS", "TRAJ", "WEIGHTS")),
-        "consume TASKS",
+        "pull TASKS",
         "ack TASKS",
-        "consume WEIGHTS",
+        "listen manifest",  # a new version wakes its receiver
     },
     BusRole.FEED: {
         "publish tasks",
         *(f"{op} {s}" for op in ("info", "get") for s in ("STEPS", "TASKS")),
-        "consume STEPS",
+        "listen steps",  # a new step report wakes it
     },
     BusRole.EVALUATOR: {
         "publish evaluations",
         *(f"{op} {s}" for op in ("info", "get") for s in ("EVALS", "WEIGHTS", "CYCLES")),
-        "consume WEIGHTS",
+        "listen manifest",
     },
     BusRole.SERVING: {
         "publish captures",
         "publish feedback",
         *(f"{op} {s}" for op in ("info", "get") for s in ("CAPTURE", "WEIGHTS", "SERVING")),
-        "consume WEIGHTS",
+        "listen manifest",
     },
     BusRole.COLLECTOR: {
         "publish trajectories",
@@ -96,11 +104,12 @@ NEEDS: dict[BusRole, set[str]] = {
     },
     BusRole.OBSERVER: {
         *(f"{op} {s}" for op in ("info", "get") for s in (*_STREAMS, "TASKS")),
-        # Not the task queue: a consumer without acks cannot read a work queue.
-        *(f"consume {s}" for s in _STREAMS),
         *(f"listen {s}" for s in _SUBJECTS),
     },
 }
+
+# Each stream's durable consumer, where it has one: whose it is is in NEEDS.
+_DURABLES = {"TRAJ": TRAINER_CONSUMER, "TASKS": WORKER_CONSUMER}
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,7 @@ def _operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
         "steps": step_subject(run),
         "evaluations": evaluation_subject(run),
         "weights": f"{weights_prefix(run)}.v1.shard.0",
+        "manifest": f"{weights_prefix(run)}.1.manifest.delta",
         "captures": capture_subject(run, "chatcmpl-1"),
         "feedback": feedback_subject(run, "chatcmpl-1", "event-1"),
         "cycles": cycle_subject(run),
@@ -147,11 +157,17 @@ def _operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
     for short, subject in subjects.items():
         found.append((f"publish {short}", False, subject))
         found.append((f"listen {short}", True, subject))
+    found.append(("list streams", False, "$JS.API.STREAM.NAMES"))
+    found.append(("list streams' configs", False, "$JS.API.STREAM.LIST"))
     for short, stream in streams.items():
+        durable = _DURABLES.get(short, "any")
         api = {
             "info": f"STREAM.INFO.{stream}",
             "get": f"DIRECT.GET.{stream}",
             "consume": f"CONSUMER.CREATE.{stream}",
+            "name-consumer": f"CONSUMER.CREATE.{stream}.{durable}",
+            "make-durable": f"CONSUMER.DURABLE.CREATE.{stream}.{durable}",
+            "pull": f"CONSUMER.MSG.NEXT.{stream}.{durable}",
             "create": f"STREAM.CREATE.{stream}",
             "update": f"STREAM.UPDATE.{stream}",
             "delete": f"STREAM.DELETE.{stream}",
@@ -163,7 +179,7 @@ def _operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
             found.append((f"{op} {short}", False, f"$JS.API.{tail}"))
         # The same through a JetStream domain's prefix, as a region reaches the hub.
         found.append((f"delete {short} (domain)", False, f"$JS.hub.API.STREAM.DELETE.{stream}"))
-        found.append((f"ack {short}", False, f"$JS.ACK.{stream}.rollout.1.1.1.1.0"))
+        found.append((f"ack {short}", False, f"$JS.ACK.{stream}.{durable}.1.1.1.1.0"))
     for other in BusRole:
         if other != role:
             inbox = f"{run_inbox(run, other)}.x"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,25 +40,39 @@ class Grant:
         return f"{self.account}: {self.verb} {where}"
 
 
-def chart_grants(role: str) -> set[Grant]:
-    """What the chart, installed with `role` (hub or region), grants its accounts."""
+def chart_rbac(role: str, watch: Sequence[str] = ()) -> list[dict]:
+    """The RBAC objects of the chart installed with `role` (hub or region), watching the
+    namespaces `watch` (none: every namespace)."""
+    watched = [f"--set=watchNamespaces={{{','.join(watch)}}}"] if watch else []
     rendered = subprocess.run(
         [
             *(binary("helm"), "template", RELEASE, str(CHART)),
-            *(f"--namespace={RELEASE_NAMESPACE}", f"--set=role={role}"),
+            *(f"--namespace={RELEASE_NAMESPACE}", f"--set=role={role}", *watched),
         ],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    documents = [d for d in yaml.safe_load_all(rendered) if d]
+    kinds = ("ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding")
+    return [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in kinds]
+
+
+def chart_grants(role: str, watch: Sequence[str] = ()) -> set[Grant]:
+    """What the chart, installed with `role` (hub or region), grants its accounts."""
+    documents = chart_rbac(role, watch)
+    # A Role is one namespace's (a ClusterRole and the Roles of several watched namespaces
+    # may share a name); a RoleBinding refers to a Role of its own namespace.
     rules = {
-        d["metadata"]["name"]: d["rules"] for d in documents if d["kind"] in ("ClusterRole", "Role")
+        (d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d["rules"]
+        for d in documents
+        if d["kind"] in ("ClusterRole", "Role")
     }
     grants = set()
     for binding in (d for d in documents if d["kind"] in ("ClusterRoleBinding", "RoleBinding")):
+        ref = binding["roleRef"]
+        namespace = binding["metadata"].get("namespace") if ref["kind"] == "Role" else None
         for subject in binding["subjects"]:
-            for rule in rules[binding["roleRef"]["name"]]:
+            for rule in rules[(ref["kind"], namespace, ref["name"])]:
                 grants |= {
                     Grant(subject["name"], group, resource, verb, name)
                     for group in rule["apiGroups"]

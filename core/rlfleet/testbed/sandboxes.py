@@ -64,11 +64,10 @@ class SandboxKubelet:
     def start(self) -> SandboxKubelet:
         if self._thread is not None:
             return self
-        # Sandboxes' uids pass through (o+x) to their trees below; none may list them.
+        # Root's alone: each sandbox's tree is the root of its own mount namespace.
         Path(STATE_ROOT).mkdir(parents=True, exist_ok=True)
-        Path(STATE_ROOT).chmod(0o711)
+        Path(STATE_ROOT).chmod(0o700)
         self.state = Path(tempfile.mkdtemp(dir=STATE_ROOT))
-        self.state.chmod(0o711)
         self._thread = threading.Thread(target=self._loop, daemon=True, name="sandbox-kubelet")
         self._thread.start()
         return self

@@ -10,9 +10,14 @@ from kubernetes.utils.quantity import parse_quantity
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlfleet.api.meta import GPU_TYPE_LABEL, Quantity
+from rlfleet.bus.auth import USER_TTL_S
 
 Name = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+]
+RuntimeClassName = Annotated[
+    str,
+    Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"),
 ]
 
 
@@ -113,6 +118,32 @@ def _merged(default: Any, given: Any) -> Any:
     return given
 
 
+class MetricsScraper(BaseModel):
+    """Where a Prometheus that scrapes the runs' pods runs: a NetworkPolicy peer, as the
+    chart's `workloads.metricsScrapers` names it (both selectors: pods so labelled in
+    namespaces so labelled; a podSelector alone: the run's own namespace)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True)
+
+    namespace_selector: dict[str, Any] | None = Field(None, alias="namespaceSelector")
+    pod_selector: dict[str, Any] | None = Field(None, alias="podSelector")
+
+    @model_validator(mode="after")
+    def _some_selector(self) -> MetricsScraper:
+        if self.namespace_selector is None and self.pod_selector is None:
+            raise ValueError("a metrics scraper needs a namespaceSelector or a podSelector")
+        return self
+
+    def peer(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+# Prometheus where kube-prometheus-stack (and kube-prometheus) is usually installed.
+MONITORING_NAMESPACE = MetricsScraper(
+    namespace_selector={"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+)
+
+
 class Workloads(BaseModel):
     """What every pod the operator makes for a run asks for and serves."""
 
@@ -122,6 +153,9 @@ class Workloads(BaseModel):
     # Each pod serves its Prometheus metrics here: its container's `metrics` port, its
     # `prometheus.io/port` annotation and the component's settings all take this number.
     metrics_port: Annotated[int, Field(ge=1, le=65535)] = 9400
+    # Who besides a run's own ranks may reach that port on its trainer pods (their
+    # NetworkPolicy, `workloads.trainer_network_policy`); empty: no one.
+    metrics_scrapers: list[MetricsScraper] = Field(default_factory=lambda: [MONITORING_NAMESPACE])
     # The node label whose value is a node's GPU type: rollout pods are placed by their
     # pool's `serving.gpuType`, trainer pods by the run's `trainer.gpuType`, on its value.
     gpu_type_label: Annotated[str, Field(min_length=1, max_length=316)] = GPU_TYPE_LABEL
@@ -144,7 +178,12 @@ class NatsAccess(BaseModel):
     # A Secret in the operator's namespace: `creds`, the operator's NATS user (a .creds
     # file), and `signing-seed`, the account's signing key, with which the hub mints each
     # run's users (one per component). None: anonymous, and runs' pods get no user.
+    # With `operator-seed` (the NATS operator's key, or one of its signing keys) and
+    # `system-creds` (a user of the system account) too, a deleted run's users are revoked
+    # on every server (`rlfleet.bus.auth.revoke_run_users`); without, they only expire.
     credentials_secret: str | None = None
+    # How long a run's user JWT is valid; the hub signs it again before it expires.
+    user_ttl_seconds: Annotated[float, Field(ge=10, le=30 * 86400)] = USER_TTL_S
 
 
 class OperatorConfig(BaseModel):
@@ -173,6 +212,16 @@ class OperatorConfig(BaseModel):
     # A Secret in the operator's namespace: the key a region mints EnvPool tokens with
     # (`rlfleet.operator.envtokens`), made on first use.
     envpool_key_secret: Annotated[str, Field(min_length=1, max_length=253)] = "rlfleet-envpool-key"
+    # The RuntimeClasses an EnvPool's pods may run under: VM-grade ones, as a pool's session
+    # server runs as root with SYS_ADMIN (`workloads.SANDBOX_CAPABILITIES`). A pool naming
+    # another runs no pod (`envpools.refusals`).
+    envpool_runtime_classes: Annotated[list[RuntimeClassName], Field(min_length=1)] = [
+        "gvisor",
+        "kata",
+    ]
+    # Where an EnvPool's image may come from: registries or repository prefixes, each
+    # matched up to a "/"; empty: anywhere.
+    envpool_image_registries: list[Annotated[str, Field(min_length=1, max_length=255)]] = []
 
 
 def load(path: Path) -> OperatorConfig:

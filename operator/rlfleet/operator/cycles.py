@@ -12,8 +12,7 @@ on the actions it returns, records the state in the run's status and emits the e
 
 A trainer or an evaluator that never reports would hold the cycle, and production's
 learning, forever: past its deadline the cycle ends and the next one collects. A canary
-needs no deadline of its own: with too little traffic it is rolled back at twice its
-window (`judge_canary`).
+needs no deadline of its own: its window is the longest it runs (`judge_canary`).
 
 A set is told the version it may serve next ahead of serving it (`standby`): the canary
 set the candidate as its evaluation starts, the stable set as its canary does, and the

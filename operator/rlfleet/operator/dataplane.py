@@ -43,6 +43,7 @@ from rlfleet.bus.streams import (
     delete_run_streams,
     ensure_run_streams,
     evaluation_stream,
+    largest_message,
     step_stream,
 )
 from rlfleet.operator.production import CycleUpdates
@@ -73,6 +74,9 @@ class NatsLogin:
 
     credentials: str | None  # the operator's own user (.creds text); None: anonymous
     signing_seed: str | None = None  # the account's signing key, which mints runs' users
+    # Both or neither: what revokes a deleted run's users (`rlfleet.bus.auth.AccountOwner`).
+    operator_seed: str | None = None  # the NATS operator's key, which signs the account
+    system_credentials: str | None = None  # a system account user (.creds text)
 
 
 class DataPlane:
@@ -92,14 +96,15 @@ class DataPlane:
         self._nc: nats.NATS | None = None
         self._connecting = asyncio.Lock()
 
-    def _run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+    def _run(self, coroutine: Coroutine[Any, Any, Any], calls: int = 1) -> Any:
+        """`coroutine`'s result, given `calls` times the timeout (it makes that many)."""
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         try:
-            return future.result(self.timeout_s)
+            return future.result(self.timeout_s * calls)
         except TimeoutError as error:
             future.cancel()
             raise DataPlaneUnavailable(
-                f"NATS {self.url}: no answer in {self.timeout_s}s"
+                f"NATS {self.url}: no answer in {self.timeout_s * calls}s"
             ) from error
         except nats.js.errors.APIError as error:
             if error.err_code == _NO_STORAGE:
@@ -118,11 +123,19 @@ class DataPlane:
                     max_reconnect_attempts=-1,
                     name="rlfleet-operator",
                 )
+                if self._nc.max_payload < largest_message():
+                    log.warning(
+                        "NATS %s takes messages of at most %d bytes (its max_payload), a "
+                        "run's streams up to %d: a larger trajectory or task is refused at "
+                        "publish; give every server, leaf nodes too, max_payload: %d",
+                        *(self.url, self._nc.max_payload, largest_message(), largest_message()),
+                    )
             return self._nc
 
-    def run_users(self, run: str) -> dict[BusRole, str]:
-        """New users (.creds text) for the run: one per component, each allowed what that
-        component does with the run's subjects and streams, and a read-only observer."""
+    def run_users(self, run: str, incarnation: str, ttl_s: float) -> dict[BusRole, str]:
+        """The run's users (.creds text), signed now for `ttl_s`: one per component, each
+        allowed what that component does with the run's subjects and streams, and a
+        read-only observer; `incarnation` (the run's uid) names their keys."""
         login = self.login()
         if login.credentials is None or login.signing_seed is None:
             raise DataPlaneUnavailable(
@@ -131,9 +144,47 @@ class DataPlane:
             )
         account = auth.account_of(login.credentials)
         return {
-            role: auth.mint_run_user(login.signing_seed, account, run, role)
+            role: auth.mint_run_user(login.signing_seed, account, run, role, incarnation, ttl_s)
             for role in launch.POD_ROLES
         }
+
+    def revoke_users(self, run: str, incarnation: str, ttl_s: float, servers: int) -> None:
+        """Revokes the users of a deleted run (`incarnation`: its uid) on every server that
+        hears the hub's system account (`servers` of them: the hub and a leaf node per
+        region); without the keys that takes, they only expire (within `ttl_s`)."""
+        login = self.login()
+        if login.operator_seed is None or login.system_credentials is None:
+            log.warning(
+                "run %s: its NATS users are left to expire (within %.0fs): the operator's "
+                "NATS Secret has no `operator-seed` and `system-creds` to revoke them with",
+                *(run, ttl_s),
+            )
+            return
+        assert login.credentials is not None and login.signing_seed is not None
+        owner = auth.AccountOwner(
+            login.operator_seed,
+            login.system_credentials,
+            auth.account_of(login.credentials),
+            login.signing_seed,
+        )
+        try:
+            # Five calls: the record kept, the records read, a login, the push and answers.
+            took = self._run(self._revoke(owner, incarnation, ttl_s, servers), calls=5)
+        except ValueError as error:  # a server refused the account
+            raise DataPlaneUnavailable(str(error)) from error
+        if len(took) < servers:
+            log.warning(
+                "run %s: %d of %d NATS servers said they revoked its users (%s)",
+                *(run, len(took), servers, ", ".join(took)),
+            )
+
+    async def _revoke(
+        self, owner: auth.AccountOwner, incarnation: str, ttl_s: float, servers: int
+    ) -> list[str]:
+        nc = await self._client()
+        return await auth.revoke_run_users(
+            nc, self.url, self.domain, owner, incarnation, ttl_s, servers, self.timeout_s
+        )
 
     def ensure_streams(self, run: str, regions: list[str], trajectory_backlog: int) -> list[str]:
         """Creates the run's streams in the hub (its trajectories' bytes bounded by

@@ -16,11 +16,19 @@ least (a pool with no server could not see a claim):
 
 A pod that does not answer counts as warming: it is starting, or its server is stuck, and
 either way it serves no claim now.
+
+Before any of that, `refusals` says what in a pool's spec this region will not run: a
+RuntimeClass outside the chart's allowlist (the session server runs as root with
+SYS_ADMIN, sound only in a VM-grade sandbox: `runc` would hand that to whoever may create
+an EnvPool), or an image from a registry the chart does not list. The chart's admission
+policy refuses both when a pool is written; a pool stored before it (or before the list
+narrowed) gets no pod, and its Ready condition names the field.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -97,3 +105,31 @@ def plan_pool(
         bursting=per * max(0, target - floor_pods(spec)),
         deletion_costs={s.pod: int(s.claimed > 0) for s in servers if s.answered},
     )
+
+
+def refusals(
+    spec: EnvPoolSpec, runtime_classes: Sequence[str], registries: Sequence[str]
+) -> list[str]:
+    """Why this region runs no pod for the pool, each naming its field; [] if it may."""
+    problems = []
+    runtime = spec.template.runtime_class_name
+    if runtime not in runtime_classes:
+        problems.append(
+            f"spec.template.runtimeClassName: {runtime!r} is not a RuntimeClass this region "
+            f"runs EnvPools under ({', '.join(runtime_classes)}): the session server runs as "
+            "root with SYS_ADMIN, which only a VM-grade sandbox holds"
+        )
+    image = spec.template.image
+    if registries and not image_allowed(image, registries):
+        problems.append(
+            f"spec.template.image: {image!r} is from none of the registries this region "
+            f"runs EnvPools from ({', '.join(registries)})"
+        )
+    return problems
+
+
+def image_allowed(image: str, registries: Sequence[str]) -> bool:
+    """Whether `image` lies under one of `registries` (each a registry or a repository
+    prefix, matched up to a "/": "ghcr.io/rlfleet" takes neither "ghcr.io/rlfleet-x/y"
+    nor "ghcr.io.evil/y")."""
+    return any(image.startswith(f"{registry.rstrip('/')}/") for registry in registries)

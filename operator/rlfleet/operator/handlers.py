@@ -110,8 +110,11 @@ def _dataplane(config: OperatorConfig, local: Kube) -> DataPlane | None:
             raise DataPlaneUnavailable(
                 f"Secret {config.namespace}/{access.credentials_secret} needs key creds"
             )
-        creds, seed = (data.get(k) for k in ("creds", "signing-seed"))
-        return NatsLogin(base64.b64decode(creds).decode(), seed and base64.b64decode(seed).decode())
+        creds, seed, operator, system = (
+            data.get(k) and base64.b64decode(data[k]).decode()
+            for k in ("creds", "signing-seed", "operator-seed", "system-creds")
+        )
+        return NatsLogin(creds, seed, operator, system)
 
     return DataPlane(access.url, login, access.domain, config.call_timeout_seconds)
 

@@ -13,6 +13,7 @@ rather than making another.
 from __future__ import annotations
 
 import logging
+import time
 from datetime import datetime
 from functools import partial
 
@@ -23,6 +24,7 @@ from rlfleet.api.meta import API_VERSION
 from rlfleet.api.production import ServingOrder
 from rlfleet.api.rlrun import RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.api.wire import BusRole, ServeOrder, StepReport
+from rlfleet.bus.auth import renewal_due
 from rlfleet.operator import gate
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable, StorageRefused
@@ -66,26 +68,31 @@ class Hub:
         # (run uid, its regions) whose streams and weight mirrors all exist
         self._streams: set[tuple[str, tuple[str, ...]]] = set()
         self._answered: dict[tuple[str, str], datetime] = {}  # (run uid, region) -> last answer
-        self._users: dict[str, dict[BusRole, str]] = {}  # run uid -> its NATS users (.creds)
-        # (run uid, cluster, role) whose user's Secret is there
+        # run uid -> its NATS users (.creds), as last signed
+        self._users: dict[str, dict[BusRole, str]] = {}
+        # (run uid, cluster, role) whose user's Secret holds them
         self._placed: set[tuple[str, str, BusRole]] = set()
         self._orders: dict[str, ServingOrder] = {}  # run uid -> its order last passed on
 
     def _nats_users(self, run: dict, spec: RLRunSpec) -> dict[BusRole, str] | None:
-        """The run's NATS users, minted once per operator process; the hub's components'
-        and the observer's are written to the hub's Secrets unless there (its pods may
-        hold those: both stay valid). None without NATS users, or when none can be made
-        (the pods wait for their Secrets)."""
+        """The run's NATS users, signed once per operator process and again before they
+        expire (each time written to every Secret of theirs, where the pods' files follow
+        them: the pods reconnect with them); the hub's components' and the observer's are
+        written to the hub's Secrets here. None without NATS users, or when none can be
+        made (the pods wait for their Secrets)."""
         meta = run["metadata"]
-        if self.dataplane is None or not mints_users(self.config.nats):
+        if self.dataplane is None or self.config.nats is None or not mints_users(self.config.nats):
             return None
-        if meta["uid"] not in self._users:
+        ttl_s = self.config.nats.user_ttl_seconds
+        users = self._users.get(meta["uid"])
+        if users is None or any(renewal_due(u, time.time(), ttl_s) for u in users.values()):
             try:
-                self._users[meta["uid"]] = self.dataplane.run_users(nats_key(run))
+                users = self.dataplane.run_users(nats_key(run), meta["uid"], ttl_s)
             except DataPlaneUnavailable as error:
                 log.warning("run %s/%s: %s", meta["namespace"], meta["name"], error)
                 return None
-        users = self._users[meta["uid"]]
+            self._users[meta["uid"]] = users
+            self._placed = {key for key in self._placed if key[0] != meta["uid"]}
         for role in launch.hub_roles(spec):
             self._place_user(self.local, run, self.config.cluster, role, users, owned=True)
         return users
@@ -99,10 +106,10 @@ class Hub:
         users: dict[BusRole, str] | None,
         owned: bool,
     ) -> None:
-        """Creates the Secret of one of the run's users in a cluster, once per process."""
+        """Writes the Secret of one of the run's users in a cluster, once per signing."""
         key = (run["metadata"]["uid"], cluster, role)
         if users is not None and key not in self._placed:
-            kube.create(nats_user_secret(run, role, users[role], owned))
+            kube.apply(nats_user_secret(run, role, users[role], owned))
             self._placed.add(key)
 
     def _report(
@@ -376,4 +383,21 @@ class Hub:
             else:
                 left += [f"its weights' mirror in {r}'s NATS" for r in kept]
                 self._streams = {made for made in self._streams if made[0] != uid}
+            left += self._revoke_users(run)
         return left
+
+    def _revoke_users(self, run: dict) -> list[str]:
+        """Revokes the deleted run's NATS users everywhere, so that credentials it leaked
+        stop working at once, a run made again under its name included (whose users are
+        others); returns what is left for a later try."""
+        access = self.config.nats
+        if self.dataplane is None or access is None or not mints_users(access):
+            return []
+        servers = 1 + len(self.config.regions)  # the hub's, and each region's leaf node
+        try:
+            self.dataplane.revoke_users(
+                nats_key(run), run["metadata"]["uid"], access.user_ttl_seconds, servers
+            )
+        except DataPlaneUnavailable as error:
+            return [f"its NATS users' revocation ({error})"]
+        return []

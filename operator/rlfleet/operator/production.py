@@ -6,6 +6,11 @@ the one its status shows (`stateSequence`), posts their events in order, and sho
 newest, with the collector's newest cycle report beside it. A state the hub missed is
 never skipped: each is read by its sequence. A stream made anew (its sequences start
 again) is read from its newest state.
+
+Two conditions say it at a glance (`kubectl get rlrun` shows the same as columns):
+`Progressing`, true while a cycle's candidate is trained, evaluated or canaried (its
+reason the stage), and `Promoted`, whether the last finished cycle's candidate was
+(its reason the outcome). Both are Unknown until the conductor has said.
 """
 
 from __future__ import annotations
@@ -14,14 +19,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from rlfleet.api.meta import Condition
 from rlfleet.api.production import (
     CollectionStatus,
     Dropped,
     FinishedCycleStatus,
     ProductionStatus,
 )
-from rlfleet.api.wire import CycleReport, CycleState
-from rlfleet.operator.status import Event, timestamp
+from rlfleet.api.wire import CycleOutcome, CyclePhase, CycleReport, CycleState
+from rlfleet.operator.status import Event, condition, timestamp
 
 # Transitions an on-call engineer is warned of: a candidate users will not get.
 WARNINGS = frozenset(
@@ -89,6 +95,7 @@ def _status(state: CycleState, seq: int, collection: CollectionStatus | None) ->
         serving_version=state.serving,
         previous_version=state.previous,
         candidate_version=state.candidate,
+        last_outcome=state.history[-1].outcome if state.history else None,
         orders_done=state.orders,
         last_collection=collection,
         history=history,
@@ -114,3 +121,48 @@ def fold(updates: CycleUpdates, old: ProductionStatus | None) -> Folded:
     ]
     seq, newest = mine[-1]
     return Folded(_status(newest, seq, collection), events)
+
+
+def conditions(
+    status: ProductionStatus | None,
+    previous: Sequence[Condition],
+    generation: int,
+    moment: datetime,
+) -> list[Condition]:
+    """`Progressing` and `Promoted`, from the run's production status."""
+    if status is None:
+        waiting = "the run's conductor has published no cycle yet"
+        return [
+            condition(previous, kind, None, "NoCycleYet", waiting, generation, moment)
+            for kind in ("Progressing", "Promoted")
+        ]
+    serving = f"production serves version {status.serving_version}"
+    if status.phase == CyclePhase.COLLECTING:
+        progressing = (False, f"cycle {status.cycle} collecting since {status.since}; {serving}")
+    else:
+        progressing = (
+            True,
+            f"cycle {status.cycle}: candidate version {status.candidate_version} "
+            f"{STAGES[status.phase]} since {status.since}; {serving}",
+        )
+    last = status.history[-1] if status.history else None
+    if last is None:
+        promoted = (None, "NoCycleYet", f"no cycle has finished yet; {serving}")
+    else:
+        promoted = (
+            last.outcome == CycleOutcome.PROMOTED,
+            str(last.outcome),
+            f"cycle {last.number}, finished {last.finished}: {last.reason}",
+        )
+    true, message = progressing
+    return [
+        condition(previous, "Progressing", true, str(status.phase), message, generation, moment),
+        condition(previous, "Promoted", *promoted, generation, moment),
+    ]
+
+
+STAGES = {
+    CyclePhase.TRAINING: "training",
+    CyclePhase.EVALUATING: "evaluated against the serving version",
+    CyclePhase.CANARY: "on the canary set",
+}

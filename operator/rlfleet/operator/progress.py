@@ -69,15 +69,17 @@ def fold(
     if stalled and (was is None or was.status != "True"):
         age = (moment - since).total_seconds() if since else 0.0
         events.append(Event("Warning", "WeightSyncStalled", f"{newest}, {age:.0f}s ago; {limit}"))
-    fields = RLRunStatus() if report is None else _fields(report, published)
+    fields = RLRunStatus() if report is None else _fields(report, published, spec)
     return Progress(fields, stalled, stalled_condition, events)
 
 
-def _fields(report: StepReport, published: datetime) -> RLRunStatus:
+def _fields(report: StepReport, published: datetime, spec: RLRunSpec) -> RLRunStatus:
     return RLRunStatus(
         policy_version=report.policy_version,
         trainer_step=report.step,
-        staleness=report.staleness_max,
+        # A production run trains on what production served, the serving version's
+        # answers, while its trainer steps a candidate: versions behind mean nothing there.
+        staleness=report.staleness_max if spec.production is None else None,
         trajectories_dropped_stale=report.dropped_stale_total,
         last_weight_sync=WeightSyncStatus(
             version=report.policy_version,

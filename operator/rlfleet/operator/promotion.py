@@ -27,16 +27,36 @@ mean length moves outside `length_ratio` of the serving one's, or when more than
 one's).
 
 **The canary**, with live traffic. A share of the servers serves the candidate while
-the rest serve the checkpoint; the users' rewards on each are compared as means (with
-their variances). Confidently worse by more than `max_drop` rolls it back at once,
-whenever that shows, so a poisoned candidate reaches no more users than needed. At the
-end of the window it is promoted unless its mean fell more than `max_drop` below the
-stable set's. The burden of proof is lighter here than at the gate on purpose: the
-candidate has already been shown not to regress offline, and a canary's share of
-traffic is small, so demanding proof of no harm would hold back nearly every candidate
-(an equal one needs about a thousand answered canary completions to show it within
-0.05). Too little canary traffic to judge by twice the window rolls it back: promoting
-on no evidence is the one mistake the canary exists to prevent.
+the rest serve the checkpoint, and users' rewards on each are compared as they come in:
+a sequential probability ratio test of "the candidate is worse by `detectable_drop`"
+against "it is no worse" (Wald's), on the difference of the two mean rewards, taken as
+normal with the variance measured so far. It rolls back once the first is
+`1 / false_rollback_rate` times as likely as the second, and promotes once the second is
+`1 / miss_rate` times as likely as the first, whichever comes first: a clear candidate
+either way is decided early, a close one takes the traffic it needs. The likelihood
+ratio of a candidate no worse than the serving version is a martingale, so the chance
+it ever reaches the rollback bound, however often it is looked at, is at most
+`false_rollback_rate` (Ville's inequality; with the variance measured rather than known,
+about so); likewise the chance that one `detectable_drop` worse is ever promoted is at
+most `miss_rate`. At the end of
+the window an undecided test goes the likelier way (rolled back when the difference is
+nearer the drop than none), which adds little when the window holds several times the
+traffic a decision takes on average (`tests/test_canary_simulation.py` measures both
+rates at the realtime example's traffic and at ten times it). Too little traffic on
+either side by the end of the window rolls it back: promoting on no evidence is the one
+mistake the canary exists to prevent.
+
+The difference is adjusted by what the pool's history expected of each completion (its
+prompt's and its user's rewards in the cycles before, `rlfleet.rollout.history`), as
+CUPED does: the users' rewards vary far more between prompts than between versions, and
+history knows which prompts are hard. The adjustment removes that share of the variance
+without biasing the difference, as history was made before the canary and the servers
+take requests whatever they ask; with no history it is the plain difference.
+
+A decision takes what it takes: no rule meets both rates on 100 answers a side, say.
+Telling a drop of 0.2 from none, each at most 5% wrong, takes a difference known to within
+0.2 / 3.29 = 0.061 (one standard error), and 100 binary rewards a side give 0.14, or about
+0.11 knowing every prompt's difficulty exactly.
 """
 
 from __future__ import annotations
@@ -45,13 +65,16 @@ import math
 import random
 from dataclasses import dataclass
 from enum import StrEnum
-from statistics import NormalDist, fmean
+from statistics import fmean
 
 from rlfleet.api.wire import AnswerStats, EvaluationReport, RewardTally
 from rlfleet.launch.settings import CanaryPolicy, GatePolicy
 
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0  # the same scores give the same verdict, on every operator replica
+# Expectations that vary less than this (a variance, in reward squared) are rounding in
+# the tally's sums, not history: one expectation for every completion.
+NEGLIGIBLE_SPREAD = 1e-9
 
 
 @dataclass(frozen=True)
@@ -162,40 +185,115 @@ class CanaryCall(StrEnum):
 
 
 @dataclass(frozen=True)
+class LiveComparison:
+    """The canary's mean live reward against the stable set's, each adjusted by what the
+    pool's history expected of its completions (analysis of covariance, as CUPED does)."""
+
+    difference: float  # canary - stable, adjusted
+    variance: float  # of `difference`
+    plain_difference: float  # of the two means as they are
+    variance_kept: float  # the adjusted difference's variance over the plain one's
+
+
+def _centred(tally: RewardTally) -> tuple[float, float, float]:
+    """Sums about the tally's own means: of squared rewards, of squared expectations, and of
+    their products."""
+    count = max(tally.count, 1)
+    rewards = max(0.0, tally.total_squares - tally.total**2 / count)
+    expected = max(0.0, tally.expected_squares - tally.expected_total**2 / count)
+    return rewards, expected, tally.products - tally.total * tally.expected_total / count
+
+
+def _mean_variance(count: int, squares: float) -> float:
+    """The variance of a mean of `count` rewards whose squares about it sum to `squares`:
+    never nothing, as rewards all alike may be a chance of a small sample, so at least
+    1 / `count` a reward (rewards lie in [-1, 1]); the widest, 1, for one or none."""
+    if count < 2:
+        return 1.0
+    return max(squares / (count - 1), 1 / count) / count
+
+
+def compare_live(canary: RewardTally, stable: RewardTally) -> LiveComparison:
+    """Users' rewards on the canary set's completions against the stable set's."""
+    canary_sums, stable_sums = _centred(canary), _centred(stable)
+    expected = canary_sums[1] + stable_sums[1]
+    if expected <= NEGLIGIBLE_SPREAD * (canary.count + stable.count):
+        expected = 0.0  # history expected the same of all: nothing to adjust by
+    # One slope for both sets, fitted within each: how much a reward follows what history
+    # expected of it.
+    slope = (canary_sums[2] + stable_sums[2]) / expected if expected > 0 else 0.0
+
+    def residual(rewards: float, expected: float, products: float) -> float:
+        return max(0.0, rewards - 2 * slope * products + slope**2 * expected)
+
+    canary_res, stable_res = residual(*canary_sums), residual(*stable_sums)
+    expected_gap = canary.expected_mean - stable.expected_mean
+    variance = _mean_variance(canary.count, canary_res) + _mean_variance(stable.count, stable_res)
+    if expected > 0:  # the slope is estimated too
+        pooled = (canary_res + stable_res) / max(canary.count + stable.count - 3, 1)
+        variance += expected_gap**2 * pooled / expected
+    plain = _mean_variance(canary.count, canary_sums[0]) + _mean_variance(
+        stable.count, stable_sums[0]
+    )
+    return LiveComparison(
+        difference=canary.mean - stable.mean - slope * expected_gap,
+        variance=variance,
+        plain_difference=canary.mean - stable.mean,
+        variance_kept=variance / plain,
+    )
+
+
+@dataclass(frozen=True)
 class CanaryVerdict:
     call: CanaryCall
-    difference: float  # canary - stable, mean live reward
-    lower_bound: float
-    upper_bound: float
+    difference: float  # canary - stable, mean live reward adjusted by history
+    variance: float  # of `difference`
+    # The log-likelihood ratio of "worse by detectable_drop" against "no worse".
+    evidence: float
     reason: str
 
 
 def judge_canary(
     canary: RewardTally, stable: RewardTally, elapsed_s: float, policy: CanaryPolicy
 ) -> CanaryVerdict:
-    difference = canary.mean - stable.mean
-    spread = math.sqrt(
-        canary.variance / max(canary.count, 1) + stable.variance / max(stable.count, 1)
-    )
-    z = NormalDist().inv_cdf(policy.confidence)
-    lower, upper = difference - z * spread, difference + z * spread
+    drop = policy.detectable_drop
+    live = compare_live(canary, stable)
+    # The difference is about normal with the variance measured: the log-likelihood
+    # ratio of a mean `drop` below against one at zero, at the difference seen.
+    evidence = -drop / live.variance * (live.difference + drop / 2)
+    worse, no_worse = math.log(1 / policy.false_rollback_rate), math.log(1 / policy.miss_rate)
     numbers = (
-        f"canary {canary.mean:+.3f} over {canary.count} answered, "
-        f"stable {stable.mean:+.3f} over {stable.count}"
+        f"canary {canary.mean:+.3f} over {canary.count} answered, stable {stable.mean:+.3f} "
+        f"over {stable.count}; difference {live.difference:+.3f} (s.e. "
+        f"{math.sqrt(live.variance):.3f}) adjusted by history (plain "
+        f"{live.plain_difference:+.3f}, variance x{live.variance_kept:.2f}); "
+        + _odds(evidence, drop)
     )
 
     def verdict(call: CanaryCall, why: str) -> CanaryVerdict:
-        return CanaryVerdict(call, difference, lower, upper, f"{why}: {numbers}")
+        return CanaryVerdict(call, live.difference, live.variance, evidence, f"{why}: {numbers}")
 
-    enough = canary.count >= policy.min_samples and stable.count >= 2
-    if enough and upper < -policy.max_drop:
-        return verdict(CanaryCall.ROLL_BACK, f"worse by more than {policy.max_drop:g}")
-    if elapsed_s < policy.window_s:
-        return verdict(CanaryCall.WAIT, "window open")
-    if not enough:
-        if elapsed_s >= 2 * policy.window_s:
+    if min(canary.count, stable.count) < policy.min_samples:
+        if elapsed_s >= policy.window_s:
             return verdict(CanaryCall.ROLL_BACK, "too little canary traffic to judge")
         return verdict(CanaryCall.WAIT, "waiting for canary traffic")
-    if difference >= -policy.max_drop:
-        return verdict(CanaryCall.PROMOTE, f"not worse by more than {policy.max_drop:g}")
-    return verdict(CanaryCall.ROLL_BACK, f"fell more than {policy.max_drop:g}")
+    if evidence >= worse:
+        odds = 1 / policy.false_rollback_rate
+        return verdict(CanaryCall.ROLL_BACK, f"worse by {drop:g} at odds of {odds:g} or more")
+    if evidence <= -no_worse:
+        return verdict(CanaryCall.PROMOTE, f"no worse at odds of {1 / policy.miss_rate:g} or more")
+    if elapsed_s < policy.window_s:
+        return verdict(CanaryCall.WAIT, "window open")
+    if evidence > 0:
+        return verdict(
+            CanaryCall.ROLL_BACK, f"nearer a drop of {drop:g} than none at the window's end"
+        )
+    return verdict(CanaryCall.PROMOTE, f"nearer no drop than one of {drop:g} at the window's end")
+
+
+def _odds(evidence: float, drop: float) -> str:
+    """The likelihood ratio, as on-call reads it."""
+    ratio = math.exp(min(abs(evidence), 700.0))
+    if evidence >= 0:
+        return f"a drop of {drop:g} {ratio:.3g} times as likely as none"
+    return f"no drop {ratio:.3g} times as likely as one of {drop:g}"

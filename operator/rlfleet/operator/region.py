@@ -38,7 +38,7 @@ from rlfleet.api.meta import API_VERSION, Condition
 from rlfleet.api.rlrun import RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.operator import telemetry
 from rlfleet.operator.config import OperatorConfig
-from rlfleet.operator.envpools import DELETION_COST, ServerSeen, plan_pool
+from rlfleet.operator.envpools import DELETION_COST, ServerSeen, plan_pool, refusals
 from rlfleet.operator.envtokens import TokenMint
 from rlfleet.operator.kube import Kube, Ref
 from rlfleet.operator.locks import KeyedLocks
@@ -65,6 +65,7 @@ from rlfleet.operator.workloads import (
     envpool_objects,
     envpool_service,
     envpool_token,
+    pool_feedback,
     rollout_deployment,
     spec_config_map,
 )
@@ -264,6 +265,9 @@ class Region:
         self.mint = TokenMint(local, config.namespace, config.envpool_key_secret)
         # (namespace, pool) -> (when, answers): what its serving pods said last.
         self._served_seen: dict[tuple[str, str], tuple[float, Answers]] = {}
+        # (namespace, pool) -> ((its uid, its user header), when): what the pool's feedback
+        # Secret this process wrote holds, and when the pool was last reconciled.
+        self._feedback_written: dict[tuple[str, str], tuple[tuple[str, str], float]] = {}
 
     # --- runs -------------------------------------------------------------------------
 
@@ -395,6 +399,7 @@ class Region:
             canary_replicas,
         )  # fmt: skip
         self._keep_canary(pool, serving, canary, canary_replicas)
+        self._keep_feedback(pool, spec)
         clock = reclaim_clock(
             parse_time(old.reclaim_started_at), reclaiming, now(), spec, decision.total
         )
@@ -581,6 +586,24 @@ class Region:
         elif canary is not None and canary["spec"].get("replicas"):
             self.local.scale(Ref.of(canary), 0)
 
+    def _keep_feedback(self, pool: dict, spec: InferencePoolSpec) -> None:
+        """The pool's feedback Secret, written once per process (and again when its user
+        header changes). Its key is minted from the region's key and the pool's uid, so a
+        restart writes the same one and a pool made again under its name gets another;
+        deleting the region's key Secret and restarting rotates every pool's."""
+        meta = pool["metadata"]
+        here, holds = (meta["namespace"], meta["name"]), (meta["uid"], spec.serving.user_header)
+        seen = time.monotonic()
+        # A pool still there is reconciled again within a resync: older entries are of
+        # pools deleted since, which nothing else would ever remove.
+        for other, (_, when) in list(self._feedback_written.items()):
+            if seen - when >= 2 * self.config.run_resync_seconds:
+                self._feedback_written.pop(other, None)
+        if self._feedback_written.get(here, (None, 0.0))[0] != holds:
+            key = self.mint.token(meta["namespace"], "feedback", meta["name"], meta["uid"])
+            self.local.apply(pool_feedback(pool, key))
+        self._feedback_written[here] = (holds, seen)
+
     def _force(self, namespace: str, pool: str) -> int:
         """Kills rollout pods still terminating past the reclaim deadline."""
         killed = 0
@@ -595,18 +618,15 @@ class Region:
     def reconcile_envpool(self, envpool: dict) -> list[Event]:
         """Sizes the pool's servers from what they say (`envpools.plan_pool`), records the
         plan in its status, then acts: each pod's deletion cost (idle ones go first), then
-        its objects. Returns the events to post."""
+        its objects. A pool this region will not run (`envpools.refusals`) gets no server.
+        Returns the events to post."""
         meta = envpool["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         old = EnvPoolStatus.model_validate(envpool.get("status") or {})
         generation = meta.get("generation", 0)
-        try:
-            spec = EnvPoolSpec.model_validate(envpool["spec"])
-        except ValidationError as error:  # stored before the schema asked for it
-            problems = [f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()]
-            ready, told = invalid_spec(old.conditions, problems, generation)
-            self.local.write_status(envpool, EnvPoolStatus(conditions=[ready]))
-            return told
+        spec = self._envpool_spec(envpool, old, generation)
+        if not isinstance(spec, EnvPoolSpec):
+            return spec  # refused: the events that say so
         pods = [
             p
             for p in self._pods(namespace, {ENVPOOL_LABEL: name})
@@ -648,6 +668,28 @@ class Region:
         for manifest in envpool_objects(envpool, plan.replicas, tokens, self.config.namespace):
             self.local.apply(manifest)
         return []
+
+    def _envpool_spec(
+        self, envpool: dict, old: EnvPoolStatus, generation: int
+    ) -> EnvPoolSpec | list[Event]:
+        """The pool's spec, or for one this region will not run (stored before the schema
+        asked for a field, or refused by `envpools.refusals`) the events of refusing it:
+        its status says why, and a session server an earlier spec made stops."""
+        try:
+            spec = EnvPoolSpec.model_validate(envpool["spec"])
+        except ValidationError as error:
+            problems = [f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()]
+        else:
+            allowed = self.config.envpool_runtime_classes, self.config.envpool_image_registries
+            if not (problems := refusals(spec, *allowed)):
+                return spec
+            meta = envpool["metadata"]
+            ref = Ref("apps/v1", "Deployment", envpool_service(meta["name"]), meta["namespace"])
+            if (self.local.get(ref) or {}).get("spec", {}).get("replicas"):
+                self.local.scale(ref, 0)
+        ready, told = invalid_spec(old.conditions, problems, generation)
+        self.local.write_status(envpool, EnvPoolStatus(conditions=[ready]))
+        return told
 
     def _annotate(self, pod: dict, annotations: dict[str, str]) -> None:
         try:

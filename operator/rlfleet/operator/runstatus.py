@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from rlfleet.api.meta import Condition
+from rlfleet.api.production import ProductionStatus
 from rlfleet.api.rlrun import RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.api.wire import StepReport
 from rlfleet.operator import production, progress
@@ -207,7 +208,14 @@ def decide(observed: Observed) -> Decision:
     found = _progress(observed, training)
     events += found.events if found is not None else []
     reachable = [e for e in entries if e.reachable and e.name in wanted]
-    conditions = _conditions(observed, views, reachable, training, found)
+    # NATS not read this time leaves the production status as it was.
+    cycles = (
+        production.fold(observed.cycles, old.production)
+        if observed.cycles is not None
+        else production.Folded(old.production)
+    )
+    events += cycles.events
+    conditions = _conditions(observed, views, reachable, training, found, cycles.status)
     if observed.spec_problems:
         ready, told = invalid_spec(old.conditions, observed.spec_problems, observed.generation)
         conditions = [ready if c.type == "Ready" else c for c in conditions]
@@ -223,9 +231,7 @@ def decide(observed: Observed) -> Decision:
     )
     parts = [status] + ([found.fields] if found is not None else []) + [verdict.fields]
     if observed.cycles is not None:
-        cycles = production.fold(observed.cycles, old.production)
         parts.append(RLRunStatus(production=cycles.status))
-        events += cycles.events
     return Decision(merged(RLRunStatus, *parts), events)
 
 
@@ -281,9 +287,11 @@ def _conditions(
     reachable: Sequence[RegionStatus],
     training: bool,
     found: progress.Progress | None,
+    cycles: ProductionStatus | None,
 ) -> list[Condition]:
     """Ready first, then Training, RolloutsDegraded, Suspended, WeightSyncStalled once it
-    has been said, and the evaluation gate's."""
+    has been said, the evaluation gate's, and a production run's Progressing and
+    Promoted."""
     spec, verdict = observed.spec, observed.verdict
     stopped = spec.suspend or verdict.held
     # NATS not answering this time leaves the last word on weight sync standing.
@@ -318,6 +326,9 @@ def _conditions(
         *([synced] if synced is not None else []),
         *verdict.conditions,
     ]
+    if spec.production is not None:
+        old = observed.old.conditions
+        rest += production.conditions(cycles, old, observed.generation, observed.moment)
     # A production run learns from its pool's users, with no rollout GPUs to wait for.
     rolling = running > 0 or spec.production is not None
     healthy = training and not why and rolling and not stalled

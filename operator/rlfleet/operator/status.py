@@ -36,15 +36,15 @@ def parse_time(text: str | None) -> datetime | None:
 def condition(
     previous: Sequence[Condition],
     kind: str,
-    true: bool,
+    true: bool | None,
     reason: str,
     message: str,
     generation: int,
     moment: datetime | None = None,
 ) -> Condition:
-    """One condition; its lastTransitionTime moves (to `moment`, else now) only when its
-    status changes."""
-    status = "True" if true else "False"
+    """One condition (`true` None: Unknown); its lastTransitionTime moves (to `moment`,
+    else now) only when its status changes."""
+    status = "Unknown" if true is None else "True" if true else "False"
     old = find(previous, kind)
     changed = old is None or old.status != status
     return Condition(

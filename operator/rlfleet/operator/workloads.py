@@ -20,7 +20,14 @@ from kubernetes.utils.quantity import parse_quantity
 
 from rlfleet import launch
 from rlfleet.api.envpool import EnvPoolSpec
-from rlfleet.api.inferencepool import CANARY, REPLICA_SET_LABEL, InferencePoolSpec
+from rlfleet.api.inferencepool import (
+    CANARY,
+    FEEDBACK_KEY_FILE,
+    REPLICA_SET_LABEL,
+    USER_HEADER_FILE,
+    InferencePoolSpec,
+    feedback_secret,
+)
 from rlfleet.api.meta import (
     API_VERSION,
     COMPONENT_LABEL,
@@ -51,6 +58,12 @@ METRICS_PORT_NAME = "metrics"  # the container port a component serves Prometheu
 # The user (and group) each image runs as: `USER` in images/trainer.Dockerfile and
 # images/rollout.Dockerfile. An EnvPool's server runs as root in its VM (below).
 WORKLOAD_USER = 1000
+# A credential a workload mounts (its NATS user, its EnvPool token): read-only, for the
+# pod's own group alone, which is its fsGroup, WORKLOAD_USER's (`_least_privilege`). The
+# kubelet owns a Secret volume's files root:fsGroup and adds group read to them (0400
+# lands as 0440 all the same); without the group bit a non-root uid could not read it.
+# Nothing for other uids: no process of another uid in the pod reads it.
+CREDENTIALS_MODE = 0o440
 # An EnvPool's pods: the session server (images/env-sandbox.Dockerfile) and where it keeps
 # its state, the runs' tokens, the port it serves and probes on, and the capabilities it
 # makes sandboxes with: namespaces and mounts, each sandbox's uid, its tree's owner, and
@@ -62,6 +75,10 @@ ENVPOOL_TOKENS_DIR = "/etc/rlfleet/envpool"
 ENVPOOL_TOKENS_KEY = "tokens.json"
 ENVPOOL_PORT, ENVPOOL_PORT_NAME = 8080, "sessions"
 POD_IP_ENV = "POD_IP"
+# A region operator's pods, as the chart labels them (`rlfleet.selector` and
+# `rlfleet.labels` in templates/_helpers.tpl): the one peer besides rollout pods that an
+# EnvPool's NetworkPolicy lets in.
+REGION_OPERATOR_LABELS = {"app.kubernetes.io/name": "rlfleet-operator", "rlfleet.io/role": "region"}
 SANDBOX_CAPABILITIES = ["SYS_ADMIN", "SETUID", "SETGID", "CHOWN", "FOWNER", "DAC_OVERRIDE", "KILL"]
 # Where a component with a read-only root writes: an emptyDir at /tmp, also its $HOME, so
 # the caches torch, Triton, vLLM, DeepSpeed and Hugging Face keep under ~/.cache, ~/.triton
@@ -227,9 +244,8 @@ def _with_nats(pod: dict, run: str, role: BusRole, minted: bool) -> dict:
     what its component does, nothing more (`rlfleet.bus.auth.role_access`)."""
     if not minted:
         return pod
-    pod["volumes"].append(
-        {"name": "nats", "secret": {"secretName": launch.nats_credentials_secret(run, role)}}
-    )
+    secret = {"secretName": launch.nats_credentials_secret(run, role)}
+    pod["volumes"].append({"name": "nats", "secret": secret | {"defaultMode": CREDENTIALS_MODE}})
     container = pod["containers"][0]
     container["volumeMounts"].append(
         {"name": "nats", "mountPath": launch.NATS_CREDENTIALS_DIR, "readOnly": True}
@@ -301,8 +317,9 @@ def hub_objects(
     run: dict, images: Images, workloads: Workloads, nats: NatsAccess | None, held: bool = False
 ) -> list[dict]:
     """The run's spec, its trainer (StatefulSet with stable ranks, headless Service for
-    rendezvous, PodDisruptionBudget), its task feed and, with an evaluation gate, its
-    evaluator. A suspended run, or one `held` (it failed its gate), keeps them at zero."""
+    rendezvous, PodDisruptionBudget, NetworkPolicy), its task feed and, with an evaluation
+    gate, its evaluator. A suspended run, or one `held` (it failed its gate), keeps them
+    at zero."""
     name = run["metadata"]["name"]
     spec = RLRunSpec.model_validate(run["spec"])
     stopped = spec.suspend or held
@@ -327,13 +344,37 @@ def hub_objects(
         "spec": {"maxUnavailable": 0, "selector": {"matchLabels": labels}},
     }
     statefulset = _trainer(run, spec, images, workloads, nats, stopped, labels)
-    objects = [spec_config_map(run), statefulset, service, budget]
+    network = trainer_network_policy(run, labels, workloads)
+    objects = [spec_config_map(run), statefulset, service, budget, network]
     for component in launch.components_of(spec):
         if component not in (launch.TRAINER, launch.ROLLOUT):
             objects.append(
                 _hub_component(run, spec, images, workloads, nats, component.name, stopped)
             )
     return objects
+
+
+def trainer_network_policy(run: dict, labels: dict[str, str], workloads: Workloads) -> dict:
+    """Who reaches the run's trainer pods (`labels`): the run's own ranks, on every port
+    (the rendezvous, and those the collectives' backends pick at random), and the chart's
+    metrics scrapers on the metrics port alone. No other pod, of another run or another
+    namespace, reaches the rendezvous (a rank that joins it joins the job)."""
+    ranks = {"podSelector": {"matchLabels": labels}}  # without a namespaceSelector: this one
+    ingress: list[dict[str, Any]] = [{"from": [ranks]}]
+    scrapers = [scraper.peer() for scraper in workloads.metrics_scrapers]
+    if scrapers:
+        metrics = {"protocol": "TCP", "port": workloads.metrics_port}
+        ingress.append({"from": scrapers, "ports": [metrics]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(run, f"{run['metadata']['name']}-trainer", labels),
+        "spec": {
+            "podSelector": {"matchLabels": labels},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
 
 
 def _trainer(
@@ -567,6 +608,22 @@ def canary_deployment(pool: dict, serving: dict, replicas: int) -> dict:
     }
 
 
+def pool_feedback(pool: dict, key: str) -> dict:
+    """A pool's feedback Secret, owned by the pool: the `key` its servers sign feedback
+    tokens with and the header its gateway names users in. Its serving pods mount it (the
+    canary set's, copied from them, too) where `RLFLEET_FEEDBACK_DIR` says."""
+    spec = InferencePoolSpec.model_validate(pool["spec"])
+    name = pool["metadata"]["name"]
+    values = {FEEDBACK_KEY_FILE: key, USER_HEADER_FILE: spec.serving.user_header}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(pool, feedback_secret(name), {POOL_LABEL: name}),
+        "type": "Opaque",
+        "data": _secret_data(values),
+    }
+
+
 def envpool_url(namespace: str, envpool: str) -> str:
     """Where a run's rollout pods claim sandboxes: the EnvPool's Service."""
     return f"http://{envpool_service(envpool)}.{namespace}.svc:{ENVPOOL_PORT}"
@@ -579,7 +636,9 @@ def envpool_service(envpool: str) -> str:
 def _with_envpool(pod: dict, run: dict, envpool: str) -> dict:
     """Tells the worker where its run's EnvPool is, and mounts the run's token for it."""
     secret = launch.envpool_token_secret(run["metadata"]["name"])
-    pod["volumes"].append({"name": "envpool", "secret": {"secretName": secret}})
+    pod["volumes"].append(
+        {"name": "envpool", "secret": {"secretName": secret, "defaultMode": CREDENTIALS_MODE}}
+    )
     container = pod["containers"][0]
     container["volumeMounts"].append(
         {"name": "envpool", "mountPath": launch.ENVPOOL_TOKEN_DIR, "readOnly": True}
@@ -640,8 +699,8 @@ def envpool_objects(
 ) -> list[dict]:
     """The session servers (a Deployment of `replicas` pods), the Service rollout workers
     claim through, the runs' tokens (a Secret: run -> token), and a NetworkPolicy: in, only
-    the rollout pods of those runs and the operator's probes; out, nothing unless the pool
-    allows egress."""
+    the rollout pods of those runs and the region operator's pods; out, nothing unless the
+    pool allows egress."""
     name = envpool["metadata"]["name"]
     spec = EnvPoolSpec.model_validate(envpool["spec"])
     labels = {ENVPOOL_LABEL: name, COMPONENT_LABEL: "sandbox"}
@@ -727,8 +786,10 @@ def _envpool_pod(spec: EnvPoolSpec, name: str) -> dict:
 def _envpool_policy(
     spec: EnvPoolSpec, labels: dict[str, str], runs: list[str], operator_namespace: str
 ) -> dict:
-    """In: the rollout pods of `runs` and the operator's namespace (its probes), on the
-    server's port alone; out: nothing, unless the pool allows egress."""
+    """In: the rollout pods of `runs` (those that name the pool) in its namespace, and the
+    region operator's own pods (which read each server's /healthz to size the pool), on
+    the server's port alone; the kubelet's probes come from the pod's node, which a
+    NetworkPolicy always lets in. Out: nothing, unless the pool allows egress."""
     callers = [
         {
             "podSelector": {
@@ -738,7 +799,8 @@ def _envpool_policy(
         }
     ]
     prober = {
-        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}}
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}},
+        "podSelector": {"matchLabels": REGION_OPERATOR_LABELS},
     }
     policy: dict[str, Any] = {
         "podSelector": {"matchLabels": labels},

@@ -13,6 +13,9 @@ last token is out; its end goes to the client after that.
 Serving must not wait on NATS: captures go into a bounded buffer (`Captures`) that one
 task drains into the run's capture stream, reconnecting as long as it takes. A full
 buffer drops the newest capture and counts it; the request it came from is served.
+A response id names one capture: the stream takes a capture only on a subject that has
+none (its id is the server's own anyway, `rlfleet.rollout.serving`), so feedback on it
+rewards one completion.
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ MIN_LOGPROB = -1e4  # for -inf: the wire holds log-probs finite
 captured = Counter(
     "rlfleet_serving_captures_total",
     "Completions captured, by what became of them",
-    ["outcome"],  # stored; dropped_buffer_full; dropped_too_large; dropped_refused
+    # stored; duplicate (its id had one: a retry's); dropped_buffer_full; dropped_too_large;
+    # dropped_refused
+    ["outcome"],
 )
 skipped = Counter(
     "rlfleet_serving_capture_skipped_total",
@@ -197,7 +202,7 @@ def extract(
     )
     return CapturedCompletion(
         run=run,
-        # An id goes into a subject: one token, whatever a client's request-id header said.
+        # An id goes into a subject: one token, checked whoever made it.
         response_id=msgspec.convert(response["id"], SubjectToken),
         user=user,
         segment=segment,
@@ -246,6 +251,12 @@ class Bus:
         return self.nc.jetstream(domain=self.config.jetstream_domain)
 
 
+# Stored only on a subject without a message; else JetStream answers `_SUBJECT_TAKEN`.
+_ONCE = {"Nats-Expected-Last-Subject-Sequence": "0"}
+_SUBJECT_TAKEN = 10071
+_TOO_LARGE = 10054  # JetStream's answer to a message over the stream's max_msg_size
+
+
 class Captures:
     """A bounded buffer of captures and the task that stores them in the run's stream."""
 
@@ -277,7 +288,7 @@ class Captures:
                 await asyncio.sleep(0.5)
             captured.labels(outcome).inc()
             buffered.set(self.queue.qsize())
-            if outcome != "stored":
+            if outcome not in ("stored", "duplicate"):
                 self.on_dropped(capture.response_id)
 
     async def _store(self, subject: str, data: bytes) -> str | None:
@@ -286,11 +297,16 @@ class Captures:
         if js is None:
             return None
         try:
-            # A retry after a lost ack stores it again: the id dedupes within the window.
-            await js.publish(subject, data, timeout=5, headers={"Nats-Msg-Id": subject})
+            # A retry after a lost ack finds its subject taken (JetStream checks that before
+            # the id): its capture is there, a duplicate, not a drop.
+            await js.publish(subject, data, timeout=5, headers=_ONCE)
         except nats.errors.MaxPayloadError:
             return "dropped_too_large"  # no retry makes it fit
         except nats.js.errors.APIError as error:  # the stream said no: it would again
+            if error.err_code == _SUBJECT_TAKEN:
+                return "duplicate"
+            if error.err_code == _TOO_LARGE:  # the server's payload is larger than the stream's
+                return "dropped_too_large"
             log.warning("capture on %s refused by its stream: %s", subject, error)
             return "dropped_refused"
         except (nats.errors.Error, TimeoutError):

@@ -7,17 +7,20 @@ report records (`CycleReport.capture_seq`) and a restarted collector reads back,
 completion is decided in exactly one cycle. A completion is taken once its feedback
 window has closed (and `settle_s` more, for events still in flight); reading stops at
 the first that is not ready, so none is skipped. Its events are read from the feedback
-stream by subject. A cycle closes when `interval_s` has passed since the last one and
-at least `min_samples` of the completions it would take were answered (or it holds
-`max_samples`, answered or not, so silence cannot stall the collector); its
-trajectories are published (a retry after a crash is deduplicated by id within the
-stream's window), then its report.
+stream by subject, its first `max_events_per_response` only: the pool's servers refuse
+more, and however many got past several of them, no more are loaded. A cycle closes
+when `interval_s` has passed since the last one and at least `min_samples` of the
+completions it would take were answered (or it holds `max_samples`, answered or not, so
+silence cannot stall the collector); its trajectories are published (a retry after a
+crash is deduplicated by id within the stream's window), then its report.
 
 The run's conductor paces it: a cycle closes only while the conductor's state says that
 cycle is collecting, so the trainer never learns from the next cycle's traffic while a
 candidate is still being judged. During a canary it also tallies users' rewards so far
 on the completions served since the canary began, by the version that served them
-(`LiveRewards`): what the conductor judges the canary on.
+(`LiveRewards`): what the conductor judges the canary on, each reward with what the
+cycles it closed before expected of it (`rlfleet.rollout.history`). There too no user
+counts for more than `max_per_user` completions of a version, and a response id for one.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from rlfleet.bus.reading import messages, newest
 from rlfleet.bus.streams import cycle_stream
 from rlfleet.launch.settings import CollectorConfig
 from rlfleet.launch.stopping import run_until_signalled
+from rlfleet.rollout.history import RewardHistory, prompt_key
 from rlfleet.rollout.signals import CycleSamples, batch, reward, score_cycle
 
 log = logging.getLogger(__name__)
@@ -75,6 +79,10 @@ published = prometheus_client.Counter(
 )
 malformed = prometheus_client.Counter(
     "rlfleet_collector_malformed_total", "Captures or feedback events unreadable, skipped"
+)
+tally_capped = prometheus_client.Counter(
+    "rlfleet_collector_canary_user_capped_total",
+    "Answered completions left out of a canary's tally: their user had max_per_user there",
 )
 
 WORKER = "collector"  # what the trajectories name as their worker
@@ -88,12 +96,16 @@ class _Tally:
     cursor: int  # the capture stream's last sequence read
     pending: dict[str, CapturedCompletion] = field(default_factory=dict)  # no feedback yet
     by_version: dict[int, RewardTally] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)  # response ids read: each counts once
+    taken: Counter[tuple[int, str]] = field(default_factory=Counter)  # (version, user)
 
 
 class Collector:
     def __init__(self, config: CollectorConfig) -> None:
         self.config = config
         self.live: _Tally | None = None
+        # What the cycles closed so far expect of a completion: a canary's covariate.
+        self.history = RewardHistory()
 
     async def run(self, stopping: asyncio.Event) -> None:
         nc = await connect(self.config.nats_url)
@@ -132,16 +144,23 @@ class Collector:
             if len(live.pending) >= self.config.max_samples:
                 break  # the rest wait for the next poll
             live.cursor = seq
-            if capture is not None and capture.served_at >= state.since:
+            if capture is None or capture.served_at < state.since:
+                continue
+            if capture.response_id not in live.seen:
+                live.seen.add(capture.response_id)
                 live.pending[capture.response_id] = capture
         now = time.time()
         for response_id, capture in list(live.pending.items()):
             events = [e for e in await self._events(js, response_id) if not e.late]
             scored = reward(capture, events, rewards) if events else None
-            if scored is not None:
-                version = capture.segment.versions[0]
+            version = capture.segment.versions[0]
+            if scored is not None and live.taken[version, capture.user] >= rewards.max_per_user:
+                tally_capped.inc()
+            elif scored is not None:
+                live.taken[version, capture.user] += 1
+                expected = self.history.expected(prompt_key(capture), capture.user)
                 live.by_version[version] = live.by_version.get(version, RewardTally()).add(
-                    scored.reward
+                    scored.reward, expected
                 )
             if events or now - capture.served_at > rewards.window_s:
                 del live.pending[response_id]
@@ -175,6 +194,9 @@ class Collector:
         report = self._report(number, seq, captures, answered, samples, len(trajectories))
         await js.publish(cycle_subject(run), encode(report))
         cycles_closed.inc()
+        self.history.learn(
+            (prompt_key(s.capture), s.capture.user, s.reward) for s in samples.scored
+        )
         log.info(
             "cycle %d: %d completions, %d answered, %d trajectories, reward %.3f",
             number, report.captured, answered, report.trained_on, report.reward_mean,
@@ -241,9 +263,13 @@ class Collector:
             yield message.seq, capture
 
     async def _events(self, js, response_id: str) -> list[Feedback]:
-        run, events = self.config.run, []
+        """The response's first `max_events_per_response` events, the unreadable counted."""
+        run, events, read = self.config.run, [], 0
         subject = feedback_subject(run, response_id)
         async for message in messages(js, feedback_stream(run), subject, 0):
+            if read == self.config.rewards.max_events_per_response:
+                break
+            read += 1
             try:
                 event = decode_feedback(message.data)
             except msgspec.DecodeError:

@@ -8,12 +8,14 @@ kubelet readiness probe, needs no broker in its path and no client library in it
 and the rollout workers already speak HTTP.
 
 Each session is its own namespace sandbox: `sandbox_init.py` as PID 1 of fresh network,
-PID, mount, IPC and UTS namespaces, a private size-limited tmpfs, a uid no other live
-session has, and rlimits; inside it `envserver.py` runs the tools, and this server speaks
-JSON lines to it over a pipe. So a session has no network (not even this server's port),
-sees neither this server's processes nor another session's files, and its uid owns
-nothing else. Making namespaces needs root: on one machine the server runs as root, in a
-pod as root inside the pod's VM-grade sandbox (gVisor or Kata).
+PID, mount, IPC and UTS namespaces, its root a private size-limited tmpfs (`pivot_root`)
+holding only the image's system folders read-only (SYSTEM_DIRS) beside its own tree, a
+uid no other live session has, and rlimits; inside it `envserver.py` runs the tools, and
+this server speaks JSON lines to it over a pipe. So a session has no network (not even
+this server's port), sees neither this server's processes, nor its state (tokens,
+environments), nor another session's files, and its uid owns nothing else. Making
+namespaces needs root: on one machine the server runs as root, in a pod as root inside
+the pod's VM-grade sandbox (gVisor or Kata).
 
 Every call but the probe carries `Authorization: Bearer <token>`; `tokens_file` maps each
 run to the token the operator minted for it (a Secret's file, re-read when it changes).
@@ -50,7 +52,10 @@ run in a session) and forked by every session that names it, as an overlay (see
 `sandbox_init.py`). A run keeps at most `max_snapshots`: building one more removes its
 least recently forked one that no live session forks (409 if every one is). The run's
 own snapshots shadow the pool's shared ones, which the image provides under
-`snapshots_dir`.
+`snapshots_dir`. A snapshot holds folders, regular files and links that stay in its own
+tree: an absolute link, a relative one that leads out of the tree, a pipe or a device,
+and a file with a name outside the tree are left out of it (the reply counts them in
+`removed`); a claim's files are never written through a link (422 naming the file).
 
 A session destroyed (by DELETE, at its deadline, when its lease lapsed, or because its
 sandbox died) answers 410 saying why; another run's token gets 403; an unknown one 404.
@@ -69,6 +74,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -124,6 +130,9 @@ _SNAPSHOT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SESSION = re.compile(r"/v1/sessions/([A-Za-z0-9_-]{1,64})(/call)?")
 _SNAPSHOT_PATH = re.compile(r"/v1/snapshots/([^/]{1,200})")
 _RUN_SNAPSHOTS = ".runs"  # under snapshots_dir: each run's own builds, root's alone
+# The image's folders a sandbox sees, read-only, in its own root: its commands, libraries
+# and settings. Nothing of this server's state may lie in one (`Server` checks).
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 _REASONS = {
     200: "OK",
     201: "Created",
@@ -180,8 +189,10 @@ class Sandbox:
 
     @property
     def work(self) -> Path:
-        """Its working tree as this server sees it: through its mount namespace."""
-        return Path(f"/proc/{self.process.pid}/root") / self.host_dir.relative_to("/") / "work"
+        """Its working tree as this server sees it: through its mount namespace, whose root
+        is the sandbox's own once claimed (pivot_root moves every process of the namespace
+        that stood on the old root, `unshare` too)."""
+        return Path(f"/proc/{self.process.pid}/root/work")
 
 
 class Session:
@@ -245,6 +256,9 @@ class Server:
         unknown, missing = set(config) - CONFIG_FIELDS, CONFIG_FIELDS - set(config)
         if unknown or missing:
             raise ValueError(f"config: unknown {sorted(unknown)}, missing {sorted(missing)}")
+        for own in ("tokens_file", "snapshots_dir", "mounts_dir"):
+            if shown := _in_system_dir(Path(config[own])):
+                raise ValueError(f"config: {own}: every sandbox sees {shown} (SYSTEM_DIRS)")
         self.config = config
         self.limits = config["limits"]
         self.sessions: dict[str, Session] = {}
@@ -272,15 +286,9 @@ class Server:
         self._tokens_seen: tuple | None = None
         self.tokens: dict[str, bytes] = {}
         self._load_tokens(strict=True)
-        # Out of every private directory, which hide what is below them.
+        # Sandboxes' mountpoints: root's alone, as a sandbox's tree is its root once claimed.
         self.mounts = Path(config["mounts_dir"])
-        self.mounts.mkdir(mode=0o711, parents=True, exist_ok=True)
-        for folder in (self.mounts.resolve(), *self.mounts.resolve().parents):
-            if not folder.stat().st_mode & 0o001:  # a sandbox's server could not reach its tree
-                raise ValueError(
-                    f"config: mounts_dir: sandboxes' uids may not pass {folder} "
-                    f"(mode {folder.stat().st_mode & 0o777:o}): every folder above needs o+x"
-                )
+        self.mounts.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.snapshots = Path(config["snapshots_dir"])
         (self.snapshots / _RUN_SNAPSHOTS).mkdir(mode=0o700, parents=True, exist_ok=True)
         # Each snapshot's list of files, made once: this server's, root's alone.
@@ -487,6 +495,11 @@ class Server:
             sandbox.process.stdin.write(json.dumps(claim).encode() + b"\n")
             await sandbox.process.stdin.drain()
             started = await sandbox.line(max(30.0, limits["call_seconds"]))
+        if started and started.get("started") is False:  # the claim's files could not be
+            await session.stop("its claim was refused")
+            self._forget(session)
+            message = f"the claim's files cannot be written: {started.get('error')}"
+            raise HttpError(422, message, "invalid_request_error", started.get("param"))
         if started and started.get("fork") in ("overlay", "copy"):
             self.counts[started["fork"]] += 1
         reply = await session.call({"tool": "ping"}) if started else None
@@ -520,6 +533,7 @@ class Server:
             "server": str(_HERE / "envserver.py"),
             "python": self.config["sandbox_python"],
             "private_dirs": self.private_dirs,
+            "system_dirs": SYSTEM_DIRS,
         }
         try:
             process = await asyncio.create_subprocess_exec(
@@ -597,7 +611,7 @@ class Server:
             try:
                 reply = await session.call({"tool": "run", "command": body["setup"]})
                 if reply.get("ok") and reply.get("exit_code") == 0:
-                    await _copy_tree(session.sandbox.work, target)
+                    removed = await _copy_tree(session.sandbox.work, target)
             finally:
                 await session.stop("its snapshot was taken")
                 self._forget(session)
@@ -605,7 +619,8 @@ class Server:
                 why = reply.get("error") or f"exit {reply.get('exit_code')}"
                 tail = (reply.get("output") or "")[-2000:]
                 raise HttpError(422, f"the set-up failed ({why}): {tail}", "setup_failed", "setup")
-            return 201, {"name": name, "built_seconds": round(time.monotonic() - started, 3)}
+            built = round(time.monotonic() - started, 3)
+            return 201, {"name": name, "built_seconds": built, "removed": removed}
 
     async def _make_room(self, run_dir: Path) -> None:
         """Below `max_snapshots` environments for the run: its least recently forked ones
@@ -803,16 +818,79 @@ def _publish(building: Path, target: Path) -> None:
     building.rename(target)
 
 
-async def _copy_tree(source: Path, target: Path) -> None:
-    """`source` to `target` (made whole, then renamed into place), owned by root."""
+async def _copy_tree(source: Path, target: Path) -> int:
+    """`source` to `target` (made whole, then renamed into place), owned by root, holding
+    only what stays in its tree (`_confine`); how many entries were left out."""
     target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     process = await asyncio.create_subprocess_exec("cp", "-a", "--", f"{source}/.", str(building))
-    if await process.wait() == 0:
-        await (await asyncio.create_subprocess_exec("chown", "-R", "0:0", str(building))).wait()
-        _publish(building, target)
-    else:
+    if await process.wait() != 0:
         shutil.rmtree(building, ignore_errors=True)
+        return 0
+    removed = await asyncio.to_thread(_confine, building)
+    await (await asyncio.create_subprocess_exec("chown", "-R", "0:0", str(building))).wait()
+    _publish(building, target)
+    return len(removed)
+
+
+def _confine(tree: Path) -> list[str]:
+    """Leaves in `tree` folders, regular files and links that stay in it, and removes the
+    rest (returned, relative): absolute links and those that lead out (to a fixed point,
+    as removing one link can turn where another leads), pipes, sockets, devices, and
+    files with a name outside the tree. So nothing that forks it, or writes below it, is
+    led out of it."""
+    tree = tree.resolve()
+    removed: list[str] = []
+    links: list[Path] = []
+    files: dict[int, list[Path]] = {}  # inode -> its names in the tree
+    pending = [tree]
+    while pending:
+        with os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                path = Path(entry.path)
+                info = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(info.st_mode):
+                    pending.append(path)
+                elif stat.S_ISLNK(info.st_mode):
+                    links.append(path)
+                elif stat.S_ISREG(info.st_mode):
+                    files.setdefault(info.st_ino, []).append(path)
+                else:
+                    path.unlink()
+                    removed.append(str(path.relative_to(tree)))
+    for names in files.values():
+        if names[0].lstat().st_nlink > len(names):
+            for path in names:
+                path.unlink()
+                removed.append(str(path.relative_to(tree)))
+    while escaped := [link for link in links if _leads_out(tree, link)]:
+        for link in escaped:
+            link.unlink()
+            links.remove(link)
+            removed.append(str(link.relative_to(tree)))
+    return removed
+
+
+def _leads_out(tree: Path, link: Path) -> bool:
+    target = link.readlink()
+    if target.is_absolute():
+        return True
+    written = Path(os.path.normpath(link.parent / target))  # as its text says
+    followed = Path(os.path.realpath(link))  # as the tree resolves it now
+    return not (written.is_relative_to(tree) and followed.is_relative_to(tree))
+
+
+def _in_system_dir(path: Path) -> Path | None:
+    """The system folder sandboxes see `path` in, if one: a folder is bound alone, so a
+    mount below it (a Secret's volume) does not show."""
+    path = path.resolve()
+    for name in SYSTEM_DIRS:
+        shown = Path(name).resolve()
+        if path.is_relative_to(shown) and shown.exists():
+            nearest = next(p for p in (path, *path.parents) if p.exists())
+            if nearest.stat().st_dev == shown.stat().st_dev:
+                return shown
+    return None
 
 
 def _number(value) -> bool:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import msgspec
 import prometheus_client
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy, PubAck, StreamState
+from nats.js.api import PubAck, StreamState
 
 from rlfleet import launch
 from rlfleet.api.wire import (
@@ -36,7 +36,8 @@ from rlfleet.api.wire import (
     task_subject,
 )
 from rlfleet.bus import auth
-from rlfleet.bus.patience import patiently
+from rlfleet.bus.patience import TRANSIENT, patiently
+from rlfleet.bus.reading import messages
 from rlfleet.bus.streams import bind_stream, step_stream
 from rlfleet.launch.settings import FeedConfig
 from rlfleet.launch.stopping import run_until_signalled
@@ -45,6 +46,8 @@ from rlfleet.rollout.curriculum import Curriculum
 from rlfleet.rollout.tasks import load_suite, suite_path
 
 log = logging.getLogger(__name__)
+
+STEP_POLL_S = 1.0  # how often the feed looks for step reports it was not woken for
 
 
 def passes(tasks: list[Task], seed: int) -> Iterator[Task]:
@@ -101,6 +104,7 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
     trainer = _Trainer(admission, curriculum)
     feed_id = secrets.token_hex(8)  # names this feed's publishes apart from an earlier one's
     nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
+    following: list[asyncio.Task] = []
     try:
         js = nc.jetstream(domain=config.jetstream_domain)
         for stream in (task_stream(config.run), step_stream(config.run)):
@@ -108,13 +112,7 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
         replayed = await _replay_outcomes(js, config.run, curriculum)
         if replayed:
             log.info("the curriculum learnt from %d earlier step reports", replayed)
-        await js.subscribe(
-            step_subject(config.run),
-            stream=step_stream(config.run),
-            cb=trainer.report,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.LAST,  # the trainer's version now, then each step
-        )
+        following.append(asyncio.create_task(_follow_steps(nc, js, config.run, trainer)))
         # Tasks an earlier feed left count against the quotas, as published last.
         state = await _queue_state(js, config.run)
         for target in admission.admit(state.messages):
@@ -148,7 +146,38 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
             *(published, config.suite, curriculum.skipped),
         )
     finally:
+        for task in following:
+            task.cancel()
+        await asyncio.gather(*following, return_exceptions=True)  # before its connection
         await nc.close()
+
+
+async def _follow_steps(nc, js: JetStreamContext, run: str, trainer: _Trainer) -> None:
+    """Hands the trainer's step reports to `trainer`: the newest there is (its version
+    now), then each after it, read by direct gets (the feed makes no consumer); a report
+    published wakes it, else it looks every `STEP_POLL_S`."""
+    stream, subject = step_stream(run), step_subject(run)
+    published = asyncio.Event()
+
+    async def wake(_message) -> None:
+        published.set()
+
+    subscription = await nc.subscribe(subject, cb=wake)
+    try:
+        state = (await patiently(lambda: js.stream_info(stream), "reading step reports")).state
+        seen = max(0, state.last_seq - 1) if state.messages else 0
+        while True:
+            try:
+                async for message in messages(js, stream, subject, after=seen):
+                    await trainer.report(message)
+                    seen = message.seq or seen
+            except TRANSIENT as error:  # NATS restarting: the next look reads on
+                log.warning("reading step reports: %r", error)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(published.wait(), STEP_POLL_S)
+            published.clear()
+    finally:
+        await subscription.unsubscribe()
 
 
 async def _replay_outcomes(js, run: str, curriculum: Curriculum) -> int:
@@ -158,25 +187,16 @@ async def _replay_outcomes(js, run: str, curriculum: Curriculum) -> int:
     state = (await js.stream_info(step_stream(run))).state
     if not state.messages:
         return 0
-    subscription = await js.subscribe(
-        step_subject(run),
-        stream=step_stream(run),
-        ordered_consumer=True,
-        deliver_policy=DeliverPolicy.ALL,
-    )
     read = 0
-    try:
-        while True:
-            message = await subscription.next_msg(timeout=30)
-            try:
-                curriculum.observe(decode_step_report(message.data).outcomes)
-                read += 1
-            except msgspec.DecodeError as error:
-                log.warning("step report %d skipped: %s", message.metadata.sequence.stream, error)
-            if message.metadata.sequence.stream >= state.last_seq:
-                return read
-    finally:
-        await subscription.unsubscribe()
+    async for message in messages(js, step_stream(run), step_subject(run)):
+        try:
+            curriculum.observe(decode_step_report(message.data).outcomes)
+            read += 1
+        except msgspec.DecodeError as error:
+            log.warning("step report %d skipped: %s", message.seq, error)
+        if (message.seq or 0) >= state.last_seq:
+            break
+    return read
 
 
 async def _queue_state(js, run: str) -> StreamState:

@@ -13,7 +13,17 @@ applied), which is what the trainer's off-policy correction divides by, and the 
 extension that records routed experts (`--enforce-eager` too when the run replays them).
 Chat completions are captured (`rlfleet.rollout.capture`), streamed or whole; `POST
 /v1/feedback` is answered here (`rlfleet.rollout.feedback`); every other request passes
-through untouched. It takes requests once its engine has sampled a token (`warm_up`).
+through untouched.
+
+A chat completion's id is the server's own: a client's request id (header `X-Request-Id`,
+body `request_id`) never reaches vLLM, so no two responses share an id and a client
+cannot name another's. Its user is who the pool's gateway says it authenticated (the
+header the pool's feedback folder names, `FEEDBACK_DIR_ENV`), never the body's `user`.
+An answer that may be captured carries the token its user's feedback on it must bear
+(`feedback.TOKEN_HEADER`), and nothing that tells which set of servers, or which
+version, answered: a client that knew could reward one set and punish the other.
+
+It takes requests once its engine has sampled a token (`warm_up`).
 A server in a replica set also serves the version its set is told to, switched in place
 (`rlfleet.rollout.serving_versions`), so weightsync goes into its workers as well.
 """
@@ -25,8 +35,10 @@ import json
 import logging
 import os
 import random
+import secrets
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -34,11 +46,17 @@ import numpy as np
 
 from rlfleet import launch
 from rlfleet.launch.caches import own_caches
-from rlfleet.launch.settings import ServingConfig, from_json, to_json
+from rlfleet.launch.settings import FEEDBACK_DIR_ENV, ServingConfig, from_json, to_json
 from rlfleet.launch.stopping import log_with_vllm
 from rlfleet.rollout import capture, vllm_experts
 from rlfleet.rollout.capture import Asked, Bus, Captures, Skip
-from rlfleet.rollout.feedback import MAX_BODY_BYTES, FeedbackDesk, Served
+from rlfleet.rollout.feedback import (
+    MAX_BODY_BYTES,
+    TOKEN_HEADER,
+    FeedbackDesk,
+    PoolFeedback,
+    Served,
+)
 from rlfleet.rollout.serving_versions import VersionFollower
 from rlfleet.weightsync import vllm_options
 
@@ -47,8 +65,8 @@ log = logging.getLogger(__name__)
 SETTINGS_ENV = "RLFLEET_SERVING_SETTINGS"
 MIDDLEWARE = "rlfleet.rollout.serving.CaptureMiddleware"  # as vLLM imports it, by name
 COMPLETIONS, FEEDBACK = "/v1/chat/completions", "/v1/feedback"
-# On a captured completion's answer: the policy version that generated all of it.
-VERSION_HEADER = b"x-rlfleet-policy-version"
+# A client's name for its request, which vLLM would make the response's id.
+REQUEST_ID_HEADER = b"x-request-id"
 
 
 async def _read_body(receive, limit: int | None = None) -> bytes | None:
@@ -79,6 +97,33 @@ def _replay(body: bytes, receive):
     return replayed
 
 
+def pool_feedback() -> PoolFeedback:
+    """The pool's feedback key and user header, from the folder `FEEDBACK_DIR_ENV` names;
+    ValueError (or OSError) when they are not there: a pool's server needs them."""
+    folder = os.environ.get(FEEDBACK_DIR_ENV)
+    if not folder:
+        raise ValueError(f"{FEEDBACK_DIR_ENV} is not set: where is the pool's feedback Secret?")
+    return PoolFeedback.from_dir(Path(folder))
+
+
+async def _refuse(send, status: int, message: str, param: str | None) -> None:
+    """An error answered as OpenAI's API shapes it, naming the field at fault."""
+    error = {"message": message, "type": "invalid_request_error", "param": param, "code": status}
+    body = msgspec.json.encode({"error": error})
+    await _respond(send, status, body, [(b"content-type", b"application/json")])
+
+
+@dataclass(frozen=True)
+class Serving:
+    """A chat completion being served to be captured: the request as sent to vLLM, what
+    its client asked for, its user, and the id the server gave its answer."""
+
+    request: dict
+    asked: Asked
+    user: str
+    response_id: str
+
+
 async def _respond(send, status: int, body: bytes, headers: list) -> None:
     headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
     headers.append((b"content-length", str(len(body)).encode()))
@@ -93,7 +138,8 @@ class CaptureMiddleware:
         self.config = from_json(Path(os.environ[SETTINGS_ENV]).read_bytes(), ServingConfig)
         self.bus = Bus(self.config)
         keys = [key for key in [os.environ.get("VLLM_API_KEY", "")] if key]
-        self.desk = FeedbackDesk(self.config, self.bus, keys)
+        self.pool = pool_feedback()
+        self.desk = FeedbackDesk(self.config, self.bus, keys, self.pool)
         self.captures = Captures(self.bus, self.config.buffer, self.desk.remembered.not_captured)
         self._tasks: list[asyncio.Task] = []
         self._experts: asyncio.Task[vllm_experts.Taker | None] | None = None
@@ -133,42 +179,49 @@ class CaptureMiddleware:
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         if scope["path"] == FEEDBACK:
-            headers = dict(scope["headers"])
+            headers = {name.lower(): value for name, value in scope["headers"]}
             body = await _read_body(receive, MAX_BODY_BYTES)
-            answer = await self.desk.answer(body, headers.get(b"authorization", b""))
+            answer = await self.desk.answer(body, headers)
             body, json = msgspec.json.encode(answer.body), (b"content-type", b"application/json")
             return await _respond(send, answer.status, body, [json])
         if scope["path"] == COMPLETIONS:
             return await self._completion(scope, receive, send)
         return await self.app(scope, receive, send)
 
-    def _admit(self, scope, body: bytes) -> tuple[dict, Asked, str] | Skip:
-        if dict(scope["headers"]).get(capture.OPT_OUT_HEADER, b"").lower() == b"off":
+    def _admit(self, headers: dict[bytes, bytes], request: dict) -> tuple[dict, Asked] | Skip:
+        if headers.get(capture.OPT_OUT_HEADER, b"").lower() == b"off":
             return Skip.OPTED_OUT
         if random.random() >= self.config.sample_rate:
             return Skip.SAMPLED_OUT
-        request = capture.decode_request(body)
-        if request is None:
-            return Skip.UNREADABLE
-        prepared = capture.prepare(request, self.config.temperature)
-        if isinstance(prepared, Skip):
-            return prepared
-        user = request.get("user")
-        return *prepared, user if isinstance(user, str) else ""
+        return capture.prepare(request, self.config.temperature)
 
     async def _completion(self, scope, receive, send) -> None:
-        body = await _read_body(receive)
-        admitted = self._admit(scope, body)
+        headers = {name.lower(): value for name, value in scope["headers"]}
+        # vLLM never sees the client's request id: the response's id is the server's own.
+        kept = [h for h in scope["headers"] if h[0].lower() != REQUEST_ID_HEADER]
+        scope = {**scope, "headers": kept}
+        request = capture.decode_request(await _read_body(receive))
+        user = self.pool.user(headers)
+        if request is None:
+            capture.skipped.labels(Skip.UNREADABLE).inc()
+            return await _refuse(send, 400, "the request body is not a JSON object", None)
+        if user is None:
+            header = self.pool.user_header.decode()
+            return await _refuse(send, 400, f"header {header} names no user", header)
+        ours = secrets.token_hex(16)
+        request = {**request, "request_id": ours}
+        admitted = self._admit(headers, request)
         if isinstance(admitted, Skip):
             capture.skipped.labels(admitted).inc()
-            return await self.app(scope, _replay(body, receive), send)
-        request, asked, user = admitted
+            return await self.app(scope, _replay(msgspec.json.encode(request), receive), send)
+        served = Serving(*admitted, user, f"chatcmpl-{ours}")  # vLLM's name for its answer
+        token = (TOKEN_HEADER, self.pool.token(served.response_id, user).encode())
         engine = scope["app"].state.engine_client
         if self._experts is not None:
             await asyncio.shield(self._experts)  # recording before the first request runs
         before = await engine.get_weight_version()
-        if request.get("stream"):
-            return await self._streamed(scope, receive, send, admitted, before)
+        if served.request.get("stream"):
+            return await self._streamed(scope, receive, send, served, token, before)
         start: dict = {}
         chunks: list[bytes] = []
 
@@ -178,26 +231,22 @@ class CaptureMiddleware:
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
 
-        await self.app(scope, _replay(msgspec.json.encode(request), receive), hold)
+        await self.app(scope, _replay(msgspec.json.encode(served.request), receive), hold)
         answer, after = b"".join(chunks), await engine.get_weight_version()
         if start.get("status") != 200:
             capture.skipped.labels(Skip.FAILED).inc()
             return await _respond(send, start["status"], answer, start.get("headers", []))
-        reply = await self._capture(answer, asked, user, before, after)
-        headers = list(start.get("headers", []))
-        if before == after:  # which version answered: for clients, and users' records
-            headers.append((VERSION_HEADER, str(self._version(before)).encode()))
-        await _respond(send, 200, reply, headers)
+        reply = await self._capture(answer, served, before, after)
+        await _respond(send, 200, reply, [*start.get("headers", []), token])
 
     async def _streamed(
-        self, scope, receive, send, admitted: tuple[dict, Asked, str], before: str
+        self, scope, receive, send, served: Serving, token: tuple[bytes, bytes], before: str
     ) -> None:
         """A streamed completion, begun at vLLM's weight version `before`: relayed event by
         event as vLLM sends it, each as the client asked, and captured once it has ended.
-        Its headers go before the version that answered all of it is known: none is named.
+        Its headers carry its feedback `token` (its id is the server's, known before it).
         Its end goes out once its capture is remembered: feedback never comes before it."""
-        request, asked, user = admitted
-        stream, status, end = capture.Streamed(asked), 0, None
+        stream, status, end = capture.Streamed(served.asked), 0, None
 
         async def relay(message) -> None:
             nonlocal status, end
@@ -206,6 +255,8 @@ class CaptureMiddleware:
                 headers = [
                     h for h in message.get("headers", []) if h[0].lower() != b"content-length"
                 ]
+                if status == 200:
+                    headers.append(token)
                 message = {**message, "headers": headers}  # what is given back changes size
             elif message["type"] == "http.response.body" and status == 200:
                 last = not message.get("more_body", False)
@@ -215,7 +266,7 @@ class CaptureMiddleware:
                     return
             await send(message)
 
-        await self.app(scope, _replay(msgspec.json.encode(request), receive), relay)
+        await self.app(scope, _replay(msgspec.json.encode(served.request), receive), relay)
         after = await scope["app"].state.engine_client.get_weight_version()
         if status != 200:
             capture.skipped.labels(Skip.FAILED).inc()
@@ -224,7 +275,7 @@ class CaptureMiddleware:
         elif not stream.finished:
             capture.skipped.labels(Skip.UNFINISHED).inc()
         else:
-            await self._record(stream.response(), user, before, after)
+            await self._record(stream.response(), served, before, after)
         if end is not None:
             await send(end)
 
@@ -232,28 +283,29 @@ class CaptureMiddleware:
         """vLLM's weight version as a policy version: "default" is the served checkpoint's."""
         return self.config.base_version if engine_version == "default" else int(engine_version)
 
-    async def _capture(
-        self, answer: bytes, asked: Asked, user: str, before: str, after: str
-    ) -> bytes:
+    async def _capture(self, answer: bytes, served: Serving, before: str, after: str) -> bytes:
         """The answer as the client asked for it; its capture offered to the buffer."""
         try:
             response = msgspec.json.decode(answer)
-            reply = msgspec.json.encode(capture.give_back(response, asked))
+            reply = msgspec.json.encode(capture.give_back(response, served.asked))
         except (KeyError, TypeError, AttributeError, msgspec.DecodeError):
             capture.skipped.labels(Skip.UNREADABLE).inc()
             return answer
-        await self._record(response, user, before, after)
+        await self._record(response, served, before, after)
         return reply
 
-    async def _record(self, response: dict, user: str, before: str, after: str) -> None:
+    async def _record(self, response: dict, served: Serving, before: str, after: str) -> None:
         """The capture of a whole answer offered to the buffer, if one version made it and,
-        of an MoE model, the experts of every token it ran were kept."""
+        of an MoE model, the experts of every token it ran were kept; never under another
+        id than the server gave it (its token names that one)."""
+        user = served.user
         try:
+            if response["id"] != served.response_id:
+                raise ValueError(f"answered as {response['id']!r}, not {served.response_id!r}")
             experts = await self._routed(response) if before == after else Skip.VERSION_CHANGED
             if isinstance(experts, Skip):
-                capture.skipped.labels(experts).inc()
-                if isinstance(response.get("id"), str):  # feedback on it: not captured
-                    self.desk.remembered.add(response["id"], Served(user, time.time(), False))
+                capture.skipped.labels(experts).inc()  # feedback on it: not captured
+                self.desk.remembered.add(served.response_id, Served(user, time.time(), False))
                 return
             version = self._version(before)
             captured = capture.extract(
@@ -363,6 +415,10 @@ def main() -> None:
         arguments = vllm_arguments(config, given)
     except (OSError, msgspec.DecodeError, ValueError) as error:
         sys.exit(f"rlfleet.rollout.serving: cannot serve with {' '.join(sys.argv[1:3])}: {error}")
+    try:
+        pool_feedback()  # checked here, where a pod's log shows why it stopped
+    except (OSError, ValueError) as error:
+        sys.exit(f"rlfleet.rollout.serving: no feedback key and user header: {error}")
     own_caches(None)  # a pod's under the root its environment names
     os.environ[SETTINGS_ENV] = str(settings)
     server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *arguments]

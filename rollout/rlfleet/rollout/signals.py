@@ -5,10 +5,13 @@ gets back trajectories and counts of what was left out and why.
 
 A completion's reward is the weighted sum of its on-time signals, one per kind (the
 latest, if a client sent a kind twice), clipped to [-1, 1]: accepted +1, rejected -1, an
-edit scored by how much of the answer survived, and so on (`SignalRewards.weights`).
+edit scored by how much of the answer survived, and so on (`SignalRewards.weights`). A
+value counts only on a kind that takes one (thumbs, a pool's own kinds): the pool's
+servers refuse it elsewhere, and one stored anyway changes nothing.
 Feedback after the window was decided without it (the stream keeps it, marked late).
 A completion nobody answered within the window teaches nothing and is dropped, counted:
-silence is not a rejection (many clients never send feedback at all).
+silence is not a rejection (many clients never send feedback at all). No user counts for
+more than `max_per_user` completions of a cycle, and a response id for more than one.
 
 **The baseline.** Production traffic has no GRPO groups of its own, but the trainer's
 group normalisation needs a baseline. Completions of one prompt (a popular question, a
@@ -31,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from rlfleet.api.wire import CapturedCompletion, Feedback, FeedbackKind, Trajectory
+from rlfleet.api.wire import CapturedCompletion, Feedback, FeedbackKind, Trajectory, takes_value
 from rlfleet.launch.settings import SignalRewards
 
 # An edit is compared on at most this much text: difflib's matching grows with the square.
@@ -43,6 +46,7 @@ class Dropped(StrEnum):
     USER_CAP = "user_cap"  # its user had given this cycle `max_per_user` already
     # The cycle's only completion of a prompt not asked twice: nothing to compare with.
     NO_BASELINE = "no_baseline"
+    DUPLICATE = "duplicate"  # a second capture under a response id: its feedback is the first's
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ def _signal(event: Feedback, capture: CapturedCompletion) -> float:
     """One signal's score before its weight, -1 to 1."""
     if event.kind == FeedbackKind.EDITED:
         return 2 * similarity(capture.text, event.text or "") - 1
-    if event.value is None:
+    if event.value is None or not takes_value(event.kind):
         return 1.0
     return min(1.0, max(-1.0, event.value))
 
@@ -100,7 +104,12 @@ def score_cycle(
     `feedback` maps a response id to the events stored on it."""
     samples = CycleSamples()
     taken: Counter[str] = Counter()
+    seen: set[str] = set()
     for capture in sorted(captures, key=lambda c: (c.served_at, c.response_id)):
+        if capture.response_id in seen:
+            samples.dropped[Dropped.DUPLICATE] += 1
+            continue
+        seen.add(capture.response_id)
         events = feedback.get(capture.response_id, [])
         samples.late += sum(event.late for event in events)
         scored = reward(capture, events, rewards)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-from rlfleet.api.wire import Task
+from rlfleet.api.wire import Task, decode_strict
 
 SUITES = Path(__file__).parent / "suites"
 
@@ -42,7 +42,7 @@ def load_suite(path: Path) -> list[Task]:
         if not line.strip():
             continue
         try:
-            task = msgspec.json.decode(line, type=Task)
+            task = decode_strict(line, Task)  # people write suites: no unknown field
         except (msgspec.ValidationError, msgspec.DecodeError) as error:
             raise ValueError(f"{path}:{number}: {error}") from error
         if task.id in seen:

@@ -26,6 +26,8 @@ PROTOCOL = (
 )
 
 
+# Strict: a model's call, not another component's message; an unknown argument is a
+# mistake the model is told about.
 class _Args(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     pass
 

@@ -2,10 +2,11 @@
 
 For the local real-time run and its benchmark: production needs users, and these speak
 only HTTP to the pool's servers, as real ones do. Each user asks a question of the suite
-(chat completions, as `user-N`; some questions far more often than others, as in any
-product), reads the answer and, unless they are one of the silent
-ones, says what they think of it (`POST /v1/feedback`): accepted when it is right,
-rejected when it is wrong, the opposite now and then by mistake. What they think is the
+(chat completions, as `user-N`, named in the header the pool's gateway would set once it
+authenticated them; some questions far more often than others, as in any product), reads
+the answer and, unless they are one of the silent ones, says what they think of it
+(`POST /v1/feedback`, with the feedback token the answer came with): accepted when it is
+right, rejected when it is wrong, the opposite now and then by mistake. What they think is the
 suite's answer, which the model never sees: the preference the run has to learn from
 their signals alone. While `inverted_while` exists every user says the opposite, as a
 client whose instrumentation broke would report.
@@ -13,7 +14,8 @@ client whose instrumentation broke would report.
 Requests go to the servers in turn, as a Service spreads them, so a canary set of one
 server in two answers about half of them. Each request is recorded as a JSON line
 (`Record`): the benchmark reads back what was served, by whom, how fast, and whether
-the feedback on it was stored.
+the feedback on it was stored. Which version answered a user cannot tell (no answer says
+so); the benchmark reads it from the run's captures, by response id.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import msgspec
 
 from rlfleet.launch.settings import UsersConfig
 from rlfleet.launch.stopping import process_settings, run_until_signalled
+from rlfleet.rollout.feedback import TOKEN_HEADER
 from rlfleet.rollout.rewards import matches
 from rlfleet.rollout.tasks import load_suite, suite_path
 
@@ -50,7 +53,6 @@ class Record(msgspec.Struct, frozen=True):
     status: int  # the completion's HTTP status; 0: no answer at all
     latency_ms: float
     response_id: str | None = None
-    version: int | None = None  # the policy version that answered, as the server said
     right: bool | None = None
     said: str | None = None  # the feedback kind sent; None: silent
     inverted: bool = False
@@ -113,10 +115,10 @@ class Population:
         }
         sent = time.time()
         started = time.perf_counter()
+        # As the pool's gateway forwards it, once it has authenticated the user.
+        headers = self.headers | {self.config.user_header: user}
         try:
-            answer = await client.post(
-                f"{url}/v1/chat/completions", json=body, headers=self.headers
-            )
+            answer = await client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
         except httpx.HTTPError as error:
             log.warning("%s: no answer from %s: %r", user, server, error)
             return Record(sent, server, user, task.id, 0, _ms(started))
@@ -126,24 +128,23 @@ class Population:
         reply = answer.json()
         assert task.answer is not None
         right = matches(reply["choices"][0]["message"]["content"] or "", task.answer)
-        served = answer.headers.get("x-rlfleet-policy-version")
-        version = int(served) if served is not None else None
-        base = msgspec.structs.replace(base, response_id=reply["id"], version=version, right=right)
-        if silent:
+        base = msgspec.structs.replace(base, response_id=reply["id"], right=right)
+        token = answer.headers.get(TOKEN_HEADER.decode())
+        if silent or token is None:  # none: an answer the pool does not capture
             return base
         inverted = self.config.inverted_while is not None and self.config.inverted_while.exists()
         likes = right != (self.rng.random() < self.config.noise)
         kind = "accepted" if likes != inverted else "rejected"
         event = {"response_id": reply["id"], "event_id": uuid.uuid4().hex, "kind": kind}
-        status = await self.tell(client, url, event)
+        status = await self.tell(client, url, event | {"token": token}, headers)
         return msgspec.structs.replace(base, said=kind, inverted=inverted, feedback_status=status)
 
-    async def tell(self, client: httpx.AsyncClient, url: str, event: dict) -> int:
+    async def tell(self, client: httpx.AsyncClient, url: str, event: dict, headers: dict) -> int:
         """Sends the event until it is stored or refused: a 503 (NATS away) is retried
         with the same event id, as a client should, so it is recorded once."""
         for attempt in range(10):
             try:
-                told = await client.post(f"{url}/v1/feedback", json=event, headers=self.headers)
+                told = await client.post(f"{url}/v1/feedback", json=event, headers=headers)
                 if told.status_code != 503:
                     return told.status_code
             except httpx.HTTPError:

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import msgspec
 import nats.errors
-from nats.js.api import AckPolicy, ConsumerConfig
 
 from rlfleet.api.wire import (
     Task,
@@ -31,14 +30,19 @@ from rlfleet.api.wire import (
     decode_task_message,
     encode_trajectory,
     task_stream,
-    task_subject,
     trajectory_id,
     trajectory_stream,
     trajectory_subject,
 )
 from rlfleet.bus import auth
 from rlfleet.bus.patience import TRANSIENT
-from rlfleet.bus.streams import bind_stream
+from rlfleet.bus.streams import (
+    TASK_MAX_DELIVER,
+    WORKER_ACK_WAIT_S,
+    WORKER_CONSUMER,
+    bind_consumer,
+    bind_stream,
+)
 from rlfleet.launch.settings import RewardConfig, WorkerConfig
 from rlfleet.rollout import envclient, layout, metrics, rewards
 from rlfleet.rollout.engine import Engine
@@ -51,8 +55,6 @@ from rlfleet.weightsync import WeightStream, vllm_options, vllm_start
 
 log = logging.getLogger(__name__)
 
-CONSUMER = "rollout"  # one durable consumer shared by every worker of the run
-MAX_DELIVER = 5
 # A task waits this long for the policy version it needs (a trainer restarting from its
 # checkpoint takes minutes); then it goes back to the queue, to be tried again.
 VERSION_WAIT_S = 1800.0
@@ -208,6 +210,7 @@ class Worker:
         self.pool: EnvClient | None = None  # where attempts claim sandboxes
         self.sessions = 0  # running now
         self._groups: set[asyncio.Task] = set()
+        self.ack_wait_s = WORKER_ACK_WAIT_S  # its consumer's, once bound
 
     async def run(self) -> None:
         config = self.config
@@ -243,17 +246,11 @@ class Worker:
             if config.follow_weights and config.start_version is not None:
                 log.info("waiting for policy version %d", config.start_version)
                 await engine.wait_for_version(config.start_version, timeout_s=3600)
-            queue = await js.pull_subscribe(
-                task_subject(config.run),
-                durable=CONSUMER,
-                stream=task_stream(config.run),
-                config=ConsumerConfig(
-                    ack_policy=AckPolicy.EXPLICIT,
-                    ack_wait=config.ack_wait_s,
-                    max_ack_pending=-1,
-                    max_deliver=MAX_DELIVER,  # a task that keeps failing is not a loop
-                ),
-            )
+            # The run's owner made the queue's consumer: its ack wait is the one kept to.
+            stream = task_stream(config.run)
+            consumer = await bind_consumer(js, stream, WORKER_CONSUMER)
+            self.ack_wait_s = consumer.config.ack_wait or self.ack_wait_s
+            queue = await js.pull_subscribe_bind(durable=WORKER_CONSUMER, stream=stream)
             log.info("worker %s taking tasks of run %s", config.name, config.run)
             while not self.stopping.is_set() and engine.failed is None:
                 await self._take(queue, js)
@@ -327,7 +324,7 @@ class Worker:
             await message.ack()
         except Exception:  # an ExceptionGroup from the attempts included
             tries = message.metadata.num_delivered
-            log.exception("task %s failed (try %d of %d)", task.task.id, tries, MAX_DELIVER)
+            log.exception("task %s failed (try %d of %d)", task.task.id, tries, TASK_MAX_DELIVER)
             await message.nak(delay=5)
         finally:
             heartbeat.cancel()
@@ -346,7 +343,7 @@ class Worker:
 
     async def _keep_alive(self, message) -> None:
         while True:
-            await asyncio.sleep(self.config.ack_wait_s / 3)
+            await asyncio.sleep(self.ack_wait_s / 3)
             await message.in_progress()
 
     async def _attempts(

@@ -36,7 +36,9 @@ HELD_OUT_TOKENS = 256
 LOOK_BACK = 2
 
 
-class Kept(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+# In a checkpoint, which a trainer of another release may read (an upgrade, a rollback):
+# unknown fields are skipped (`rlfleet.api.wire`'s rules).
+class Kept(msgspec.Struct, frozen=True):
     """A micro-batch of a cycle, as it was made (its rows are made from it again)."""
 
     segments: list[Segment]
@@ -47,7 +49,7 @@ class Kept(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return sum(sum(segment.generated) for segment in self.segments)
 
 
-class _Stored(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class _Stored(msgspec.Struct, frozen=True):
     by_cycle: dict[int, list[Kept]]
 
 

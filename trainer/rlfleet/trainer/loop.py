@@ -29,7 +29,6 @@ import nats.errors
 import prometheus_client
 import torch
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig
 
 from rlfleet.api.wire import (
     CyclePhase,
@@ -50,12 +49,18 @@ from rlfleet.api.wire import (
     trainer_reset_subject,
     trajectory_id,
     trajectory_stream,
-    trajectory_subject,
 )
 from rlfleet.bus import auth
 from rlfleet.bus.patience import TRANSIENT, patiently
 from rlfleet.bus.reading import newest
-from rlfleet.bus.streams import TRAINER_CONSUMER, bind_stream, cycle_stream, step_stream
+from rlfleet.bus.streams import (
+    TRAINER_ACK_WAIT_S,
+    TRAINER_CONSUMER,
+    bind_consumer,
+    bind_stream,
+    cycle_stream,
+    step_stream,
+)
 from rlfleet.launch.settings import TrainerConfig
 from rlfleet.trainer import distributed, metrics
 from rlfleet.trainer.distributed import Kind, Order
@@ -84,6 +89,7 @@ class Trainer:
         self.rejected = 0
         self.stopping = asyncio.Event()
         self.ready_at = time.perf_counter()  # when the trainer last became free to train
+        self.ack_wait_s = TRAINER_ACK_WAIT_S  # its consumer's, once bound
         self.log_path = config.checkpoint_dir / "steps.jsonl"
         # Every trajectory acknowledged without training, and why: with the step log, what
         # accounts for each one the stream holds (a redelivered drop is written again).
@@ -127,16 +133,11 @@ class Trainer:
                 await bind_stream(js, stream)
             self.publisher = await rank_publisher(nc, config)
             self.publisher.pinned = min(self.pinned, default=None)  # and all after it
-            subscription = await js.pull_subscribe(
-                trajectory_subject(config.run),
-                durable=TRAINER_CONSUMER,
-                stream=trajectory_stream(config.run),
-                config=ConsumerConfig(
-                    ack_policy=AckPolicy.EXPLICIT,
-                    ack_wait=config.ack_wait_s,
-                    max_ack_pending=-1,
-                ),
-            )
+            # The run's owner made the consumer: its ack wait is the one kept to.
+            stream = trajectory_stream(config.run)
+            consumer = await bind_consumer(js, stream, TRAINER_CONSUMER)
+            self.ack_wait_s = consumer.config.ack_wait or self.ack_wait_s
+            subscription = await js.pull_subscribe_bind(durable=TRAINER_CONSUMER, stream=stream)
             await self._publish_weights()
             self.ready_at = time.perf_counter()
             holding = asyncio.create_task(self._keep_held())
@@ -158,7 +159,7 @@ class Trainer:
         progress: a live trainer keeps them however long a step or a group takes, and a
         killed one's come back to its successor after one short ack wait, still fresh."""
         while True:
-            await asyncio.sleep(self.config.ack_wait_s / 3)
+            await asyncio.sleep(self.ack_wait_s / 3)
             for msg in list(self.messages.values()):
                 try:
                     await msg.in_progress()

@@ -55,6 +55,9 @@ from rlfleet.weightsync.errors import CorruptShard
 Encoding = Literal["raw", "sparse", "bitmap", "dense"]
 
 
+# Strict, unlike the wire's messages: an array-like struct's fields are positions, so an
+# unknown trailing one cannot be told from a moved one. Its layout changes with the
+# shard's MAGIC (`rlfleet.weightsync.shards`), which an older reader refuses.
 class Piece(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
     """Where a piece goes and how its sections decode; lives in the shard's header."""
 

@@ -50,7 +50,9 @@ def owned_names(sizes: Mapping[str, int], rank: int, world: int) -> set[str]:
     return owned
 
 
-class RankEncoding(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+# The ranks' reports cross processes that may run two releases while the trainer's pods
+# roll: unknown fields are skipped (`rlfleet.api.wire`'s rules), all else is checked.
+class RankEncoding(msgspec.Struct, frozen=True):
     """One encoding (delta or full) of a version, as far as one rank put it."""
 
     shards: list[ShardRef]
@@ -58,7 +60,7 @@ class RankEncoding(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     removed: list[str]  # tensors of this rank's base that it no longer has
 
 
-class RankReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class RankReport(msgspec.Struct, frozen=True):
     """What a rank did for a version: its encodings, in the order every rank makes them,
     or why it could not."""
 
@@ -68,7 +70,7 @@ class RankReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     error: str | None = None
 
 
-class ManifestReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ManifestReport(msgspec.Struct, frozen=True):
     """Rank 0's word to every rank on a version: the manifests it put, or why it could not."""
 
     manifests: list[WeightManifest]

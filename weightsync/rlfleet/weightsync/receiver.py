@@ -10,16 +10,17 @@ rebuilds from a snapshot instead. It never holds anything but a verified version
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
 from collections.abc import Awaitable, Callable
 
 import msgspec
-from nats.js.api import DeliverPolicy
 
 from rlfleet.api.wire import WeightManifest, decode_manifest
 from rlfleet.bus.patience import TRANSIENT, patiently
+from rlfleet.bus.reading import messages
 from rlfleet.weightsync import metrics
 from rlfleet.weightsync.buffers import ShardBuffers
 from rlfleet.weightsync.direct import ShardConnection
@@ -35,6 +36,11 @@ log = logging.getLogger(__name__)
 OnVersion = Callable[[WeightManifest, set[str]], Awaitable[None]]
 
 FETCH_ATTEMPTS = 3
+# A following receiver looks for new manifests this often, and more often for a while
+# after one is published (a region's mirror may take a moment to hold it).
+IDLE_POLL_S = 1.0
+NUDGED_POLL_S = 0.05
+NUDGED_POLLS = 20
 
 
 class Receiver:
@@ -58,6 +64,7 @@ class Receiver:
         self.buffers = ShardBuffers()
         self._refused: set[Key] = set()
         self._unreachable: set[int] = set()
+        self._read = 0  # the stream sequence of the last manifest read
         # The newest version to hold; None: the newest there is. Below the one held, the
         # receiver goes back to it (from a snapshot): a server told to serve it again.
         self.ceiling: int | None = None
@@ -95,43 +102,46 @@ class Receiver:
         # Never gives up: a receiver outlives NATS restarts and waits for a late publisher.
         await patiently(lambda: self._follow_until(stop), "following manifests", math.inf)
 
-    async def _subscribe(self):
-        return await self.stream.js.subscribe(
-            self.stream.subjects.manifests,
-            stream=self.stream.subjects.stream,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.ALL,
+    async def _read_manifests(self) -> int:
+        """Reads the manifests the stream holds past the last one read, by direct gets (a
+        receiver makes no consumer, and needs no right to); returns how many. A stream
+        made anew, its sequences starting again, is read from its start."""
+        stream, subject = self.stream.subjects.stream, self.stream.subjects.manifests
+        read = 0
+        async for message in messages(self.stream.js, stream, subject, after=self._read):
+            self._take(message.data, message.subject)
+            self._read = message.seq or self._read
+            read += 1
+        made_anew = (
+            not read
+            and self._read
+            and (await self.stream.js.stream_info(stream)).state.last_seq < self._read
         )
-
-    async def _read_manifests(self) -> None:
-        sub = await self._subscribe()
-        try:
-            info = await sub.consumer_info()
-            # Messages already pushed to this client count as delivered, not pending.
-            pending = info.num_pending + info.delivered.consumer_seq
-            while pending:
-                msg = await sub.next_msg(timeout=self.fetch_timeout)
-                self._take(msg.data, msg.subject)
-                pending = msg.metadata.num_pending
-        finally:
-            await sub.unsubscribe()
+        if made_anew:
+            self._read = 0
+            return await self._read_manifests()
+        return read
 
     async def _follow_until(self, stop: asyncio.Event) -> None:
-        sub = await self._subscribe()
+        nudged = asyncio.Event()
+
+        async def nudge(_message) -> None:
+            nudged.set()
+
+        # A manifest published wakes the receiver at once; it reads it from its stream,
+        # where a region's mirror may hold it a moment later: it looks again shortly.
+        wake = await self.stream.nc.subscribe(self.stream.subjects.manifests, cb=nudge)
+        soon = 0
         try:
             while not stop.is_set():
-                try:
-                    msg = await sub.next_msg(timeout=1.0)
-                except TimeoutError:
-                    # Quiet stream: retry a version that stalled (a server restarting).
-                    if self._behind():
-                        await self.advance()
-                    continue
-                self._take(msg.data, msg.subject)
-                if msg.metadata.num_pending == 0:
+                if await self._read_manifests() or self._behind():
                     await self.advance()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(nudged.wait(), NUDGED_POLL_S if soon else IDLE_POLL_S)
+                soon = NUDGED_POLLS if nudged.is_set() else max(0, soon - 1)
+                nudged.clear()
         finally:
-            await sub.unsubscribe()
+            await wake.unsubscribe()
 
     def _wanted(self) -> list[int]:
         """Known versions it may hold, newest first."""

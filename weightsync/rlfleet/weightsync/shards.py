@@ -51,6 +51,9 @@ _LENGTH = struct.Struct("<I")
 MAX_HEADER_BYTES = 64 << 20
 
 
+# Strict, unlike the wire's messages: an array-like struct's fields are positions, so an
+# unknown trailing one cannot be told from a moved one. Its layout changes with MAGIC,
+# which an older reader refuses (a corrupt shard: it rebuilds from a snapshot).
 class ShardHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
     run: str
     version: int

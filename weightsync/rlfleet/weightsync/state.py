@@ -29,6 +29,9 @@ def tensor_digests(
         )
 
 
+# Strict, unlike the wire's messages: an array-like struct's fields are positions, so an
+# unknown trailing one cannot be told from a moved one: a change to it is a new struct,
+# never an edit in place.
 class TensorEntry(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     """What the state digest knows of one tensor, so ranks holding parts can pool them."""
 
