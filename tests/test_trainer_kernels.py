@@ -68,6 +68,24 @@ def test_both_modes_compute_the_same_function(tiny_moe: Path) -> None:
     torch.testing.assert_close(invariant, default, rtol=0, atol=1e-4)
 
 
+def test_tiled_rms_norm_is_the_models_and_alike_at_any_row_count(tiny_moe: Path) -> None:
+    # On CUDA a generic mean was laid out by row count (bench/results/gpu-*-fp32-*.json);
+    # the tiled kernels take RMSNorm's sum of squares through the fixed-tile GEMM instead.
+    tiled, default = _model(tiny_moe, True), _model(tiny_moe, False)
+    norms = [
+        (a, b)
+        for a, b in zip(tiled.modules(), default.modules(), strict=True)
+        if type(a).__name__.endswith("RMSNorm")
+    ]
+    assert norms
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for norm, reference in norms:
+            x = torch.randn(300, norm.weight.shape[0], generator=gen)
+            torch.testing.assert_close(norm(x), reference(x), rtol=0, atol=1e-6)
+            assert all(torch.equal(norm(x[:n])[:1], norm(x[:1])) for n in (2, 65, 300))
+
+
 def _groups(seed: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
     """Three GRPO-like groups: five sequences each after one shared prompt, with experts that
     agree on the prompt (the engine ran it once) and differ after it."""

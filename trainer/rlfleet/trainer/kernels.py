@@ -12,8 +12,12 @@ Measured on CPU, three things make a forward pass depend on the batch:
   whichever other sequences share that prompt's row (`Layout`).
 - MoE combine: each token adds its experts' outputs in expert order.
 
-Row-wise reductions over a fixed width (RMSNorm, the router's softmax, the log-softmax
-over the vocabulary) run per row and are invariant already; tests check the whole model.
+Row-wise reductions over a fixed width (the router's softmax, the log-softmax over the
+vocabulary) run one row per block and are invariant already; tests check the whole model.
+RMSNorm's mean is another matter on CUDA: a generic reduction there is laid out by how
+many rows it reduces, so a row's sum of squares was summed in another order alone than
+inside a batch (seen on an H200 in fp32: one sequence in ten off by 3e-6). Here it is a
+`linear` against a column of ones, the same fixed tiles as every other GEMM.
 The weight gradient is a sum over the batch's tokens and so depends on the batch by
 definition; it runs in a fixed order for a given batch.
 """
@@ -157,6 +161,21 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias)
 
 
+def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's RMSNorm (float32 statistics, scaled in the input's dtype) with the
+    sum of squares as a tiled GEMM."""
+    dtype = hidden_states.dtype
+    x = hidden_states.to(torch.float32)
+    # A full tile of ones columns: a one-column GEMM runs as a GEMV laid out by row count.
+    variance = linear(x * x, x.new_ones(TILE, x.shape[-1]))[..., :1] / x.shape[-1]
+    x = x * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * x.to(dtype)
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+
+
 AttentionInterface.register(NAME, _attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _no_mask)
 ALL_EXPERTS_FUNCTIONS.register(NAME, _experts)
@@ -171,3 +190,5 @@ def make_batch_invariant(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.forward = types.MethodType(_linear_forward, module)
+        elif _is_rms_norm(module):
+            module.forward = types.MethodType(_rms_norm_forward, module)
