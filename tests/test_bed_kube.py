@@ -90,10 +90,10 @@ def test_examples_apply_and_show_printer_columns(kubectl: Kubectl, namespace: st
         "VERSION",
         "STALENESS",
         "GPUS-LENT",
-        "RUNNING",
-        "CYCLE",
         "SERVING",
-        "EVAL",
+        "CANDIDATE",
+        "STAGE",
+        "LAST",
         "READY",
         "AGE",
     ]

@@ -11,12 +11,16 @@ from pathlib import Path
 import nats
 import pytest
 from nats.errors import NoServersError
-from nats.js.api import StreamConfig
 
 from rlfleet.api.wire import BusRole, trajectory_subject
 from rlfleet.bus import auth
 from rlfleet.bus.auth import NKey
-from rlfleet.bus.streams import run_stream_configs
+from rlfleet.bus.streams import (
+    TRAINER_ACK_WAIT_S,
+    TRAINER_CONSUMER,
+    run_stream_configs,
+    trainer_consumer_config,
+)
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.permissions import NEEDS, nats_matrix
@@ -36,28 +40,34 @@ async def _connect(server: NatsServer, credentials: str | None = None, **options
 
 
 def test_publish_on_each_region_leaf_is_consumed_at_the_hub(bed: BedInfo) -> None:
+    # What crosses a leaf is what a region's run users need (`auth.leaf_permissions`): a
+    # rollout worker at each leaf publishes its run's trajectories into the hub's stream.
+    run = f"leaf-{uuid.uuid4().hex[:6]}"
+
     async def scenario() -> None:
-        stream = f"T{uuid.uuid4().hex[:8]}"
         hub = await _connect(bed.nats.hub)
         try:
             hub_js = hub.jetstream()
-            await hub_js.add_stream(StreamConfig(name=stream, subjects=[f"{stream}.>"]))
+            for config in run_stream_configs(run):
+                await hub_js.add_stream(config)
             for region, leaf in bed.nats.leaves.items():
-                client = await _connect(leaf)
+                client = await _connect(leaf, bed.nats.run_user(run, BusRole.ROLLOUT))
                 try:
                     # The leaf's own domain is the region; the hub's streams are one domain away.
                     ack = await client.jetstream(domain=HUB_DOMAIN).publish(
-                        f"{stream}.{region}", region.encode()
+                        trajectory_subject(run), region.encode()
                     )
-                    assert ack.stream == stream
+                    assert ack.stream == f"TRAJ-{run}"
                 finally:
                     await client.close()
-            consumer = await hub_js.pull_subscribe(f"{stream}.>", durable="hub-reader")
+            consumer = await hub_js.pull_subscribe(trajectory_subject(run), durable="hub-reader")
             messages = await consumer.fetch(len(bed.nats.leaves), timeout=10)
             assert sorted(m.data.decode() for m in messages) == sorted(bed.nats.leaves)
             for message in messages:
                 await message.ack()
         finally:
+            for config in run_stream_configs(run):
+                await hub.jetstream().delete_stream(config.name)
             await hub.close()
 
     asyncio.run(scenario())
@@ -112,11 +122,15 @@ def test_a_runs_users_reach_its_streams_from_a_region_and_nothing_of_another_run
             for run in (mine, theirs):
                 for config in run_stream_configs(run):
                     await admin.jetstream().add_stream(config)
+            # The operator makes the trainer's consumer; the trainer binds to it.
+            await admin.jetstream().add_consumer(
+                f"TRAJ-{mine}", trainer_consumer_config(mine, TRAINER_ACK_WAIT_S)
+            )
             js = worker.jetstream(domain=HUB_DOMAIN, timeout=2)
             ack = await js.publish(trajectory_subject(mine), b"trajectory")
             assert ack.stream == f"TRAJ-{mine}"
-            reader = await trainer.jetstream(timeout=2).pull_subscribe(
-                trajectory_subject(mine), durable="reader"
+            reader = await trainer.jetstream(timeout=2).pull_subscribe_bind(
+                durable=TRAINER_CONSUMER, stream=f"TRAJ-{mine}"
             )
             [message] = await reader.fetch(1, timeout=10)
             await message.ack()

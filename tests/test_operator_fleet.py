@@ -216,6 +216,16 @@ def world(
         fleet.kubectl(HUB, "delete", "persistentvolume", f"{namespace}-checkpoints")
 
 
+def _columns(world: World, name: str, *options: str) -> dict[str, str]:
+    """`kubectl get rlrun` on the hub, as column: value. Columns left empty print blank:
+    each is read where its header starts."""
+    header, row = world.fleet.kubectl(
+        HUB, "-n", world.ns, "get", "rlrun", name, *options
+    ).splitlines()
+    starts = [m.start() for m in re.finditer(r"\S+", header)] + [None]
+    return {header[a:b].strip(): row[a:b].strip() for a, b in itertools.pairwise(starts)}
+
+
 def test_applying_the_example_trains_in_the_hub_and_borrows_gpus_in_three_regions(
     world: World,
 ) -> None:
@@ -254,8 +264,10 @@ def test_applying_the_example_trains_in_the_hub_and_borrows_gpus_in_three_region
     assert {e["name"]: e["running"] for e in status["regions"]} == LENT
     assert "GPUsLent" in world.reasons(HUB, RUN)
     table = world.fleet.kubectl(HUB, "-n", world.ns, "get", "rlrun", RUN).splitlines()
-    assert table[0].split()[:6] == ["NAME", "PHASE", "VERSION", "STALENESS", "GPUS-LENT", "RUNNING"]
-    assert table[1].split()[1] == "Running" and "40" in table[1].split()
+    assert table[0].split()[:5] == ["NAME", "PHASE", "VERSION", "STALENESS", "GPUS-LENT"]
+    assert table[1].split()[1] == "Running"
+    # Rollout pods running: on the wide table (the default one is a production run's too).
+    assert _columns(world, RUN, "-o", "wide")["RUNNING"] == "40"
     budget = world.get(HUB, "poddisruptionbudget", f"{RUN}-trainer")
     assert budget["spec"]["maxUnavailable"] == 0
 
@@ -1121,8 +1133,8 @@ def test_the_evaluation_gate_holds_a_run_that_fails_or_reaches_its_target(
         assert mirror["spec"]["suspend"] is True
     reasons = world.reasons(HUB, RUN)
     assert {"Evaluated", "EvaluationBelowFloor"} <= reasons
-    row = world.fleet.kubectl(HUB, "-n", world.ns, "get", "rlrun", RUN).splitlines()[1].split()
-    assert row[1] == "Failed" and "0.31" in row
+    columns = _columns(world, RUN, "-o", "wide")
+    assert (columns["PHASE"], columns["EVAL"]) == ("Failed", "0.31")
 
     gate({"suite": "rules", "everyVersions": 10, "minReward": 0.3})  # the on-call's call
     wait_for("running again", lambda: world.run_status().get("phase") == "Running")
@@ -1261,12 +1273,7 @@ def test_a_production_runs_cycles_show_in_its_status_columns_and_events(world: W
         {"reason": "capped", "count": 6},
         {"reason": "silent", "count": 10},
     ]
-    header, row = world.fleet.kubectl(
-        HUB, "-n", world.ns, "get", "rlrun", PRODUCTION_RUN
-    ).splitlines()
-    # Columns left empty print blank: each is read where its header starts.
-    starts = [m.start() for m in re.finditer(r"\S+", header)] + [None]
-    columns = {header[a:b].strip(): row[a:b].strip() for a, b in itertools.pairwise(starts)}
+    columns = _columns(world, PRODUCTION_RUN)
     # What production serves, the candidate under way (none: cycle 3 collects), its stage
     # and how the last cycle ended; no staleness, which means nothing here.
     shown_columns = [columns[c] for c in ("SERVING", "CANDIDATE", "STAGE", "LAST", "STALENESS")]
