@@ -374,6 +374,9 @@ class Access:
     # (stream, durable consumer) it takes messages from, acknowledging each
     consumes: tuple[tuple[str, str], ...] = ()
     reads: tuple[str, ...] = ()  # streams it looks into: info, one message, direct gets
+    # (stream, durable consumer) whose state it reads (acknowledged through, pending),
+    # taking nothing from it
+    watches: tuple[tuple[str, str], ...] = ()
     purges: tuple[str, ...] = ()  # streams whose old messages it removes
     listens: tuple[str, ...] = ()  # subjects it subscribes to without a consumer
 
@@ -439,6 +442,8 @@ def role_access(run: str, role: BusRole) -> Access:
         case BusRole.OBSERVER:  # reads everything, writes nothing, acknowledges nothing
             return Access(
                 reads=everything,
+                # How far the trainer has acknowledged: an audit's "nothing lost".
+                watches=((trajectories, TRAINER_CONSUMER),),
                 listens=(
                     step_subject(run),
                     evaluation_subject(run),
@@ -474,11 +479,10 @@ def role_permissions(run: str, role: BusRole) -> Permissions:
                 f"{api}.DIRECT.GET.{stream}",
                 f"{api}.DIRECT.GET.{stream}.>",
             ]
+        for stream, consumer in (*access.consumes, *access.watches):
+            publish.append(f"{api}.CONSUMER.INFO.{stream}.{consumer}")
         for stream, consumer in access.consumes:
-            publish += [
-                f"{api}.CONSUMER.INFO.{stream}.{consumer}",
-                f"{api}.CONSUMER.MSG.NEXT.{stream}.{consumer}",
-            ]
+            publish.append(f"{api}.CONSUMER.MSG.NEXT.{stream}.{consumer}")
         publish += [f"{api}.STREAM.PURGE.{stream}" for stream in access.purges]
     for stream, consumer in access.consumes:
         publish += [f"$JS.ACK.{stream}.{consumer}.>", f"$JS.ACK.*.*.{stream}.{consumer}.>"]

@@ -65,6 +65,7 @@ NEEDS: dict[BusRole, set[str]] = {
         "publish manifest",
         *(f"{op} {s}" for op in ("info", "get") for s in ("TRAJ", "STEPS", "WEIGHTS", "CYCLES")),
         "pull TRAJ",
+        "inspect-consumer TRAJ",
         "ack TRAJ",
         "purge WEIGHTS",  # retires versions older than the kept snapshots
     },
@@ -72,6 +73,7 @@ NEEDS: dict[BusRole, set[str]] = {
         "publish trajectories",
         *(f"{op} {s}" for op in ("info", "get") for s in ("TASKS", "TRAJ", "WEIGHTS")),
         "pull TASKS",
+        "inspect-consumer TASKS",
         "ack TASKS",
         "listen manifest",  # a new version wakes its receiver
     },
@@ -104,6 +106,7 @@ NEEDS: dict[BusRole, set[str]] = {
     },
     BusRole.OBSERVER: {
         *(f"{op} {s}" for op in ("info", "get") for s in (*_STREAMS, "TASKS")),
+        "inspect-consumer TRAJ",  # the trainer's acknowledgements, for an audit
         *(f"listen {s}" for s in _SUBJECTS),
     },
 }
@@ -168,6 +171,7 @@ def _operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
             "name-consumer": f"CONSUMER.CREATE.{stream}.{durable}",
             "make-durable": f"CONSUMER.DURABLE.CREATE.{stream}.{durable}",
             "pull": f"CONSUMER.MSG.NEXT.{stream}.{durable}",
+            "inspect-consumer": f"CONSUMER.INFO.{stream}.{durable}",
             "create": f"STREAM.CREATE.{stream}",
             "update": f"STREAM.UPDATE.{stream}",
             "delete": f"STREAM.DELETE.{stream}",
