@@ -345,12 +345,12 @@ REGION = "region-a"
 POOL = "sandboxes"
 
 
-def chart(namespace: str, *values: str) -> list[dict]:
+def chart(namespace: str, *values: str, release: str = "rlfleet") -> list[dict]:
     """The chart as the real helm renders it for a region in `namespace`."""
     rendered = subprocess.run(
         [
             binary("helm"),
-            *("template", "rlfleet", str(ROOT / "helm" / "rlfleet"), "-n", namespace),
+            *("template", release, str(ROOT / "helm" / "rlfleet"), "-n", namespace),
             *("--set", "role=region", "--set", f"cluster={REGION}", "--set", "crds.install=false"),
             *values,
         ],
@@ -410,7 +410,13 @@ def region(bed: BedInfo, kubectl: Kubectl, crds_installed: None) -> Iterator[Reg
     namespace, operators = f"attacks-{suffix}", f"attacks-operator-{suffix}"
     for each in (namespace, operators):
         kubectl.run(REGION, "create", "namespace", each)
-    documents = chart(operators)
+    # A release of its own, watching the pools' namespace alone: the policy is cluster-
+    # scoped and named after the release, and the bed's other modules install the chart as
+    # `rlfleet` watching their own namespaces. Applied over theirs, the binding kept their
+    # namespace selector (apply removes only what it set itself) and matched no pool here.
+    documents = chart(
+        operators, "--set-json", f'watchNamespaces=["{namespace}"]', release=f"attacks-{suffix}"
+    )
     admission = [d for d in documents if d["kind"].startswith("ValidatingAdmissionPolicy")]
     world = Region(kube, namespace, operators, documents)
     assert world.create(envpool("stored-before", "runc")) is None
