@@ -25,7 +25,7 @@ from conftest import ROOT, Kubectl, wait_for
 from kubernetes.client.exceptions import ApiException
 
 from rlfleet.api.inferencepool import InferencePoolSpec
-from rlfleet.api.meta import COMPONENT_LABEL, RUN_LABEL
+from rlfleet.api.meta import API_VERSION, COMPONENT_LABEL, RUN_LABEL
 from rlfleet.operator.config import Images, NatsAccess, Workloads
 from rlfleet.operator.kube import FIELD_MANAGER, Kube, Ref
 from rlfleet.operator.workloads import (
@@ -47,6 +47,8 @@ VICTIM_TOKEN = "s3cr3t-of-another-team"  # what a Secret outside the operator's 
 MERGE = "application/merge-patch+json"
 NATS = NatsAccess(url="nats://nats.hub:4222", credentials_secret="rlfleet-nats")
 METRICS_PORT = Workloads().metrics_port
+HUB_IN_REGION = f"hub@{REGION}"
+RLRUNS = f"/apis/{API_VERSION}/namespaces/{{}}/rlruns"
 # Where the chart's default metrics scraper runs (`workloads.metricsScrapers`).
 MONITORING = {"kubernetes.io/metadata.name": "monitoring"}
 
@@ -58,7 +60,9 @@ def example(name: str) -> dict:
 @dataclass
 class Boundary:
     kubectl: Kubectl
-    operators: dict[str, Kube]  # each cluster's, with its operator's ServiceAccount token
+    # each cluster's, with its operator's ServiceAccount token; and HUB_IN_REGION, the
+    # identity the hub acts as in the region (the chart's hub-access account)
+    operators: dict[str, Kube]
     watched: str  # the namespace the operators watch (the chart's watchNamespaces)
     outside: str  # another team's namespace in the same clusters
 
@@ -157,6 +161,9 @@ def boundary(
             )
             for cluster in clusters
         }
+        operators[HUB_IN_REGION] = Kube.from_kubeconfig(
+            fleet.token_kubeconfig(REGION, f"{RELEASE}-hub"), REGION, timeout_s=30
+        )
         world = Boundary(kubectl, operators, watched, outside)
         for cluster in clusters:
             for namespace in (watched, outside):
@@ -277,6 +284,25 @@ def test_hub_operator_plants_a_secret_in_another_namespace(boundary: Boundary) -
     path = f"/api/v1/namespaces/{boundary.outside}/secrets"
     answer = boundary.attempt(HUB, "POST", path, planted, content_type="application/json")
     assert refused(answer), answer
+
+
+@pytest.mark.attack("kubernetes")
+def test_hub_identity_in_a_region_plants_a_secret_or_a_run_in_another_namespace(
+    boundary: Boundary,
+) -> None:
+    """The account a region lends the hub (its token sits in the hub's cluster, a WAN away)
+    writes Secrets and RLRuns: where the region's operators watch, nowhere else."""
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "planted"}}
+    run = example("rlrun") | {"metadata": {"name": "planted"}}
+    for path, body in (("/api/v1/namespaces/{}/secrets", secret), (RLRUNS, run)):
+        mine = boundary.attempt(
+            HUB_IN_REGION, "POST", path.format(boundary.watched), body, "application/json"
+        )
+        assert mine[0] == 200, mine  # a run's mirror and its NATS user Secret
+        theirs = boundary.attempt(
+            HUB_IN_REGION, "POST", path.format(boundary.outside), body, "application/json"
+        )
+        assert refused(theirs), theirs
 
 
 # --- what a run's pods are given ---------------------------------------------------------
