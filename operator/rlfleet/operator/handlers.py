@@ -145,6 +145,7 @@ def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -
             left = hub.delete(dict(body))
         if left:
             raise kopf.TemporaryError(f"left for a later try: {'; '.join(left)}", delay=5)
+        telemetry.forget("RLRun", namespace, name)
         # Trainer objects carry ownerReferences: the garbage collector takes them.
 
 

@@ -24,6 +24,7 @@ from opentelemetry import trace
 
 from rlfleet.api.meta import API_VERSION, ApiModel
 from rlfleet.api.schema import KINDS
+from rlfleet.operator import telemetry
 from rlfleet.operator.status import differs
 
 FIELD_MANAGER = "rlfleet-operator"
@@ -218,7 +219,13 @@ class Kube:
     def write_status(self, obj: dict, status: ApiModel) -> bool:
         """Merges the fields `status` was given into the object's status unless it already
         says so; returns whether it wrote. A resync that finds nothing new costs no write,
-        and no watch event for every operator and controller that watches the kind."""
+        and no watch event for every operator and controller that watches the kind. The
+        conditions given go to `rlfleet_operator_condition` either way."""
+        if "conditions" in status.model_fields_set:
+            meta = obj["metadata"]
+            telemetry.conditions(
+                obj["kind"], meta.get("namespace", ""), meta["name"], status.conditions
+            )
         patch = status.merge_patch()
         if not differs(obj.get("status"), patch):
             return False

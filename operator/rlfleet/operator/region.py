@@ -404,8 +404,10 @@ class Region:
             parse_time(old.reclaim_started_at), reclaiming, now(), spec, decision.total
         )
         events += clock.events
-        if clock.overdue:
-            events += forced_events(self._force(namespace, name), spec)
+        killed = self._force(namespace, name) if clock.overdue else 0
+        # Counted from 0 on, so that the first kill is an increase an alert sees.
+        telemetry.RECLAIM_DEADLINE_EXCEEDED.labels(namespace, name).inc(killed)
+        events += forced_events(killed, spec)
         running = _running(serving_pods)
         served = self._served_by((namespace, name), spec, running)
         seen = PoolSeen(load, traffic_problem, len(serving_pods), len(running), served)

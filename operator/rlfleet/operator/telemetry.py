@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from opentelemetry import trace
@@ -12,6 +13,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from rlfleet.api.meta import Condition
 
 RECONCILE_SECONDS = Histogram(
     "rlfleet_operator_reconcile_seconds",
@@ -30,8 +33,42 @@ REGION_REACHABLE = Gauge(
     "1 when the hub reached the region on its last try, per run",
     ["namespace", "run", "region"],
 )
+RECLAIM_DEADLINE_EXCEEDED = Counter(
+    "rlfleet_operator_reclaim_deadline_exceeded_total",
+    "Rollout pods killed because a reclaim outlasted the pool's reclaimDeadlineSeconds",
+    ["namespace", "pool"],
+)
+# Every condition the operator writes, so each one on-call acts on can be alerted on by
+# name; the reason is one CamelCase word of a fixed set, never the message.
+CONDITION = Gauge(
+    "rlfleet_operator_condition",
+    "1 when the object's condition is True, else 0 (False or Unknown: the reason says)",
+    ["kind", "namespace", "name", "type", "reason"],
+)
+_said: dict[tuple[str, str, str, str], str] = {}  # (kind, namespace, name, type) -> reason
+_said_lock = threading.Lock()
 
 tracer = trace.get_tracer("rlfleet.operator")
+
+
+def conditions(kind: str, namespace: str, name: str, written: Sequence[Condition]) -> None:
+    """The object's conditions as `rlfleet_operator_condition`; a condition's series under
+    its former reason goes, so one (kind, namespace, name, type) has one series."""
+    with _said_lock:
+        for c in written:
+            key = (kind, namespace, name, c.type)
+            former = _said.get(key)
+            if former is not None and former != c.reason:
+                CONDITION.remove(*key, former)
+            _said[key] = c.reason
+            CONDITION.labels(*key, c.reason).set(1 if c.status == "True" else 0)
+
+
+def forget(kind: str, namespace: str, name: str) -> None:
+    """Drops a deleted object's condition series."""
+    with _said_lock:
+        for key in [k for k in _said if k[:3] == (kind, namespace, name)]:
+            CONDITION.remove(*key, _said.pop(key))
 
 
 def start(role: str, cluster: str, metrics_port: int) -> None:
