@@ -11,6 +11,7 @@ from rlfleet.api.meta import (
     DNS_LABEL,
     ApiModel,
     Conditions,
+    Count,
     PrinterColumn,
     Quantity,
     ResourceKind,
@@ -27,6 +28,8 @@ ENVPOOL_NAME_RULE = cel(
 
 
 class SandboxTemplate(ApiModel):
+    """What each of the pool's pods runs: one session server holding sessionsPerPod sandboxes."""
+
     image: Annotated[
         str,
         Field(
@@ -50,16 +53,45 @@ class SandboxTemplate(ApiModel):
 class SandboxLimits(ApiModel):
     """One sandbox's; a pod asks for `sessionsPerPod` times these."""
 
-    cpu: Quantity = "1"
-    memory: Quantity = "2Gi"
-    ephemeral_storage: Quantity = "10Gi"
+    cpu: Annotated[
+        Quantity,
+        Field(
+            description=(
+                "A sandbox's share of its pod's CPU, in cores; each of its processes may use "
+                "this times timeoutSeconds of CPU time (RLIMIT_CPU)."
+            )
+        ),
+    ] = "1"
+    memory: Annotated[
+        Quantity,
+        Field(
+            description=(
+                "A sandbox's share of its pod's memory; also each of its processes' address "
+                "space limit (RLIMIT_AS)."
+            )
+        ),
+    ] = "2Gi"
+    ephemeral_storage: Annotated[
+        Quantity,
+        Field(description="Disk of one sandbox: the size of its working tree (a tmpfs)."),
+    ] = "10Gi"
     timeout_seconds: Annotated[
         int, Field(ge=1, le=86400, description="Wall-clock limit of one sandbox.")
     ] = 3600
 
 
 class SandboxNetwork(ApiModel):
-    egress: Literal["Deny", "Allow"] = "Deny"
+    """Where the pool's pods may connect to."""
+
+    egress: Annotated[
+        Literal["Deny", "Allow"],
+        Field(
+            description=(
+                "Deny: the pods' NetworkPolicy lets no connection out; Allow: it leaves "
+                "outgoing traffic alone."
+            )
+        ),
+    ] = "Deny"
 
 
 class EnvPoolSpec(ApiModel):
@@ -98,15 +130,57 @@ class EnvPoolSpec(ApiModel):
 class EnvPoolStatus(ApiModel):
     """Sandboxes as the pool's session servers count them (their `/healthz`)."""
 
-    observed_generation: Annotated[int, Field(ge=0)] | None = None
-    conditions: Conditions
-    pods: Annotated[int, Field(ge=0)] | None = None
-    ready: Annotated[int, Field(ge=0)] | None = None  # warm, waiting for a claim
-    claimed: Annotated[int, Field(ge=0)] | None = None
-    warming: Annotated[int, Field(ge=0)] | None = None  # and in pods not yet answering
-    bursting: Annotated[int, Field(ge=0)] | None = None  # room above warm, for demand
+    observed_generation: Annotated[
+        Count | None,
+        Field(description="The metadata.generation of the spec this status was written for."),
+    ] = None
+    conditions: Annotated[
+        Conditions,
+        Field(
+            description=(
+                "Ready: true once a session server answers; false, reason InvalidSpec, for a "
+                "spec this region will not run, which then gets no pod."
+            )
+        ),
+    ]
+    pods: Annotated[
+        Count | None, Field(description="The pool's session-server pods, not terminating.")
+    ] = None
+    ready: Annotated[
+        Count | None, Field(description="Warm sandboxes waiting for a claim, on all servers.")
+    ] = None
+    claimed: Annotated[
+        Count | None, Field(description="Sandboxes in a session (claimed), on all servers.")
+    ] = None
+    warming: Annotated[
+        Count | None,
+        Field(
+            description=(
+                "Sandboxes being made: those the servers say are warming, and sessionsPerPod "
+                "for each pod not answering yet or still to be made."
+            )
+        ),
+    ] = None
+    bursting: Annotated[
+        Count | None,
+        Field(
+            description=(
+                "Sandbox room in the pods above those the warm floor needs: what the pool "
+                "has grown for demand."
+            )
+        ),
+    ] = None
     # Since when the pool has wanted fewer pods than it has: at idleSeconds it scales back.
-    idle_since: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = None
+    idle_since: Annotated[
+        str | None,
+        Field(
+            description=(
+                "Since when the pool has wanted fewer pods than it runs; it scales back once "
+                "that has lasted idleSeconds, and clears this."
+            ),
+            json_schema_extra={"format": "date-time"},
+        ),
+    ] = None
 
 
 ENVPOOL = ResourceKind(

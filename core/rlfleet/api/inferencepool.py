@@ -15,6 +15,7 @@ from rlfleet.api.meta import (
     GROUP,
     ApiModel,
     Conditions,
+    Count,
     GpuType,
     PrinterColumn,
     ResourceKind,
@@ -46,7 +47,14 @@ def feedback_secret(pool: str) -> str:
 class ServingWorkload(ApiModel):
     """The production serving Deployment this pool scales down to lend and up to reclaim."""
 
-    deployment_name: Annotated[str, Field(min_length=1, max_length=253)]
+    deployment_name: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=253,
+            description="The serving Deployment, in the pool's namespace.",
+        ),
+    ]
     replicas: Annotated[
         int,
         Field(
@@ -55,7 +63,16 @@ class ServingWorkload(ApiModel):
             description="The pool's whole size: serving replicas when nothing is lent.",
         ),
     ]
-    gpus_per_replica: Annotated[int, Field(ge=1, le=16)]
+    gpus_per_replica: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=16,
+            description=(
+                "GPUs of one serving replica; a run's rollout pod on a lent one gets as many."
+            ),
+        ),
+    ]
     gpu_type: Annotated[
         GpuType | None,
         Field(
@@ -129,7 +146,20 @@ class TrafficSignal(ApiModel):
         ]
         | None
     ) = None
-    prometheus_query: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    prometheus_query: (
+        Annotated[
+            str,
+            Field(
+                min_length=1,
+                max_length=4096,
+                description=(
+                    "A PromQL query whose result, summed over its series, is the pool's load: "
+                    "with prometheusUrl, instead of metricsUrl."
+                ),
+            ),
+        ]
+        | None
+    ) = None
     prometheus_url: (
         Annotated[
             str,
@@ -153,9 +183,29 @@ class TrafficSignal(ApiModel):
 
 
 class OffPeakWindow(ApiModel):
-    start: Annotated[str, Field(pattern=HHMM)]
-    end: Annotated[str, Field(pattern=HHMM)]
-    time_zone: Annotated[str, Field(min_length=1, max_length=64)] = "UTC"
+    """A time of day when the pool may lend."""
+
+    start: Annotated[
+        str, Field(pattern=HHMM, description="When the window opens, HH:MM in timeZone.")
+    ]
+    end: Annotated[
+        str,
+        Field(
+            pattern=HHMM,
+            description="When it closes, HH:MM; an end before start runs past midnight.",
+        ),
+    ]
+    time_zone: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=64,
+            description=(
+                "The IANA time zone of start and end. A window in a zone of no such name "
+                "never opens, and the pool's Ready condition says so."
+            ),
+        ),
+    ] = "UTC"
 
 
 class InferencePoolSpec(ApiModel):
@@ -175,24 +225,73 @@ class InferencePoolSpec(ApiModel):
     min_serving_replicas: Annotated[
         int, Field(ge=0, le=100000, description="Serving never drops below this many replicas.")
     ]
-    max_lend_fraction: Annotated[float, Field(ge=0, le=1)] = 0.5
-    reclaim_deadline_seconds: Annotated[int, Field(ge=1, le=3600)] = 60
+    max_lend_fraction: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=1,
+            description="The most of serving.replicas lent at once, as a share (rounded down).",
+        ),
+    ] = 0.5
+    reclaim_deadline_seconds: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=3600,
+            description=(
+                "Seconds rollout pods on a reclaimed replica get to finish their groups "
+                "after SIGTERM; past it they are killed."
+            ),
+        ),
+    ] = 60
     traffic: TrafficSignal
-    off_peak_windows: Annotated[list[OffPeakWindow], Field(default_factory=list, max_length=24)]
+    off_peak_windows: Annotated[
+        list[OffPeakWindow],
+        Field(
+            default_factory=list,
+            max_length=24,
+            description=(
+                "When the pool may lend; outside them all it lends nothing and takes back "
+                "what it lent. Empty: at any time."
+            ),
+        ),
+    ]
 
 
 class LentToRun(ApiModel):
-    run: Annotated[str, Field(min_length=1, max_length=253)]
-    replicas: Annotated[int, Field(ge=0)]
+    run: Annotated[
+        str,
+        Field(min_length=1, max_length=253, description="The RLRun, in the pool's namespace."),
+    ]
+    replicas: Annotated[
+        Count,
+        Field(description="Serving replicas lent to it: one rollout pod of the run's on each."),
+    ]
 
 
 class ServedVersion(ApiModel):
     """Running serving replicas that say they serve one policy version of a run, in one
     set of the pool's servers (canary or stable)."""
 
-    run: Annotated[str, Field(min_length=1, max_length=253)]
-    replica_set: Annotated[str, Field(min_length=1, max_length=63)]
-    version: Annotated[int, Field(ge=0)]
+    run: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=253,
+            description=(
+                "The run whose versions they follow, by its key on NATS: <namespace>_<name>."
+            ),
+        ),
+    ]
+    replica_set: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=63,
+            description="The set of the pool's servers they are in: canary or stable.",
+        ),
+    ]
+    version: Annotated[Count, Field(description="The policy version they serve.")]
     digest: Annotated[
         str,
         Field(
@@ -200,15 +299,43 @@ class ServedVersion(ApiModel):
             description="The served state's digest; empty for a server's starting checkpoint.",
         ),
     ]
-    replicas: Annotated[int, Field(ge=1)]
+    replicas: Annotated[int, Field(ge=1, description="How many replicas say so.")]
 
 
 class InferencePoolStatus(ApiModel):
-    observed_generation: Annotated[int, Field(ge=0)] | None = None
-    conditions: Conditions
-    serving_replicas: Annotated[int, Field(ge=0)] | None = None
-    lent_replicas: Annotated[int, Field(ge=0)] | None = None
-    reclaiming_replicas: Annotated[int, Field(ge=0)] | None = None
+    observed_generation: Annotated[
+        Count | None,
+        Field(description="The metadata.generation of the spec this status was written for."),
+    ] = None
+    conditions: Annotated[
+        Conditions,
+        Field(
+            description=(
+                "Ready: the traffic signal was read (false, reason ServingNotFound, while the "
+                "serving Deployment is missing; InvalidSpec, for an off-peak window in an "
+                "unknown time zone). Lending: some replicas are lent, its reason the "
+                "decision's. Reclaiming: rollout pods are draining."
+            )
+        ),
+    ]
+    serving_replicas: Annotated[
+        Count | None,
+        Field(
+            description=("Serving pods running at the last reconcile, the canary set's included.")
+        ),
+    ] = None
+    lent_replicas: Annotated[
+        Count | None, Field(description="Serving replicas lent to runs, in all.")
+    ] = None
+    reclaiming_replicas: Annotated[
+        Count | None,
+        Field(
+            description=(
+                "Rollout pods on the pool's GPUs beyond what is lent: draining after SIGTERM, "
+                "until they finish or reclaimDeadlineSeconds passes."
+            )
+        ),
+    ] = None
     lent: Annotated[
         list[LentToRun],
         Field(
@@ -217,7 +344,15 @@ class InferencePoolStatus(ApiModel):
             description="Replicas lent to each run: the decision, recorded before it is acted on.",
         ),
     ]
-    observed_traffic: float | None = None
+    observed_traffic: Annotated[
+        float | None,
+        Field(
+            description=(
+                "The load the traffic signal read at the last reconcile, summed over the "
+                "serving pods; absent when it could not be read."
+            )
+        ),
+    ] = None
     served_versions: Annotated[
         list[ServedVersion],
         Field(
@@ -243,9 +378,16 @@ class InferencePoolStatus(ApiModel):
         ]
         | None
     ) = None
-    reclaim_started_at: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = (
-        None
-    )
+    reclaim_started_at: Annotated[
+        str | None,
+        Field(
+            description=(
+                "When the reclaim under way began: the first reconcile that found rollout "
+                "pods draining. Cleared once none is left."
+            ),
+            json_schema_extra={"format": "date-time"},
+        ),
+    ] = None
 
 
 INFERENCEPOOL = ResourceKind(

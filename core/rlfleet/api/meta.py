@@ -28,6 +28,7 @@ CONDITION_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 # A Kubernetes resource quantity such as 500m, 2Gi or 1.5.
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 Quantity = Annotated[str, Field(pattern=QUANTITY, max_length=64)]  # a resource quantity
+Count = Annotated[int, Field(ge=0)]  # a number of things, 0 or more
 # A GPU type: a value of the GPU-type node label (a label value, never empty).
 GpuType = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
@@ -63,14 +64,48 @@ class ApiModel(BaseModel):
 class Condition(ApiModel):
     """A metav1.Condition: the state of one aspect of an object."""
 
-    type: Annotated[str, Field(min_length=1, max_length=316)]
-    status: Literal["True", "False", "Unknown"]
-    reason: Annotated[str, Field(min_length=1, max_length=1024, pattern=CONDITION_REASON)]
-    message: Annotated[str, Field(max_length=32768)] = ""
-    last_transition_time: Annotated[str, Field(json_schema_extra={"format": "date-time"})]
-    observed_generation: Annotated[int, Field(ge=0)] | None = None
+    type: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=316,
+            description=(
+                "The aspect this condition is about, such as Ready; the list holds one per type."
+            ),
+        ),
+    ]
+    status: Annotated[
+        Literal["True", "False", "Unknown"],
+        Field(description="Whether it holds; Unknown while the operator cannot tell yet."),
+    ]
+    reason: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=1024,
+            pattern=CONDITION_REASON,
+            description="Why, as one CamelCase word that programs and alerts can match on.",
+        ),
+    ]
+    message: Annotated[
+        str, Field(max_length=32768, description="Why, in words for a person; may be empty.")
+    ] = ""
+    last_transition_time: Annotated[
+        str,
+        Field(
+            description=(
+                "When status last changed; a new reason or message alone leaves it as it is."
+            ),
+            json_schema_extra={"format": "date-time"},
+        ),
+    ]
+    observed_generation: Annotated[
+        Annotated[int, Field(ge=0)] | None,
+        Field(description="The metadata.generation of the spec this condition was set for."),
+    ] = None
 
 
+# Each kind's status describes its own conditions: the types it sets.
 Conditions = Annotated[
     list[Condition], Field(default_factory=list, json_schema_extra=map_list("type"))
 ]

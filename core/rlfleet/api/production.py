@@ -172,12 +172,24 @@ class GateSpec(ApiModel):
             "the candidate may be, shown at `confidence` (a paired bootstrap bound).",
         ),
     ] = 0.02
-    confidence: Confidence = 0.95
+    confidence: Annotated[
+        Confidence,
+        Field(description="The confidence of the paired bootstrap bound maxRegression is held to."),
+    ] = 0.95
     max_empty_increase: Annotated[
         Share, Field(description="More empty answers than the serving version, as a share.")
     ] = 0.02
-    min_length_ratio: Annotated[float, Field(ge=0, le=100)] = 0.5
-    max_length_ratio: Annotated[float, Field(gt=0, le=100)] = 2.0
+    min_length_ratio: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=100,
+            description=(
+                "The candidate's mean answer length over the serving version's: at least this."
+            ),
+        ),
+    ] = 0.5
+    max_length_ratio: Annotated[float, Field(gt=0, le=100, description="And at most this.")] = 2.0
     max_malformed_tool_calls: Annotated[
         Share, Field(description="Share of the candidate's tool calls that may be malformed.")
     ] = 0.05
@@ -310,22 +322,33 @@ Number = Annotated[int, Field(ge=1)]
 class FinishedCycleStatus(ApiModel):
     """One finished cycle: how it ended and why, with the numbers that decided it."""
 
-    number: Number
-    outcome: CycleOutcome
-    candidate_version: Count | None = None
-    reason: str
-    finished: Moment
+    number: Annotated[Number, Field(description="The cycle's number.")]
+    outcome: Annotated[CycleOutcome, Field(description="How it ended.")]
+    candidate_version: Annotated[
+        Count | None, Field(description="The candidate it trained; absent if none.")
+    ] = None
+    reason: Annotated[str, Field(description="Why it ended so, in the conductor's words.")]
+    finished: Annotated[Moment, Field(description="When it ended.")]
 
 
 class Dropped(ApiModel):
-    reason: str
-    count: Count
+    reason: Annotated[
+        str,
+        Field(
+            description=(
+                "no_signal: nobody answered within the window; user_cap: its user had given "
+                "maxPerUser already; no_baseline: nothing to compare it with; duplicate: a "
+                "second capture of one response."
+            )
+        ),
+    ]
+    count: Annotated[Count, Field(description="Completions left out for it.")]
 
 
 class CollectionStatus(ApiModel):
     """What the newest collected cycle took from production, as its collector reported."""
 
-    cycle: Number
+    cycle: Annotated[Number, Field(description="The cycle it collected for.")]
     captured: Annotated[Count, Field(description="Completions it took.")]
     with_feedback: Annotated[Count, Field(description="Of those, answered within the window.")]
     trained_on: Annotated[Count, Field(description="Trajectories it published for the trainer.")]
@@ -337,8 +360,13 @@ class CollectionStatus(ApiModel):
             json_schema_extra=map_list("reason"),
         ),
     ]
-    late_feedback: Count = 0
-    reward_mean: float
+    late_feedback: Annotated[
+        Count,
+        Field(description="Feedback events on them after the window: kept, not rewarded."),
+    ] = 0
+    reward_mean: Annotated[
+        float, Field(description="The mean reward of the completions it scored, in [-1, 1].")
+    ]
 
 
 class ProductionStatus(ApiModel):

@@ -122,8 +122,24 @@ class TrainerSpec(ApiModel):
         json_schema_extra={"x-kubernetes-validations": [STEP_SIZE_RULE, CLIP_RULE]}
     )
 
-    replicas: Annotated[int, Field(ge=1, le=4096)] = 1
-    gpus_per_replica: Annotated[int, Field(ge=0, le=16)] = 8
+    replicas: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=4096,
+            description=(
+                "Trainer pods, each a node of one distributed job; it trains once all are ready."
+            ),
+        ),
+    ] = 1
+    gpus_per_replica: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=16,
+            description="GPUs of each trainer pod, a training process on each; 0 trains on CPU.",
+        ),
+    ] = 8
     image: Annotated[
         Image | None, Field(description="Trainer image; the chart's default when unset.")
     ] = None
@@ -299,9 +315,29 @@ class RegionDemand(ApiModel):
         }
     )
 
-    name: Name
-    min_gpus: Annotated[int, Field(ge=0, le=100000)] = 0
-    max_gpus: Annotated[int, Field(ge=1, le=100000)]
+    name: Annotated[
+        Name,
+        Field(description="The region: the cluster name its region operator runs under."),
+    ]
+    min_gpus: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=100000,
+            description=(
+                "Rollout GPUs the run needs there: pools lend every run its floor before more, "
+                "and under it the run's RolloutsDegraded condition is true (BelowMinGpus)."
+            ),
+        ),
+    ] = 0
+    max_gpus: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=100000,
+            description="The most rollout GPUs the run borrows there, from all its pools together.",
+        ),
+    ]
     inference_pools: Annotated[
         list[Name],
         Field(
@@ -364,7 +400,13 @@ class RolloutSpec(ApiModel):
         ),
     ] = None
     regions: Annotated[
-        list[RegionDemand], Field(min_length=1, max_length=64, json_schema_extra=map_list("name"))
+        list[RegionDemand],
+        Field(
+            min_length=1,
+            max_length=64,
+            json_schema_extra=map_list("name"),
+            description="Where rollouts run: per region, the GPUs the run wants and whose.",
+        ),
     ]
     uniform_group_revisit: Annotated[
         float,
@@ -427,11 +469,22 @@ class RolloutSpec(ApiModel):
 
 
 class NatsEndpoint(ApiModel):
-    region: Name
-    url: Annotated[str, Field(max_length=2048, pattern=r"^(nats|tls)://")]
+    """One region's NATS server, for the rollout pods there."""
+
+    region: Annotated[Name, Field(description="The region, one of rollout.regions.")]
+    url: Annotated[
+        str,
+        Field(
+            max_length=2048,
+            pattern=r"^(nats|tls)://",
+            description="Where the region's rollout pods connect to NATS: nats:// or tls://.",
+        ),
+    ]
 
 
 class WeightSyncSpec(ApiModel):
+    """How the trainer's policy versions reach the regions, over NATS."""
+
     snapshot_interval: Annotated[
         int, Field(ge=1, le=10000, description="A full snapshot every N versions.")
     ] = 20
@@ -476,8 +529,28 @@ class RewardSpec(ApiModel):
         }
     )
 
-    kind: Literal["exactAnswer", "hiddenTests", "judge"]
-    weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
+    kind: Annotated[
+        Literal["exactAnswer", "hiddenTests", "judge"],
+        Field(
+            description=(
+                "What earns it, on tasks that have it: exactAnswer, the task's answer "
+                "(whitespace aside); hiddenTests, the task's tests passing in a fresh sandbox "
+                "of the run's EnvPool; judge, a model's mean 0-10 score on the task's rubric, "
+                "divided by 10."
+            )
+        ),
+    ]
+    weight: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=1000,
+            description=(
+                "A task's reward is the weighted mean of the kinds that apply to it; a kind "
+                "not listed weighs nothing."
+            ),
+        ),
+    ] = 1.0
     endpoint: (
         Annotated[
             str,
@@ -489,7 +562,17 @@ class RewardSpec(ApiModel):
         ]
         | None
     ) = None
-    judge_model: Annotated[str, Field(min_length=1, max_length=253)] | None = None
+    judge_model: (
+        Annotated[
+            str,
+            Field(
+                min_length=1,
+                max_length=253,
+                description="The model the judge's endpoint serves, named in each request.",
+            ),
+        ]
+        | None
+    ) = None
 
 
 class EvaluationGate(ApiModel):
@@ -512,8 +595,28 @@ class EvaluationGate(ApiModel):
         str,
         Field(min_length=1, max_length=253, description="A shipped suite's name, or a path."),
     ]
-    every_versions: Annotated[int, Field(ge=1, le=10000)] = 10
-    min_reward: Annotated[float, Field(ge=0, le=1)] = 0.0
+    every_versions: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=10000,
+            description=(
+                "The evaluator scores a version once it is this many past the last it scored;"
+                " a production run's scores what its cycles ask for instead."
+            ),
+        ),
+    ] = 10
+    min_reward: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=1,
+            description=(
+                "The floor: a version scored under it fails the run, which then stops as if "
+                "suspended."
+            ),
+        ),
+    ] = 0.0
     target_reward: Annotated[
         float | None,
         Field(gt=0, le=1, description="Stop, succeeded, once a version scores this much."),
@@ -619,7 +722,15 @@ class RLRunSpec(ApiModel):
             description="Runs with higher priority borrow GPUs first and give them back last.",
         ),
     ] = 0
-    suspend: bool = False
+    suspend: Annotated[
+        bool,
+        Field(
+            description=(
+                "Stops the run and keeps it: its pods in the hub scale to zero and the "
+                "regions take back the GPUs lent to it. False resumes it."
+            )
+        ),
+    ] = False
 
     @model_validator(mode="after")
     def _source_rules(self) -> RLRunSpec:
@@ -658,12 +769,33 @@ Count = Annotated[int, Field(ge=0)]
 class RegionStatus(ApiModel):
     """Rollout GPUs of the run in one region, as that region's operator last reported."""
 
-    name: Name
-    reachable: bool = True
-    requested: Count = 0
-    lent: Count = 0
-    running: Count = 0
-    last_seen: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = None
+    name: Annotated[Name, Field(description="The region.")]
+    reachable: Annotated[
+        bool,
+        Field(
+            description=(
+                "False once the region has been silent for the hub's region timeout, or at "
+                "once when it refuses the hub's credentials; its GPUs then count in no total."
+            )
+        ),
+    ] = True
+    requested: Annotated[
+        Count, Field(description="The most rollout GPUs the run asks of it (maxGpus there).")
+    ] = 0
+    lent: Annotated[Count, Field(description="GPUs its InferencePools lend the run.")] = 0
+    running: Annotated[
+        Count, Field(description="GPUs of the run's running rollout pods there.")
+    ] = 0
+    last_seen: Annotated[
+        str | None,
+        Field(
+            description=(
+                "When the region last answered the hub; rewritten at most once a minute while "
+                "it answers."
+            ),
+            json_schema_extra={"format": "date-time"},
+        ),
+    ] = None
     gpu_types_unserved: Annotated[
         str | None,
         Field(
@@ -687,7 +819,7 @@ class RegionStatus(ApiModel):
 class WeightSyncStatus(ApiModel):
     """The trainer's newest publish of its weights to the hub; regions' mirrors get it later."""
 
-    version: Count
+    version: Annotated[Count, Field(description="The policy version published.")]
     bytes: Annotated[
         Count, Field(description="Encoded bytes a receiver one version behind fetches.")
     ]
@@ -706,19 +838,57 @@ class WeightSyncStatus(ApiModel):
 class EvaluationStatus(ApiModel):
     """The evaluator's newest score, which the evaluation gate holds the run to."""
 
-    version: Count
-    reward: Annotated[float, Field(ge=0, le=1)]
-    pass_at_k: Annotated[float, Field(ge=0, le=1)]
-    suite: str
-    time: Annotated[str, Field(json_schema_extra={"format": "date-time"})] | None = None
+    version: Annotated[Count, Field(description="The policy version scored.")]
+    reward: Annotated[
+        float,
+        Field(ge=0, le=1, description="Its mean reward over every attempt at every task."),
+    ]
+    pass_at_k: Annotated[
+        float,
+        Field(ge=0, le=1, description="The share of tasks some attempt got right (pass@k)."),
+    ]
+    suite: Annotated[str, Field(description="The suite it was scored on.")]
+    time: Annotated[
+        str | None,
+        Field(
+            description="When the evaluator finished scoring it.",
+            json_schema_extra={"format": "date-time"},
+        ),
+    ] = None
 
 
 class RLRunStatus(ApiModel):
-    phase: Literal["Pending", "Running", "Suspended", "Succeeded", "Failed"] | None = None
-    observed_generation: Annotated[int, Field(ge=0)] | None = None
-    conditions: Conditions
-    policy_version: Count | None = None
-    trainer_step: Count | None = None
+    phase: Annotated[
+        Literal["Pending", "Running", "Suspended", "Succeeded", "Failed"] | None,
+        Field(
+            description=(
+                "Pending until every trainer pod is ready, then Running; Suspended while "
+                "spec.suspend is true; Failed or Succeeded once a score meets the evaluation "
+                "gate's floor or target, which holds the run."
+            )
+        ),
+    ] = None
+    observed_generation: Annotated[
+        Count | None,
+        Field(description="The metadata.generation of the spec this status was written for."),
+    ] = None
+    conditions: Annotated[
+        Conditions,
+        Field(
+            description=(
+                "Ready, Training, RolloutsDegraded and Suspended; WeightSyncStalled once it "
+                "has been said; Failed under an evaluation gate, and Succeeded with its "
+                "targetReward; Progressing and Promoted in a production run."
+            )
+        ),
+    ]
+    policy_version: Annotated[
+        Count | None,
+        Field(description="The policy version the trainer's newest step published."),
+    ] = None
+    trainer_step: Annotated[
+        Count | None, Field(description="Optimiser steps the trainer has taken.")
+    ] = None
     staleness: Annotated[
         Count | None,
         Field(
@@ -728,12 +898,38 @@ class RLRunStatus(ApiModel):
             )
         ),
     ] = None
-    trajectories_dropped_stale: Count | None = None
-    trainer_replicas: Count | None = None
-    gpus_lent: Count | None = None
-    gpus_running: Count | None = None
+    trajectories_dropped_stale: Annotated[
+        Count | None,
+        Field(
+            description=(
+                "Trajectories the trainer has dropped in all for arriving more than "
+                "maxStaleness versions old."
+            )
+        ),
+    ] = None
+    trainer_replicas: Annotated[Count | None, Field(description="Trainer pods ready.")] = None
+    gpus_lent: Annotated[
+        Count | None,
+        Field(
+            description=(
+                "Rollout GPUs lent to the run by the regions the hub reaches, in all (on a "
+                "region's mirror of the run, that region's)."
+            )
+        ),
+    ] = None
+    gpus_running: Annotated[
+        Count | None,
+        Field(description="GPUs of the run's running rollout pods, counted the same way."),
+    ] = None
     regions: Annotated[
-        list[RegionStatus], Field(default_factory=list, json_schema_extra=map_list("name"))
+        list[RegionStatus],
+        Field(
+            default_factory=list,
+            json_schema_extra=map_list("name"),
+            description=(
+                "Each region's report, as the hub last read it from the run's mirror there."
+            ),
+        ),
     ]
     last_weight_sync: WeightSyncStatus | None = None
     last_evaluation: EvaluationStatus | None = None

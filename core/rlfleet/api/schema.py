@@ -13,7 +13,7 @@ import yaml
 
 from rlfleet.api.envpool import ENVPOOL
 from rlfleet.api.inferencepool import INFERENCEPOOL
-from rlfleet.api.meta import CATEGORY, GROUP, VERSION, ApiModel, ResourceKind
+from rlfleet.api.meta import API_VERSION, CATEGORY, GROUP, VERSION, ApiModel, ResourceKind
 from rlfleet.api.rlrun import RLRUN
 
 KINDS: tuple[ResourceKind, ...] = (RLRUN, INFERENCEPOOL, ENVPOOL)
@@ -87,6 +87,12 @@ def model_schema(model: type[ApiModel]) -> dict[str, Any]:
     return _structural(raw, raw.get("$defs", {}))
 
 
+def _described(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    """A spec's or status's schema under the standard description, its model's after it."""
+    own = schema.pop("description", None)
+    return {"description": f"{description} {own}" if own else description, **schema}
+
+
 def crd(kind: ResourceKind) -> dict[str, Any]:
     """The CustomResourceDefinition manifest of one kind."""
     schema = {
@@ -94,11 +100,25 @@ def crd(kind: ResourceKind) -> dict[str, Any]:
         "description": kind.description,
         "required": ["spec"],
         "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": model_schema(kind.spec),
-            "status": model_schema(kind.status),
+            "apiVersion": {
+                "type": "string",
+                "description": f"The versioned schema of this object: {API_VERSION}.",
+            },
+            "kind": {
+                "type": "string",
+                "description": f"The REST resource this object represents: {kind.kind}.",
+            },
+            "metadata": {
+                "type": "object",
+                "description": "Standard object metadata: name, namespace, labels, annotations.",
+            },
+            "spec": _described(
+                model_schema(kind.spec), f"The desired state of this {kind.kind}, set by its user."
+            ),
+            "status": _described(
+                model_schema(kind.status),
+                f"The observed state of this {kind.kind}, written by the rlfleet operator.",
+            ),
         },
     }
     if kind.rules:
