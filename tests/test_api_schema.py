@@ -13,14 +13,17 @@ from rlfleet.api.inferencepool import INFERENCEPOOL
 from rlfleet.api.meta import API_VERSION
 from rlfleet.api.rlrun import RLRUN
 from rlfleet.api.schema import KINDS, crd
-from rlfleet.cli.crds import stale
+from rlfleet.cli.crds import generated
+from rlfleet.cli.generated import stale
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = {"rlrun.yaml": RLRUN, "inferencepool.yaml": INFERENCEPOOL, "envpool.yaml": ENVPOOL}
 
 
 def test_crd_files_match_the_models() -> None:
-    assert stale(ROOT) == [], "the CRDs drifted from rlfleet.api: run `rlfleet crds generate`"
+    assert stale(generated(ROOT)) == [], (
+        "the CRDs drifted from rlfleet.api: run `rlfleet crds generate`"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))

@@ -18,7 +18,7 @@ from typing import Any
 
 from rlfleet.api.meta import API_VERSION, CATEGORY
 from rlfleet.api.schema import KINDS, VALIDATIONS, crd
-from rlfleet.cli.commands import add_group
+from rlfleet.cli import generated as generated_files
 
 REFERENCE = Path("docs/reference")
 GENERATED = "<!-- Generated from the code by `rlfleet docs generate`; do not edit. -->"
@@ -239,45 +239,11 @@ def generated(root: Path) -> dict[Path, str]:
     return pages
 
 
-def generate(root: Path) -> list[Path]:
-    for path, text in generated(root).items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return list(generated(root))
-
-
-def stale(root: Path) -> list[Path]:
-    """The reference pages under root that differ from what the models generate."""
-    return [
-        path
-        for path, text in generated(root).items()
-        if not path.is_file() or path.read_text() != text
-    ]
-
-
-def _generate(args: argparse.Namespace) -> int:
-    for path in generate(args.root):
-        print(f"wrote {path}")
-    return 0
-
-
-def _check(args: argparse.Namespace) -> int:
-    drifted = stale(args.root)
-    for path in drifted:
-        print(f"{path} is out of date: run `rlfleet docs generate`")
-    return 1 if drifted else 0
-
-
 def register(groups: argparse._SubParsersAction) -> None:
-    add_group(
+    generated_files.register(
         groups,
         "docs",
         "the API and command-line reference in docs/reference, generated",
-        [
-            ("generate", _generate, "write the reference pages"),
-            ("check", _check, "fail if the reference pages drifted from the code"),
-        ],
-        lambda command: command.add_argument(
-            "--root", type=Path, default=Path(), help="the repository root"
-        ),
+        "the reference pages",
+        generated,
     )
