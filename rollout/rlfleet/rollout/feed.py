@@ -109,10 +109,10 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
         js = nc.jetstream(domain=config.jetstream_domain)
         for stream in (task_stream(config.run), step_stream(config.run)):
             await bind_stream(js, stream)
-        replayed = await _replay_outcomes(js, config.run, curriculum)
+        replayed, newest = await _replay_outcomes(js, config.run, curriculum)
         if replayed:
             log.info("the curriculum learnt from %d earlier step reports", replayed)
-        following.append(asyncio.create_task(_follow_steps(nc, js, config.run, trainer)))
+        following.append(asyncio.create_task(_follow_steps(nc, js, config.run, trainer, newest)))
         # Tasks an earlier feed left count against the quotas, as published last.
         state = await _queue_state(js, config.run)
         for target in admission.admit(state.messages):
@@ -152,10 +152,12 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
         await nc.close()
 
 
-async def _follow_steps(nc, js: JetStreamContext, run: str, trainer: _Trainer) -> None:
-    """Hands the trainer's step reports to `trainer`: the newest there is (its version
-    now), then each after it, read by direct gets (the feed makes no consumer); a report
-    published wakes it, else it looks every `STEP_POLL_S`."""
+async def _follow_steps(nc, js: JetStreamContext, run: str, trainer: _Trainer, newest: int) -> None:
+    """Hands the trainer's step reports to `trainer`: the newest report there was at the
+    start (sequence `newest`, 0 for none: the trainer's version now; not merely the
+    newest message, which may be no report), then each after it, read by direct gets
+    (the feed makes no consumer); a report published wakes it, else it looks every
+    `STEP_POLL_S`."""
     stream, subject = step_stream(run), step_subject(run)
     published = asyncio.Event()
 
@@ -164,8 +166,7 @@ async def _follow_steps(nc, js: JetStreamContext, run: str, trainer: _Trainer) -
 
     subscription = await nc.subscribe(subject, cb=wake)
     try:
-        state = (await patiently(lambda: js.stream_info(stream), "reading step reports")).state
-        seen = max(0, state.last_seq - 1) if state.messages else 0
+        seen = max(0, newest - 1)
         while True:
             try:
                 async for message in messages(js, stream, subject, after=seen):
@@ -180,23 +181,23 @@ async def _follow_steps(nc, js: JetStreamContext, run: str, trainer: _Trainer) -
         await subscription.unsubscribe()
 
 
-async def _replay_outcomes(js, run: str, curriculum: Curriculum) -> int:
+async def _replay_outcomes(js, run: str, curriculum: Curriculum) -> tuple[int, int]:
     """Teaches the curriculum what every step report the stream keeps says of its tasks,
     so a restarted feed does not ask again what a group already showed settled. Returns
-    how many reports it read."""
+    how many reports it read and the newest one's sequence (0: none)."""
     state = (await js.stream_info(step_stream(run))).state
     if not state.messages:
-        return 0
-    read = 0
+        return 0, 0
+    read = newest = 0
     async for message in messages(js, step_stream(run), step_subject(run)):
         try:
             curriculum.observe(decode_step_report(message.data).outcomes)
-            read += 1
+            read, newest = read + 1, message.seq or newest
         except msgspec.DecodeError as error:
             log.warning("step report %d skipped: %s", message.seq, error)
         if (message.seq or 0) >= state.last_seq:
             break
-    return read
+    return read, newest
 
 
 async def _queue_state(js, run: str) -> StreamState:
