@@ -63,7 +63,8 @@ def test_schema_is_structural() -> None:
 
 
 def test_every_field_has_a_description() -> None:
-    """`kubectl explain` and docs/reference show each field's description: none is blank."""
+    """`kubectl explain` and docs/reference show each field's description: none is blank
+    but metadata's, which the API server refuses to have described (its schema is its own)."""
 
     def walk(node: dict, path: str) -> list[str]:
         missing = []
@@ -81,6 +82,7 @@ def test_every_field_has_a_description() -> None:
         field
         for kind in KINDS
         for field in walk(crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"], kind.kind)
+        if field != f"{kind.kind}.metadata"
     ]
     assert missing == [], f"{len(missing)} fields without a description: {missing}"
 

@@ -108,10 +108,8 @@ def crd(kind: ResourceKind) -> dict[str, Any]:
                 "type": "string",
                 "description": f"The REST resource this object represents: {kind.kind}.",
             },
-            "metadata": {
-                "type": "object",
-                "description": "Standard object metadata: name, namespace, labels, annotations.",
-            },
+            # The API server takes nothing but the type here: metadata is its own schema.
+            "metadata": {"type": "object"},
             "spec": _described(
                 model_schema(kind.spec), f"The desired state of this {kind.kind}, set by its user."
             ),
