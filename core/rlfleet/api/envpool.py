@@ -12,6 +12,7 @@ from rlfleet.api.meta import (
     ApiModel,
     Conditions,
     Count,
+    ObservedGeneration,
     PrinterColumn,
     Quantity,
     ResourceKind,
@@ -130,10 +131,7 @@ class EnvPoolSpec(ApiModel):
 class EnvPoolStatus(ApiModel):
     """Sandboxes as the pool's session servers count them (their `/healthz`)."""
 
-    observed_generation: Annotated[
-        Count | None,
-        Field(description="The metadata.generation of the spec this status was written for."),
-    ] = None
+    observed_generation: ObservedGeneration = None
     conditions: Annotated[
         Conditions,
         Field(

@@ -17,6 +17,7 @@ from rlfleet.api.meta import (
     Conditions,
     Count,
     GpuType,
+    ObservedGeneration,
     PrinterColumn,
     ResourceKind,
     cel,
@@ -303,10 +304,7 @@ class ServedVersion(ApiModel):
 
 
 class InferencePoolStatus(ApiModel):
-    observed_generation: Annotated[
-        Count | None,
-        Field(description="The metadata.generation of the spec this status was written for."),
-    ] = None
+    observed_generation: ObservedGeneration = None
     conditions: Annotated[
         Conditions,
         Field(

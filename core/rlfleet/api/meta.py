@@ -109,6 +109,11 @@ class Condition(ApiModel):
 Conditions = Annotated[
     list[Condition], Field(default_factory=list, json_schema_extra=map_list("type"))
 ]
+# Every kind's status says which spec it was written for.
+ObservedGeneration = Annotated[
+    Count | None,
+    Field(description="The metadata.generation of the spec this status was written for."),
+]
 
 
 @dataclass(frozen=True)

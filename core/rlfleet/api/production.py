@@ -13,7 +13,7 @@ from typing import Annotated
 
 from pydantic import ConfigDict, Field, model_validator
 
-from rlfleet.api.meta import DNS_LABEL, ApiModel, cel, map_list
+from rlfleet.api.meta import DNS_LABEL, ApiModel, Count, cel, map_list
 from rlfleet.api.wire import CYCLE_HISTORY, CycleOutcome, CyclePhase, FeedbackKind
 
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
@@ -315,7 +315,6 @@ class ProductionSpec(ApiModel):
 
 
 Moment = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
-Count = Annotated[int, Field(ge=0)]
 Number = Annotated[int, Field(ge=1)]
 
 

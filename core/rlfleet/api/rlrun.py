@@ -12,7 +12,9 @@ from rlfleet.api.meta import (
     DNS_LABEL,
     ApiModel,
     Conditions,
+    Count,
     GpuType,
+    ObservedGeneration,
     PrinterColumn,
     Quantity,
     ResourceKind,
@@ -763,9 +765,6 @@ class RLRunSpec(ApiModel):
         return self.evaluation.suite
 
 
-Count = Annotated[int, Field(ge=0)]
-
-
 class RegionStatus(ApiModel):
     """Rollout GPUs of the run in one region, as that region's operator last reported."""
 
@@ -868,10 +867,7 @@ class RLRunStatus(ApiModel):
             )
         ),
     ] = None
-    observed_generation: Annotated[
-        Count | None,
-        Field(description="The metadata.generation of the spec this status was written for."),
-    ] = None
+    observed_generation: ObservedGeneration = None
     conditions: Annotated[
         Conditions,
         Field(
