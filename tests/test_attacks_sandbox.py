@@ -32,7 +32,6 @@ from kubernetes.client.exceptions import ApiException
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import API_VERSION
 from rlfleet.launch.settings import Limits, ServerConfig
-from rlfleet.local.binaries import binary
 from rlfleet.operator.config import OperatorConfig, Workloads
 from rlfleet.operator.kube import Kube, Ref
 from rlfleet.operator.region import Region as RegionOperator
@@ -40,6 +39,7 @@ from rlfleet.operator.workloads import ENVPOOL_PORT, mirror, rollout_deployment
 from rlfleet.rollout import envsessions
 from rlfleet.rollout.envclient import EnvClient, EnvServerError, LocalServer
 from rlfleet.testbed.bed import BedInfo
+from rlfleet.testbed.fleet import rendered_chart
 
 LIMITS = Limits(
     disk_bytes=8 << 20,
@@ -347,18 +347,11 @@ POOL = "sandboxes"
 
 def chart(namespace: str, *values: str, release: str = "rlfleet") -> list[dict]:
     """The chart as the real helm renders it for a region in `namespace`."""
-    rendered = subprocess.run(
-        [
-            binary("helm"),
-            *("template", release, str(ROOT / "helm" / "rlfleet"), "-n", namespace),
-            *("--set", "role=region", "--set", f"cluster={REGION}", "--set", "crds.install=false"),
-            *values,
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return [d for d in yaml.safe_load_all(rendered) if d]
+    return rendered_chart(
+        *("-n", namespace, "--set", "role=region", "--set", f"cluster={REGION}"),
+        *("--set", "crds.install=false", *values),
+        release=release,
+    )
 
 
 def operator_config(documents: list[dict]) -> OperatorConfig:

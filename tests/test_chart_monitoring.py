@@ -7,16 +7,14 @@ from __future__ import annotations
 import importlib
 import json
 import re
-import subprocess
 
-import yaml
 from conftest import ROOT
 from prometheus_client import REGISTRY
 
 from rlfleet.api.meta import API_VERSION, Condition
-from rlfleet.local.binaries import binary
 from rlfleet.operator import telemetry
 from rlfleet.operator.kube import Kube
+from rlfleet.testbed.fleet import rendered_chart
 
 # Every module that defines a component's Prometheus metrics.
 METRIC_MODULES = (
@@ -69,14 +67,7 @@ def named(expr: str) -> set[str]:
 
 
 def render(*values: str) -> list[dict]:
-    out = subprocess.run(
-        [binary("helm"), "template", "r", str(ROOT / "helm" / "rlfleet"), *values],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
+    return rendered_chart(*values, release="r")
 
 
 def anchors() -> set[str]:

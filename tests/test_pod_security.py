@@ -9,7 +9,6 @@ read-only root wherever the process can live with one."""
 from __future__ import annotations
 
 import json
-import subprocess
 import uuid
 from collections.abc import Iterator
 
@@ -20,7 +19,6 @@ from kubernetes.client.exceptions import ApiException
 
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import COMPONENT_LABEL
-from rlfleet.local.binaries import binary
 from rlfleet.operator.config import Images, NatsAccess, Workloads
 from rlfleet.operator.kube import Kube
 from rlfleet.operator.workloads import (
@@ -31,6 +29,7 @@ from rlfleet.operator.workloads import (
     rollout_deployment,
 )
 from rlfleet.testbed.bed import BedInfo
+from rlfleet.testbed.fleet import rendered_chart
 
 pytestmark = pytest.mark.bed
 
@@ -88,14 +87,7 @@ def chart_pod_specs(namespace: str) -> dict[str, dict]:
     specs = {}
     for role in ("hub", "region"):
         values = ["-n", namespace, "--set", f"role={role}", "--set", "crds.install=false"]
-        rendered = subprocess.run(
-            [binary("helm"), "template", "rlfleet", str(ROOT / "helm" / "rlfleet"), *values],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=60,
-        ).stdout
-        (deployment,) = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Deployment"]
+        (deployment,) = [d for d in rendered_chart(*values) if d["kind"] == "Deployment"]
         specs[f"operator-{role}"] = deployment["spec"]["template"]["spec"]
     return specs
 

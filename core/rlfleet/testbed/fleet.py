@@ -149,6 +149,19 @@ class TrafficServer:
         self.server.shutdown()
 
 
+def rendered_chart(*values: str, release: str = RELEASE) -> list[dict]:
+    """The chart's documents as the real helm renders them with `values` (helm template
+    arguments: --namespace, --set, ...), no cluster involved."""
+    rendered = subprocess.run(
+        [binary("helm"), "template", release, str(CHART), *values],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    return [d for d in yaml.safe_load_all(rendered) if d]
+
+
 @dataclass
 class Fleet:
     bed: BedInfo

@@ -11,15 +11,11 @@ operators' tests never needed.
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from rlfleet.local.binaries import binary
-from rlfleet.testbed.fleet import CHART, RELEASE, RELEASE_NAMESPACE
+from rlfleet.testbed.fleet import RELEASE_NAMESPACE, rendered_chart
 from rlfleet.testbed.kube import audit_log
 
 _ACCOUNT = f"system:serviceaccount:{RELEASE_NAMESPACE}:"
@@ -44,17 +40,9 @@ def chart_rbac(role: str, watch: Sequence[str] = ()) -> list[dict]:
     """The RBAC objects of the chart installed with `role` (hub or region), watching the
     namespaces `watch` (none: every namespace)."""
     watched = [f"--set=watchNamespaces={{{','.join(watch)}}}"] if watch else []
-    rendered = subprocess.run(
-        [
-            *(binary("helm"), "template", RELEASE, str(CHART)),
-            *(f"--namespace={RELEASE_NAMESPACE}", f"--set=role={role}", *watched),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    documents = rendered_chart(f"--namespace={RELEASE_NAMESPACE}", f"--set=role={role}", *watched)
     kinds = ("ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding")
-    return [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in kinds]
+    return [d for d in documents if d["kind"] in kinds]
 
 
 def chart_grants(role: str, watch: Sequence[str] = ()) -> set[Grant]:
