@@ -76,6 +76,16 @@ async def _client(server: NatsServer | str, credentials: str | Path, **options) 
     return await auth.connect(url, credentials, allow_reconnect=False, connect_timeout=5, **options)
 
 
+async def _logs_in(server: NatsServer | str, credentials: str | Path) -> bool:
+    """Whether the server lets a client in with `credentials`."""
+    try:
+        nc = await _client(server, credentials)
+    except REFUSED:
+        return False
+    await nc.close()
+    return True
+
+
 async def _admin(victim: Victim) -> nats.NATS:
     return await victim.hub.connect()
 
@@ -228,12 +238,7 @@ def test_an_expired_credential_logs_in(victim: Victim) -> None:
 
     async def attack() -> bool:
         await asyncio.sleep(2.5)  # the JWT's `exp` is in whole seconds
-        try:
-            nc = await _client(victim.hub, leaked)
-        except REFUSED:
-            return False
-        await nc.close()
-        return True
+        return await _logs_in(victim.hub, leaked)
 
     assert not asyncio.run(attack())
 
@@ -289,15 +294,7 @@ def test_a_deleted_runs_credential_logs_in(nats_servers: StandaloneNats) -> None
     leaked = nats_servers.bed.run_user(run, BusRole.ROLLOUT, incarnation=uid)
     assert len(_revoke(nats_servers, uid)) == 2  # the hub and the leaf node took it
 
-    async def attack() -> bool:
-        try:
-            nc = await _client(nats_servers.bed.leaves[nats_servers.region], leaked)
-        except REFUSED:
-            return False
-        await nc.close()
-        return True
-
-    assert not asyncio.run(attack())
+    assert not asyncio.run(_logs_in(nats_servers.bed.leaves[nats_servers.region], leaked))
 
 
 @pytest.mark.attack("nats")
@@ -410,12 +407,4 @@ def test_a_leaf_nodes_login_connects_as_a_client(victim: Victim) -> None:
     then be whatever that login may be."""
     login = Path(victim.hub.credentials).parent / f"leaf-{victim.servers.region}.creds"
 
-    async def attack() -> bool:
-        try:
-            nc = await _client(victim.hub, login.read_text())
-        except REFUSED:
-            return False
-        await nc.close()
-        return True
-
-    assert not asyncio.run(attack())
+    assert not asyncio.run(_logs_in(victim.hub, login.read_text()))
