@@ -4,6 +4,7 @@ stopping) or SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -59,3 +60,14 @@ def run_until_signalled(loop: Callable[[asyncio.Event], Awaitable[None]]) -> Non
         await loop(stop)
 
     asyncio.run(running())
+
+
+async def wait_set(event: asyncio.Event, seconds: float) -> bool:
+    """Waits up to `seconds` for `event`; whether it is set. Every loop that sleeps until
+    woken waits so, not by `asyncio.wait_for(event.wait(), seconds)`: on Python 3.11 that
+    swallows a cancel which arrives as the event is set (CPython gh-86296), and a loop
+    stopped by cancelling it then runs on forever (a feed's shutdown hung so in CI)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    return event.is_set()

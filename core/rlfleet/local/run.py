@@ -56,6 +56,7 @@ from rlfleet.bus.streams import (
 from rlfleet.launch import EVALUATION, WARMUP
 from rlfleet.launch.caches import own_caches
 from rlfleet.launch.settings import to_json
+from rlfleet.launch.stopping import wait_set
 from rlfleet.local import plan, realtime, report
 from rlfleet.local.nats import NatsBed, start_nats
 from rlfleet.local.processes import Supervisor, stop_pids
@@ -213,8 +214,7 @@ async def follow(
                 plane.check_alive()
                 if first_step is None and time.monotonic() - launched > STARTUP_LIMIT_S:
                     raise TimeoutError(f"no training step in {STARTUP_LIMIT_S}s; see the logs")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 1.0)
+                await wait_set(stop, 1.0)
                 live.update(shown())
     finally:
         await nc.close()

@@ -17,7 +17,6 @@ conductor killed between the two repeats the transition and changes nothing twic
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 import time
@@ -59,7 +58,7 @@ from rlfleet.bus import auth
 from rlfleet.bus.reading import newest, recent
 from rlfleet.bus.streams import cycle_stream, evaluation_stream, step_stream
 from rlfleet.launch.settings import ConductorConfig
-from rlfleet.launch.stopping import run_until_signalled
+from rlfleet.launch.stopping import run_until_signalled, wait_set
 from rlfleet.operator.cycles import Act, Action, Observed, Phase, Step, advance, first_state
 from rlfleet.operator.promotion import gate_reports
 
@@ -213,8 +212,7 @@ async def conduct(config: ConductorConfig, stopping: asyncio.Event) -> None:
                 state = await conductor.turn(state, time.time())
             except Exception:  # NATS away, a report it cannot use: try again next turn
                 log.exception("cycle %d (%s): trying again", state.number, state.phase)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopping.wait(), config.poll_s)
+            await wait_set(stopping, config.poll_s)
     finally:
         await nc.close()
 

@@ -26,7 +26,6 @@ counts for more than `max_per_user` completions of a version, and a response id 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import sys
@@ -67,7 +66,7 @@ from rlfleet.bus.auth import connect
 from rlfleet.bus.reading import messages, newest
 from rlfleet.bus.streams import cycle_stream
 from rlfleet.launch.settings import CollectorConfig
-from rlfleet.launch.stopping import run_until_signalled
+from rlfleet.launch.stopping import run_until_signalled, wait_set
 from rlfleet.rollout.history import RewardHistory, prompt_key
 from rlfleet.rollout.signals import CycleSamples, batch, reward, score_cycle
 
@@ -118,8 +117,7 @@ class Collector:
                     last = await self.cycle(js, last, state.number, time.time()) or last
                 elif state is not None and state.phase == CyclePhase.CANARY:
                     await self.tally(js, state, last)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stopping.wait(), self.config.poll_s)
+                await wait_set(stopping, self.config.poll_s)
         finally:
             await nc.close()
 

@@ -29,6 +29,7 @@ import numpy as np
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
+from rlfleet.launch.stopping import wait_set
 from rlfleet.rollout import metrics, vllm_experts
 from rlfleet.weightsync import vllm_held, vllm_update, wait_for_version_async
 
@@ -209,8 +210,7 @@ class Engine:
                     await self.call(self._admit, queued)
                 if not self._running:
                     self._work.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._work.wait(), self.poll_s)
+                    await wait_set(self._work, self.poll_s)
                     continue
                 outputs = await self.call(self.engine.step)
                 self.stats.steps += 1

@@ -15,7 +15,6 @@ it has scored.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 import time
@@ -37,7 +36,7 @@ from rlfleet.bus import auth
 from rlfleet.bus.reading import decoded, newest
 from rlfleet.bus.streams import bind_stream, cycle_stream, evaluation_stream
 from rlfleet.launch.settings import EvaluatorConfig
-from rlfleet.launch.stopping import run_until_signalled
+from rlfleet.launch.stopping import run_until_signalled, wait_set
 from rlfleet.rollout.evaluation import evaluable, evaluate
 from rlfleet.rollout.tasks import load_suite, suite_path
 from rlfleet.weightsync import Receiver, WeightStream
@@ -102,8 +101,7 @@ async def run_evaluator(config: EvaluatorConfig, stop: asyncio.Event) -> None:
                 await js.publish(evaluation_subject(config.run), encode(report))
                 scored.add(version)
                 last = version
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), config.poll_seconds)
+            await wait_set(stop, config.poll_seconds)
     finally:
         await nc.close()
 

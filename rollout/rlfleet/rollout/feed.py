@@ -12,7 +12,6 @@ than `depth` tasks waiting or under way, so workers share the work as it comes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import secrets
@@ -40,7 +39,7 @@ from rlfleet.bus.patience import TRANSIENT, patiently
 from rlfleet.bus.reading import messages
 from rlfleet.bus.streams import bind_stream, step_stream
 from rlfleet.launch.settings import FeedConfig
-from rlfleet.launch.stopping import run_until_signalled
+from rlfleet.launch.stopping import run_until_signalled, wait_set
 from rlfleet.pipeline.admission import Admission
 from rlfleet.rollout.curriculum import Curriculum
 from rlfleet.rollout.tasks import load_suite, suite_path
@@ -105,6 +104,7 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
     feed_id = secrets.token_hex(8)  # names this feed's publishes apart from an earlier one's
     nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
     following: list[asyncio.Task] = []
+    stopping = asyncio.Event()  # a follower stops on it, should nats-py swallow its cancel
     try:
         js = nc.jetstream(domain=config.jetstream_domain)
         for stream in (task_stream(config.run), step_stream(config.run)):
@@ -112,7 +112,9 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
         replayed, newest = await _replay_outcomes(js, config.run, curriculum)
         if replayed:
             log.info("the curriculum learnt from %d earlier step reports", replayed)
-        following.append(asyncio.create_task(_follow_steps(nc, js, config.run, trainer, newest)))
+        following.append(
+            asyncio.create_task(_follow_steps(nc, js, config.run, trainer, newest, stopping))
+        )
         # Tasks an earlier feed left count against the quotas, as published last.
         state = await _queue_state(js, config.run)
         for target in admission.admit(state.messages):
@@ -139,25 +141,27 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
                 ack = await publish_task(js, message, f"{feed_id}-{published}")
                 admission.published(target, ack.seq)
                 published += 1
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), config.poll_s)
+            await wait_set(stop, config.poll_s)
         log.info(
             "published %d tasks of %s; skipped %d that last taught nothing",
             *(published, config.suite, curriculum.skipped),
         )
     finally:
+        stopping.set()
         for task in following:
             task.cancel()
         await asyncio.gather(*following, return_exceptions=True)  # before its connection
         await nc.close()
 
 
-async def _follow_steps(nc, js: JetStreamContext, run: str, trainer: _Trainer, newest: int) -> None:
+async def _follow_steps(
+    nc, js: JetStreamContext, run: str, trainer: _Trainer, newest: int, stopping: asyncio.Event
+) -> None:
     """Hands the trainer's step reports to `trainer`: the newest report there was at the
     start (sequence `newest`, 0 for none: the trainer's version now; not merely the
     newest message, which may be no report), then each after it, read by direct gets
     (the feed makes no consumer); a report published wakes it, else it looks every
-    `STEP_POLL_S`."""
+    `STEP_POLL_S`, until `stopping` is set."""
     stream, subject = step_stream(run), step_subject(run)
     published = asyncio.Event()
 
@@ -167,15 +171,14 @@ async def _follow_steps(nc, js: JetStreamContext, run: str, trainer: _Trainer, n
     subscription = await nc.subscribe(subject, cb=wake)
     try:
         seen = max(0, newest - 1)
-        while True:
+        while not stopping.is_set():
             try:
                 async for message in messages(js, stream, subject, after=seen):
                     await trainer.report(message)
                     seen = message.seq or seen
             except TRANSIENT as error:  # NATS restarting: the next look reads on
                 log.warning("reading step reports: %r", error)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(published.wait(), STEP_POLL_S)
+            await wait_set(published, STEP_POLL_S)
             published.clear()
     finally:
         await subscription.unsubscribe()

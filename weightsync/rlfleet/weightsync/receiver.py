@@ -10,7 +10,6 @@ rebuilds from a snapshot instead. It never holds anything but a verified version
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import threading
@@ -21,6 +20,7 @@ import msgspec
 from rlfleet.api.wire import WeightManifest, decode_manifest
 from rlfleet.bus.patience import TRANSIENT, patiently
 from rlfleet.bus.reading import messages
+from rlfleet.launch.stopping import wait_set
 from rlfleet.weightsync import metrics
 from rlfleet.weightsync.buffers import ShardBuffers
 from rlfleet.weightsync.direct import ShardConnection
@@ -136,8 +136,7 @@ class Receiver:
             while not stop.is_set():
                 if await self._read_manifests() or self._behind():
                     await self.advance()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(nudged.wait(), NUDGED_POLL_S if soon else IDLE_POLL_S)
+                await wait_set(nudged, NUDGED_POLL_S if soon else IDLE_POLL_S)
                 soon = NUDGED_POLLS if nudged.is_set() else max(0, soon - 1)
                 nudged.clear()
         finally:
