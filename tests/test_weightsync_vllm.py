@@ -39,11 +39,15 @@ def _probe(args: dict, tmp_path: Path, name: str, env: dict[str, str] | None = N
     return json.loads((tmp_path / f"{name}.json").read_text())
 
 
-# One worker, and two: a tensor-parallel engine whose workers each follow the weights and
-# load their own shard of every changed tensor (vLLM's CPU backend, one core each).
-@pytest.mark.parametrize("tensor_parallel", [1, 2])
+# A tensor-parallel engine whose two workers each follow the weights and load their own
+# shard of every changed tensor (vLLM's CPU backend, one core each). One worker runs the
+# same extension code through the same collective call; every rollout worker test
+# updates such an engine in place (test_rollout_worker), so it is not run twice here.
+TENSOR_PARALLEL = 2
+
+
 def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
-    nats_servers, tmp_path: Path, tensor_parallel: int
+    nats_servers, tmp_path: Path
 ) -> None:
     v0 = init_model("tiny-moe", tmp_path / "v0")
     v1 = train_step(v0, tmp_path / "v1", lr=1e-2)
@@ -62,26 +66,24 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
         {"version": 0, "publish": str(v0)},
         {"version": 1, "publish": str(v1), "requests": "inflight"},
     ]
-    env, faults = leaf.client_env(), {}
-    if tensor_parallel > 1:
-        # Then version 2 (version 0's weights again), whose first tensor reaches the
-        # second worker corrupted: refused; and the same version again, honestly.
-        rounds += [{"version": 2, "publish": str(v0), "fault": 1}, {"version": 2}]
-        faults = {"worker_extension": "weightsync_faults.FaultyWorker"}
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(PROBE.parent), os.environ.get("PYTHONPATH")])
-        )
+    # Then version 2 (version 0's weights again), whose first tensor reaches the second
+    # worker corrupted: refused; and the same version again, honestly.
+    rounds += [{"version": 2, "publish": str(v0), "fault": 1}, {"version": 2}]
+    env = leaf.client_env()
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(PROBE.parent), os.environ.get("PYTHONPATH")])
+    )
     updated = _probe(
         {
             "checkpoint": str(v0),
-            "tensor_parallel": tensor_parallel,
+            "tensor_parallel": TENSOR_PARALLEL,
             "rounds": rounds,
             "hub_url": nats_servers.bed.hub.url,
             "leaf_url": leaf.url,
             "run": run,
             "domain": region,
             "config": msgspec.to_builtins(CONFIG),
-            **faults,
+            "worker_extension": "weightsync_faults.FaultyWorker",
         },
         tmp_path,
         "updated",
@@ -99,7 +101,7 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
     fresh = _probe(
         {
             "checkpoint": str(v1),
-            "tensor_parallel": tensor_parallel,
+            "tensor_parallel": TENSOR_PARALLEL,
             "continue": [
                 {
                     "prompt_token_ids": long["prompt_token_ids"] + long["token_ids"][:switch],
@@ -122,7 +124,7 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
     # Every worker loaded exactly the published state: the digest each one computed of
     # the tensors it handed vLLM is the manifest's.
     assert after["digest"] == after["published_digest"]
-    assert after["worker_digests"] == [after["published_digest"]] * tensor_parallel
+    assert after["worker_digests"] == [after["published_digest"]] * TENSOR_PARALLEL
     # Every sample reports the version it was produced under.
     assert all(s["weight_versions"] == ["0"] for s in before["samples"])
     assert all(s["weight_versions"] == ["1"] for s in after["samples"])
@@ -132,8 +134,6 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
         {k: s[k] for k in ("token_ids", "logprobs")} for s in fresh["rounds"][0]["samples"]
     ]
     assert [s["logprobs"] for s in before["samples"]] != [s["logprobs"] for s in after["samples"]]
-    if tensor_parallel == 1:
-        return
     # A follower that received one bit wrong computes another digest than the leader's
     # verified one, and the update is refused (the engine stays paused); the workers
     # take their weights as unknown, so the next update reloads every tensor, all agree,
@@ -146,7 +146,7 @@ def test_vllm_updated_in_place_matches_vllm_started_from_the_new_checkpoint(
     assert refused["refused"].endswith(f"(verified: 2 {published})")
     assert [(w["loaded"], w["digest"]) for w in refused["workers"]] == [(None, None)] * 2
     assert recovered["version"] == 2 and recovered["digest"] == published
-    assert recovered["worker_digests"] == [published] * tensor_parallel
+    assert recovered["worker_digests"] == [published] * TENSOR_PARALLEL
     assert all(s["weight_versions"] == ["2"] for s in recovered["samples"])
     assert [{k: s[k] for k in ("token_ids", "logprobs")} for s in recovered["samples"]] == [
         {k: s[k] for k in ("token_ids", "logprobs")} for s in before["samples"]
