@@ -4,16 +4,7 @@ rolled back. No processes: the users, the model and the pool's history are drawn
 the decision is the conductor's own (`judge_canary` on `RewardTally`s), the expectation
 the collector's (`RewardHistory`).
 
-The world is the realtime example's (`examples/realtime.yaml`, `rlfleet.rollout.users`):
-- Users ask the rules suite's 400 questions, the n-th most popular in proportion to
-  1 / n ** popularity; a quarter never answer; the others accept a right answer and
-  reject a wrong one (reward +1 or -1), the opposite by mistake `noise` of the time.
-- How often the model answers each question right is drawn from a beta distribution as
-  spread as the warmed-up tiny MoE's (`rlfleet.rollout.warmup`'s 240 steps, then
-  `rlfleet.rollout.evaluation` with 32 attempts a task at temperature 1 on the rules
-  suite: right-rates of mean 0.34 and variance 0.099, so a + b = 1.27) around the
-  example's accept rate of about a half: many questions it nearly always or never gets
-  right, which is what history learns.
+The world is the realtime example's pool (`pool_world`), and:
 - A candidate moves every question's log-odds by a random amount (sd 0.5: some get
   better, some worse) plus one shift, solved so that its mean reward over the users'
   questions is the serving version's plus `effect`, exactly.
@@ -30,13 +21,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
 import numpy as np
 import pytest
+from pool_world import World, defaults
 
 from rlfleet import launch
 from rlfleet.api.wire import RewardTally
-from rlfleet.launch.settings import CanaryPolicy, ConductorConfig, UsersConfig
+from rlfleet.launch.settings import CanaryPolicy, ConductorConfig
 from rlfleet.local.run import read_rlrun
 from rlfleet.operator.promotion import CanaryCall, judge_canary
 from rlfleet.rollout.history import RewardHistory
@@ -44,15 +35,6 @@ from rlfleet.rollout.history import RewardHistory
 EXAMPLE = Path(__file__).parent.parent / "examples" / "realtime.yaml"
 
 
-def defaults(kind: type[msgspec.Struct]) -> dict:
-    return {f.name: f.default for f in msgspec.structs.fields(kind)}
-
-
-USERS = defaults(UsersConfig)
-QUESTIONS = 400
-ANSWERING = round(USERS["users"] * (1 - USERS["silent_share"]))
-SPREAD = 1.27  # a + b of the per-question right-rates' beta distribution
-RIGHT_RATE = 0.5
 CANDIDATE_SD, HISTORY_SD = 0.5, 0.3  # of a version's log-odds about the serving one's
 HISTORY = 512
 BENCH_RATE = 4.0  # answered completions a second on each side
@@ -75,70 +57,33 @@ class Rates:
     window_ends: float  # share decided at the window's end
 
 
-class World:
-    def __init__(self, rng: np.random.Generator) -> None:
-        self.rng = rng
-        ranks = np.arange(1, QUESTIONS + 1, dtype=float)
-        self.popularity = ranks ** -USERS["popularity"] / (ranks ** -USERS["popularity"]).sum()
-        self.asked = np.cumsum(self.popularity)
-
-    def expected_reward(self, right: np.ndarray) -> float:
-        liked = right * (1 - USERS["noise"]) + (1 - right) * USERS["noise"]
-        return float(self.popularity @ (2 * liked - 1))
-
-    def moved(self, right: np.ndarray, sd: float, effect: float | None) -> np.ndarray:
-        """`right` with each question's log-odds moved at random, then all shifted so
-        the mean reward moves by `effect` (None: no shift)."""
-        odds = np.log(right / (1 - right)) + self.rng.normal(0, sd, QUESTIONS)
-        if effect is None:
-            return 1 / (1 + np.exp(-odds))
-        target, low, high = self.expected_reward(right) + effect, -20.0, 20.0
-        for _ in range(60):
-            shift = (low + high) / 2
-            if self.expected_reward(1 / (1 + np.exp(-(odds + shift)))) < target:
-                low = shift
-            else:
-                high = shift
-        return 1 / (1 + np.exp(-(odds + (low + high) / 2)))
-
-    def answers(self, right: np.ndarray, count: int) -> tuple[list, list, list]:
-        """`count` answered completions: question, user, reward."""
-        questions = np.minimum(np.searchsorted(self.asked, self.rng.random(count)), QUESTIONS - 1)
-        users = self.rng.integers(0, ANSWERING, size=count)
-        liked = (self.rng.random(count) < right[questions]) != (
-            self.rng.random(count) < USERS["noise"]
-        )
-        return questions.tolist(), users.tolist(), np.where(liked, 1.0, -1.0).tolist()
-
-    def canary(self, effect: float, rate: float, policy: CanaryPolicy) -> tuple[str, float, int]:
-        """One canary of a candidate `effect` from the serving version: its call, when,
-        and the answers a side it took."""
-        serving = np.clip(
-            self.rng.beta(RIGHT_RATE * SPREAD, (1 - RIGHT_RATE) * SPREAD, QUESTIONS), 0.005, 0.995
-        )
-        candidate = self.moved(serving, CANDIDATE_SD, effect)
-        history = RewardHistory()
-        history.learn(
-            zip(*self.answers(self.moved(serving, HISTORY_SD, None), HISTORY), strict=True)
-        )
-        sides = [(candidate, RewardTally()), (serving, RewardTally())]
-        elapsed, owed = 0.0, 0.0
-        while True:
-            elapsed += POLL_S
-            owed += rate * POLL_S
-            count, owed = int(owed), owed - int(owed)
-            for index, (right, tally) in enumerate(sides):
-                for question, user, reward in zip(*self.answers(right, count), strict=True):
-                    tally = tally.add(reward, history.expected(question, user))
-                sides[index] = (right, tally)
-            verdict = judge_canary(sides[0][1], sides[1][1], elapsed, policy)
-            if verdict.call != CanaryCall.WAIT:
-                return verdict.call, elapsed, sides[0][1].count
+def canary(
+    world: World, effect: float, rate: float, policy: CanaryPolicy
+) -> tuple[str, float, int]:
+    """One canary of a candidate `effect` from the serving version: its call, when, and
+    the answers a side it took."""
+    serving = world.serving()
+    candidate = world.moved(serving, CANDIDATE_SD, effect)
+    history = RewardHistory()
+    history.learn(zip(*world.answers(world.moved(serving, HISTORY_SD, None), HISTORY), strict=True))
+    sides = [(candidate, RewardTally()), (serving, RewardTally())]
+    elapsed, owed = 0.0, 0.0
+    while True:
+        elapsed += POLL_S
+        owed += rate * POLL_S
+        count, owed = int(owed), owed - int(owed)
+        for index, (right, tally) in enumerate(sides):
+            for question, user, reward in zip(*world.answers(right, count), strict=True):
+                tally = tally.add(reward, history.expected(question, user))
+            sides[index] = (right, tally)
+        verdict = judge_canary(sides[0][1], sides[1][1], elapsed, policy)
+        if verdict.call != CanaryCall.WAIT:
+            return verdict.call, elapsed, sides[0][1].count
 
 
 def measure(effect: float, rate: float, policy: CanaryPolicy, runs: int, seed: int) -> Rates:
     world = World(np.random.default_rng(seed))
-    found = [world.canary(effect, rate, policy) for _ in range(runs)]
+    found = [canary(world, effect, rate, policy) for _ in range(runs)]
     return Rates(
         rolled_back=sum(call == CanaryCall.ROLL_BACK for call, _, _ in found) / runs,
         answers=sum(answers for _, _, answers in found) / runs,
