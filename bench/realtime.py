@@ -5,7 +5,8 @@ one stable); simulated users ask them the rules suite's questions over HTTP and 
 right answers, reject wrong ones; every cycle a candidate is trained on their signals,
 gated on the whole suite against the serving version, canaried and promoted or sent
 back. One cycle's feedback is inverted (`--invert-cycle`), as a client with broken
-instrumentation would report: the gate or the canary must stop that candidate.
+instrumentation would report: the collector should hold that cycle back
+(`inverted_cycle_outcome` Skipped), or else the gate or the canary stop its candidate.
 
 The figures are `rlfleet run`'s own report of the run
 (`rlfleet.local.realtime.summary`): cycles and their outcomes, the accept rate of what

@@ -98,6 +98,7 @@ def test_every_alert_reads_exported_metrics_and_links_its_runbook() -> None:
         "staleness-at-its-bound",
         "weight-sync-stalled",
         "canary-rolled-back",
+        "feedback-held-back",
     }
 
 

@@ -43,10 +43,13 @@ WINDOW_S = 10.0
 SHAPE = ModelShape(vocab_size=256, moe_layers=0, num_experts=0, top_k=0)
 
 
-def _capture(run: str, response_id: str, user: str, served_at: float) -> CapturedCompletion:
+def _capture(
+    run: str, response_id: str, user: str, served_at: float, prompt: tuple[int, int] = (7, 8)
+) -> CapturedCompletion:
     segment = Segment(
-        tokens=[7, 8, 9, 10], prompt_len=2, generated=[1, 1], logprobs=[-0.2, -0.7], versions=[0, 0]
-    )
+        tokens=[*prompt, 9, 10], prompt_len=2, generated=[1, 1], logprobs=[-0.2, -0.7],
+        versions=[0, 0],
+    )  # fmt: skip
     return CapturedCompletion(run, response_id, user, segment, "four", "stop", served_at)
 
 
@@ -155,6 +158,59 @@ def test_cycles_take_each_completion_once_and_score_it_from_its_signals(
         assert (second.cycle, second.captured, second.trained_on) == (2, 5, 5)
         assert second.dropped == {}
         assert len(await _trajectories(admin, run)) == 11  # nothing of cycle 1 again
+        for client in (admin, serving, nc):
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_cycle_whose_feedback_runs_against_history_is_held_back_not_trained_on(
+    nats_servers: StandaloneNats, tmp_path, monkeypatch: pytest.MonkeyPatch
+):
+    """As when a client's instrumentation breaks: users accept what they rejected before
+    on the same prompts, and reject what they accepted."""
+    run = "collect-" + uuid.uuid4().hex[:6]
+    bed = nats_servers.bed
+    (tmp_path / "serving.creds").write_text(bed.run_user(run, BusRole.SERVING))
+    (tmp_path / "collector.creds").write_text(bed.run_user(run, BusRole.COLLECTOR))
+    rewards = SignalRewards(window_s=WINDOW_S, max_per_user=100, group_size=4)
+    config = CollectorConfig(
+        run=run, nats_url=bed.hub.url, rewards=rewards, interval_s=0, min_samples=10, settle_s=0
+    )
+
+    def cycle(number: int, inverted: bool) -> tuple[list, list]:
+        """Two answers to each of 40 prompts: the even ones liked, the odd ones not."""
+        past = time.time() - 100
+        captures, events = [], []
+        for n in range(80):
+            prompt, user = n % 40, f"u{n % 10}"
+            said = _capture(run, f"c{number}-{n}", user, past + n / 100, (prompt, 100))
+            liked = (prompt % 2 == 0) != inverted
+            captures.append(said)
+            events.append(_event(said, "accepted" if liked else "rejected"))
+        return captures, events
+
+    async def scenario():
+        admin = await bed.hub.connect()
+        await ensure_run_streams(admin, run, None)
+        serving = await connect(bed.hub.url, tmp_path / "serving.creds")
+        monkeypatch.setenv(CREDENTIALS_ENV, str(tmp_path / "collector.creds"))
+        nc = await connect(config.nats_url)
+        js, collector, last = nc.jetstream(), Collector(config), None
+        reports = []
+        for number, inverted in ((1, False), (2, False), (3, True), (4, False)):
+            await _store(serving, *cycle(number, inverted))
+            last = await collector.cycle(js, last, number, time.time())
+            assert last is not None
+            reports.append(last)
+            trained = len(await _trajectories(admin, run))
+            if number == 3:
+                assert trained == 160  # nothing of the inverted cycle
+        assert [r.trained_on for r in reports] == [80, 80, 0, 80]
+        assert [bool(r.held_back) for r in reports] == [False, False, True, False]
+        assert "run against what history expects" in reports[2].held_back
+        assert "correlation -1.00 over 80 answers" in reports[2].held_back
+        assert trained == 240 and all(r.distrusted == 0 for r in reports)
         for client in (admin, serving, nc):
             await client.close()
 

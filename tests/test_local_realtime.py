@@ -117,6 +117,7 @@ def test_the_report_counts_cycles_accept_rates_losses_and_the_poisoned_share():
     # Cycle 3's rollback stopped the inverted cycle's candidate; any other would be lost.
     assert found["canary_false_rollbacks"] == 0
     assert realtime.summary(records, state, 2, versions)["canary_false_rollbacks"] == 1
+    assert found["inverted_cycle_outcome"] == "RolledBack"
     assert found["accept_rate_by_cycle"] == [0.5, 1.0, 0.5]
     assert found["accept_rate_fitted_rise"] == 0.0  # up and down again: no trend
     assert (found["requests_total"], found["requests_failed"], found["feedback_lost"]) == (7, 1, 1)

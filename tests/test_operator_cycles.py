@@ -23,6 +23,7 @@ from rlfleet.operator.cycles import (
     advance,
     first_state,
 )
+from rlfleet.operator.production import WARNINGS
 from rlfleet.operator.promotion import GateVerdict
 
 POLICY = CanaryPolicy(
@@ -116,6 +117,17 @@ def test_a_cycle_with_nothing_to_train_on_is_skipped():
     step = decide(first_state("live", 0, 0), Observed(1, report(1, 0)))
     assert step.state.number == 2 and step.state.history[-1].outcome == Outcome.SKIPPED
     assert step.events[0].reason == "CycleSkipped"
+
+
+def test_a_cycle_whose_feedback_runs_against_history_is_held_back_with_a_warning():
+    why = "its rewards run against what history expects of the same prompts: ..."
+    held = replace(report(1, 0), held_back=why, distrusted=1)
+    step = decide(first_state("live", 0, 0), Observed(1, held))
+    assert step.state.number == 2 and step.state.history[-1].outcome == Outcome.SKIPPED
+    assert step.actions == []  # nothing trained, nothing served anew
+    assert [e.reason for e in step.events] == ["FeedbackDistrusted", "CycleHeldBack"]
+    assert why in step.events[1].message and "1 user(s)" in step.events[0].message
+    assert {e.reason for e in step.events} <= WARNINGS
 
 
 def test_a_cycle_whose_trainer_or_evaluator_never_finishes_times_out():

@@ -337,7 +337,8 @@ class Dropped(ApiModel):
             description=(
                 "no_signal: nobody answered within the window; user_cap: its user had given "
                 "maxPerUser already; no_baseline: nothing to compare it with; duplicate: a "
-                "second capture of one response."
+                "second capture of one response; distrusted: its user's feedback runs "
+                "against the pool's history."
             )
         ),
     ]

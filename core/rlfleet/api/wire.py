@@ -548,6 +548,10 @@ class CycleReport(WireMessage, tag="rlfleet.io/production-cycle/v1"):
     served_from: float  # the first and last completion it took were served then
     served_to: float
     finished_at: float
+    # Why the cycle's feedback is not trained on ("": it is), and how many users this
+    # cycle found to disagree with the pool's history (`rlfleet.rollout.agreement`).
+    held_back: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    distrusted: Count = 0
 
     def __post_init__(self) -> None:
         _finite("times and reward_mean", self.reward_mean, self.served_from, self.served_to)

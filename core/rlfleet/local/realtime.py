@@ -288,6 +288,10 @@ def summary(
             c.outcome == CycleOutcome.ROLLED_BACK and c.number != invert_cycle for c in history
         ),
         "outcomes": [f"{c.number}: {c.outcome} ({c.why})" for c in history],
+        # Held back (skipped), rejected or rolled back: the poison stopped; promoted: not.
+        "inverted_cycle_outcome": next(
+            (str(c.outcome) for c in history if c.number == invert_cycle), None
+        ),
         "accept_rate_by_cycle": accept,
         "accept_rate_first": known[0] if known else None,
         "accept_rate_last": known[-1] if known else None,

@@ -69,8 +69,9 @@ M = TypeVar("M", bound=WireMessage)
 transitions = prometheus_client.Counter(
     "rlfleet_conductor_transitions_total", "Cycle transitions, by event", ["reason"]
 )
-# From 0, so that an alert's increase() sees the first rollback too.
-transitions.labels("CanaryRolledBack")
+# From 0, so that an alert's increase() sees the first of each too.
+for reason in ("CanaryRolledBack", "CycleHeldBack", "FeedbackDistrusted"):
+    transitions.labels(reason)
 unreadable = prometheus_client.Counter(
     "rlfleet_conductor_unreadable_total", "Reports the conductor could not read, skipped"
 )

@@ -176,12 +176,23 @@ def _collecting(state: CycleState, seen: Observed) -> Step:
         f"cycle {report.cycle}: {report.captured} completions, {report.with_feedback} "
         f"answered, {report.trained_on} to train on, mean reward {report.reward_mean:+.3f}"
     )
+    distrusted = []
+    if report.distrusted:
+        why = (
+            f"cycle {report.cycle}: {report.distrusted} user(s)' feedback runs against the "
+            "pool's history and is dropped from now on (the collector's log names them)"
+        )
+        distrusted = _event("FeedbackDistrusted", why)
+    if report.held_back:
+        why = f"{numbers}: held back, {report.held_back}"
+        held = _finish(state, Outcome.SKIPPED, why, seen.now, state.serving)
+        return Step(held, events=distrusted + _event("CycleHeldBack", why))
     if report.trained_on == 0:
         why = f"{numbers}: nothing to train on"
         skipped = _finish(state, Outcome.SKIPPED, why, seen.now, state.serving)
-        return Step(skipped, events=_event("CycleSkipped", why))
+        return Step(skipped, events=distrusted + _event("CycleSkipped", why))
     training = _phase(state, Phase.TRAINING, seen.now, collected=report.trained_on)
-    return Step(training, events=_event("CycleCollected", numbers))
+    return Step(training, events=distrusted + _event("CycleCollected", numbers))
 
 
 def _training(state: CycleState, seen: Observed) -> Step:

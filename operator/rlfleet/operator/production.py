@@ -34,7 +34,9 @@ WARNINGS = frozenset(
     {
         "CandidateRejected",
         "CanaryRolledBack",
+        "CycleHeldBack",
         "CycleSkipped",
+        "FeedbackDistrusted",
         "CycleTimedOut",
         "OrderRefused",
         "ServingOverridden",

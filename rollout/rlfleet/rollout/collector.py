@@ -12,7 +12,11 @@ more, and however many got past several of them, no more are loaded. A cycle clo
 when `interval_s` has passed since the last one and at least `min_samples` of the
 completions it would take were answered (or it holds `max_samples`, answered or not, so
 silence cannot stall the collector); its trajectories are published (a retry after a
-crash is deduplicated by id within the stream's window), then its report.
+crash is deduplicated by id within the stream's window), then its report. Before that,
+its feedback is screened against the pool's history (`rlfleet.rollout.agreement`): a
+cycle whose rewards run against it is held back (no trajectories; its report says why),
+and a user whose feedback does so over the run is distrusted and dropped from then on,
+from the canary's tally too.
 
 The run's conductor paces it: a cycle closes only while the conductor's state says that
 cycle is collecting, so the trainer never learns from the next cycle's traffic while a
@@ -67,8 +71,9 @@ from rlfleet.bus.reading import messages, newest
 from rlfleet.bus.streams import cycle_stream
 from rlfleet.launch.settings import CollectorConfig
 from rlfleet.launch.stopping import run_until_signalled, wait_set
+from rlfleet.rollout.agreement import FeedbackScreen, Screened
 from rlfleet.rollout.history import RewardHistory, prompt_key
-from rlfleet.rollout.signals import CycleSamples, batch, reward, score_cycle
+from rlfleet.rollout.signals import batch, reward, score_cycle
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +87,15 @@ malformed = prometheus_client.Counter(
 tally_capped = prometheus_client.Counter(
     "rlfleet_collector_canary_user_capped_total",
     "Answered completions left out of a canary's tally: their user had max_per_user there",
+)
+
+held_back = prometheus_client.Counter(
+    "rlfleet_collector_cycles_held_back_total",
+    "Cycles not trained on: their feedback ran against the pool's history",
+)
+distrusted = prometheus_client.Counter(
+    "rlfleet_collector_users_distrusted_total",
+    "Users whose feedback ran against the pool's history, dropped from then on",
 )
 
 WORKER = "collector"  # what the trajectories name as their worker
@@ -105,6 +119,8 @@ class Collector:
         self.live: _Tally | None = None
         # What the cycles closed so far expect of a completion: a canary's covariate.
         self.history = RewardHistory()
+        # Which users' feedback agrees with that history: poisoned feedback is not trained on.
+        self.screen = FeedbackScreen()
 
     async def run(self, stopping: asyncio.Event) -> None:
         nc = await connect(self.config.nats_url)
@@ -150,7 +166,8 @@ class Collector:
         now = time.time()
         for response_id, capture in list(live.pending.items()):
             events = [e for e in await self._events(js, response_id) if not e.late]
-            scored = reward(capture, events, rewards) if events else None
+            trusted = capture.user not in self.screen.distrusted
+            scored = reward(capture, events, rewards) if events and trusted else None
             version = capture.segment.versions[0]
             if scored is not None and live.taken[version, capture.user] >= rewards.max_per_user:
                 tally_capped.inc()
@@ -178,8 +195,24 @@ class Collector:
         # A cycle full of completions nobody answered closes anyway, so the next is read.
         if answered < self.config.min_samples and len(captures) < self.config.max_samples:
             return None
-        samples = score_cycle(captures, feedback, self.config.rewards)
-        trajectories = batch(samples, cycle_groups(number), self.config.rewards.group_size, WORKER)
+        screened = self.screen.screen(
+            score_cycle(captures, feedback, self.config.rewards), self.history
+        )
+        samples = screened.samples
+        for user, record in screened.distrusted.items():
+            distrusted.inc()
+            log.warning(
+                "cycle %d: %s's feedback runs against the pool's history (%s): dropped "
+                "from now on", number, user, record.describe(),
+            )  # fmt: skip
+        if screened.held_back:
+            log.warning("cycle %d held back: %s", number, screened.held_back)
+            held_back.inc()
+            trajectories = []
+        else:
+            trajectories = batch(
+                samples, cycle_groups(number), self.config.rewards.group_size, WORKER
+            )
         run = self.config.run
         for trajectory in trajectories:
             msg_id = f"{run}/{trajectory.group_id}/{trajectory.attempt}"
@@ -189,12 +222,13 @@ class Collector:
                 headers={"Nats-Msg-Id": msg_id},
             )
         published.inc(len(trajectories))
-        report = self._report(number, seq, captures, answered, samples, len(trajectories))
+        report = self._report(number, seq, captures, answered, screened, len(trajectories))
         await js.publish(cycle_subject(run), encode(report))
         cycles_closed.inc()
-        self.history.learn(
-            (prompt_key(s.capture), s.capture.user, s.reward) for s in samples.scored
-        )
+        if not screened.held_back:
+            self.history.learn(
+                (prompt_key(s.capture), s.capture.user, s.reward) for s in samples.scored
+            )
         log.info(
             "cycle %d: %d completions, %d answered, %d trajectories, reward %.3f",
             number, report.captured, answered, report.trained_on, report.reward_mean,
@@ -207,9 +241,10 @@ class Collector:
         seq: int,
         captures: list[CapturedCompletion],
         answered: int,
-        samples: CycleSamples,
+        screened: Screened,
         trained_on: int,
     ) -> CycleReport:
+        samples = screened.samples
         signals = Counter(kind for scored in samples.scored for kind in scored.breakdown)
         rewards = [scored.reward for scored in samples.scored]
         served = [c.served_at for c in captures]
@@ -227,6 +262,8 @@ class Collector:
             served_from=min(served, default=0.0),
             served_to=max(served, default=0.0),
             finished_at=time.time(),
+            held_back=screened.held_back,
+            distrusted=len(screened.distrusted),
         )
 
     async def _ready_captures(

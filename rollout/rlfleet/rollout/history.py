@@ -80,6 +80,14 @@ class RewardHistory:
         mean = self.everyone.total / self.everyone.weight
         return mean + self._lift(self.prompts, prompt, mean) + self._lift(self.users, user, mean)
 
+    def prompt_expected(self, prompt: Hashable) -> float | None:
+        """What history expects of `prompt` alone, whoever is served; None for a prompt it
+        does not know (`rlfleet.rollout.agreement` asks it of users' feedback)."""
+        if prompt not in self.prompts:
+            return None
+        mean = self.everyone.total / self.everyone.weight
+        return mean + self._lift(self.prompts, prompt, mean)
+
     @staticmethod
     def _lift(sums: dict[Hashable, _Sum], key: Hashable, mean: float) -> float:
         kept = sums.get(key)
