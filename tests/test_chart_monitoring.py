@@ -7,7 +7,9 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import subprocess
 
+import pytest
 from conftest import ROOT
 from prometheus_client import REGISTRY
 
@@ -115,6 +117,12 @@ def test_the_dashboard_parses_and_reads_exported_metrics() -> None:
     for expr in exprs:
         read = named(expr)
         assert read and read <= names, (expr, read - names)
+
+
+def test_alerts_without_a_runbook_address_are_refused_naming_the_value() -> None:
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        render("--set", "metrics.prometheusRule.enabled=true")
+    assert "/metrics/prometheusRule': missing property 'runbookBaseUrl'" in refused.value.stderr
 
 
 def test_neither_renders_by_default() -> None:
