@@ -93,6 +93,23 @@ def _request(at: float, server: str, right: bool, latency_ms=10.0, **fields):
     } | fields  # fmt: skip
 
 
+def test_a_rolled_back_candidate_is_judged_by_the_suite_beside_the_stable_set_then():
+    state = _state((1, CycleOutcome.PROMOTED, 4, 5.0), (2, CycleOutcome.ROLLED_BACK, 5, 30.0))
+    records = [
+        _request(10, "serving-canary-0", False),
+        _request(10.5, "serving-stable-1", True),
+        _request(11, "serving-canary-0", False),
+        _request(11.5, "serving-stable-1", True),
+        _request(12, "serving-canary-0", True),
+        _request(20, "serving-stable-1", False),  # after the canary's last answer
+    ]
+    versions = {"r10": 5, "r10.5": 4, "r11": 5, "r11.5": 4, "r12": 5, "r20": 4}
+    found = realtime.summary(records, state, None, versions)
+    assert found["canary_rollbacks_judged"] == [
+        {"cycle": 2, "canary_right": 0.3333, "stable_right": 1.0, "answers": [3, 2]}
+    ]
+
+
 def test_the_report_counts_cycles_accept_rates_losses_and_the_poisoned_share():
     state = _state(
         (1, CycleOutcome.PROMOTED, 3, 100.0),
@@ -118,6 +135,11 @@ def test_the_report_counts_cycles_accept_rates_losses_and_the_poisoned_share():
     assert found["canary_false_rollbacks"] == 0
     assert realtime.summary(records, state, 2, versions)["canary_false_rollbacks"] == 1
     assert found["inverted_cycle_outcome"] == "RolledBack"
+    # Cycle 3's candidate (9) answered one request, wrong; the stable set answered none
+    # in that span.
+    assert found["canary_rollbacks_judged"] == [
+        {"cycle": 3, "canary_right": 0.0, "stable_right": None, "answers": [1, 0]}
+    ]
     assert found["accept_rate_by_cycle"] == [0.5, 1.0, 0.5]
     assert found["accept_rate_fitted_rise"] == 0.0  # up and down again: no trend
     assert (found["requests_total"], found["requests_failed"], found["feedback_lost"]) == (7, 1, 1)

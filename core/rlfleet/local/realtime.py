@@ -231,6 +231,36 @@ async def served_versions(run: str, url: str, credentials: Path) -> dict[str, in
         await nc.close()
 
 
+def _rollbacks_judged_by_the_suite(records: list[dict], history: list) -> list[dict]:
+    """Each rolled-back candidate's answers as the suite judges them (right or wrong, what
+    the users think before their noise), beside the stable set's over the same span: a
+    rollback of a candidate no worse by the suite's lights is a false one, whatever the
+    gate said. The users' records know which version answered (`summary`'s `versions`)."""
+    judged = []
+    for cycle in history:
+        if cycle.outcome != CycleOutcome.ROLLED_BACK or cycle.candidate is None:
+            continue
+        canary = [r for r in records if r["version"] == cycle.candidate and r["right"] is not None]
+        if not canary:
+            continue
+        since, until = canary[0]["at"], canary[-1]["at"]
+        stable = [
+            r for r in records
+            if "stable" in r["server"] and since <= r["at"] <= until and r["right"] is not None
+        ]  # fmt: skip
+        judged.append(
+            {
+                "cycle": cycle.number,
+                "canary_right": round(sum(r["right"] for r in canary) / len(canary), 4),
+                "stable_right": (
+                    round(sum(r["right"] for r in stable) / len(stable), 4) if stable else None
+                ),
+                "answers": [len(canary), len(stable)],
+            }
+        )
+    return judged
+
+
 def _swaps(records: list[dict]) -> list[tuple[str, float, float]]:
     """(server, from, to): each time a server's answers changed version, the span from
     sending the last request the old version answered to the first new answer's end."""
@@ -287,6 +317,9 @@ def summary(
         "canary_false_rollbacks": sum(
             c.outcome == CycleOutcome.ROLLED_BACK and c.number != invert_cycle for c in history
         ),
+        # Did the canary roll back candidates that were truly worse? The suite's verdict
+        # on what each answered, beside the stable set's then.
+        "canary_rollbacks_judged": _rollbacks_judged_by_the_suite(records, history),
         "outcomes": [f"{c.number}: {c.outcome} ({c.why})" for c in history],
         # Held back (skipped), rejected or rolled back: the poison stopped; promoted: not.
         "inverted_cycle_outcome": next(
