@@ -42,6 +42,7 @@ from rlfleet.api.wire import (
     BusRole,
     CycleOutcome,
     CycleState,
+    FinishedCycle,
     capture_stream,
     capture_subject,
     decode_captured,
@@ -231,7 +232,11 @@ async def served_versions(run: str, url: str, credentials: Path) -> dict[str, in
         await nc.close()
 
 
-def _rollbacks_judged_by_the_suite(records: list[dict], history: list) -> list[dict]:
+def _right_rate(records: list[dict]) -> float | None:
+    return round(sum(r["right"] for r in records) / len(records), 4) if records else None
+
+
+def _rollbacks_judged_by_the_suite(records: list[dict], history: list[FinishedCycle]) -> list[dict]:
     """Each rolled-back candidate's answers as the suite judges them (right or wrong, what
     the users think before their noise), beside the stable set's over the same span: a
     rollback of a candidate no worse by the suite's lights is a false one, whatever the
@@ -243,7 +248,8 @@ def _rollbacks_judged_by_the_suite(records: list[dict], history: list) -> list[d
         canary = [r for r in records if r["version"] == cycle.candidate and r["right"] is not None]
         if not canary:
             continue
-        since, until = canary[0]["at"], canary[-1]["at"]
+        # Records are written as answers come back, not in the order they were sent.
+        since, until = min(r["at"] for r in canary), max(r["at"] for r in canary)
         stable = [
             r for r in records
             if "stable" in r["server"] and since <= r["at"] <= until and r["right"] is not None
@@ -251,10 +257,8 @@ def _rollbacks_judged_by_the_suite(records: list[dict], history: list) -> list[d
         judged.append(
             {
                 "cycle": cycle.number,
-                "canary_right": round(sum(r["right"] for r in canary) / len(canary), 4),
-                "stable_right": (
-                    round(sum(r["right"] for r in stable) / len(stable), 4) if stable else None
-                ),
+                "canary_right": _right_rate(canary),
+                "stable_right": _right_rate(stable),
                 "answers": [len(canary), len(stable)],
             }
         )
