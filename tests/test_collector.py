@@ -35,6 +35,7 @@ from rlfleet.bus.auth import CREDENTIALS_ENV, connect
 from rlfleet.bus.streams import cycle_stream, ensure_run_streams
 from rlfleet.launch.settings import CollectorConfig, SignalRewards, to_json
 from rlfleet.local.nats import StandaloneNats
+from rlfleet.rollout import collector as collector_module
 from rlfleet.rollout.collector import Collector
 from rlfleet.rollout.history import prompt_key
 from rlfleet.trainer.validation import ModelShape, problem
@@ -119,7 +120,7 @@ def test_cycles_take_each_completion_once_and_score_it_from_its_signals(
         nc = await connect(config.nats_url)
         js = nc.jetstream()
         collector = Collector(config)
-        first = await collector.cycle(js, await collector.last_report(js), 1, time.time())
+        first = await collector.cycle(js, await collector.restore(js), 1, time.time())
         assert first is not None and first.cycle == 1
         assert (first.captured, first.with_feedback, first.trained_on) == (10, 8, 6)
         assert first.dropped == {"user_cap": 2, "no_signal": 2}
@@ -149,8 +150,9 @@ def test_cycles_take_each_completion_once_and_score_it_from_its_signals(
         # A restarted collector goes on after the last cycle: the recent completion's
         # window is still open, so there is nothing to close yet.
         again = Collector(config)
-        last = await again.last_report(js)
+        last = await again.restore(js)
         assert last == first
+        assert again.history == collector.history  # cycle 1, replayed
         assert await again.cycle(js, last, 2, time.time()) is None
         later = [_capture(run, f"later-{i}", f"u{i}", time.time()) for i in range(4)]
         await _store(serving, later, [_event(c, "accepted") for c in later])
@@ -211,6 +213,74 @@ def test_a_cycle_whose_feedback_runs_against_history_is_held_back_not_trained_on
         assert "run against what history expects" in reports[2].held_back
         assert "correlation -1.00 over 80 answers" in reports[2].held_back
         assert trained == 240 and all(r.distrusted == 0 for r in reports)
+        for client in (admin, serving, nc):
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_restarted_collector_distrusts_whom_it_did_and_knows_its_history(
+    nats_servers: StandaloneNats, tmp_path, monkeypatch: pytest.MonkeyPatch
+):
+    """A user who reports the opposite from cycle 2 on is distrusted there; cycle 3 is
+    held back. A collector started afresh on the same streams drops that user and expects
+    what the first expected, as if it had never stopped, also once the cycle that found
+    the user is older than those it replays."""
+    run = "collect-" + uuid.uuid4().hex[:6]
+    bed = nats_servers.bed
+    (tmp_path / "serving.creds").write_text(bed.run_user(run, BusRole.SERVING))
+    (tmp_path / "collector.creds").write_text(bed.run_user(run, BusRole.COLLECTOR))
+    rewards = SignalRewards(window_s=WINDOW_S, max_per_user=100, group_size=4)
+    config = CollectorConfig(
+        run=run, nats_url=bed.hub.url, rewards=rewards, interval_s=0, min_samples=10, settle_s=0
+    )
+
+    def cycle(number: int) -> tuple[list, list]:
+        """Two answers to each of 40 prompts, the even ones liked; from cycle 2 the second
+        of each goes to a user who says the opposite; in cycle 3 everyone does."""
+        past = time.time() - 100
+        captures, events = [], []
+        for n in range(80):
+            prompt, liar = n // 2, number > 1 and n % 2 == 1
+            user = "liar" if liar else f"u{n % 10}"
+            said = _capture(run, f"c{number}-{n}", user, past + n / 100, (prompt, 100))
+            liked = (prompt % 2 == 0) != (liar or number == 3)
+            captures.append(said)
+            events.append(_event(said, "accepted" if liked else "rejected"))
+        return captures, events
+
+    async def scenario():
+        admin = await bed.hub.connect()
+        await ensure_run_streams(admin, run, None)
+        serving = await connect(bed.hub.url, tmp_path / "serving.creds")
+        monkeypatch.setenv(CREDENTIALS_ENV, str(tmp_path / "collector.creds"))
+        nc = await connect(config.nats_url)
+        js, collector, last = nc.jetstream(), Collector(config), None
+        reports = []
+        for number in range(1, 5):
+            await _store(serving, *cycle(number))
+            last = await collector.cycle(js, last, number, time.time())
+            reports.append(last)
+        assert [r.trained_on for r in reports] == [80, 40, 0, 40]
+        assert [r.distrusted_users for r in reports] == [(), ("liar",), (), ()]
+        assert [bool(r.held_back) for r in reports] == [False, False, True, False]
+
+        restored = Collector(config)
+        assert await restored.restore(js) == reports[-1]
+        assert restored.screen.distrusted == {"liar"}
+        assert restored.history == collector.history
+        users = {user for user in collector.screen.users if user != "liar"}
+        assert {u: restored.screen.users[u] for u in users} == {
+            u: collector.screen.users[u] for u in users
+        }
+
+        # Replaying only the last two cycles (the third held back): the user found two
+        # cycles ago is still dropped, by the report that named them.
+        monkeypatch.setattr(collector_module, "REPLAYED_CYCLES", 2)
+        shorter = Collector(config)
+        await shorter.restore(js)
+        assert shorter.screen.distrusted == {"liar"}
+        assert "liar" not in shorter.history.users
         for client in (admin, serving, nc):
             await client.close()
 

@@ -531,6 +531,11 @@ class Feedback(WireMessage, tag="rlfleet.io/feedback/v1"):
             raise ValueError(f"thumbs take a value of 1 or -1, not {self.value}")
 
 
+# Users one cycle report names: a thousand of the longest names the servers take (256
+# bytes) keep it well under a report's bound.
+MAX_NAMED_USERS = 1000
+
+
 class CycleReport(WireMessage, tag="rlfleet.io/production-cycle/v1"):
     """What one cycle of a production run collected, as its collector announces it once
     the cycle's trajectories are published: the collector resumes after `capture_seq`."""
@@ -552,6 +557,13 @@ class CycleReport(WireMessage, tag="rlfleet.io/production-cycle/v1"):
     # cycle found to disagree with the pool's history (`rlfleet.rollout.agreement`).
     held_back: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     distrusted: Count = 0
+    # Those users (the first `MAX_NAMED_USERS`), as the pool's servers named them: a
+    # restarted collector drops them again. Only the run's own components read this
+    # stream, and its captures name users too.
+    distrusted_users: Annotated[
+        tuple[Annotated[str, msgspec.Meta(max_length=1024)], ...],
+        msgspec.Meta(max_length=MAX_NAMED_USERS),
+    ] = ()
 
     def __post_init__(self) -> None:
         _finite("times and reward_mean", self.reward_mean, self.served_from, self.served_to)

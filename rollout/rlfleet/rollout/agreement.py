@@ -12,8 +12,8 @@ one it nearly never does mostly rejected. So, before anything trains on them:
   and says why in its report, and the conductor skips the cycle with a Warning. Its
   rewards teach neither history nor the users' records.
 - A user whose rewards, over the cycles trained on so far, run against it by more than
-  `DISTRUST_Z` is distrusted: their feedback is dropped, counted, from that cycle on (for
-  the collector's life: a restarted one learns it again, as it does history).
+  `DISTRUST_Z` is distrusted: their feedback is dropped, counted, from that cycle on. The
+  cycle's report names them, so a restarted collector drops them too.
 
 The measure is Pearson's correlation between expectation and reward over the answered
 completions whose prompt history knows, tested by Fisher's z (atanh(r) sqrt(n - 3), about
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from rlfleet.rollout.history import RewardHistory, prompt_key
@@ -97,27 +98,53 @@ class FeedbackScreen:
     def screen(self, samples: CycleSamples, history: RewardHistory) -> Screened:
         """The cycle's samples as they may be trained on, judged against `history` as it
         stood before the cycle."""
-        trusted = [s for s in samples.scored if s.capture.user not in self.distrusted]
-        cycle, by_user = Agreement(), dict[str, list[tuple[float, float]]]()
-        for scored in trusted:
-            expected = history.prompt_expected(prompt_key(scored.capture))
-            if expected is not None:
-                cycle.add(expected, scored.reward)
-                by_user.setdefault(scored.capture.user, []).append((expected, scored.reward))
+        cycle, by_user = self._pairs(samples, history)
         z = cycle.z()
         if z is not None and z < -HOLD_Z:
             why = "its rewards run against what history expects of the same prompts: "
             return Screened(self._kept(samples), held_back=why + cycle.describe())
         found = {}
-        for user, pairs in by_user.items():
-            record = self.users.setdefault(user, Agreement())
-            for expected, reward in pairs:
-                record.add(expected, reward)
+        for user, record in self._recorded(by_user).items():
             user_z = record.z()
             if user_z is not None and user_z < -DISTRUST_Z:
                 self.distrusted.add(user)
                 found[user] = record
         return Screened(self._kept(samples), distrusted=found)
+
+    def replay(
+        self, samples: CycleSamples, history: RewardHistory, distrusted: Iterable[str]
+    ) -> CycleSamples:
+        """A cycle trained on before a restart, as it was judged then (its report names
+        the users it distrusted): its samples as they were trained on, the users'
+        records brought up to date. A restarted collector replays the last few cycles
+        (`rlfleet.rollout.collector`), so what it knows of a user rests on those alone."""
+        self.distrusted.update(distrusted)
+        self._recorded(self._pairs(samples, history)[1])
+        return self._kept(samples)
+
+    def _pairs(
+        self, samples: CycleSamples, history: RewardHistory
+    ) -> tuple[Agreement, dict[str, list[tuple[float, float]]]]:
+        """The trusted samples' (expected, reward) pairs on prompts history knows: the
+        cycle's agreement, and each user's pairs."""
+        cycle, by_user = Agreement(), dict[str, list[tuple[float, float]]]()
+        for scored in samples.scored:
+            if scored.capture.user in self.distrusted:
+                continue
+            expected = history.prompt_expected(prompt_key(scored.capture))
+            if expected is not None:
+                cycle.add(expected, scored.reward)
+                by_user.setdefault(scored.capture.user, []).append((expected, scored.reward))
+        return cycle, by_user
+
+    def _recorded(self, by_user: dict[str, list[tuple[float, float]]]) -> dict[str, Agreement]:
+        """The users' records over the run, with their new pairs added."""
+        records = {}
+        for user, pairs in by_user.items():
+            record = records[user] = self.users.setdefault(user, Agreement())
+            for expected, reward in pairs:
+                record.add(expected, reward)
+        return records
 
     def _kept(self, samples: CycleSamples) -> CycleSamples:
         kept = [s for s in samples.scored if s.capture.user not in self.distrusted]

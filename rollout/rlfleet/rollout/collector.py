@@ -4,7 +4,9 @@ the trainer (`rlfleet.rollout.signals` decides).
 
 The capture stream is read in order from where the last cycle stopped, which the cycle
 report records (`CycleReport.capture_seq`) and a restarted collector reads back, so each
-completion is decided in exactly one cycle. A completion is taken once its feedback
+completion is decided in exactly one cycle. A restarted collector also gets back what it
+knew (`Collector.restore`): the users the reports name as distrusted, and the history it
+replays from the last cycles' captures and feedback. A completion is taken once its feedback
 window has closed (and `settle_s` more, for events still in flight); reading stops at
 the first that is not ready, so none is skipped. Its events are read from the feedback
 stream by subject, its first `max_events_per_response` only: the pool's servers refuse
@@ -43,6 +45,7 @@ import prometheus_client
 
 from rlfleet import launch
 from rlfleet.api.wire import (
+    MAX_NAMED_USERS,
     CapturedCompletion,
     CyclePhase,
     CycleReport,
@@ -73,7 +76,7 @@ from rlfleet.launch.settings import CollectorConfig
 from rlfleet.launch.stopping import run_until_signalled, wait_set
 from rlfleet.rollout.agreement import FeedbackScreen, Screened
 from rlfleet.rollout.history import RewardHistory, prompt_key
-from rlfleet.rollout.signals import batch, reward, score_cycle
+from rlfleet.rollout.signals import CycleSamples, batch, reward, score_cycle
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +102,9 @@ distrusted = prometheus_client.Counter(
 )
 
 WORKER = "collector"  # what the trajectories name as their worker
+# Cycles a restarted collector replays into its history: older ones' rewards are about
+# forgotten (`rlfleet.rollout.history.FORGOTTEN`).
+REPLAYED_CYCLES = 8
 
 
 @dataclass
@@ -126,7 +132,7 @@ class Collector:
         nc = await connect(self.config.nats_url)
         try:
             js = nc.jetstream(domain=self.config.jetstream_domain)
-            last = await self.last_report(js)
+            last = await self.restore(js)
             while not stopping.is_set():
                 state = await self.conductor_state(js)
                 if state is not None and may_close(state, last):
@@ -137,9 +143,50 @@ class Collector:
         finally:
             await nc.close()
 
-    async def last_report(self, js) -> CycleReport | None:
-        run = self.config.run
-        return await newest(js, cycle_stream(run), cycle_subject(run), decode_cycle_report)
+    async def restore(self, js) -> CycleReport | None:
+        """What the collector knew when it last stopped, from what the streams keep; the
+        last cycle's report, from whose `capture_seq` it goes on. Whom it distrusts, every
+        report names; history and the users' records, the last `REPLAYED_CYCLES` cycles
+        trained on are replayed into (captures and feedback as they closed with, judged
+        as their reports say: a held-back cycle is not replayed, a distrusted user is
+        dropped from the cycle that found them). Captures older than the streams keep
+        are gone: history is then thinner, as after a quiet week."""
+        run, reports = self.config.run, []
+        async for message in messages(js, cycle_stream(run), cycle_subject(run)):
+            try:
+                reports.append(decode_cycle_report(message.data))
+            except msgspec.DecodeError:
+                malformed.inc()
+        if not reports:
+            return None
+        first = max(len(reports) - REPLAYED_CYCLES, 0)  # the first cycle replayed
+        for report in reports[:first]:
+            self.screen.distrusted.update(report.distrusted_users)
+        after = reports[first - 1].capture_seq if first else 0
+        for report in reports[first:]:
+            if not report.held_back:
+                await self._replay(js, report, after)
+            after = report.capture_seq
+        log.info(
+            "restored from %d cycle reports: %d users distrusted, history of %d prompts",
+            len(reports), len(self.screen.distrusted), len(self.history.prompts),
+        )  # fmt: skip
+        return reports[-1]
+
+    async def _replay(self, js, report: CycleReport, after: int) -> None:
+        captures = []
+        async for seq, capture in self._captures(js, after):
+            if seq > report.capture_seq:
+                break
+            if capture is not None:
+                captures.append(capture)
+        feedback = {c.response_id: await self._events(js, c.response_id) for c in captures}
+        samples = self.screen.replay(
+            score_cycle(captures, feedback, self.config.rewards),
+            self.history,
+            report.distrusted_users,
+        )
+        self._learn(samples)
 
     async def conductor_state(self, js) -> CycleState | None:
         run = self.config.run
@@ -226,14 +273,17 @@ class Collector:
         await js.publish(cycle_subject(run), encode(report))
         cycles_closed.inc()
         if not screened.held_back:
-            self.history.learn(
-                (prompt_key(s.capture), s.capture.user, s.reward) for s in samples.scored
-            )
+            self._learn(samples)
         log.info(
             "cycle %d: %d completions, %d answered, %d trajectories, reward %.3f",
             number, report.captured, answered, report.trained_on, report.reward_mean,
         )  # fmt: skip
         return report
+
+    def _learn(self, samples: CycleSamples) -> None:
+        self.history.learn(
+            (prompt_key(s.capture), s.capture.user, s.reward) for s in samples.scored
+        )
 
     def _report(
         self,
@@ -264,6 +314,7 @@ class Collector:
             finished_at=time.time(),
             held_back=screened.held_back,
             distrusted=len(screened.distrusted),
+            distrusted_users=tuple(sorted(screened.distrusted)[:MAX_NAMED_USERS]),
         )
 
     async def _ready_captures(

@@ -15,8 +15,8 @@ between. An entry left with less than `FORGOTTEN` of one reward is dropped, so t
 history holds the prompts and users of the last few cycles. A prompt's (or a user's)
 expectation is its mean reward shrunk towards everyone's by `PRIOR` rewards of
 everyone's mean, so a prompt seen once predicts little. The history lives in the
-collector's memory: a restarted collector judges its next canary without it (as the plain
-difference, which takes more answers), and has it again a cycle later.
+collector's memory; a restarted collector replays the last cycles' captures and feedback
+into it (`Collector.restore`), so it judges its next canary as it would have.
 """
 
 from __future__ import annotations
