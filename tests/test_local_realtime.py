@@ -141,7 +141,12 @@ def test_the_report_counts_cycles_accept_rates_losses_and_the_poisoned_share():
         {"cycle": 3, "canary_right": 0.0, "stable_right": None, "answers": [1, 0]}
     ]
     assert found["accept_rate_by_cycle"] == [0.5, 1.0, 0.5]
+    assert found["answers_by_cycle"] == [2, 2, 2]
     assert found["accept_rate_fitted_rise"] == 0.0  # up and down again: no trend
+    # A short cycle's rate weighs its few answers: an early jump over 2 answers of 38
+    # tilts the line down by a fifth as much as if it weighed as much as each other cycle.
+    assert realtime._fitted_rise([0.5, 1.0, 0.5, 0.5], [12, 2, 12, 12]) == -0.0333
+    assert realtime._fitted_rise([0.5, 1.0, 0.5, 0.5]) == -0.15
     assert (found["requests_total"], found["requests_failed"], found["feedback_lost"]) == (7, 1, 1)
     assert found["poisoned_served_fraction"] == round(1 / 6, 4)  # cycle 3's candidate: 9
     assert found["canary_fraction"] == 0.5

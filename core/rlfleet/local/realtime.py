@@ -20,7 +20,6 @@ import dataclasses
 import json
 import os
 import secrets
-import statistics
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -207,14 +206,25 @@ def _p99(values: list[float]) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 2)
 
 
-def _fitted_rise(rates: list[float]) -> float | None:
+def _fitted_rise(rates: list[float], answers: list[int] | None = None) -> float | None:
     """The accept rate's rise from the first cycle to the last along a least-squares line
     through every cycle's: first and last alone are one cycle each, about +-0.025 apart
-    from the line at 440 requests a cycle."""
+    from the line at 440 requests a cycle. Each cycle weighs as many answers as its rate
+    is over (`answers`; None: alike): a cycle held back ends within seconds, and its rate
+    over a few dozen answers is as noisy as it is short."""
     if len(rates) < 2:
         return None
-    slope = statistics.linear_regression(range(len(rates)), rates).slope
-    return round(slope * (len(rates) - 1), 4)
+    weights = answers or [1] * len(rates)
+    total = sum(weights)
+    x_mean = sum(w * x for x, w in enumerate(weights)) / total
+    y_mean = sum(w * y for y, w in zip(rates, weights, strict=True)) / total
+    spread = sum(w * (x - x_mean) ** 2 for x, w in enumerate(weights))
+    if spread == 0:
+        return None
+    covariance = sum(
+        w * (x - x_mean) * (y - y_mean) for x, (y, w) in enumerate(zip(rates, weights, strict=True))
+    )
+    return round(covariance / spread * (len(rates) - 1), 4)
 
 
 async def served_versions(run: str, url: str, credentials: Path) -> dict[str, int]:
@@ -289,13 +299,15 @@ def summary(
     records = [r | {"version": versions.get(r.get("response_id") or "")} for r in records]
     history = state.history if state is not None else []
     outcomes = [c.outcome for c in history]
-    accept, start = [], min((r["at"] for r in records), default=0.0)
+    accept, answers, start = [], [], min((r["at"] for r in records), default=0.0)
     for cycle in history:  # a cycle's traffic: from the cycle before's end to its own
         judged = [r["right"] for r in records if start <= r["at"] < cycle.finished_at]
         judged = [right for right in judged if right is not None]
         accept.append(round(sum(judged) / len(judged), 4) if judged else None)
+        answers.append(len(judged))
         start = cycle.finished_at
     known = [rate for rate in accept if rate is not None]
+    known_answers = [n for n in answers if n]
     swaps = _swaps(records)
 
     def during_swap(r: dict) -> bool:
@@ -332,7 +344,10 @@ def summary(
         "accept_rate_by_cycle": accept,
         "accept_rate_first": known[0] if known else None,
         "accept_rate_last": known[-1] if known else None,
-        "accept_rate_fitted_rise": _fitted_rise(known),
+        "answers_by_cycle": answers,
+        "accept_rate_fitted_rise": _fitted_rise(known, known_answers),
+        # Each cycle alike, as this report fitted before it weighed them by their answers.
+        "accept_rate_fitted_rise_per_cycle": _fitted_rise(known),
         "requests_total": len(records),
         "requests_failed": len(records) - len(served),
         "feedback_lost": sum(
