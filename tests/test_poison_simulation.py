@@ -19,6 +19,7 @@ import numpy as np
 from pool_world import ANSWERING, World
 
 from rlfleet.api.wire import CapturedCompletion, Segment
+from rlfleet.rollout import agreement
 from rlfleet.rollout.agreement import FeedbackScreen
 from rlfleet.rollout.history import RewardHistory, prompt_key
 from rlfleet.rollout.signals import CycleSamples, Scored
@@ -90,6 +91,26 @@ def test_one_user_in_nine_saying_the_opposite_all_run_is_distrusted_alone():
     found = outcomes(seed=3, poisoner=POISONER)
     assert sum(o.distrusted.keys() == {POISONER} for o in found) >= 0.95 * RUNS
     assert sum(bool(o.held) for o in found) <= 0.01 * RUNS
+
+
+def test_users_records_are_bounded_and_the_distrusted_stay_distrusted(monkeypatch):
+    """A pool's millions of users cannot grow the screen without bound: the records of
+    those who answered least recently go, a distrusted user's distrust does not."""
+    monkeypatch.setattr(agreement, "MAX_USER_RECORDS", 4)
+    history, screen = RewardHistory(), FeedbackScreen()
+    liked = {question: float(question % 2) for question in range(40)}
+    history.learn((prompt_key(capture(q, "past")), "past", r) for q, r in liked.items())
+    users = ["liar", *(f"user-{n}" for n in range(6))]
+    scored = [
+        Scored(capture(q, user), -r if user == "liar" else r, {})
+        for user in users
+        for q, r in liked.items()
+    ]
+    screened = screen.screen(CycleSamples(scored), history)
+    assert set(screened.distrusted) == {"liar"}
+    assert list(screen.users) == users[-4:]  # the most recent four
+    assert screen.distrusted == {"liar"}
+    assert all(s.capture.user != "liar" for s in screened.samples.scored)
 
 
 if __name__ == "__main__":  # the rates, as JSON: python tests/test_poison_simulation.py [RUNS]

@@ -27,6 +27,7 @@ measures both in the realtime example's world.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable
@@ -38,6 +39,10 @@ from rlfleet.rollout.signals import CycleSamples, Dropped
 HOLD_Z = 3.0  # a cycle this many standard errors against history is held back
 DISTRUST_Z = 4.5  # a user this many, over the run, is distrusted
 MIN_PAIRS = 30  # fewer answers on known prompts say nothing (Fisher's z is not normal yet)
+# Users whose records are kept (about 200 bytes each): a pool's millions of users cannot
+# grow the collector without bound. A user who has not answered while this many others
+# did starts again; a distrusted one stays distrusted (`distrusted`: few).
+MAX_USER_RECORDS = 200_000
 
 
 @dataclass
@@ -92,6 +97,7 @@ class Screened:
 class FeedbackScreen:
     """What the collector knows of its users' agreement with history, cycle to cycle."""
 
+    # Users' records, the least recently answering first: at most `MAX_USER_RECORDS`.
     users: dict[str, Agreement] = field(default_factory=dict)
     distrusted: set[str] = field(default_factory=set)
 
@@ -141,9 +147,12 @@ class FeedbackScreen:
         """The users' records over the run, with their new pairs added."""
         records = {}
         for user, pairs in by_user.items():
-            record = records[user] = self.users.setdefault(user, Agreement())
+            record = records[user] = self.users.pop(user, None) or Agreement()
+            self.users[user] = record  # last: the most recent
             for expected, reward in pairs:
                 record.add(expected, reward)
+        for user in list(itertools.islice(self.users, max(len(self.users) - MAX_USER_RECORDS, 0))):
+            del self.users[user]  # gone quiet longest: their record starts again if they return
         return records
 
     def _kept(self, samples: CycleSamples) -> CycleSamples:
