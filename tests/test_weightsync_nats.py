@@ -20,6 +20,8 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from rlfleet.api.wire import BusRole
+from rlfleet.bus.auth import connect
 from rlfleet.bus.streams import ensure_run_streams
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.weightsync.config import SyncConfig
@@ -147,6 +149,50 @@ def test_a_late_receiver_starts_from_the_snapshot_retention_kept(
                 assert min(version for version, _ in receiver.known) == 6
 
     asyncio.run(scenario())
+
+
+def test_the_trainer_retires_old_versions_on_a_regions_mirror_as_its_run_user(
+    nats_servers: StandaloneNats, tmp_path: Path
+) -> None:
+    """As the trainer does it: as its run's user at the hub, through the region's leaf
+    node, whose answers come back to the user's own reply subjects."""
+    run, versions = _run_name(), _versions(7)
+    (tmp_path / "trainer.creds").write_text(nats_servers.bed.run_user(run, BusRole.TRAINER))
+
+    async def scenario() -> None:
+        async with _connected(nats_servers.bed.hub) as (admin,):
+            assert await ensure_run_streams(admin, run, HUB_DOMAIN, [REGION]) == []
+            trainer = await connect(nats_servers.bed.hub.url, tmp_path / "trainer.creds")
+            try:
+                stream = WeightStream(trainer, run, CONFIG)
+                mirror = WeightStream(trainer, run, CONFIG, domain=REGION)
+                publisher = Publisher(stream, CONFIG, mirrors=[mirror])
+                for version, tensors in enumerate(versions):
+                    await publisher.publish(tensors, version)
+                # Snapshots at 0, 3 and 6; keeping one retires everything before 6, on the
+                # hub and on the mirror, once the mirror has caught up.
+                regional = WeightStream(admin, run, CONFIG, domain=REGION)
+                await _until_async(lambda: _newest(regional), 6, 30)
+                await mirror.retire_before(6)  # what publishing did, or tried to
+                assert await _oldest(regional) == 6
+            finally:
+                await trainer.close()
+
+    asyncio.run(scenario())
+
+
+async def _newest(stream: WeightStream) -> int | None:
+    info = await stream.js.stream_info(stream.subjects.stream)
+    if info.state.last_seq == 0:
+        return None
+    last = await stream.js.get_msg(stream.subjects.stream, seq=info.state.last_seq)
+    return stream.subjects.version_of(last.subject)
+
+
+async def _oldest(stream: WeightStream) -> int:
+    info = await stream.js.stream_info(stream.subjects.stream)
+    first = await stream.js.get_msg(stream.subjects.stream, seq=info.state.first_seq)
+    return stream.subjects.version_of(first.subject)
 
 
 def test_a_region_cut_off_keeps_its_old_versions_and_publishing_goes_on(

@@ -513,9 +513,11 @@ def leaf_permissions(hub_domain: str, region: str) -> Permissions:
     ]
     work = [trajectory_subject("*"), capture_subject("*"), feedback_subject("*")]
     acks = [f"$JS.ACK.*.{WORKER_CONSUMER}.>", f"$JS.ACK.*.*.*.{WORKER_CONSUMER}.>"]
+    # The region's JetStream answers the hub's operator (its own user's `_INBOX`) and the
+    # trainer (its run user's inbox), which keep the region's weights mirror.
+    replies = ["_INBOX.>", f"{RUN_INBOXES}.*.{BusRole.TRAINER}.>"]
     return Permissions(
-        # Flow control: the mirror's consumer's. Replies: to the hub's operator and trainer.
-        publish=[*api, *work, *acks, "$JS.FC.>", "_INBOX.>"],
+        publish=[*api, *work, *acks, "$JS.FC.>", *replies],  # FC: the mirror's consumer's
         subscribe=[
             f"{mine}.>",  # the hub's operator and trainer keep the region's mirror
             f"{weights_prefix('*')}.*.manifest.*",  # a new version wakes its receivers
