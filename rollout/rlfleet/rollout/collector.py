@@ -102,8 +102,9 @@ distrusted = prometheus_client.Counter(
 )
 
 WORKER = "collector"  # what the trajectories name as their worker
-# Cycles a restarted collector replays into its history: older ones' rewards are about
-# forgotten (`rlfleet.rollout.history.FORGOTTEN`).
+# Cycles trained on that a restarted collector replays into its history (held-back ones
+# between them are passed over): older ones' rewards are about forgotten
+# (`rlfleet.rollout.history.FORGOTTEN`).
 REPLAYED_CYCLES = 8
 
 
@@ -159,9 +160,15 @@ class Collector:
                 malformed.inc()
         if not reports:
             return None
-        first = max(len(reports) - REPLAYED_CYCLES, 0)  # the first cycle replayed
+        trained = [at for at, report in enumerate(reports) if not report.held_back]
+        first = trained[-REPLAYED_CYCLES] if len(trained) > REPLAYED_CYCLES else 0
         for report in reports[:first]:
             self.screen.distrusted.update(report.distrusted_users)
+        if unnamed := sum(max(r.distrusted - len(r.distrusted_users), 0) for r in reports):
+            log.warning(
+                "%d distrusted users are not named in the cycle reports kept (more than %d "
+                "in a cycle, or an older collector's): trusted again", unnamed, MAX_NAMED_USERS,
+            )  # fmt: skip
         after = reports[first - 1].capture_seq if first else 0
         for report in reports[first:]:
             if not report.held_back:
