@@ -1,23 +1,22 @@
 #!/usr/bin/env bash
-# `make bed`: brings up four real clusters and NATS, installs rlfleet's CRDs and the examples,
-# and shows what an on-call engineer sees. The bed stays up until `make down`.
+# `make bed`: a fleet at work, as an on-call engineer sees one. Four real clusters and NATS;
+# the chart installed in the hub and in each region the run names, as a platform team
+# would, with the operators running; and `make demo`'s run training through them, on GPUs
+# each region's serving fleet lends, until `make down` (which stops the run first, so it
+# reports). Three minutes into training region-a's serving traffic spikes for two: its
+# operator reclaims the lent GPUs, and lends them again once traffic falls.
 set -euo pipefail
 rlfleet dev up
 export KUBECONFIG=$PWD/.rlfleet/dev/kubeconfig
-contexts=(hub region-a region-b region-c)
-for c in "${contexts[@]}"; do
-  kubectl --context "$c" apply --server-side -f crds/ >/dev/null
-done
-for c in "${contexts[@]}"; do
-  kubectl --context "$c" wait --for=condition=Established --timeout=60s \
-    crd/rlruns.rlfleet.io crd/inferencepools.rlfleet.io crd/envpools.rlfleet.io >/dev/null
-  kubectl --context "$c" apply -f examples/ >/dev/null
-done
-for c in "${contexts[@]}"; do
-  echo "== $c: kubectl get nodes,rlfleet"
-  kubectl --context "$c" get nodes -o custom-columns='NAME:.metadata.name,REGION:.metadata.labels.rlfleet\.io/region,GPUS:.status.allocatable.nvidia\.com/gpu,READY:.status.conditions[?(@.type=="Ready")].status'
-  kubectl --context "$c" get rlfleet
+# COLUMNS: the run's log (rich wraps its lines at the width it is told).
+COLUMNS=160 rlfleet run examples/local.yaml --operator --detach --minutes 600 --spike region-a:3-5
+for c in hub region-a region-b; do
+  echo "== $c: kubectl get rlfleet -A"
+  kubectl --context "$c" get rlfleet -A
 done
 echo
-echo "The bed is up. Try: export KUBECONFIG=$KUBECONFIG; kubectl --context region-a get rlfleet"
+echo "The fleet is at work. Try: export KUBECONFIG=$KUBECONFIG"
+echo "  kubectl --context hub get rlrun -A -w          # phase, version, GPUs lent, regions"
+echo "  kubectl --context region-a get inferencepool -A -w   # the reclaim, from minute 3"
+echo "  kubectl --context hub get events -A            # what the operators decided, and why"
 echo "Stop it with: make down"

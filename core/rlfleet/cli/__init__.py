@@ -20,5 +20,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a command passes on
     handler: Handler = args.handler
     sys.exit(handler(args))

@@ -47,6 +47,11 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
+    from rlfleet.testbed import detached
+
+    # Runs first, while the clusters and operators they report to and clean up in run.
+    for run in detached.stop_all(args.state):
+        print(f"stopped the run in namespace {run.namespace}; its output: {run.log}")
     if not (args.state / STATE_FILE).exists():
         print("nothing to stop")
         return 0
@@ -62,7 +67,7 @@ def register(groups: argparse._SubParsersAction) -> None:
         [
             ("up", _up, "start four clusters and NATS in the background"),
             ("status", _status, "show whether the bed runs and what it uses"),
-            ("down", _down, "stop the bed"),
+            ("down", _down, "stop the bed and the runs left on it (`rlfleet run --detach`)"),
         ],
         lambda command: command.add_argument("--state", type=Path, default=DEFAULT_STATE),
     )

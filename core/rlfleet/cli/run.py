@@ -9,6 +9,10 @@ from pathlib import Path
 
 from rlfleet.cli.dev import DEFAULT_STATE as DEV_BED
 
+# From the command to the hub's first version: the model's warm-up, the chart in each
+# cluster, the operators' first decisions and the pods' start, on two cores.
+DETACHED_START_S = 900.0
+
 
 def _spike(text: str):
     from rlfleet.testbed.operated import Spike
@@ -20,6 +24,11 @@ def _spike(text: str):
 
 
 def _run(args: argparse.Namespace) -> int:
+    if (args.detach or args.namespace) and not args.operator:
+        print("rlfleet run: --detach and --namespace go with --operator", file=sys.stderr)
+        return 2
+    if args.detach:
+        return _detach(args)
     # torch, NATS and rich load slowly: only once the arguments are known to be good.
     from rlfleet.local import run
 
@@ -29,7 +38,7 @@ def _run(args: argparse.Namespace) -> int:
 
             return operated.run(
                 *(args.file, args.state, args.minutes, args.warmup_steps, args.bed),
-                *(tuple(args.spike), args.invert_cycle),
+                *(tuple(args.spike), args.invert_cycle, args.namespace),
             )
         return run.run(
             args.file, args.state, args.minutes, args.warmup_steps, invert_cycle=args.invert_cycle
@@ -39,8 +48,46 @@ def _run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _detach(args: argparse.Namespace) -> int:
+    """The same command in the background, on the bed `rlfleet dev up` keeps; returns
+    once the hub reports the run's first version."""
+    from rlfleet.testbed import detached, operated
+    from rlfleet.testbed.bed import STATE_FILE, BedInfo
+
+    bed = BedInfo.load(args.bed) if (args.bed / STATE_FILE).exists() else None
+    if bed is None or not all(bed.alive().values()):
+        print(
+            f"rlfleet run: --detach needs the bed up in {args.bed}: rlfleet dev up", file=sys.stderr
+        )
+        return 2
+    from rlfleet.local.run import InvalidRun, load
+
+    try:
+        name, _ = load(args.file)
+    except InvalidRun as error:
+        print(f"rlfleet run: {error}", file=sys.stderr)
+        return 2
+    namespace = args.namespace or operated.namespace_for(name)
+    argv = [word for word in args.argv if word != "--detach"]
+    log = args.bed / detached.RUNS / f"{namespace}.log"
+    run = detached.start([*argv, "--namespace", namespace], args.bed, namespace, log)
+    print(f"started in namespace {namespace} of the bed's hub; its output: {log}")
+    try:
+        version = detached.wait_training(bed, run, DETACHED_START_S)
+    except (detached.DetachedRunEnded, TimeoutError, KeyboardInterrupt) as error:
+        print(f"rlfleet run: {error or 'interrupted'}; stopping it", file=sys.stderr)
+        detached.stop(args.bed, [run])
+        return 1
+    print(f"training: version {version}; `rlfleet dev down` stops it (it reports first)")
+    return 0
+
+
 def register(groups: argparse._SubParsersAction) -> None:
-    command = groups.add_parser("run", help="train an RLRun locally: NATS, trainer, rollouts")
+    command = groups.add_parser(
+        "run",
+        help="train an RLRun locally: NATS, trainer, rollouts",
+        allow_abbrev=False,  # --detach is taken out, word for word, of what it starts
+    )
     command.add_argument("file", type=Path, help="an RLRun YAML document")
     command.add_argument(
         "--state",
@@ -83,5 +130,16 @@ def register(groups: argparse._SubParsersAction) -> None:
         metavar="REGION:FROM-TO",
         help="serving traffic too high to lend, in minutes of training: region-a:2-4 "
         "reclaims region-a's GPUs from minute 2 to minute 4 (repeatable)",
+    )
+    operator.add_argument(
+        "--namespace",
+        default=None,
+        help="the namespace the run is applied in, in every cluster (default: NAME-random)",
+    )
+    operator.add_argument(
+        "--detach",
+        action="store_true",
+        help="leave the run training on the `rlfleet dev up` bed, in the background, until "
+        "`rlfleet dev down` (which stops it as Ctrl-C does); returns once it has a version",
     )
     command.set_defaults(handler=_run)

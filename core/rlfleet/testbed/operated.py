@@ -22,6 +22,7 @@ import functools
 import json
 import logging
 import secrets
+import signal
 import subprocess
 import threading
 import time
@@ -404,6 +405,11 @@ class OperatedPlane:
             link.listener.close()
 
 
+def namespace_for(name: str) -> str:
+    """A namespace of its own for a run of `name`: runs of one name do not meet."""
+    return f"{name[:50]}-{secrets.token_hex(3)}"
+
+
 def run(
     path: Path,
     root: Path | None,
@@ -412,10 +418,14 @@ def run(
     bed_state: Path,
     spikes: tuple[Spike, ...],
     invert_cycle: int | None = None,
+    namespace: str | None = None,
 ) -> int:
     """`rlfleet run FILE --operator`: as `rlfleet run`, through the bed's operators. Each
     time round is a new RLRun, with new streams, in a namespace of its own, deleted at the
     end; the trainer resumes from its checkpoint in the run folder."""
+    # SIGTERM (`rlfleet dev down`, for a detached run) is Ctrl-C from here on: whatever
+    # the run has started by then is stopped and deleted on the way out.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     name, spec = local_run.load(path)
     strays = sorted({s.region for s in spikes} - set(spec.region_names))
     if strays:
@@ -426,7 +436,7 @@ def run(
     pods_log = logging.getLogger(PodRunner.__module__)
     pods_log.setLevel(logging.INFO)
     pods_log.addHandler(RichHandler(console=console, show_path=False))
-    namespace = f"{name[:50]}-{secrets.token_hex(3)}"
+    namespace = namespace or namespace_for(name)
     with bed_at(bed_state) as bed:
         plane_for = functools.partial(
             OperatedPlane, bed=bed, document=document, namespace=namespace, spikes=spikes
