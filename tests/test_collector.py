@@ -166,19 +166,35 @@ def test_cycles_take_each_completion_once_and_score_it_from_its_signals(
     asyncio.run(scenario())
 
 
-def test_a_cycle_whose_feedback_runs_against_history_is_held_back_not_trained_on(
-    nats_servers: StandaloneNats, tmp_path, monkeypatch: pytest.MonkeyPatch
-):
-    """As when a client's instrumentation breaks: users accept what they rejected before
-    on the same prompts, and reject what they accepted."""
+def _screening_config(nats_servers: StandaloneNats, tmp_path) -> CollectorConfig:
+    """A run whose cycles close at 10 answers, its pool server's and collector's users
+    written in `tmp_path`: the feedback screen's tests."""
     run = "collect-" + uuid.uuid4().hex[:6]
     bed = nats_servers.bed
     (tmp_path / "serving.creds").write_text(bed.run_user(run, BusRole.SERVING))
     (tmp_path / "collector.creds").write_text(bed.run_user(run, BusRole.COLLECTOR))
     rewards = SignalRewards(window_s=WINDOW_S, max_per_user=100, group_size=4)
-    config = CollectorConfig(
+    return CollectorConfig(
         run=run, nats_url=bed.hub.url, rewards=rewards, interval_s=0, min_samples=10, settle_s=0
     )
+
+
+async def _screening_clients(nats_servers: StandaloneNats, config, tmp_path, monkeypatch):
+    """The run's streams made; an admin's client, a pool server's and the collector's."""
+    admin = await nats_servers.bed.hub.connect()
+    await ensure_run_streams(admin, config.run, None)
+    serving = await connect(config.nats_url, tmp_path / "serving.creds")
+    monkeypatch.setenv(CREDENTIALS_ENV, str(tmp_path / "collector.creds"))
+    return admin, serving, await connect(config.nats_url)
+
+
+def test_a_cycle_whose_feedback_runs_against_history_is_held_back_not_trained_on(
+    nats_servers: StandaloneNats, tmp_path, monkeypatch: pytest.MonkeyPatch
+):
+    """As when a client's instrumentation breaks: users accept what they rejected before
+    on the same prompts, and reject what they accepted."""
+    config = _screening_config(nats_servers, tmp_path)
+    run = config.run
 
     def cycle(number: int, inverted: bool) -> tuple[list, list]:
         """Two answers to each of 40 prompts: the even ones liked, the odd ones not."""
@@ -193,11 +209,7 @@ def test_a_cycle_whose_feedback_runs_against_history_is_held_back_not_trained_on
         return captures, events
 
     async def scenario():
-        admin = await bed.hub.connect()
-        await ensure_run_streams(admin, run, None)
-        serving = await connect(bed.hub.url, tmp_path / "serving.creds")
-        monkeypatch.setenv(CREDENTIALS_ENV, str(tmp_path / "collector.creds"))
-        nc = await connect(config.nats_url)
+        admin, serving, nc = await _screening_clients(nats_servers, config, tmp_path, monkeypatch)
         js, collector, last = nc.jetstream(), Collector(config), None
         reports = []
         for number, inverted in ((1, False), (2, False), (3, True), (4, False)):
@@ -226,14 +238,8 @@ def test_a_restarted_collector_distrusts_whom_it_did_and_knows_its_history(
     held back. A collector started afresh on the same streams drops that user and expects
     what the first expected, as if it had never stopped, also once the cycle that found
     the user is older than those it replays."""
-    run = "collect-" + uuid.uuid4().hex[:6]
-    bed = nats_servers.bed
-    (tmp_path / "serving.creds").write_text(bed.run_user(run, BusRole.SERVING))
-    (tmp_path / "collector.creds").write_text(bed.run_user(run, BusRole.COLLECTOR))
-    rewards = SignalRewards(window_s=WINDOW_S, max_per_user=100, group_size=4)
-    config = CollectorConfig(
-        run=run, nats_url=bed.hub.url, rewards=rewards, interval_s=0, min_samples=10, settle_s=0
-    )
+    config = _screening_config(nats_servers, tmp_path)
+    run = config.run
 
     def cycle(number: int) -> tuple[list, list]:
         """Two answers to each of 40 prompts, the even ones liked; from cycle 2 the second
@@ -250,11 +256,7 @@ def test_a_restarted_collector_distrusts_whom_it_did_and_knows_its_history(
         return captures, events
 
     async def scenario():
-        admin = await bed.hub.connect()
-        await ensure_run_streams(admin, run, None)
-        serving = await connect(bed.hub.url, tmp_path / "serving.creds")
-        monkeypatch.setenv(CREDENTIALS_ENV, str(tmp_path / "collector.creds"))
-        nc = await connect(config.nats_url)
+        admin, serving, nc = await _screening_clients(nats_servers, config, tmp_path, monkeypatch)
         js, collector, last = nc.jetstream(), Collector(config), None
         reports = []
         for number in range(1, 5):
