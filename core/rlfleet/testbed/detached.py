@@ -26,9 +26,9 @@ import psutil
 
 from rlfleet.local.binaries import binary
 from rlfleet.testbed.bed import BedInfo
+from rlfleet.testbed.fleet import HUB
 
 RUNS = "runs"  # in the bed's state folder: one record per detached run
-HUB = "hub"  # the bed's hub cluster, as its kubeconfig names it
 # A stopped run reports first: its pods' grace, its last version's evaluation on the
 # whole suite, and the hub's deletion of its streams (`operated.DELETE_WAIT_S`).
 STOP_GRACE_S = 240.0
