@@ -13,11 +13,10 @@ DEFAULT_STATE = Path(".rlfleet/dev")
 
 
 def _up(args: argparse.Namespace) -> int:
+    if (info := BedInfo.running(args.state)) is not None:
+        print(f"already up; export KUBECONFIG={info.kubeconfig}")
+        return 0
     if (args.state / STATE_FILE).exists():
-        info = BedInfo.load(args.state)
-        if all(info.alive().values()):
-            print(f"already up; export KUBECONFIG={info.kubeconfig}")
-            return 0
         stop_recorded(args.state)  # a half-dead bed from an earlier run
     info = Bed(args.state.resolve(), attached=False).start()
     print(f"four clusters and NATS are up; export KUBECONFIG={info.kubeconfig}")

@@ -52,10 +52,10 @@ def _detach(args: argparse.Namespace) -> int:
     """The same command in the background, on the bed `rlfleet dev up` keeps; returns
     once the hub reports the run's first version."""
     from rlfleet.testbed import detached, operated
-    from rlfleet.testbed.bed import STATE_FILE, BedInfo
+    from rlfleet.testbed.bed import BedInfo
 
-    bed = BedInfo.load(args.bed) if (args.bed / STATE_FILE).exists() else None
-    if bed is None or not all(bed.alive().values()):
+    bed = BedInfo.running(args.bed)
+    if bed is None:
         print(
             f"rlfleet run: --detach needs the bed up in {args.bed}: rlfleet dev up", file=sys.stderr
         )

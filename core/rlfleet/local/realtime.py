@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 from msgspec.structs import replace
 
 from rlfleet import launch
@@ -214,17 +215,10 @@ def _fitted_rise(rates: list[float], answers: list[int] | None = None) -> float 
     over a few dozen answers is as noisy as it is short."""
     if len(rates) < 2:
         return None
-    weights = answers or [1] * len(rates)
-    total = sum(weights)
-    x_mean = sum(w * x for x, w in enumerate(weights)) / total
-    y_mean = sum(w * y for y, w in zip(rates, weights, strict=True)) / total
-    spread = sum(w * (x - x_mean) ** 2 for x, w in enumerate(weights))
-    if spread == 0:
-        return None
-    covariance = sum(
-        w * (x - x_mean) * (y - y_mean) for x, (y, w) in enumerate(zip(rates, weights, strict=True))
-    )
-    return round(covariance / spread * (len(rates) - 1), 4)
+    # polyfit weighs residuals: the square root of a count weighs squared residuals by it.
+    weights = np.sqrt(answers) if answers is not None else None
+    slope = np.polyfit(np.arange(len(rates)), rates, 1, w=weights)[0]
+    return round(float(slope) * (len(rates) - 1), 4)
 
 
 async def served_versions(run: str, url: str, credentials: Path) -> dict[str, int]:
@@ -306,8 +300,11 @@ def summary(
         accept.append(round(sum(judged) / len(judged), 4) if judged else None)
         answers.append(len(judged))
         start = cycle.finished_at
-    known = [rate for rate in accept if rate is not None]
-    known_answers = [n for n in answers if n]
+    known, known_answers = [], []
+    for rate, count in zip(accept, answers, strict=True):
+        if rate is not None:
+            known.append(rate)
+            known_answers.append(count)
     swaps = _swaps(records)
 
     def during_swap(r: dict) -> bool:

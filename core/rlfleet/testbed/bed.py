@@ -57,6 +57,15 @@ class BedInfo:
             data["pids"],
         )
 
+    @classmethod
+    def running(cls, state_dir: Path) -> BedInfo | None:
+        """The bed recorded in `state_dir` if every one of its processes runs; None if
+        there is none, or only part of one (`stop_recorded` clears what is left)."""
+        if not (state_dir / STATE_FILE).exists():
+            return None
+        info = cls.load(state_dir)
+        return info if all(info.alive().values()) else None
+
     def alive(self) -> dict[str, bool]:
         return {name: psutil.pid_exists(pid) for name, pid in self.pids.items()}
 

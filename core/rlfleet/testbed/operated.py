@@ -149,11 +149,10 @@ def inference_pool(metrics_url: str) -> dict:
 def bed_at(state: Path) -> Iterator[BedInfo]:
     """The bed `rlfleet dev up` left running in `state`, or one started there for this
     run alone and stopped after it."""
+    if (info := BedInfo.running(state)) is not None:
+        yield info
+        return
     if (state / STATE_FILE).exists():
-        info = BedInfo.load(state)
-        if all(info.alive().values()):
-            yield info
-            return
         stop_recorded(state)  # a half-dead bed from an earlier run
     console.print(f"starting the four-cluster bed in {state} (`rlfleet dev up` keeps one up)")
     bed = Bed(state.resolve(), attached=True)

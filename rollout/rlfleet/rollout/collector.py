@@ -70,7 +70,7 @@ from rlfleet.api.wire import (
     trajectory_subject,
 )
 from rlfleet.bus.auth import connect
-from rlfleet.bus.reading import messages, newest
+from rlfleet.bus.reading import decoded, messages, newest
 from rlfleet.bus.streams import cycle_stream
 from rlfleet.launch.settings import CollectorConfig
 from rlfleet.launch.stopping import run_until_signalled, wait_set
@@ -152,12 +152,14 @@ class Collector:
         as their reports say: a held-back cycle is not replayed, a distrusted user is
         dropped from the cycle that found them). Captures older than the streams keep
         are gone: history is then thinner, as after a quiet week."""
-        run, reports = self.config.run, []
-        async for message in messages(js, cycle_stream(run), cycle_subject(run)):
-            try:
-                reports.append(decode_cycle_report(message.data))
-            except msgspec.DecodeError:
-                malformed.inc()
+        run = self.config.run
+        stream, subject = cycle_stream(run), cycle_subject(run)
+        reports = [
+            report
+            async for _, report in decoded(
+                js, stream, subject, decode_cycle_report, 0, malformed.inc
+            )
+        ]
         if not reports:
             return None
         trained = [at for at, report in enumerate(reports) if not report.held_back]
@@ -187,9 +189,8 @@ class Collector:
                 break
             if capture is not None:
                 captures.append(capture)
-        feedback = {c.response_id: await self._events(js, c.response_id) for c in captures}
         samples = self.screen.replay(
-            score_cycle(captures, feedback, self.config.rewards),
+            score_cycle(captures, await self._feedback(js, captures), self.config.rewards),
             self.history,
             report.distrusted_users,
         )
@@ -244,7 +245,7 @@ class Collector:
         if last is not None and now - last.finished_at < self.config.interval_s:
             return None
         captures, seq = await self._ready_captures(js, last.capture_seq if last else 0, now)
-        feedback = {c.response_id: await self._events(js, c.response_id) for c in captures}
+        feedback = await self._feedback(js, captures)
         answered = sum(any(not e.late for e in events) for events in feedback.values())
         # A cycle full of completions nobody answered closes anyway, so the next is read.
         if answered < self.config.min_samples and len(captures) < self.config.max_samples:
@@ -354,6 +355,10 @@ class Collector:
                 malformed.inc()
                 capture = None
             yield message.seq, capture
+
+    async def _feedback(self, js, captures: list[CapturedCompletion]) -> dict[str, list[Feedback]]:
+        """Each capture's events, by response id."""
+        return {c.response_id: await self._events(js, c.response_id) for c in captures}
 
     async def _events(self, js, response_id: str) -> list[Feedback]:
         """The response's first `max_events_per_response` events, the unreadable counted."""
