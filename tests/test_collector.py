@@ -166,6 +166,18 @@ def test_cycles_take_each_completion_once_and_score_it_from_its_signals(
     asyncio.run(scenario())
 
 
+def _answered(run: str, number: int, said) -> tuple[list, list]:
+    """Cycle `number`'s captures, each of (prompt, user, liked), and each one's event:
+    accepted if liked, else rejected; served a while ago, so every window has closed."""
+    past = time.time() - 100
+    captures, events = [], []
+    for n, (prompt, user, liked) in enumerate(said):
+        capture = _capture(run, f"c{number}-{n}", user, past + n / 100, (prompt, 100))
+        captures.append(capture)
+        events.append(_event(capture, "accepted" if liked else "rejected"))
+    return captures, events
+
+
 def _screening_config(nats_servers: StandaloneNats, tmp_path) -> CollectorConfig:
     """A run whose cycles close at 10 answers, its pool server's and collector's users
     written in `tmp_path`: the feedback screen's tests."""
@@ -198,15 +210,8 @@ def test_a_cycle_whose_feedback_runs_against_history_is_held_back_not_trained_on
 
     def cycle(number: int, inverted: bool) -> tuple[list, list]:
         """Two answers to each of 40 prompts: the even ones liked, the odd ones not."""
-        past = time.time() - 100
-        captures, events = [], []
-        for n in range(80):
-            prompt, user = n % 40, f"u{n % 10}"
-            said = _capture(run, f"c{number}-{n}", user, past + n / 100, (prompt, 100))
-            liked = (prompt % 2 == 0) != inverted
-            captures.append(said)
-            events.append(_event(said, "accepted" if liked else "rejected"))
-        return captures, events
+        said = ((n % 40, f"u{n % 10}", (n % 40 % 2 == 0) != inverted) for n in range(80))
+        return _answered(run, number, said)
 
     async def scenario():
         admin, serving, nc = await _screening_clients(nats_servers, config, tmp_path, monkeypatch)
@@ -244,16 +249,12 @@ def test_a_restarted_collector_distrusts_whom_it_did_and_knows_its_history(
     def cycle(number: int) -> tuple[list, list]:
         """Two answers to each of 40 prompts, the even ones liked; from cycle 2 the second
         of each goes to a user who says the opposite; in cycle 3 everyone does."""
-        past = time.time() - 100
-        captures, events = [], []
+        said = []
         for n in range(80):
             prompt, liar = n // 2, number > 1 and n % 2 == 1
             user = "liar" if liar else f"u{n % 10}"
-            said = _capture(run, f"c{number}-{n}", user, past + n / 100, (prompt, 100))
-            liked = (prompt % 2 == 0) != (liar or number == 3)
-            captures.append(said)
-            events.append(_event(said, "accepted" if liked else "rejected"))
-        return captures, events
+            said.append((prompt, user, (prompt % 2 == 0) != (liar or number == 3)))
+        return _answered(run, number, said)
 
     async def scenario():
         admin, serving, nc = await _screening_clients(nats_servers, config, tmp_path, monkeypatch)
