@@ -44,7 +44,10 @@ def test_a_renewed_user_is_picked_up_before_the_old_one_expires(
     """The owner rewrites the .creds file (a Secret's mounted file follows it); the client
     reconnects with it by itself and outlives its first JWT. One left alone is closed by
     the server when its JWT expires."""
-    bed, run, ttl = nats_servers.bed, f"renew-{uuid.uuid4().hex[:6]}", 4.0
+    # JWT expiries are whole seconds, rounded down: the renewal comes half a TTL after
+    # the first user, so the check, a second past the first's expiry, is a second or
+    # more before the renewed one's.
+    bed, run, ttl = nats_servers.bed, f"renew-{uuid.uuid4().hex[:6]}", 6.0
     renewed, stale = tmp_path / "renewed.creds", tmp_path / "stale.creds"
     write_secret(renewed, bed.run_user(run, BusRole.TRAINER, ttl_s=ttl))
     write_secret(stale, bed.run_user(run, BusRole.FEED, ttl_s=ttl))
@@ -58,9 +61,9 @@ def test_a_renewed_user_is_picked_up_before_the_old_one_expires(
 
         kept = await auth.connect(bed.hub.url, renewed, reconnected_cb=reconnected)
         left = await auth.connect(bed.hub.url, stale, max_reconnect_attempts=-1)
-        await asyncio.sleep(ttl / 3)
+        await asyncio.sleep(ttl / 2)
         write_secret(renewed, bed.run_user(run, BusRole.TRAINER, ttl_s=ttl))
-        await asyncio.sleep(ttl)  # past the first JWT's expiry
+        await asyncio.sleep(ttl / 2 + 1)  # past the first JWT's expiry
         await kept.flush(timeout=5)  # the server still answers it
         try:
             return kept.is_connected, left.is_connected, reconnects
