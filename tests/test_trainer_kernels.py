@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from rlfleet.api.wire import Segment
 from rlfleet.models.tiny import init_model
+from rlfleet.trainer import kernels
 from rlfleet.trainer.objective import ObjectiveConfig, group_advantages, policy_loss
 from rlfleet.trainer.rows import make_rows, routed_experts
 from rlfleet.trainer.scoring import Batch, prepare, token_logprobs
@@ -70,7 +71,7 @@ def test_both_modes_compute_the_same_function(tiny_moe: Path) -> None:
 
 def test_tiled_rms_norm_is_the_models_and_alike_at_any_row_count(tiny_moe: Path) -> None:
     # On CUDA a generic mean was laid out by row count (bench/results/gpu-*-fp32-*.json);
-    # the tiled kernels take RMSNorm's sum of squares through the fixed-tile GEMM instead.
+    # the tiled kernels sum its squares by elementwise halving instead.
     tiled, default = _model(tiny_moe, True), _model(tiny_moe, False)
     norms = [
         (a, b)
@@ -84,6 +85,26 @@ def test_tiled_rms_norm_is_the_models_and_alike_at_any_row_count(tiny_moe: Path)
             x = torch.randn(300, norm.weight.shape[0], generator=gen)
             torch.testing.assert_close(norm(x), reference(x), rtol=0, atol=1e-6)
             assert all(torch.equal(norm(x[:n])[:1], norm(x[:1])) for n in (2, 65, 300))
+
+
+def test_a_rows_sum_of_squares_is_one_fixed_tree_of_additions() -> None:
+    """The same float32 additions in the same order for a row, whatever its neighbours and
+    however its width pads to a power of two; and the sum it is meant to be."""
+    gen = torch.Generator().manual_seed(5)
+    for width in (1, 7, 64, 100):
+        x = torch.randn(333, width, generator=gen)
+        whole = kernels.sum_of_squares(x)
+        assert whole.shape == (333, 1)
+        assert all(torch.equal(kernels.sum_of_squares(x[i : i + n]), whole[i : i + n])
+                   for i, n in ((0, 1), (5, 2), (17, 64), (100, 233)))  # fmt: skip
+        torch.testing.assert_close(whole, (x.double() ** 2).sum(-1, keepdim=True).float())
+        # The tree: pairs (j, j + half) first, at every level.
+        row = [np.float32(v) for v in (x[0] * x[0]).tolist()]
+        row += [np.float32(0)] * ((1 << (width - 1).bit_length()) - width)
+        while len(row) > 1:
+            half = len(row) // 2
+            row = [a + b for a, b in zip(row[:half], row[half:], strict=True)]
+        assert whole[0, 0].item() == row[0]
 
 
 def _groups(seed: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
