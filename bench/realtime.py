@@ -27,9 +27,11 @@ whose pods run as local processes, and the pool serves from region-a.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from rlfleet.launch.caches import own_temporary_caches
@@ -39,6 +41,16 @@ from rlfleet.testbed import operated
 EXAMPLE = Path(__file__).parent.parent / "examples" / "realtime.yaml"
 
 
+@contextlib.contextmanager
+def _run_folder(keep: Path | None) -> Iterator[str]:
+    if keep is None:
+        with tempfile.TemporaryDirectory(prefix="rlfleet-bench-realtime-") as root:
+            yield root
+        return
+    keep.mkdir(parents=True, exist_ok=True)
+    yield str(keep)
+
+
 def main() -> None:
     own_temporary_caches("rlfleet-bench-realtime-caches-")  # this invocation's, removed after
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -46,8 +58,11 @@ def main() -> None:
     parser.add_argument("--invert-cycle", type=int, default=3)
     parser.add_argument("--file", type=Path, default=EXAMPLE)
     parser.add_argument("--operator", action="store_true", help="through the operators")
+    parser.add_argument(
+        "--keep", type=Path, help="run in this folder and keep it (logs, users' records)"
+    )
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-realtime-") as root:
+    with _run_folder(args.keep) as root:
         started = time.monotonic()
         if args.operator:
             bed = Path(root) / "bed"
