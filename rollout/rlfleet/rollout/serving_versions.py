@@ -110,8 +110,8 @@ class VersionFollower:
         self.announce(update.version, update.digest or "")
         switch_pause.set(update.pause_s)
         log.warning(  # on-call reads which version production serves
-            "set %s serves version %d (digest %s); paused %.3fs",
-            self.replica_set, update.version, update.digest, update.pause_s,
+            "set %s serves version %d (digest %s); paused %.3fs, writing %.3fs of it",
+            self.replica_set, update.version, update.digest, update.pause_s, update.write_s,
         )  # fmt: skip
 
     def _ceiling_for(self, target: ServingTarget) -> int:

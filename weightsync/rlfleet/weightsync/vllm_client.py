@@ -4,6 +4,7 @@ pool's server, `*_async`)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,7 @@ class Update:
     version: int | None
     digest: str | None
     pause_s: float  # generation was stopped this long
+    write_s: float  # of which the workers wrote the weights into the model
 
 
 def status(llm) -> list[dict[str, Any]]:
@@ -127,7 +129,9 @@ def update(llm, version: int | None = None, timeout_s: float = 300.0) -> Update:
     started = time.perf_counter()
     llm.sleep(level=0, mode="keep")
     info = {"version": version, "timeout_s": timeout_s}
+    writing = time.perf_counter()
     loaded = llm.collective_rpc(_UPDATE, kwargs={"update_info": info})
+    written = time.perf_counter() - writing
     try:
         disagree(loaded)
     except RuntimeError:
@@ -138,7 +142,7 @@ def update(llm, version: int | None = None, timeout_s: float = 300.0) -> Update:
     # (they go back to the queue and recompute it).
     llm.reset_prefix_cache(reset_running_requests=True)
     llm.wake_up(tags=["scheduling"])
-    return Update(loaded[0]["loaded"], loaded[0]["digest"], time.perf_counter() - started)
+    return Update(loaded[0]["loaded"], loaded[0]["digest"], time.perf_counter() - started, written)
 
 
 async def update_async(engine, version: int, timeout_s: float = 300.0) -> Update:
@@ -147,15 +151,22 @@ async def update_async(engine, version: int, timeout_s: float = 300.0) -> Update
     the write), and resumed with the new weights. A failed write leaves it paused, as
     `update` does: a model in an unknown state serves nobody."""
     started = time.perf_counter()
-    await engine.pause_generation(mode="keep", clear_cache=False)
+    # `AsyncLLM.pause_generation` is this call and then a 20 ms sleep, for outputs in
+    # flight to reach their callers first; they reach them all the same.
+    await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
     info = {"version": version, "timeout_s": timeout_s}
+    writing = time.perf_counter()
     loaded = await engine.collective_rpc(_UPDATE, kwargs={"update_info": info})
+    written = time.perf_counter() - writing
     try:
         disagree(loaded)
     except RuntimeError:
         await engine.collective_rpc(_FORGET_LOADED)
         raise
-    await engine.update_weight_version(str(loaded[0]["loaded"]))
-    await engine.reset_prefix_cache(reset_running_requests=True)
+    # Neither depends on the other, and both are done before the scheduler resumes.
+    await asyncio.gather(
+        engine.update_weight_version(str(loaded[0]["loaded"])),
+        engine.reset_prefix_cache(reset_running_requests=True),
+    )
     await engine.resume_generation()
-    return Update(loaded[0]["loaded"], loaded[0]["digest"], time.perf_counter() - started)
+    return Update(loaded[0]["loaded"], loaded[0]["digest"], time.perf_counter() - started, written)
