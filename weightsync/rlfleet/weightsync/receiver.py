@@ -10,6 +10,7 @@ rebuilds from a snapshot instead. It never holds anything but a verified version
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
@@ -105,8 +106,8 @@ class Receiver:
     async def _read_manifests(self, check_anew: bool = True) -> int:
         """Reads the manifests the stream holds past the last one read, by direct gets (a
         receiver makes no consumer, and needs no right to); returns how many. A stream
-        made anew, its sequences starting again, is read from its start (`check_anew`:
-        asked of the server when nothing was read)."""
+        made anew, its sequences starting again, is read from its start (with
+        `check_anew`, the server is asked when nothing was read)."""
         stream, subject = self.stream.subjects.stream, self.stream.subjects.manifests
         read = 0
         async for message in messages(self.stream.js, stream, subject, after=self._read):
@@ -126,23 +127,31 @@ class Receiver:
 
     async def _follow_until(self, stop: asyncio.Event) -> None:
         nudged = asyncio.Event()
+        announced = -1  # the newest version a nudge named
 
-        async def nudge(_message) -> None:
+        async def nudge(message) -> None:
+            nonlocal announced
+            with contextlib.suppress(ValueError):  # not a manifest's subject: a wake all the same
+                announced = max(announced, self.stream.subjects.version_of(message.subject))
             nudged.set()
 
         # A manifest published wakes the receiver at once; it reads it from its stream,
-        # where a region's mirror may hold it a moment later: it looks again shortly, until
-        # it reads one. A version every third of a second (the demo) kept it looking every
-        # 50 ms for good, two requests each, in the engine's process.
+        # where a region's mirror may hold it a moment later: it looks again shortly until
+        # it knows every version a nudge named. (Looking on after that, with a version
+        # every third of a second as in the demo, was 40 requests a second for good, in
+        # the engine's process.) A stream made anew, rare, is asked about once a second.
         wake = await self.stream.nc.subscribe(self.stream.subjects.manifests, cb=nudge)
-        soon = 0
+        loop = asyncio.get_running_loop()
+        soon, asked_anew = 0, -math.inf
         try:
             while not stop.is_set():
-                # A stream made anew is looked for when idle: it is rare, and a request.
-                read = await self._read_manifests(check_anew=not soon)
+                check_anew = loop.time() - asked_anew >= IDLE_POLL_S
+                if check_anew:
+                    asked_anew = loop.time()
+                read = await self._read_manifests(check_anew)
                 if read or self._behind():
                     await self.advance()
-                if read:
+                if read and announced <= max((v for v, _ in self.known), default=-1):
                     soon = 0
                 await wait_set(nudged, NUDGED_POLL_S if soon else IDLE_POLL_S)
                 soon = NUDGED_POLLS if nudged.is_set() else max(0, soon - 1)
