@@ -290,12 +290,11 @@ class Trainer:
         # All at once: one round trip each, a step's worth (128 in the demo) in sequence
         # were about a tenth of a step on two cores. A lost ack is redelivered and known
         # by the checkpoint's `consumed`.
-        acks = [
-            patiently(msg.ack_sync, f"acknowledging stream sequence {seq}")
-            for seq in seqs
-            if (msg := self.messages.pop(seq, None)) is not None
-        ]
-        await asyncio.gather(*acks)
+        async with asyncio.TaskGroup() as acks:  # one failing for good cancels the rest
+            for seq in seqs:
+                if (msg := self.messages.pop(seq, None)) is not None:
+                    what = f"acknowledging stream sequence {seq}"
+                    acks.create_task(patiently(msg.ack_sync, what))
 
     def _order(self, kind: Kind, step: int = 0) -> None:
         distributed.send([Order(kind, step)] * distributed.world())
