@@ -47,6 +47,9 @@ def _run_folder(keep: Path | None) -> Iterator[str]:
         with tempfile.TemporaryDirectory(prefix="rlfleet-bench-realtime-") as root:
             yield root
         return
+    if keep.exists() and any(keep.iterdir()):
+        # A run's folder is its state: another run in it would resume this one.
+        raise SystemExit(f"--keep {keep}: not empty")
     keep.mkdir(parents=True, exist_ok=True)
     yield str(keep)
 
