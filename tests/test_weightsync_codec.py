@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import msgspec
 import numpy as np
 import pytest
@@ -11,11 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlfleet.weightsync import codec, positions
+from rlfleet.weightsync import state as state_module
 from rlfleet.weightsync.bits import as_bits, uint_for
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.errors import CorruptShard, DigestMismatch, UnknownBase
 from rlfleet.weightsync.shards import apply_version, encode_version, parse_shard
-from rlfleet.weightsync.state import WeightState
+from rlfleet.weightsync.state import InCallerThread, WeightState, executor_for
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn]
 DTYPES += [torch.float8_e5m2, torch.int8, torch.int32]
@@ -182,7 +185,30 @@ def _same(state: WeightState, tensors: dict[str, torch.Tensor]) -> bool:
     )
 
 
-def test_a_chain_of_versions_with_new_removed_reshaped_and_retyped_tensors_is_exact():
+@pytest.fixture(params=["caller_thread", "pool"])
+def work_in(request, monkeypatch):
+    """Pieces encoded, applied and hashed in the caller's thread, or by a pool of threads
+    (large models' pieces), whatever their size."""
+    pooled_from = 0 if request.param == "pool" else 1 << 62
+    monkeypatch.setattr(state_module, "POOLED_FROM_BYTES", pooled_from)
+    monkeypatch.setattr(state_module, "WORKERS", max(2, state_module.WORKERS))
+    return request.param
+
+
+def test_small_items_are_worked_in_the_callers_thread_and_large_ones_by_a_pool():
+    small = state_module.POOLED_FROM_BYTES // 2
+    assert isinstance(executor_for(small * 100, 100), InCallerThread)
+    pooled = executor_for(state_module.POOLED_FROM_BYTES * 100, 100)
+    expected = InCallerThread if state_module.WORKERS == 1 else ThreadPoolExecutor
+    assert isinstance(pooled, expected)
+    pooled.shutdown()
+    with InCallerThread() as pool:
+        assert list(pool.map(lambda x: 2 * x, [1, 2])) == [2, 4]
+        with pytest.raises(ZeroDivisionError):
+            pool.submit(lambda: 1 / 0).result()
+
+
+def test_a_chain_of_versions_with_new_removed_reshaped_and_retyped_tensors_is_exact(work_in):
     v0 = _model(0)
     sender = WeightState.copy_of(v0, 0)
     first = encode_version("run", 0, v0, None, SMALL)
@@ -245,7 +271,7 @@ def _corrupt(shard: bytes) -> bytes:
         pytest.param(lambda s: s[:-1], id="missing"),
     ],
 )
-def test_bad_shards_are_refused_and_nothing_is_applied(pair, tamper):
+def test_bad_shards_are_refused_and_nothing_is_applied(pair, tamper, work_in):
     v0, _, encoded = pair
     receiver = WeightState.copy_of(v0, 0)
     with pytest.raises(CorruptShard):
@@ -261,7 +287,7 @@ def test_a_delta_on_a_version_the_receiver_lacks_is_refused(pair):
     assert receiver.version == 7 and _same(receiver, v0)
 
 
-def test_a_state_that_does_not_match_its_digest_is_rolled_back_bit_exactly(pair):
+def test_a_state_that_does_not_match_its_digest_is_rolled_back_bit_exactly(pair, work_in):
     v0, _, encoded = pair
     receiver = WeightState.copy_of(v0, 0)
     manifest = msgspec.structs.replace(encoded.manifest, state_digest="0" * 32)

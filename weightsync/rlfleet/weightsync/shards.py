@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 import msgspec
@@ -41,6 +41,7 @@ from rlfleet.weightsync.state import (
     TensorEntry,
     WeightState,
     entries_digest,
+    executor_for,
     state_digest,
     tensor_digests,
     tensor_entries,
@@ -149,10 +150,10 @@ def _shard(
     return ref, data
 
 
-def _encoded_pieces(jobs: Iterator[tuple]) -> Iterator[tuple[Piece, list[bytes]]]:
+def _encoded_pieces(jobs: Iterator[tuple], pool: Executor) -> Iterator[tuple[Piece, list[bytes]]]:
     """Encoded pieces in job order, a bounded number ahead, so memory holds a few
     pieces in flight and never the whole version."""
-    with ThreadPoolExecutor(WORKERS) as pool:
+    with pool:
         pending: deque[Future] = deque()
         try:
             for job in jobs:
@@ -177,6 +178,11 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of the tensor in host memory, never sharing it."""
     return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.detach())
+
+
+def _piece_elements(tensor: torch.Tensor, config: SyncConfig) -> int:
+    """A piece's elements at most: a quarter of a shard."""
+    return max(1, config.shard_bytes // 4 // tensor.element_size())
 
 
 def encode_shards(
@@ -218,8 +224,7 @@ def encode_shards(
             if old is not None and (old.dtype != tensor.dtype or old.shape != tensor.shape):
                 old = None  # carried whole: new shape or dtype
             off_host = tensor.device.type != "cpu" if on_device is None else on_device
-            piece_elements = max(1, config.shard_bytes // 4 // tensor.element_size())
-            ranges = _ranges(tensor.numel(), piece_elements)
+            ranges = _ranges(tensor.numel(), _piece_elements(tensor, config))
             if off_host and old is not None and old.device == tensor.device:
                 host = host_base.get(name)
                 if host is None or host.dtype != old.dtype or host.shape != old.shape:
@@ -244,7 +249,9 @@ def encode_shards(
 
     group: list[tuple[Piece, list[bytes]]] = []
     size = local = 0
-    for item in _encoded_pieces(jobs()):
+    pieces = sum(-(-t.numel() // _piece_elements(t, config)) for t in tensors.values())
+    pool = executor_for(sum(t.nbytes for t in tensors.values()), pieces)
+    for item in _encoded_pieces(jobs(), pool):
         item_size = sum(item[0].sizes) + 64 + len(item[0].tensor)
         if group and size + item_size > config.shard_bytes:
             yield _shard(run, version, local * world + rank, group)
@@ -427,7 +434,8 @@ def apply_version(state: WeightState, manifest: WeightManifest, shards: list[byt
     ]
     run = _Apply(state, manifest)
     try:
-        with ThreadPoolExecutor(WORKERS) as pool:
+        nbytes = sum(piece.count * torch_dtype(piece.dtype).itemsize for piece, _ in items)
+        with executor_for(nbytes, len(items)) as pool:
             list(pool.map(run.apply, items))
         for name, tensor in run.staged.items():
             if run.covered[name] != tensor.numel():
