@@ -5,9 +5,10 @@ does everything to it in turn: admit new requests, apply a weight update if weig
 holds a newer version, run one engine step in a thread. A session waiting on a tool
 call holds nothing, so the engine batches whatever the other sessions have asked for
 (continuous batching) and never waits on a sandbox. A newer policy version is loaded as
-soon as the requests running when it arrived have finished (new ones wait meanwhile),
-so it lands between the turns of a session; vLLM labels every token with the weights
-that sampled it, and those labels become the trajectory's per-token policy versions.
+soon as the engine holds it, between two steps, running requests or not: they recompute
+their context under the new weights (`rlfleet.weightsync.vllm_update`), so a long turn
+never holds a version back. vLLM labels every token with the weights that sampled it,
+and those labels become the trajectory's per-token policy versions.
 """
 
 from __future__ import annotations
