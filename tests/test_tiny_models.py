@@ -76,8 +76,14 @@ def test_checkpoint_is_a_qwen3_moe_in_hugging_face_format(tiny_moe: Path) -> Non
     }
 
 
-def test_vllm_generates_with_logprobs(tiny_moe: Path, tmp_path: Path) -> None:
-    out = run_probe("vllm_generate.py", tiny_moe, tmp_path)
+@pytest.fixture(scope="module")
+def vllm_probe(tiny_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """What one vLLM engine generated from the checkpoint (`probes/vllm_engine.py`)."""
+    return run_probe("vllm_engine.py", tiny_moe, tmp_path_factory.mktemp("vllm"))
+
+
+def test_vllm_generates_with_logprobs(vllm_probe: dict) -> None:
+    out = vllm_probe["generated"]
     assert len(out["token_ids"]) == out["max_tokens"]
     assert len(out["logprobs"]) == len(out["token_ids"])
     assert all(math.isfinite(lp) and lp <= 0.0 for lp in out["logprobs"])
@@ -91,10 +97,10 @@ def test_deepspeed_takes_a_training_step(tiny_moe: Path, tmp_path: Path) -> None
     assert out["global_steps"] == 1
 
 
-def test_seeded_prompts_beyond_a_steps_budget_all_complete(tiny_moe: Path, tmp_path: Path) -> None:
+def test_seeded_prompts_beyond_a_steps_budget_all_complete(vllm_probe: dict) -> None:
     """A step that runs part of a seeded request's prompt makes vLLM rewind that request's
     generator, which torch's CPU generator cannot do, and the engine dies: the rollout
     engine's options never split a prompt on CPU."""
-    out = run_probe("vllm_seeded_batch.py", tiny_moe, tmp_path)
+    out = vllm_probe["seeded_batch"]
     assert out["prompt_tokens"] > out["step_tokens"]
     assert out["completed"] == out["requests"]
