@@ -249,7 +249,7 @@ def encode_shards(
 
     group: list[tuple[Piece, list[bytes]]] = []
     size = local = 0
-    pieces = sum(-(-t.numel() // _piece_elements(t, config)) for t in tensors.values())
+    pieces = sum(len(_ranges(t.numel(), _piece_elements(t, config))) for t in tensors.values())
     pool = executor_for(sum(t.nbytes for t in tensors.values()), pieces)
     for item in _encoded_pieces(jobs(), pool):
         item_size = sum(item[0].sizes) + 64 + len(item[0].tensor)
@@ -434,8 +434,8 @@ def apply_version(state: WeightState, manifest: WeightManifest, shards: list[byt
     ]
     run = _Apply(state, manifest)
     try:
-        nbytes = sum(piece.count * torch_dtype(piece.dtype).itemsize for piece, _ in items)
-        with executor_for(nbytes, len(items)) as pool:
+        raw = sum(ref.raw_size for ref in manifest.shards)
+        with executor_for(raw, len(items)) as pool:
             list(pool.map(run.apply, items))
         for name, tensor in run.staged.items():
             if run.covered[name] != tensor.numel():
