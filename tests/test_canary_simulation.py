@@ -13,11 +13,14 @@ The world is the realtime example's pool (`pool_world`), and:
 - The example's servers answered about 100 completions a side in 25 s (the README's
   runs: 8,779 requests in 15 minutes, a quarter of them silent): four a second a side.
   The conductor judges every two seconds.
+- The collector counts at most the example's `maxPerUser` rewards of one user a version
+  (`feedback.maxPerUser`): once every user has given that many, a side's tally stops.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +30,7 @@ from pool_world import World, defaults
 
 from rlfleet import launch
 from rlfleet.api.wire import RewardTally
-from rlfleet.launch.settings import CanaryPolicy, ConductorConfig
+from rlfleet.launch.settings import CanaryPolicy, ConductorConfig, SignalRewards
 from rlfleet.local.run import read_rlrun
 from rlfleet.operator.promotion import CanaryCall, judge_canary
 from rlfleet.rollout.history import RewardHistory
@@ -49,71 +52,99 @@ def example_policy() -> CanaryPolicy:
     return launch.conductor_settings(name, spec, launch.Placement("nats://-")).canary
 
 
+def example_cap() -> int:
+    """The most rewards of one user the example's collector counts for a version."""
+    name, spec = read_rlrun(EXAMPLE)
+    return launch.collector_settings(name, spec, launch.Placement("nats://-")).rewards.max_per_user
+
+
 @dataclass(frozen=True)
 class Rates:
     rolled_back: float
     answers: float  # a side, on average, at the verdict
     seconds: float  # on average, to the verdict
     window_ends: float  # share decided at the window's end
+    capped: float  # share decided after some user's rewards had stopped counting
 
 
 def canary(
-    world: World, effect: float, rate: float, policy: CanaryPolicy
-) -> tuple[str, float, int]:
-    """One canary of a candidate `effect` from the serving version: its call, when, and
-    the answers a side it took."""
+    world: World, effect: float, rate: float, policy: CanaryPolicy, cap: int
+) -> tuple[str, float, int, bool]:
+    """One canary of a candidate `effect` from the serving version, counting at most `cap`
+    rewards of a user a side: its call, when, the answers a side it took, and whether
+    some user's rewards stopped counting before it."""
     serving = world.serving()
     candidate = world.moved(serving, CANDIDATE_SD, effect)
     history = RewardHistory()
     history.learn(zip(*world.answers(world.moved(serving, HISTORY_SD, None), HISTORY), strict=True))
     sides = [(candidate, RewardTally()), (serving, RewardTally())]
-    elapsed, owed = 0.0, 0.0
+    taken = [Counter(), Counter()]  # rewards counted per user, a side
+    elapsed, owed, capped = 0.0, 0.0, False
     while True:
         elapsed += POLL_S
         owed += rate * POLL_S
         count, owed = int(owed), owed - int(owed)
         for index, (right, tally) in enumerate(sides):
             for question, user, reward in zip(*world.answers(right, count), strict=True):
-                tally = tally.add(reward, history.expected(question, user))
+                if taken[index][user] < cap:
+                    taken[index][user] += 1
+                    tally = tally.add(reward, history.expected(question, user))
+                else:
+                    capped = True
             sides[index] = (right, tally)
         verdict = judge_canary(sides[0][1], sides[1][1], elapsed, policy)
         if verdict.call != CanaryCall.WAIT:
-            return verdict.call, elapsed, sides[0][1].count
+            return verdict.call, elapsed, sides[0][1].count, capped
 
 
-def measure(effect: float, rate: float, policy: CanaryPolicy, runs: int, seed: int) -> Rates:
+def measure(
+    effect: float, rate: float, policy: CanaryPolicy, runs: int, seed: int, cap: int
+) -> Rates:
     world = World(np.random.default_rng(seed))
-    found = [canary(world, effect, rate, policy) for _ in range(runs)]
+    found = [canary(world, effect, rate, policy, cap) for _ in range(runs)]
     return Rates(
-        rolled_back=sum(call == CanaryCall.ROLL_BACK for call, _, _ in found) / runs,
-        answers=sum(answers for _, _, answers in found) / runs,
-        seconds=sum(elapsed for _, elapsed, _ in found) / runs,
-        window_ends=sum(elapsed >= policy.window_s for _, elapsed, _ in found) / runs,
+        rolled_back=sum(call == CanaryCall.ROLL_BACK for call, *_ in found) / runs,
+        answers=sum(answers for _, _, answers, _ in found) / runs,
+        seconds=sum(elapsed for _, elapsed, *_ in found) / runs,
+        window_ends=sum(elapsed >= policy.window_s for _, elapsed, *_ in found) / runs,
+        capped=sum(capped for *_, capped in found) / runs,
     )
 
 
 @pytest.mark.parametrize(
-    "policy,rate",
+    "policy,cap,rate",
     [
-        (example_policy(), BENCH_RATE),
-        (example_policy(), 10 * BENCH_RATE),
-        (CanaryPolicy(), BENCH_RATE),
+        (example_policy(), example_cap(), BENCH_RATE),
+        (example_policy(), example_cap(), 10 * BENCH_RATE),
+        (CanaryPolicy(), SignalRewards().max_per_user, BENCH_RATE),
     ],
     ids=["example-bench", "example-tenfold", "defaults-bench"],
 )
-def test_an_equal_candidate_is_rarely_rolled_back_and_a_worse_one_nearly_always(policy, rate):
-    equal = measure(0.0, rate, policy, RUNS, seed=1)
-    worse = measure(WORSE, rate, policy, RUNS, seed=2)
+def test_an_equal_candidate_is_rarely_rolled_back_and_a_worse_one_nearly_always(policy, cap, rate):
+    equal = measure(0.0, rate, policy, RUNS, seed=1, cap=cap)
+    worse = measure(WORSE, rate, policy, RUNS, seed=2, cap=cap)
     assert equal.rolled_back <= 0.05, equal
     assert worse.rolled_back >= 0.95, worse
+
+
+def test_the_examples_tallies_count_to_the_verdict():
+    """At the example's traffic no user's rewards stop counting before a canary's verdict,
+    even for a candidate between equal and worse, whose canaries run longest. Were they to
+    stop, such a canary would wait out its window on tallies that can no longer move."""
+    between = measure(WORSE / 2, BENCH_RATE, example_policy(), 400, seed=3, cap=example_cap())
+    assert between.capped == 0, between
 
 
 if __name__ == "__main__":  # the rates, as JSON lines: python tests/test_canary_simulation.py
     import sys
 
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else RUNS
-    for name, policy in (("example", example_policy()), ("defaults", CanaryPolicy())):
+    named = (
+        ("example", example_policy(), example_cap()),
+        ("defaults", CanaryPolicy(), SignalRewards().max_per_user),
+    )
+    for name, policy, cap in named:
         for rate in (BENCH_RATE, 10 * BENCH_RATE):
             for effect in (0.0, WORSE):
-                rates = measure(effect, rate, policy, runs, seed=1 if effect == 0 else 2)
+                rates = measure(effect, rate, policy, runs, seed=1 if effect == 0 else 2, cap=cap)
                 print(json.dumps({"policy": name, "rate": rate, "effect": effect} | rates.__dict__))
