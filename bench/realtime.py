@@ -13,11 +13,13 @@ The figures are `rlfleet run`'s own report of the run
 production served per cycle (the users' own judgement, right or wrong, not what they
 said) and its rise along a line fitted through every cycle's (steadier than the last
 cycle's less the first's), the canary's rollbacks of candidates the gate had passed, the
-inverted cycle's aside (`canary_false_rollbacks`), and each rolled-back candidate's
-answers as the suite judges them beside the stable set's then (`canary_rollbacks_judged`:
-a candidate the gate passed may still be worse on what users ask), requests and feedback
-lost, serving p99 latency in steady state and around version switches, and the share of
-requests the inverted cycle's candidate answered. Prints one JSON object.
+inverted cycle's and the one before it aside (`canary_false_rollbacks`: that one's canary
+runs while users say the opposite, `canary_on_inverted_feedback`), and each rolled-back
+candidate's answers as the suite judges them beside the stable set's then
+(`canary_rollbacks_judged`: a candidate the gate passed may still be worse on what users
+ask), requests and feedback lost, serving p99 latency in steady state and around version
+switches, and the share of requests the inverted cycle's candidate answered. Prints one
+JSON object.
 
 `--operator` runs it through the operators on a four-cluster bed of its own (`rlfleet
 run --operator`): the hub makes the run's trainer, evaluator, collector and conductor,

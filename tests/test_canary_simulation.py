@@ -68,11 +68,12 @@ class Rates:
 
 
 def canary(
-    world: World, effect: float, rate: float, policy: CanaryPolicy, cap: int
+    world: World, effect: float, rate: float, policy: CanaryPolicy, cap: int, inverted: bool
 ) -> tuple[str, float, int, bool]:
     """One canary of a candidate `effect` from the serving version, counting at most `cap`
-    rewards of a user a side: its call, when, the answers a side it took, and whether
-    some user's rewards stopped counting before it."""
+    rewards of a user a side, with users saying the opposite of what they think if
+    `inverted`: its call, when, the answers a side it took, and whether some user's
+    rewards stopped counting before it."""
     serving = world.serving()
     candidate = world.moved(serving, CANDIDATE_SD, effect)
     history = RewardHistory()
@@ -88,7 +89,8 @@ def canary(
             for question, user, reward in zip(*world.answers(right, count), strict=True):
                 if taken[index][user] < cap:
                     taken[index][user] += 1
-                    tally = tally.add(reward, history.expected(question, user))
+                    said = -reward if inverted else reward
+                    tally = tally.add(said, history.expected(question, user))
                 else:
                     capped = True
             sides[index] = (right, tally)
@@ -98,10 +100,16 @@ def canary(
 
 
 def measure(
-    effect: float, rate: float, policy: CanaryPolicy, runs: int, seed: int, cap: int
+    effect: float,
+    rate: float,
+    policy: CanaryPolicy,
+    runs: int,
+    seed: int,
+    cap: int,
+    inverted: bool = False,
 ) -> Rates:
     world = World(np.random.default_rng(seed))
-    found = [canary(world, effect, rate, policy, cap) for _ in range(runs)]
+    found = [canary(world, effect, rate, policy, cap, inverted) for _ in range(runs)]
     return Rates(
         rolled_back=sum(call == CanaryCall.ROLL_BACK for call, *_ in found) / runs,
         answers=sum(answers for _, _, answers, _ in found) / runs,
@@ -133,6 +141,18 @@ def test_the_examples_tallies_count_to_the_verdict():
     stop, such a canary would wait out its window on tallies that can no longer move."""
     between = measure(WORSE / 2, BENCH_RATE, example_policy(), 400, seed=3, cap=example_cap())
     assert between.capped == 0, between
+
+
+def test_a_canary_on_inverted_feedback_is_rolled_back_unjudged():
+    """Users who say the opposite while a canary runs (a client's instrumentation broke)
+    make a worse candidate look better: judged on their word, it would be promoted. Their
+    rewards run against what history expects of the same prompts, so the canary rolls it
+    back without judging it, within seconds, and an equal one too."""
+    for effect, seed in ((WORSE, 4), (0.0, 5)):
+        inverted = measure(
+            effect, BENCH_RATE, example_policy(), 400, seed, example_cap(), inverted=True
+        )
+        assert inverted.rolled_back >= 0.95, (effect, inverted)
 
 
 if __name__ == "__main__":  # the rates, as JSON lines: python tests/test_canary_simulation.py

@@ -134,6 +134,12 @@ def test_the_report_counts_cycles_accept_rates_losses_and_the_poisoned_share():
     # Cycle 3's rollback stopped the inverted cycle's candidate; any other would be lost.
     assert found["canary_false_rollbacks"] == 0
     assert realtime.summary(records, state, 2, versions)["canary_false_rollbacks"] == 1
+    # Inverting cycle 4, users say the opposite from cycle 3's close: cycle 3's canary ran
+    # on their inverted word, and its rollback is the poison's, apart.
+    before_inverted = realtime.summary(records, state, 4, versions)
+    assert before_inverted["canary_false_rollbacks"] == 0
+    assert before_inverted["canary_on_inverted_feedback"].startswith("RolledBack (")
+    assert found["canary_on_inverted_feedback"].startswith("Rejected (")
     assert found["inverted_cycle_outcome"] == "RolledBack"
     # Cycle 3's candidate (9) answered one request, wrong; the stable set answered none
     # in that span.

@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 from rlfleet.api.wire import AnswerStats, EvaluationReport, RewardTally
 from rlfleet.launch.settings import CanaryPolicy, GatePolicy
 from rlfleet.operator.promotion import (
+    AGAINST_HISTORY_Z,
     CanaryCall,
     compare_live,
+    feedback_agreement,
     gate,
     gate_reports,
     judge_canary,
@@ -161,6 +163,35 @@ def test_what_history_expected_takes_the_prompts_share_of_the_spread_away():
     # adjusts nothing, however its sums round.
     same = compare_live(live(rewards[:200], [0.1] * 200), live(rewards[200:], [0.1] * 200))
     assert (same.difference, same.variance) == (plain.difference, plain.variance)
+
+
+def test_feedback_against_history_is_not_judged_on():
+    """The same prompts as above, the users saying the opposite (a client's instrumentation
+    inverted): the candidate looks far better, and is rolled back unjudged. Said honestly,
+    the same answers are judged as they come."""
+    rng = np.random.default_rng(1)
+    easy = rng.random(400) < 0.5
+    liked = np.where(rng.random(400) < 0.05, ~easy, easy)
+    liked[:200] |= rng.random(200) < 0.3  # the candidate's answers are liked more
+    rewards, guesses = np.where(liked, 1.0, -1.0), np.where(easy, 0.9, -0.9).tolist()
+    honest = judge_canary(
+        live(rewards[:200].tolist(), guesses[:200]),
+        live(rewards[200:].tolist(), guesses[200:]),
+        60,
+        CANARY,
+    )
+    assert honest.call == CanaryCall.PROMOTE and honest.reason.startswith("no worse")
+    said = (-rewards).tolist()
+    inverted = judge_canary(
+        live(said[:200], guesses[:200]), live(said[200:], guesses[200:]), 60, CANARY
+    )
+    assert inverted.call == CanaryCall.ROLL_BACK
+    assert inverted.reason.startswith("not judged, users' feedback runs against the pool's history")
+    r, z = feedback_agreement(live(said[:200], guesses[:200]), live(said[200:], guesses[200:]))
+    assert r < -0.5 and z < -AGAINST_HISTORY_Z
+    # History that knows nothing (one expectation for all) tells nothing either way.
+    unknown = feedback_agreement(live(said[:200], [0.1] * 200), live(said[200:], [0.1] * 200))
+    assert unknown == (0.0, 0.0)
 
 
 rewards = st.lists(st.sampled_from([-1.0, -0.5, 0.0, 0.5, 1.0]), max_size=300)

@@ -316,6 +316,7 @@ def summary(
     for r in served:  # one pass: each test scans every switch
         (in_swap if during_swap(r) else steady).append(r)
     poisoned = next((c.candidate for c in history if c.number == invert_cycle), None)
+    poisoned_cycles = {invert_cycle - 1, invert_cycle} if invert_cycle is not None else set()
     ends = [c.finished_at for c in history]
     servers = {r["server"] for r in records}
     return {
@@ -326,10 +327,19 @@ def summary(
         "skipped": outcomes.count(CycleOutcome.SKIPPED),
         "timed_out": outcomes.count(CycleOutcome.TIMED_OUT),
         # Each canaried candidate had passed the gate, its suite score within maxRegression
-        # of the serving version's: rolled back, its cycle of users' signal was lost.
+        # of the serving version's: rolled back, its cycle of users' signal was lost. The
+        # users say the opposite from the close of the cycle before the inverted one
+        # (`inverting`), so that cycle's canary runs on their inverted word: its outcome
+        # is the poison's, apart.
         "canary_false_rollbacks": sum(
-            c.outcome == CycleOutcome.ROLLED_BACK and c.number != invert_cycle for c in history
+            c.outcome == CycleOutcome.ROLLED_BACK and c.number not in poisoned_cycles
+            for c in history
         ),
+        "canary_on_inverted_feedback": next(
+            (f"{c.outcome} ({c.why})" for c in history if c.number == invert_cycle - 1), None
+        )
+        if invert_cycle is not None
+        else None,
         # Did the canary roll back candidates that were truly worse? The suite's verdict
         # on what each answered, beside the stable set's then.
         "canary_rollbacks_judged": _rollbacks_judged_by_the_suite(records, history),

@@ -53,6 +53,16 @@ history knows which prompts are hard. The adjustment removes that share of the v
 without biasing the difference, as history was made before the canary and the servers
 take requests whatever they ask; with no history it is the plain difference.
 
+The canary judges only feedback it can trust. Honest users' rewards follow what history
+expected of the same prompts; feedback that runs against it (a client's instrumentation
+inverted while the canary runs) would make a worse candidate look better and a better
+one worse. When the rewards, within each side, correlate with history's expectations
+negatively by more than `AGAINST_HISTORY_Z` standard errors (Fisher's z, the collector's
+bound for holding a cycle back) once both sides have `min_samples`, the candidate is
+rolled back unjudged: the serving
+version stays, whatever the difference says. Honest feedback correlates positively, so
+it is almost never taken for this.
+
 A decision takes what it takes: no rule meets both rates on 100 answers a side, say.
 Telling a drop of 0.2 from none, each at most 5% wrong, takes a difference known to within
 0.2 / 3.29 = 0.061 (one standard error), and 100 binary rewards a side give 0.14, or about
@@ -75,6 +85,10 @@ BOOTSTRAP_SEED = 0  # the same scores give the same verdict, on every operator r
 # Expectations that vary less than this (a variance, in reward squared) are rounding in
 # the tally's sums, not history: one expectation for every completion.
 NEGLIGIBLE_SPREAD = 1e-9
+# Live feedback this many standard errors against history is not judged on: the collector's
+# bound for holding a cycle back (`rlfleet.rollout.agreement.HOLD_Z`), one-sided 0.13%
+# where there is no relation, and honest feedback's relation is positive.
+AGAINST_HISTORY_Z = 3.0
 
 
 @dataclass(frozen=True)
@@ -253,11 +267,27 @@ class CanaryVerdict:
     reason: str
 
 
+def feedback_agreement(canary: RewardTally, stable: RewardTally) -> tuple[float, float]:
+    """How users' rewards follow what history expected of them, within each side (so the
+    candidate's effect does not count): their correlation and its Fisher z, about standard
+    normal where there is no relation, as the collector tests a cycle
+    (`rlfleet.rollout.agreement`). (0, 0) where history expected the same of all."""
+    sides = [_centred(canary), _centred(stable)]
+    rewards, expected = sum(s[0] for s in sides), sum(s[1] for s in sides)
+    count = canary.count + stable.count
+    if rewards <= 0 or expected <= NEGLIGIBLE_SPREAD * count or count <= 3:
+        return 0.0, 0.0
+    r = sum(s[2] for s in sides) / math.sqrt(rewards * expected)
+    r = max(-0.999999, min(0.999999, r))
+    return r, math.atanh(r) * math.sqrt(count - 3)
+
+
 def judge_canary(
     canary: RewardTally, stable: RewardTally, elapsed_s: float, policy: CanaryPolicy
 ) -> CanaryVerdict:
     drop = policy.detectable_drop
     live = compare_live(canary, stable)
+    agreement, z = feedback_agreement(canary, stable)
     # The difference is about normal with the variance measured: the log-likelihood
     # ratio of a mean `drop` below against one at zero, at the difference seen.
     evidence = -drop / live.variance * (live.difference + drop / 2)
@@ -277,6 +307,12 @@ def judge_canary(
         if elapsed_s >= policy.window_s:
             return verdict(CanaryCall.ROLL_BACK, "too little canary traffic to judge")
         return verdict(CanaryCall.WAIT, "waiting for canary traffic")
+    if z <= -AGAINST_HISTORY_Z:
+        return verdict(
+            CanaryCall.ROLL_BACK,
+            f"not judged, users' feedback runs against the pool's history (correlation "
+            f"{agreement:+.2f}, z {z:.1f}): the serving version stays",
+        )
     if evidence >= worse:
         odds = 1 / policy.false_rollback_rate
         return verdict(CanaryCall.ROLL_BACK, f"worse by {drop:g} at odds of {odds:g} or more")
