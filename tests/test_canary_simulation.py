@@ -168,3 +168,7 @@ if __name__ == "__main__":  # the rates, as JSON lines: python tests/test_canary
             for effect in (0.0, WORSE):
                 rates = measure(effect, rate, policy, runs, seed=1 if effect == 0 else 2, cap=cap)
                 print(json.dumps({"policy": name, "rate": rate, "effect": effect} | rates.__dict__))
+    for effect, seed in ((0.0, 5), (WORSE, 4)):  # users who say the opposite
+        rates = measure(effect, BENCH_RATE, example_policy(), runs, seed, example_cap(), True)
+        said = {"policy": "example", "rate": BENCH_RATE, "effect": effect, "inverted": True}
+        print(json.dumps(said | rates.__dict__))
