@@ -46,16 +46,20 @@ RUNS = 1000
 WORSE = -0.2  # the inverted cycle's candidate
 
 
+def _example(settings):
+    """The example's component settings, as `settings` (a `launch` function) makes them."""
+    name, spec = read_rlrun(EXAMPLE)
+    return settings(name, spec, launch.Placement("nats://-"))
+
+
 def example_policy() -> CanaryPolicy:
     """The example's canary, as its conductor is told it."""
-    name, spec = read_rlrun(EXAMPLE)
-    return launch.conductor_settings(name, spec, launch.Placement("nats://-")).canary
+    return _example(launch.conductor_settings).canary
 
 
 def example_cap() -> int:
     """The most rewards of one user the example's collector counts for a version."""
-    name, spec = read_rlrun(EXAMPLE)
-    return launch.collector_settings(name, spec, launch.Placement("nats://-")).rewards.max_per_user
+    return _example(launch.collector_settings).rewards.max_per_user
 
 
 @dataclass(frozen=True)

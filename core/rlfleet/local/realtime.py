@@ -336,10 +336,8 @@ def summary(
             for c in history
         ),
         "canary_on_inverted_feedback": next(
-            (f"{c.outcome} ({c.why})" for c in history if c.number == invert_cycle - 1), None
-        )
-        if invert_cycle is not None
-        else None,
+            (f"{c.outcome} ({c.why})" for c in history if c.number + 1 == invert_cycle), None
+        ),
         # Did the canary roll back candidates that were truly worse? The suite's verdict
         # on what each answered, beside the stable set's then.
         "canary_rollbacks_judged": _rollbacks_judged_by_the_suite(records, history),
