@@ -119,7 +119,6 @@ class Session:
         seed: int,
     ) -> None:
         self.engine = engine
-        self.tokenizer = engine.tokenizer
         self.task = task
         self.sandbox = sandbox
         self.config = config
@@ -131,7 +130,7 @@ class Session:
         self._summary_request = self._user_turn(SUMMARY_REQUEST)
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.engine.encode(text)
 
     def _user_turn(self, text: str) -> list[int]:
         return self._encode(user_turn_text(text))
