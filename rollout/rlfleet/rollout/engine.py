@@ -4,11 +4,12 @@ Sessions `await generate(...)` concurrently; one driver coroutine owns the engin
 does everything to it in turn: admit new requests, apply a weight update if weightsync
 holds a newer version, run one engine step in a thread. A session waiting on a tool
 call holds nothing, so the engine batches whatever the other sessions have asked for
-(continuous batching) and never waits on a sandbox. A newer policy version is loaded as
-soon as the engine holds it, between two steps, running requests or not: they recompute
-their context under the new weights (`rlfleet.weightsync.vllm_update`), so a long turn
-never holds a version back. vLLM labels every token with the weights that sampled it,
-and those labels become the trajectory's per-token policy versions.
+(continuous batching) and never waits on a sandbox. A newer policy version is loaded
+between two steps once the engine holds it: new requests wait while the running ones
+finish, for at most `SWITCH_WAIT_STEPS` steps, and any still running then recompute their
+context under the new weights (`rlfleet.weightsync.vllm_update`), so a long turn never
+holds a version back. vLLM labels every token with the weights that sampled it, and
+those labels become the trajectory's per-token policy versions.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ DEATH_CHECK_S = 1.0
 # Texts whose token ids an engine keeps: the sessions' fixed turns and the opening window
 # of each task under way (a few hundred at once), with room to spare.
 ENCODED_TEXTS = 1024
+# How many engine steps a version the engine holds waits for the running requests to
+# finish (new ones wait with it) before it loads among them. A request running at a load
+# recomputes its whole context, which the short turns of `make demo` (answers of two or
+# three tokens) finish in fewer steps than that; a long turn waits no longer than this.
+SWITCH_WAIT_STEPS = 4
 
 
 class EngineDied(RuntimeError):
@@ -142,6 +148,8 @@ class Engine:
         self._running: dict[str, _Pending] = {}
         self._work = asyncio.Event()
         self._next_poll = 0.0
+        # A newer version the engine holds, and the step by which it loads regardless.
+        self._switch: tuple[int, int] | None = None
         self._driver: asyncio.Task | None = None
         self._thread = _VllmThread()  # every call into vLLM runs on it
         self._encoded = functools.lru_cache(maxsize=ENCODED_TEXTS)(self._encode)
@@ -216,7 +224,7 @@ class Engine:
         try:
             while True:
                 await self._maybe_update()
-                if self._queue:
+                if self._queue and self._switch is None:
                     queued, self._queue = self._queue, []
                     await self.call(self._admit, queued)
                 if not self._running:
@@ -244,13 +252,22 @@ class Engine:
             self._running[request_id] = pending
 
     async def _maybe_update(self) -> None:
-        """Load a newer version as soon as the engine holds it, running requests or not."""
-        if not self.follow_weights or time.monotonic() < self._next_poll:
+        """Load a newer version the engine holds once no request runs, or `SWITCH_WAIT_STEPS`
+        steps after it was found, running requests or not."""
+        if not self.follow_weights:
             return
-        self._next_poll = time.monotonic() + self.poll_s
-        held = await self.call(vllm_held, self.llm)
-        if held is None or held <= self.version:
+        if self._switch is None:
+            if time.monotonic() < self._next_poll:
+                return
+            self._next_poll = time.monotonic() + self.poll_s
+            held = await self.call(vllm_held, self.llm)
+            if held is None or held <= self.version:
+                return
+            self._switch = (held, self.stats.steps + SWITCH_WAIT_STEPS)
+        held, deadline = self._switch
+        if self._running and self.stats.steps < deadline:
             return
+        self._switch = None
         running = len(self._running)
         update = await self.call(vllm_update, self.llm, held)
         self.version = update.version
