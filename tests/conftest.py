@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from probe_runs import run_probe
 from prometheus_client.parser import text_string_to_metric_families
 
 import images
@@ -232,3 +234,19 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
         terminalreporter.write_line(f"{role}: {granted - len(unused)} of {granted} used")
         for grant in unused:
             terminalreporter.write_line(f"  unused: {grant}")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny MoE as `rlfleet model init` makes it."""
+    directory = tmp_path_factory.mktemp("tiny-moe")
+    init = ["model", "init", "--kind", "tiny-moe", str(directory)]
+    subprocess.run([sys.executable, "-m", "rlfleet.cli", *init], check=True)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def vllm_probe(tiny_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """What one vLLM engine, made as a rollout worker makes it, did with the tiny MoE
+    (`probes/vllm_engine.py`): the tests of its experts, log-probs and prefill share it."""
+    return run_probe("vllm_engine.py", tiny_moe, tmp_path_factory.mktemp("vllm"))

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,27 +12,16 @@ import torch
 from router_agreement import agreement, trainer_model
 
 from rlfleet.api.wire import Segment, Trajectory
-from rlfleet.local.processes import run_in_session
-from rlfleet.models.tiny import init_model
 from rlfleet.rollout import vllm_experts
 from rlfleet.trainer.scoring import Batch, token_logprobs
 from rlfleet.trainer.validation import ModelShape, problem
 
 pytestmark = pytest.mark.slow
 
-PROBE = Path(__file__).parent / "probes" / "vllm_experts.py"
 
-
-def test_vllm_reports_the_experts_of_every_token_it_ran(tmp_path: Path) -> None:
-    model_dir = init_model("tiny-moe", tmp_path / "tiny-moe")
-    out = tmp_path / "samples.json"
-    result = run_in_session(
-        [sys.executable, str(PROBE), str(model_dir), str(out)],
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"},
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
+def test_vllm_reports_the_experts_of_every_token_it_ran(tiny_moe: Path, vllm_probe: dict) -> None:
+    model_dir = tiny_moe
+    report = vllm_probe["experts"]
     assert report["layers"] == 2
     samples = report["samples"]
     assert len(samples) == 6

@@ -4,58 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from rlfleet.local.processes import run_in_session
+from probe_runs import run_probe
 
 pytestmark = pytest.mark.slow
-
-ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "DS_ACCELERATOR": "cpu",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-
-
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-moe")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlfleet.cli",
-            "model",
-            "init",
-            "--kind",
-            "tiny-moe",
-            str(directory),
-        ],
-        check=True,
-    )
-    return directory
-
-
-def run_probe(script: str, checkpoint: Path, tmp_path: Path) -> dict:
-    """Runs an engine in a process of its own (both engines own global state) and reads its JSON."""
-    report = tmp_path / f"{script}.json"
-    result = run_in_session(
-        [
-            sys.executable,
-            str(Path(__file__).parent / "probes" / script),
-            str(checkpoint),
-            str(report),
-        ],
-        env={**os.environ, **ENGINE_ENV},
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(report.read_text())
 
 
 def test_checkpoint_is_a_qwen3_moe_in_hugging_face_format(tiny_moe: Path) -> None:
@@ -74,12 +28,6 @@ def test_checkpoint_is_a_qwen3_moe_in_hugging_face_format(tiny_moe: Path) -> Non
     assert {"model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in tiny_moe.iterdir()
     }
-
-
-@pytest.fixture(scope="module")
-def vllm_probe(tiny_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """What one vLLM engine generated from the checkpoint (`probes/vllm_engine.py`)."""
-    return run_probe("vllm_engine.py", tiny_moe, tmp_path_factory.mktemp("vllm"))
 
 
 def test_vllm_generates_with_logprobs(vllm_probe: dict) -> None:
