@@ -10,16 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlfleet.api.wire import Segment
-from rlfleet.models.tiny import init_model
 from rlfleet.trainer import kernels
 from rlfleet.trainer.objective import ObjectiveConfig, group_advantages, policy_loss
 from rlfleet.trainer.rows import make_rows, routed_experts
 from rlfleet.trainer.scoring import Batch, prepare, token_logprobs
-
-
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model("tiny-moe", tmp_path_factory.mktemp("tiny-moe"))
 
 
 def _model(path: Path, batch_invariant: bool) -> torch.nn.Module:

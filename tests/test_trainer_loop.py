@@ -48,7 +48,6 @@ from rlfleet.bus.streams import (
 )
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.local.processes import run_in_session
-from rlfleet.models.tiny import init_model
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
@@ -56,11 +55,6 @@ PROBES = Path(__file__).parent / "probes"
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 GROUP = 4
 LENGTH = 30  # tokens per trajectory; two groups fill a 200-token step
-
-
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model("tiny-moe", tmp_path_factory.mktemp("tiny-moe"))
 
 
 def trajectory(run: str, group: str, attempt: int, version: int, **fields) -> Trajectory:
