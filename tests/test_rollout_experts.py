@@ -20,7 +20,6 @@ pytestmark = pytest.mark.slow
 
 
 def test_vllm_reports_the_experts_of_every_token_it_ran(tiny_moe: Path, vllm_probe: dict) -> None:
-    model_dir = tiny_moe
     report = vllm_probe["experts"]
     assert report["layers"] == 2
     samples = report["samples"]
@@ -41,7 +40,7 @@ def test_vllm_reports_the_experts_of_every_token_it_ran(tiny_moe: Path, vllm_pro
 
     # The rows belong to the right tokens: the trainer's own router (fp32) agrees with
     # them almost everywhere; rows shifted or swapped between requests would agree on ~4%.
-    model = trainer_model(model_dir)
+    model = trainer_model(tiny_moe)
     reported = [(s["tokens"], np.array(s["experts"])) for s in samples]
     assert min(agreement(model, reported)) > 0.9, agreement(model, reported)
 

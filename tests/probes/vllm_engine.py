@@ -27,6 +27,14 @@ PROMPTS = [
 HOT = 1.5
 
 
+def sampled_logprobs(completion) -> list[float]:
+    """The log-prob of each token a completion sampled (vLLM's logprobs=0)."""
+    return [
+        entry[token].logprob
+        for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)
+    ]
+
+
 def experts(llm, layers: int) -> dict:
     from vllm import SamplingParams
 
@@ -39,9 +47,7 @@ def experts(llm, layers: int) -> dict:
         return {
             "tokens": list(request.prompt_token_ids) + list(completion.token_ids),
             "prompt_len": len(request.prompt_token_ids),
-            "logprobs": [
-                e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs, strict=True)
-            ],
+            "logprobs": sampled_logprobs(completion),
             "experts": routed.tolist(),
             "cached": request.num_cached_tokens or 0,
         }
@@ -73,11 +79,11 @@ def generated(llm) -> dict:
         max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=0, temperature=1.0, seed=7
     )
     completion = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
-    logprobs = [
-        entry[token].logprob
-        for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)
-    ]
-    return {"token_ids": list(completion.token_ids), "logprobs": logprobs, "max_tokens": MAX_TOKENS}
+    return {
+        "token_ids": list(completion.token_ids),
+        "logprobs": sampled_logprobs(completion),
+        "max_tokens": MAX_TOKENS,
+    }
 
 
 def seeded_batch(llm) -> dict:
