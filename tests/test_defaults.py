@@ -49,6 +49,8 @@ SPEC_FIELDS = [
     (TrainerSpec, "kl_coef", TrainerConfig, "kl_coef", None),
     (TrainerSpec, "learning_rate", TrainerConfig, "lr", None),
     (TrainerSpec, "learning_rate_warmup_steps", TrainerConfig, "lr_warmup_steps", None),
+    (TrainerSpec, "learning_rate_decay_steps", TrainerConfig, "lr_decay_steps", None),
+    (TrainerSpec, "learning_rate_floor", TrainerConfig, "lr_floor", None),
     # Unset (so that stepGroups can be set instead), a step is `STEP_TOKENS` tokens.
     (TrainerSpec, "step_tokens", TrainerConfig, "step_tokens", lambda _: STEP_TOKENS),
     (TrainerSpec, "step_groups", TrainerConfig, "step_groups", None),

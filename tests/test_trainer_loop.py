@@ -292,9 +292,11 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_trajectories(
 ) -> None:
     hub = nats_servers.bed.hub
     names = "abcdef"
-    # Two optimiser passes per batch: the optimiser state they leave is what resumes.
+    # Two optimiser passes per batch: the optimiser state they leave is what resumes, the
+    # learning rate's schedule with it (updates 0, 2 and 4 start the steps).
+    schedule = {"lr": 1e-3, "lr_warmup_steps": 2, "lr_decay_steps": 4, "lr_floor": 0.25}
     with trainer(
-        tmp_path, tiny_moe, nats_servers, max_steps=3, ack_wait_s=3, updates_per_step=2
+        tmp_path, tiny_moe, nats_servers, max_steps=3, ack_wait_s=3, updates_per_step=2, **schedule
     ) as process:
         run = process.run
         asyncio.run(publish(hub, run, [p for name in names for p in group(run, name, 0)]))
@@ -312,6 +314,8 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_trajectories(
     assert sorted(ids) == sorted(f"{name}/{a}" for name in names for a in range(GROUP))
     assert [s["step"] for s in process.steps()] == [1, 2, 3]
     assert f"resumed at step {killed_at}" in process.log.read_text()
+    rates = [s["learning_rate"] for s in process.steps()]
+    assert rates == pytest.approx([5e-4, 1e-3, 6.25e-4])
 
 
 def test_a_trainer_keeps_what_it_holds_and_its_successor_gets_it_back(

@@ -213,6 +213,28 @@ class TrainerSpec(ApiModel):
             description="Optimiser updates over which the learning rate ramps up from 0.",
         ),
     ] = 0
+    learning_rate_decay_steps: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=1_000_000,
+            description=(
+                "Optimiser updates after the warm-up over which the learning rate falls "
+                "along a half cosine to learningRateFloor of itself, where it then stays: "
+                "a run of a known length ends on small steps, so its last version is not a "
+                "large step's noise away from where it was heading. 0 keeps the rate "
+                "constant, as an open-ended run (a production one) wants."
+            ),
+        ),
+    ] = 0
+    learning_rate_floor: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=1,
+            description="Where learningRateDecaySteps ends, as a fraction of learningRate.",
+        ),
+    ] = 0.1
     step_tokens: Annotated[
         int | None,
         Field(

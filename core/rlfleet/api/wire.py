@@ -380,6 +380,8 @@ class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
     # Seconds the trainer sat waiting for trajectories before this step, since the previous
     # version was published (or since it started): the pipeline's idle time.
     wait_seconds: float = 0.0
+    # The learning rate of the step's first optimiser update, as the run's schedule had it.
+    learning_rate: float = 0.0
     # Each group trained on, so the feed can tell which tasks still teach the policy.
     outcomes: list[GroupOutcome] = []
     # A production run's: how this step moved the policy on trajectories of a cycle before

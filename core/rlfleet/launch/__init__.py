@@ -264,6 +264,8 @@ def trainer_settings(
         kl_coef=spec.trainer.kl_coef,
         lr=spec.trainer.learning_rate,
         lr_warmup_steps=spec.trainer.learning_rate_warmup_steps,
+        lr_decay_steps=spec.trainer.learning_rate_decay_steps,
+        lr_floor=spec.trainer.learning_rate_floor,
         step_tokens=STEP_TOKENS if spec.trainer.step_tokens is None else spec.trainer.step_tokens,
         step_groups=spec.trainer.step_groups,
         updates_per_step=spec.trainer.updates_per_step,

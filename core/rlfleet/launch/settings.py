@@ -147,6 +147,13 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lr_warmup_steps: Annotated[int, msgspec.Meta(ge=0)] = spec_default(
         TrainerSpec, "learning_rate_warmup_steps"
     )
+    # Then it falls along a half cosine to lr_floor x lr over these (0: it stays at lr).
+    lr_decay_steps: Annotated[int, msgspec.Meta(ge=0)] = spec_default(
+        TrainerSpec, "learning_rate_decay_steps"
+    )
+    lr_floor: Annotated[float, msgspec.Meta(ge=0, le=1)] = spec_default(
+        TrainerSpec, "learning_rate_floor"
+    )
     # Optimiser passes over each batch (PPO epochs).
     updates_per_step: Positive = spec_default(TrainerSpec, "updates_per_step")
     weight_decay: float = 0.0

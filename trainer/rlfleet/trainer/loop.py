@@ -380,6 +380,7 @@ class Trainer:
             step_seconds=time.perf_counter() - started,
             finished_at=time.time(),
             wait_seconds=round(waited, 3),
+            learning_rate=result.learning_rate,
             held_out_gain=result.held_out_gain,
             outcomes=[
                 GroupOutcome(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ from rlfleet.trainer.checkpoints import tag
 from rlfleet.trainer.deepspeed_config import deepspeed_config
 from rlfleet.trainer.objective import Mismatch, ObjectiveConfig, mismatch_sums, policy_loss
 from rlfleet.trainer.rows import Rows
+from rlfleet.trainer.schedule import lr_factor
 from rlfleet.trainer.scoring import prepare, token_logprobs
 from rlfleet.trainer.validation import ModelShape
 from rlfleet.weightsync import owned_names
@@ -35,6 +37,7 @@ class StepResult:
     tokens: int
     mismatch: Mismatch
     clipped_fraction: float
+    learning_rate: float  # the step's first update's, as the schedule had it
     # Micro-batches whose loss was not finite on some rank: left out of every update of
     # the step (all of them: no update at all), so a NaN never reaches the weights.
     nonfinite_micro_batches: int = 0
@@ -88,11 +91,14 @@ class Policy:
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
-        # Adam's first updates move every weight by about lr whatever the gradient's size;
-        # ramping lr up keeps a policy's first noisy RL steps from undoing its warm start.
-        warmup = max(config.lr_warmup_steps, 1)
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / warmup)
+            optimizer,
+            functools.partial(
+                lr_factor,
+                warmup=config.lr_warmup_steps,
+                decay=config.lr_decay_steps,
+                floor=config.lr_floor,
+            ),
         )
         self.engine, *_ = deepspeed.initialize(
             model=model,
@@ -137,6 +143,7 @@ class Policy:
         makes reusing a batch safe. `held_out`, this rank's share of trajectories not
         trained on, is scored before and after (`held_out_gain`)."""
         self.engine.train()
+        learning_rate = self.engine.get_lr()[0]
         micro_batches, held_out = self.placed(micro_batches), self.placed(held_out or [])
         before = self.preference(held_out)
         references = [self._reference(rows) for rows in micro_batches]  # frozen: once
@@ -170,6 +177,7 @@ class Policy:
             tokens,
             Mismatch.of_sums(totals[2:]),
             float(totals[1]),
+            learning_rate,
             nonfinite_micro_batches=left_out,
             held_out_gain=self._gain(before, held_out),
         )
