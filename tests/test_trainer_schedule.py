@@ -1,5 +1,5 @@
 """The learning rate's schedule (`rlfleet.trainer.schedule`) as a pure function; the
-trainer's engine stepping it is `test_trainer_policy_step`'s."""
+trainer's engine stepping it, across a kill and resume, is `test_trainer_loop`'s."""
 
 from __future__ import annotations
 
