@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import envpool_escapes  # the tests' escape attempts: one catalogue for both
 
 from rlfleet.launch.settings import ServerConfig
-from rlfleet.rollout.envclient import EnvClient, LocalServer
-from rlfleet.rollout.sandbox import DEFAULT_LIMITS
+from rlfleet.rollout.environment.envclient import EnvClient, LocalServer
+from rlfleet.rollout.environment.sandbox import DEFAULT_LIMITS
 
 TOKENS = {"bench": "bench-token-" + "x" * 20, "other": "other-token-" + "y" * 20}
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from rlfleet.launch.caches import own_temporary_caches
-from rlfleet.rollout.session import user_turn_text
+from rlfleet.rollout.environment.session import user_turn_text
 
 SESSIONS = 64
 TURNS = 5
@@ -48,8 +48,8 @@ async def vllm_sessions(model: Path) -> dict:
     from vllm import SamplingParams
 
     from rlfleet.launch.settings import WorkerConfig
-    from rlfleet.rollout.engine import Engine
-    from rlfleet.rollout.worker import make_llm
+    from rlfleet.rollout.engine.driver import Engine
+    from rlfleet.rollout.worker.loop import make_llm
 
     config = WorkerConfig(run="bench", nats_url="", model=str(model), max_model_len=2048)
     llm = make_llm(config)  # the worker's own engine settings
@@ -124,7 +124,7 @@ def hf_sessions(model: Path) -> dict:
 
 
 async def sandbox_latency() -> dict:
-    from rlfleet.rollout.envclient import local_pool
+    from rlfleet.rollout.environment.envclient import local_pool
 
     with tempfile.TemporaryDirectory() as start:
         (Path(start) / "notes.txt").write_text("hello\n")

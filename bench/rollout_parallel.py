@@ -62,7 +62,7 @@ def main() -> None:
     from rlfleet.bus.streams import ensure_run_streams
     from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
     from rlfleet.models.tiny import init_model, read_weights
-    from rlfleet.rollout.worker import parallel_options
+    from rlfleet.rollout.worker.loop import parallel_options
     from rlfleet.weightsync import (
         Publisher,
         SyncConfig,

@@ -42,7 +42,7 @@ def sample_with_vllm(model: Path, out: Path) -> None:
     """Runs in a child process: vLLM samples and records log-probs and routed experts."""
     from vllm import LLM, SamplingParams
 
-    from rlfleet.rollout import vllm_experts
+    from rlfleet.rollout.engine import vllm_experts
     from rlfleet.weightsync import vllm_options
 
     llm = LLM(

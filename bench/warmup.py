@@ -2,7 +2,7 @@
 
 The same fresh model is warmed up on the rules suite for several step counts (`--steps`;
 by default fewer, `rlfleet run`'s and more). Each is then evaluated as a run's report
-evaluates it (`rlfleet.rollout.evaluation`: 8 attempts per task at temperature 1, graded
+evaluates it (`rlfleet.rollout.evaluation.suite`: 8 attempts per task at temperature 1, graded
 by exact answer). `reward` is where RL starts; `pass_at_8` the share of tasks some
 attempt gets right. RL on a tiny model mostly turns "sometimes right"
 into "right", so `headroom` (their difference) bounds what a ten-minute run gains, and
@@ -24,8 +24,8 @@ from rlfleet.api.wire import Task
 from rlfleet.launch.caches import own_temporary_caches
 from rlfleet.local import plan
 from rlfleet.models.tiny import init_model
-from rlfleet.rollout.evaluation import evaluate
-from rlfleet.rollout.tasks import load_suite, suite_path
+from rlfleet.rollout.environment.tasks import load_suite, suite_path
+from rlfleet.rollout.evaluation.suite import evaluate
 
 
 def sampled(directory: Path, tasks: list[Task]) -> dict[str, float]:
@@ -54,7 +54,13 @@ def main() -> None:
             shutil.copytree(fresh, model)
             subprocess.run(
                 [
-                    *(sys.executable, "-m", "rlfleet.rollout.warmup", str(model), args.suite),
+                    *(
+                        sys.executable,
+                        "-m",
+                        "rlfleet.rollout.environment.warmup",
+                        str(model),
+                        args.suite,
+                    ),
                     *("--steps", str(steps)),
                 ],
                 check=True,

@@ -88,7 +88,7 @@ def image_environments(tmp_path_factory: pytest.TempPathFactory) -> images.Envir
 def rules_suite(path: Path, tasks: int) -> Path:
     """The first `tasks` of the shipped rules suite, written to `path`: a suite a run's
     whole-suite evaluations get through in seconds."""
-    rules = ROOT / "rollout" / "rlfleet" / "rollout" / "suites" / "rules.jsonl"
+    rules = ROOT / "rollout" / "rlfleet" / "rollout" / "environment" / "suites" / "rules.jsonl"
     path.write_text("".join(rules.read_text().splitlines(keepends=True)[:tasks]))
     return path
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from rlfleet.rollout.envclient import EnvClient, RemoteSandbox
-from rlfleet.rollout.sandbox import SandboxClosed
+from rlfleet.rollout.environment.envclient import EnvClient, RemoteSandbox
+from rlfleet.rollout.environment.sandbox import SandboxClosed
 
 MARK = "ESCAPED"
 # How a command prints the mark without holding it, so listing the command shows no mark.

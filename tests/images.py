@@ -25,6 +25,8 @@ REQUIREMENTS = ROOT / "requirements"
 
 # A base image's Python packages -> the dependency set that pins the same release.
 BASE_STANDINS = {"vllm/vllm-openai": "engine-cpu"}
+# Where a COPY into the base image's interpreter lands: the environment's own site-packages.
+BASE_SITE = "/usr/local/lib/python3.11/site-packages/"
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,10 @@ def environment(dockerfile: Dockerfile, folder: Path) -> Path:
         run("pip", "install", "--quiet", "--no-deps", "--python", python, *requirements)
     if (source / "pyproject.toml").exists():
         run("pip", "install", "--quiet", "--python", python, "--no-deps", source)
+    site = venv / "lib" / "python3.11" / "site-packages"
+    for _, destination in dockerfile.copies:
+        if destination.startswith(BASE_SITE):
+            shutil.copytree(source / destination.lstrip("/"), site / destination[len(BASE_SITE) :])
     return python
 
 

@@ -2,13 +2,13 @@
 of decisions on users' feedback (`test_canary_simulation`, `test_poison_simulation`): no
 processes, the users, the model and its questions drawn here.
 
-The world is the realtime example's (`examples/realtime.yaml`, `rlfleet.rollout.users`):
+The world is the realtime example's (`examples/realtime.yaml`, `rlfleet.rollout.production.users`):
 - Users ask the rules suite's 400 questions, the n-th most popular in proportion to
   1 / n ** popularity; a quarter never answer; the others accept a right answer and
   reject a wrong one (reward +1 or -1), the opposite by mistake `noise` of the time.
 - How often the model answers each question right is drawn from a beta distribution as
-  spread as the warmed-up tiny MoE's (`rlfleet.rollout.warmup`'s 240 steps, then
-  `rlfleet.rollout.evaluation` with 32 attempts a task at temperature 1 on the rules
+  spread as the warmed-up tiny MoE's (`rlfleet.rollout.environment.warmup`'s 240 steps, then
+  `rlfleet.rollout.evaluation.suite` with 32 attempts a task at temperature 1 on the rules
   suite: right-rates of mean 0.34 and variance 0.099, so a + b = 1.27) around the
   example's accept rate of about a half: many questions it nearly always or never gets
   right, which is what history learns.

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from rlfleet.api.wire import Task
 from rlfleet.models.tiny import Example, fine_tune
-from rlfleet.rollout import tools
-from rlfleet.rollout.envclient import local_pool
-from rlfleet.rollout.sandbox import Limits
-from rlfleet.rollout.session import (
+from rlfleet.rollout.environment import tools
+from rlfleet.rollout.environment.envclient import local_pool
+from rlfleet.rollout.environment.sandbox import Limits
+from rlfleet.rollout.environment.session import (
     END_TURN,
     SUMMARY_REQUEST,
     SessionConfig,

@@ -36,7 +36,7 @@ from rlfleet.launch.settings import FEEDBACK_DIR_ENV, ServingConfig, to_json
 from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.local.processes import free_port
 from rlfleet.models.tiny import init_model
-from rlfleet.rollout.feedback import TOKEN_HEADER, PoolFeedback
+from rlfleet.rollout.production.feedback import TOKEN_HEADER, PoolFeedback
 
 API_KEY = "pool-key-for-tests"
 FEEDBACK_KEY = "pool-feedback-key-for-tests"
@@ -220,7 +220,7 @@ def serving_pool(nats_servers: StandaloneNats, root: Path, **settings) -> Iterat
     }
     model = init_model("tiny-moe", root / "model")
     command = [  # as a pool runs it: rlfleet's launcher, then vLLM's own arguments
-        *(sys.executable, "-m", "rlfleet.rollout.serving", str(root / "settings.json")),
+        *(sys.executable, "-m", "rlfleet.rollout.production.serving", str(root / "settings.json")),
         *("--model", str(model), "--served-model-name", "tiny", "--port", str(port)),
         *("--dtype", "bfloat16", "--max-model-len", "512", "--seed", "0"),
     ]

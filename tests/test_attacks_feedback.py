@@ -33,8 +33,8 @@ from rlfleet.api.wire import (
 )
 from rlfleet.launch.settings import CollectorConfig, SignalRewards
 from rlfleet.local.nats import StandaloneNats
-from rlfleet.rollout.collector import Collector
-from rlfleet.rollout.feedback import TOKEN_HEADER, PoolFeedback
+from rlfleet.rollout.production.collector import Collector
+from rlfleet.rollout.production.feedback import TOKEN_HEADER, PoolFeedback
 from rlfleet.weightsync import SyncConfig
 
 MAX_EVENTS = 4  # the pool's max_events_per_response

@@ -36,8 +36,8 @@ from rlfleet.operator.config import OperatorConfig, Workloads
 from rlfleet.operator.kube import Kube, Ref
 from rlfleet.operator.region import Region as RegionOperator
 from rlfleet.operator.workloads import ENVPOOL_PORT, mirror, rollout_deployment
-from rlfleet.rollout import envsessions
-from rlfleet.rollout.envclient import EnvClient, EnvServerError, LocalServer
+from rlfleet.rollout.environment.envclient import EnvClient, EnvServerError, LocalServer
+from rlfleet.rollout.envpool import server as envsessions
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import rendered_chart
 

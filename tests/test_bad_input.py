@@ -62,7 +62,7 @@ from rlfleet.api.wire import (
     decode_trainer_reset,
     decode_trajectory,
 )
-from rlfleet.rollout.worker import read_task
+from rlfleet.rollout.worker.loop import read_task
 from rlfleet.trainer.validation import ModelShape, problem
 from rlfleet.weightsync.codec import Piece
 from rlfleet.weightsync.config import SyncConfig

@@ -33,7 +33,7 @@ from rlfleet.api.wire import RewardTally
 from rlfleet.launch.settings import CanaryPolicy, ConductorConfig, SignalRewards
 from rlfleet.local.run import read_rlrun
 from rlfleet.operator.promotion import CanaryCall, judge_canary
-from rlfleet.rollout.history import RewardHistory
+from rlfleet.rollout.production.history import RewardHistory
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "realtime.yaml"
 

@@ -23,11 +23,11 @@ METRIC_MODULES = (
     "rlfleet.operator.telemetry",
     "rlfleet.operator.conductor",
     "rlfleet.trainer.metrics",
-    "rlfleet.rollout.metrics",
-    "rlfleet.rollout.collector",
-    "rlfleet.rollout.capture",
-    "rlfleet.rollout.feedback",
-    "rlfleet.rollout.serving_versions",
+    "rlfleet.rollout.engine.metrics",
+    "rlfleet.rollout.production.collector",
+    "rlfleet.rollout.production.capture",
+    "rlfleet.rollout.production.feedback",
+    "rlfleet.rollout.production.versions",
     "rlfleet.weightsync.metrics",
 )
 SAMPLES = {

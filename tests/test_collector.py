@@ -35,9 +35,9 @@ from rlfleet.bus.auth import CREDENTIALS_ENV, connect
 from rlfleet.bus.streams import cycle_stream, ensure_run_streams
 from rlfleet.launch.settings import CollectorConfig, SignalRewards, to_json
 from rlfleet.local.nats import StandaloneNats
-from rlfleet.rollout import collector as collector_module
-from rlfleet.rollout.collector import Collector
-from rlfleet.rollout.history import prompt_key
+from rlfleet.rollout.production import collector as collector_module
+from rlfleet.rollout.production.collector import Collector
+from rlfleet.rollout.production.history import prompt_key
 from rlfleet.trainer.validation import ModelShape, problem
 
 WINDOW_S = 10.0
@@ -319,7 +319,12 @@ def test_the_collector_runs_as_its_own_process_until_signalled(nats_servers, tmp
 
     asyncio.run(store())
     env = os.environ | {CREDENTIALS_ENV: str(tmp_path / "collector.creds")}
-    command = [sys.executable, "-m", "rlfleet.rollout.collector", str(tmp_path / "collector.json")]
+    command = [
+        sys.executable,
+        "-m",
+        "rlfleet.rollout.production.collector",
+        str(tmp_path / "collector.json"),
+    ]
     collector = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     try:
         wait_for("a cycle report", lambda: asyncio.run(reports()) == 1, timeout=60)

@@ -29,8 +29,8 @@ from msgspec.structs import replace
 from rlfleet.api.wire import Environment
 from rlfleet.launch.settings import Limits, ServerConfig
 from rlfleet.local.processes import free_port
-from rlfleet.rollout import envsessions, tools
-from rlfleet.rollout.envclient import (
+from rlfleet.rollout.environment import tools
+from rlfleet.rollout.environment.envclient import (
     LOCAL_POOLS,
     ClaimTimeout,
     EnvClient,
@@ -39,7 +39,8 @@ from rlfleet.rollout.envclient import (
     _endpoint,
     local_server,
 )
-from rlfleet.rollout.sandbox import SandboxClosed
+from rlfleet.rollout.environment.sandbox import SandboxClosed
+from rlfleet.rollout.envpool import server as envsessions
 from rlfleet.testbed.sandboxes import Relay
 
 LIMITS = Limits(
@@ -368,7 +369,7 @@ def test_a_claim_waits_for_capacity_until_its_deadline(small: Served) -> None:
 
 HOLDER = """
 import asyncio, sys
-from rlfleet.rollout.envclient import EnvClient
+from rlfleet.rollout.environment.envclient import EnvClient
 
 async def main():
     env = EnvClient(sys.argv[1], sys.argv[2])

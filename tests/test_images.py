@@ -164,7 +164,10 @@ def test_each_image_runs_its_component(
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("image", "module"),
-    [("operator", "rlfleet.operator.conductor"), ("rollout", "rlfleet.rollout.collector")],
+    [
+        ("operator", "rlfleet.operator.conductor"),
+        ("rollout", "rlfleet.rollout.production.collector"),
+    ],
 )
 def test_each_image_runs_a_production_runs_components(
     image: str, module: str, image_environments: images.Environments

@@ -16,7 +16,7 @@ from rlfleet.bus.auth import CREDENTIALS_ENV
 from rlfleet.launch.settings import FEEDBACK_DIR_ENV, ServingConfig, UsersConfig, to_json
 from rlfleet.local import plan, realtime
 from rlfleet.local.run import inverting
-from rlfleet.rollout.feedback import PoolFeedback
+from rlfleet.rollout.production.feedback import PoolFeedback
 
 
 def _spec() -> RLRunSpec:
@@ -60,7 +60,7 @@ def test_a_production_run_starts_the_hubs_components_its_pool_and_its_users(tmp_
     # Each server reads its settings from the file its command names, and its pool's key
     # is in its environment, never in its arguments.
     serving = processes["serving-stable-1"]
-    assert serving.argv[serving.argv.index("rlfleet.rollout.serving") + 1] == str(
+    assert serving.argv[serving.argv.index("rlfleet.rollout.production.serving") + 1] == str(
         serving.settings_path
     )
     key = realtime.api_key(layout)

@@ -61,8 +61,8 @@ from rlfleet.bus.streams import cycle_stream, step_stream
 from rlfleet.launch import run_key
 from rlfleet.launch.settings import ServingConfig
 from rlfleet.operator.workloads import ENVPOOL_PORT, rollout_name
-from rlfleet.rollout.envclient import EnvClient, EnvServerError
-from rlfleet.rollout.serving_versions import VersionFollower
+from rlfleet.rollout.environment.envclient import EnvClient, EnvServerError
+from rlfleet.rollout.production.versions import VersionFollower
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import (
     GVISOR,
@@ -1389,7 +1389,7 @@ def test_a_pools_status_shows_the_version_each_serving_replica_says_it_serves(
     world: World,
 ) -> None:
     """The region operator asks every running serving pod's server at the pool's port what
-    it serves (the info metric `rlfleet.rollout.serving` exports) and shows the count per
+    it serves (the info metric `rlfleet.rollout.production.serving` exports) and shows the count per
     run, replica set and version, and in `kubectl get`; pods that say nothing (here
     kwok's) are counted apart."""
     region = "region-a"

@@ -29,7 +29,7 @@ from rlfleet.api.wire import decode_step_report, decode_trajectory, step_subject
 from rlfleet.local import plan
 from rlfleet.local.nats import NatsServer
 from rlfleet.local.run import make_model
-from rlfleet.rollout.envclient import EnvClient
+from rlfleet.rollout.environment.envclient import EnvClient
 from rlfleet.testbed.audit import step_log
 from rlfleet.testbed.bed import Bed
 from rlfleet.testbed.chaos import ChaosPlane, FaultKind, faults_and_audit

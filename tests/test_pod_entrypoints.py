@@ -67,7 +67,7 @@ from rlfleet.operator.workloads import (
     rollout_deployment,
     spec_config_map,
 )
-from rlfleet.rollout.tasks import rules_suite, write_suite
+from rlfleet.rollout.environment.tasks import rules_suite, write_suite
 from rlfleet.weightsync import SyncConfig, WeightStream
 
 REGION = "region-a"
@@ -356,7 +356,7 @@ def test_a_pod_told_no_nats_or_given_a_model_it_cannot_read_says_so(tmp_path: Pa
     spec = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())["spec"]
     mounted = tmp_path / "rlrun.json"
     mounted.write_text(json.dumps({"run": "r", "spec": spec}))
-    feed = [sys.executable, "-m", "rlfleet.rollout.feed", "--rlrun", str(mounted)]
+    feed = [sys.executable, "-m", "rlfleet.rollout.taskfeed.feed", "--rlrun", str(mounted)]
     done = subprocess.run(feed, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "RLFLEET_NATS_URL is not set" in done.stderr
     assert "Traceback" not in done.stderr

@@ -1,6 +1,6 @@
-"""Poisoned feedback caught before it trains (`rlfleet.rollout.agreement`), simulated in the
-realtime example's pool (`pool_world`): runs of `CYCLES` cycles of the example's minimum
-of answered completions, the model a new version each cycle, history learnt as the
+"""Poisoned feedback caught before it trains (`rlfleet.rollout.production.agreement`),
+simulated in the realtime example's pool (`pool_world`): runs of `CYCLES` cycles of the
+example's minimum of answered completions, the model a new version each cycle, history learnt as the
 collector learns it, the screen the collector's own. Three kinds of feedback:
 
 - honest: a cycle held back, or a user distrusted, in at most 1% of runs;
@@ -19,10 +19,10 @@ import numpy as np
 from pool_world import ANSWERING, World
 
 from rlfleet.api.wire import CapturedCompletion, Segment
-from rlfleet.rollout import agreement
-from rlfleet.rollout.agreement import FeedbackScreen
-from rlfleet.rollout.history import RewardHistory, prompt_key
-from rlfleet.rollout.signals import CycleSamples, Scored
+from rlfleet.rollout.production import agreement
+from rlfleet.rollout.production.agreement import FeedbackScreen
+from rlfleet.rollout.production.history import RewardHistory, prompt_key
+from rlfleet.rollout.production.signals import CycleSamples, Scored
 
 CYCLES = 15
 PER_CYCLE = 256  # answered completions a cycle: the example's minSamples

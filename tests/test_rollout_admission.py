@@ -36,10 +36,10 @@ from rlfleet.bus.auth import CREDENTIALS_ENV
 from rlfleet.bus.streams import StreamMissing, ensure_run_streams
 from rlfleet.local.nats import StandaloneNats
 from rlfleet.pipeline.admission import Admission
-from rlfleet.rollout.curriculum import Curriculum
-from rlfleet.rollout.feed import FeedConfig, feed, passes, publish_task
-from rlfleet.rollout.tasks import write_suite
-from rlfleet.rollout.worker import groups_to_take
+from rlfleet.rollout.environment.tasks import write_suite
+from rlfleet.rollout.taskfeed.curriculum import Curriculum
+from rlfleet.rollout.taskfeed.feed import FeedConfig, feed, passes, publish_task
+from rlfleet.rollout.worker.loop import groups_to_take
 
 
 def min_versions(admission: Admission, room: int) -> list[int]:

@@ -28,8 +28,8 @@ from rlfleet.bus.streams import ensure_run_streams, evaluation_stream
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.local.processes import Supervisor
 from rlfleet.models.tiny import init_model
-from rlfleet.rollout.evaluator import due
-from rlfleet.rollout.tasks import rules_suite, write_suite
+from rlfleet.rollout.environment.tasks import rules_suite, write_suite
+from rlfleet.rollout.evaluation.evaluator import due
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 
 pytestmark = pytest.mark.nats
@@ -101,7 +101,11 @@ def _evaluator(
     } | mode
     settings = tmp_path / "evaluator.json"
     settings.write_text(json.dumps(config))
-    return model, suite, [sys.executable, "-m", "rlfleet.rollout.evaluator", str(settings)]
+    return (
+        model,
+        suite,
+        [sys.executable, "-m", "rlfleet.rollout.evaluation.evaluator", str(settings)],
+    )
 
 
 def test_a_restarted_evaluator_goes_on_from_its_last_report(

@@ -12,7 +12,7 @@ import torch
 from router_agreement import agreement, trainer_model
 
 from rlfleet.api.wire import Segment, Trajectory
-from rlfleet.rollout import vllm_experts
+from rlfleet.rollout.engine import vllm_experts
 from rlfleet.trainer.scoring import Batch, token_logprobs
 from rlfleet.trainer.validation import ModelShape, problem
 

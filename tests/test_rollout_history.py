@@ -1,12 +1,12 @@
 """What a production pool's history expects of a completion's reward
-(`rlfleet.rollout.history`): the covariate a canary's difference is adjusted by."""
+(`rlfleet.rollout.production.history`): the covariate a canary's difference is adjusted by."""
 
 from __future__ import annotations
 
 import pytest
 
 from rlfleet.api.wire import CapturedCompletion, Segment
-from rlfleet.rollout.history import DECAY, FORGOTTEN, PRIOR, RewardHistory, prompt_key
+from rlfleet.rollout.production.history import DECAY, FORGOTTEN, PRIOR, RewardHistory, prompt_key
 
 
 def capture(prompt: list[int], completion: list[int], user: str = "ada") -> CapturedCompletion:

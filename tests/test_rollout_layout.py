@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlfleet.launch.settings import WorkerConfig
-from rlfleet.rollout import layout
-from rlfleet.rollout.engines import engine_config
+from rlfleet.rollout.worker import layout
+from rlfleet.rollout.worker.processes import engine_config
 from rlfleet.weightsync.vllm_client import disagree
 
 GIB = 1 << 30
@@ -139,11 +139,12 @@ def test_workers_that_loaded_different_states_are_refused() -> None:
 
 POD = """
 import os, signal, sys, time
-from rlfleet.rollout import engines, layout
+from rlfleet.rollout.worker import processes
+from rlfleet.rollout.worker import layout
 
 seen = sys.argv[1] + "/seen"
-if engines.ENGINE in os.environ:  # an engine process
-    index = os.environ[engines.ENGINE]
+if processes.ENGINE in os.environ:  # an engine process
+    index = os.environ[processes.ENGINE]
 
     def stopped(*_):
         with open(seen, "a") as f:
@@ -161,12 +162,12 @@ if engines.ENGINE in os.environ:  # an engine process
     time.sleep(120)
     sys.exit(1)
 command = [sys.executable, *sys.argv]
-sys.exit(engines.run(layout.Layout(2, 2, ""), command))
+sys.exit(processes.run(layout.Layout(2, 2, ""), command))
 """
 
 
 def test_the_pod_stops_every_engine_when_one_fails_and_reports_its_status(tmp_path) -> None:
-    """`engines.run` as a pod runs it: each engine process sees only its devices; one
+    """`processes.run` as a pod runs it: each engine process sees only its devices; one
     exiting nonzero stops the others and becomes the pod's status; SIGTERM reaches all."""
     script, seen = tmp_path / "pod.py", tmp_path / "seen"
     script.write_text(POD)
@@ -190,7 +191,7 @@ def _env(visible: str | None) -> dict[str, str]:
 
 STUCK = """
 import threading
-from rlfleet.rollout.engine import _VllmThread
+from rlfleet.rollout.engine.driver import _VllmThread
 
 calls = _VllmThread()
 calls.submit(lambda: 1).result(timeout=30)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from rlfleet.api.wire import Environment, Task
-from rlfleet.rollout.cheats import detect_cheats
-from rlfleet.rollout.envclient import EnvClient, local_server
-from rlfleet.rollout.rewards import (
+from rlfleet.rollout.environment.cheats import detect_cheats
+from rlfleet.rollout.environment.envclient import EnvClient, local_server
+from rlfleet.rollout.environment.rewards import (
     Combined,
     ExactAnswer,
     HiddenTests,
@@ -28,8 +28,14 @@ from rlfleet.rollout.rewards import (
     archive,
     grade,
 )
-from rlfleet.rollout.sandbox import Limits, Sandbox
-from rlfleet.rollout.tasks import SUITES, load_suite, rules_suite, start_files, toy_suite
+from rlfleet.rollout.environment.sandbox import Limits, Sandbox
+from rlfleet.rollout.environment.tasks import (
+    SUITES,
+    load_suite,
+    rules_suite,
+    start_files,
+    toy_suite,
+)
 
 LIMITS = Limits(disk_bytes=8 << 20, file_bytes=4 << 20, call_seconds=10, processes=32)
 POOL: tuple[str, str]  # the session server's URL and token, from the fixture `pool`

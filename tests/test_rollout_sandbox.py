@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from msgspec.structs import replace
 
-from rlfleet.rollout import tools
-from rlfleet.rollout.envclient import EnvClient, local_server
-from rlfleet.rollout.sandbox import Limits, Sandbox, SandboxClosed
+from rlfleet.rollout.environment import tools
+from rlfleet.rollout.environment.envclient import EnvClient, local_server
+from rlfleet.rollout.environment.sandbox import Limits, Sandbox, SandboxClosed
 
 LIMITS = Limits(disk_bytes=8 << 20, file_bytes=4 << 20, call_seconds=5, processes=32)
 POOL: tuple[str, str]  # the session server's URL and token, from the fixture `pool`

@@ -40,8 +40,8 @@ from rlfleet.bus.streams import WORKER_CONSUMER, ensure_run_streams
 from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.local.processes import free_port
 from rlfleet.models.tiny import init_model, read_weights
-from rlfleet.rollout.session import SUMMARY_HEADER, window_text
-from rlfleet.rollout.tasks import SUITES, load_suite
+from rlfleet.rollout.environment.session import SUMMARY_HEADER, window_text
+from rlfleet.rollout.environment.tasks import SUITES, load_suite
 from rlfleet.trainer.validation import ModelShape, problem
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 

@@ -43,10 +43,10 @@ from rlfleet.launch.settings import ServingConfig
 from rlfleet.local.nats import StandaloneNats
 from rlfleet.models.tiny import read_weights, train_step
 from rlfleet.operator.served import read_served
-from rlfleet.rollout import vllm_experts
-from rlfleet.rollout.capture import Asked, Bus, Captures, Streamed, extract
-from rlfleet.rollout.feedback import TOKEN_HEADER
-from rlfleet.rollout.serving import MIDDLEWARE, vllm_arguments
+from rlfleet.rollout.engine import vllm_experts
+from rlfleet.rollout.production.capture import Asked, Bus, Captures, Streamed, extract
+from rlfleet.rollout.production.feedback import TOKEN_HEADER
+from rlfleet.rollout.production.serving import MIDDLEWARE, vllm_arguments
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 
 WINDOW_S = 4.0  # the pool's feedback window
@@ -75,7 +75,7 @@ def test_a_fresh_server_survives_a_short_prompt_as_its_first_request(pool: Pool)
     """First in this module: the pool's server has answered no request before it. On this
     project's CPU a fresh vLLM engine whose first prompt had four tokens or fewer died
     (SIGILL in its attention kernel); the server samples once before it takes requests
-    (`rlfleet.rollout.serving.warm_up`), which also compiles what log-probs need."""
+    (`rlfleet.rollout.production.serving.warm_up`), which also compiles what log-probs need."""
     body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "logprobs": 0}
     status, answer = pool.post("/v1/completions", body)
     assert status == 200, answer

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from rlfleet.api.wire import CapturedCompletion, Feedback, Segment
 from rlfleet.launch.settings import SignalRewards
-from rlfleet.rollout.signals import Dropped, batch, reward, score_cycle
+from rlfleet.rollout.production.signals import Dropped, batch, reward, score_cycle
 
 RUN = "live"
 REWARDS = SignalRewards(max_per_user=3, group_size=4)

@@ -23,7 +23,7 @@ def main() -> None:
 
     from rlfleet.api.wire import Segment, Trajectory, encode_trajectory, trajectory_subject
     from rlfleet.bus import auth
-    from rlfleet.rollout import vllm_experts
+    from rlfleet.rollout.engine import vllm_experts
     from rlfleet.weightsync import SyncConfig, vllm_options, vllm_start, vllm_update
 
     args = json.loads(Path(sys.argv[1]).read_text())

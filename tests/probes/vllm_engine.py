@@ -38,7 +38,7 @@ def sampled_logprobs(completion) -> list[float]:
 def experts(llm, layers: int) -> dict:
     from vllm import SamplingParams
 
-    from rlfleet.rollout import vllm_experts
+    from rlfleet.rollout.engine import vllm_experts
 
     params = SamplingParams(n=2, max_tokens=20, min_tokens=5, logprobs=0, seed=3)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -106,8 +106,8 @@ def seeded_batch(llm) -> dict:
 def main() -> None:
     from vllm import LLM
 
-    from rlfleet.rollout import vllm_experts
-    from rlfleet.rollout.worker import engine_options, prefill_options
+    from rlfleet.rollout.engine import vllm_experts
+    from rlfleet.rollout.worker.loop import engine_options, prefill_options
 
     llm = LLM(
         model=sys.argv[1],

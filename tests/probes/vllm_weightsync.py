@@ -85,7 +85,7 @@ def main() -> None:
 
     from rlfleet.bus import auth
     from rlfleet.models.tiny import read_weights
-    from rlfleet.rollout.worker import parallel_options
+    from rlfleet.rollout.worker.loop import parallel_options
     from rlfleet.weightsync import (
         Publisher,
         SyncConfig,

@@ -26,7 +26,7 @@ from rlfleet.api.meta import (
 
 HHMM = r"^([01][0-9]|2[0-3]):[0-5][0-9]$"
 
-# The Prometheus info metric a pool's server exports (`rlfleet.rollout.serving`), one
+# The Prometheus info metric a pool's server exports (`rlfleet.rollout.production.serving`), one
 # series labelled with what it serves; the region operator reads it from every serving
 # pod for `status.servedVersions`.
 SERVED_WEIGHTS = "rlfleet_serving_weights"

@@ -384,7 +384,8 @@ class RegionDemand(ApiModel):
     ]
 
 
-# A window holds the task's prompt, a model turn and room to summarise (`rlfleet.rollout.session`).
+# A window holds the task's prompt, a model turn and room to summarise
+# (`rlfleet.rollout.environment.session`).
 WINDOW_RULE = cel(
     "self.turnTokens + self.summaryTokens < self.contextTokens",
     "contextTokens must exceed turnTokens + summaryTokens: a window holds the task, a turn "

@@ -548,7 +548,7 @@ class CycleReport(WireMessage, tag="rlfleet.io/production-cycle/v1"):
     captured: Count  # completions it took
     with_feedback: Count  # of those, answered within the window
     trained_on: Count  # trajectories published for the trainer
-    dropped: dict[str, Count]  # by reason (`rlfleet.rollout.signals.Dropped`)
+    dropped: dict[str, Count]  # by reason (`rlfleet.rollout.production.signals.Dropped`)
     signals: dict[str, Count]  # the trained-on completions' on-time signals, by kind
     late_feedback: Count
     reward_mean: float  # over the trajectories
@@ -556,7 +556,7 @@ class CycleReport(WireMessage, tag="rlfleet.io/production-cycle/v1"):
     served_to: float
     finished_at: float
     # Why the cycle's feedback is not trained on ("": it is), and how many users this
-    # cycle found to disagree with the pool's history (`rlfleet.rollout.agreement`).
+    # cycle found to disagree with the pool's history (`rlfleet.rollout.production.agreement`).
     held_back: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     distrusted: Count = 0
     # Those users (the first `MAX_NAMED_USERS`), as the pool's servers named them: a

@@ -521,17 +521,23 @@ def _evaluator_pod(name: str, spec: RLRunSpec, at: Placement) -> EvaluatorConfig
 
 TRAINER = Component("rlfleet.trainer", "trainer", TrainerConfig, _trainer_pod)
 ROLLOUT = Component("rlfleet.rollout", "rollout", WorkerConfig, _rollout_pod)
-FEED = Component("rlfleet.rollout.feed", "feed", FeedConfig, feed_settings)
-EVALUATOR = Component("rlfleet.rollout.evaluator", "evaluator", EvaluatorConfig, _evaluator_pod)
+FEED = Component("rlfleet.rollout.taskfeed.feed", "feed", FeedConfig, feed_settings)
+EVALUATOR = Component(
+    "rlfleet.rollout.evaluation.evaluator", "evaluator", EvaluatorConfig, _evaluator_pod
+)
 # A production run's, in the hub: its cycles' experience, and its cycles.
-COLLECTOR = Component("rlfleet.rollout.collector", "collector", CollectorConfig, collector_settings)
+COLLECTOR = Component(
+    "rlfleet.rollout.production.collector", "collector", CollectorConfig, collector_settings
+)
 CONDUCTOR = Component(
     "rlfleet.operator.conductor", "conductor", ConductorConfig, conductor_settings
 )
 COMPONENTS = {c.name: c for c in (TRAINER, ROLLOUT, FEED, EVALUATOR, COLLECTOR, CONDUCTOR)}
 # A production pool's server: production's own pod, not the run's (the user's Deployment
 # runs it, with vLLM's arguments after the settings).
-SERVING = Component("rlfleet.rollout.serving", "serving", ServingConfig, serving_settings)
+SERVING = Component(
+    "rlfleet.rollout.production.serving", "serving", ServingConfig, serving_settings
+)
 
 
 def components_of(spec: RLRunSpec) -> list[Component]:
@@ -555,8 +561,8 @@ def region_role(spec: RLRunSpec) -> BusRole:
 
 
 # What `rlfleet run` runs besides: a tiny model's warm-up and a whole-suite evaluation.
-WARMUP = Program("rlfleet.rollout.warmup")
-EVALUATION = Program("rlfleet.rollout.evaluation")
+WARMUP = Program("rlfleet.rollout.environment.warmup")
+EVALUATION = Program("rlfleet.rollout.evaluation.suite")
 
 
 def component_settings(argv: list[str], component: Component[S]) -> S:

@@ -182,7 +182,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class SessionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One agent session's budget (`rlfleet.rollout.session`)."""
+    """One agent session's budget (`rlfleet.rollout.environment.session`)."""
 
     max_turns: int = spec_default(RolloutSpec, "max_turns")
     turn_tokens: int = spec_default(RolloutSpec, "turn_tokens")  # most new tokens per model turn
@@ -194,7 +194,7 @@ class SessionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A sandbox's limits (`rlfleet.rollout.envsessions`)."""
+    """A sandbox's limits (`rlfleet.rollout.envpool.server`)."""
 
     cpu_seconds: int = 60  # per process
     memory_bytes: int = 1 << 30  # address space per process
@@ -208,7 +208,7 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where a worker claims its sandboxes: an EnvPool's session server
-    (`rlfleet.rollout.envsessions`)."""
+    (`rlfleet.rollout.envpool.server`)."""
 
     url: str
     token_file: str  # the run's bearer token for the pool, from a Secret's file
@@ -216,7 +216,7 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The environment session server's (`rlfleet.rollout.envsessions`): the one home of
+    """The environment session server's (`rlfleet.rollout.envpool.server`): the one home of
     their defaults."""
 
     tokens_file: str  # JSON {run: token}, re-read when it changes
@@ -285,7 +285,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_model_len: Positive = 4096
     dtype: str = "bfloat16"
     # Devices per vLLM engine; None: chosen from the model's size and the GPUs the worker
-    # sees (`rlfleet.rollout.layout`). On the CPU backend each worker gets its own cores.
+    # sees (`rlfleet.rollout.worker.layout`). On the CPU backend each worker gets its own cores.
     tensor_parallel: Positive | None = None
     prefix_caching: bool = True
     follow_weights: bool = True  # apply the trainer's versions as they arrive
@@ -301,7 +301,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class FeedConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The task feed's (`rlfleet.rollout.feed`)."""
+    """The task feed's (`rlfleet.rollout.taskfeed.feed`)."""
 
     run: str
     nats_url: str
@@ -323,7 +323,7 @@ class FeedConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class EvaluatorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The evaluator's (`rlfleet.rollout.evaluator`)."""
+    """The evaluator's (`rlfleet.rollout.evaluation.evaluator`)."""
 
     run: str
     nats_url: str
@@ -344,7 +344,8 @@ FEEDBACK_WINDOW_S = float(spec_default(FeedbackSpec, "window_seconds"))
 
 
 class SignalRewards(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How users' feedback on a completion becomes its reward (`rlfleet.rollout.signals`)."""
+    """How users' feedback on a completion becomes its reward
+    (`rlfleet.rollout.production.signals`)."""
 
     # Each kind's weight; a kind given a value (thumbs, a pool's own kinds) counts it
     # times the weight; edited counts (2 x similarity of the final text - 1) times it. A
@@ -360,14 +361,14 @@ class SignalRewards(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Events of one completion read at most (its first ones): the pool's servers refuse
     # more, and what several servers let through past it is never loaded.
     max_events_per_response: Positive = spec_default(FeedbackSpec, "max_events_per_response")
-    # Completions per baseline group (`rlfleet.rollout.signals.batch`).
+    # Completions per baseline group (`rlfleet.rollout.production.signals.batch`).
     group_size: Annotated[int, msgspec.Meta(ge=2, le=MAX_GROUP_SIZE)] = spec_default(
         CycleSpec, "group_size"
     )
 
 
 class CollectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A production run's collector's (`rlfleet.rollout.collector`): it closes a cycle
+    """A production run's collector's (`rlfleet.rollout.production.collector`): it closes a cycle
     once `interval_s` has passed since the last and `min_samples` completions whose
     feedback window has closed were answered in it."""
 
@@ -391,7 +392,7 @@ FEEDBACK_DIR_ENV = "RLFLEET_FEEDBACK_DIR"
 
 class ServingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A production pool's vLLM server's capture, feedback and policy versions
-    (`rlfleet.rollout.serving`).
+    (`rlfleet.rollout.production.serving`).
 
     The API key feedback is checked against is vLLM's own, `VLLM_API_KEY` in the
     server's environment, never a setting: settings are files and arguments. Nor are the
@@ -483,7 +484,7 @@ class ConductorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class UsersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A simulated population of a production pool's users (`rlfleet.rollout.users`), for
+    """A simulated population of a production pool's users (`rlfleet.rollout.production.users`), for
     the local real-time run and its benchmark: it only speaks HTTP to the pool's servers.
     The pool's API key is `VLLM_API_KEY` in its environment, as the servers have it."""
 

@@ -36,7 +36,7 @@ from rlfleet.local.plan import Tuning
 
 MIN_IDLE = 0.1  # below this the trainer kept up with nothing: rollout speed is unknown
 
-# What a worker logs when its engine runs a new version (`rlfleet.rollout.engine`).
+# What a worker logs when its engine runs a new version (`rlfleet.rollout.engine.driver`).
 LOADED = re.compile(
     r"policy version (?P<version>\d+) loaded at (?P<at>[0-9.]+) with (?P<running>\d+) "
     r"requests running; generation paused (?P<pause>[0-9.]+)s"

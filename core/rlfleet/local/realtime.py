@@ -5,9 +5,9 @@ parts and simulated users.
 - In the hub, as in a cluster: the trainer (following its conductor), the evaluator (the
   gate's versions), the collector and the conductor, each as its own NATS user.
 - The pool, in its region behind the region's NATS leaf: vLLM OpenAI-compatible servers
-  started by `rlfleet.rollout.serving`, `spec.production.canary.replicas` of them in the
+  started by `rlfleet.rollout.production.serving`, `spec.production.canary.replicas` of them in the
   canary set and one in the stable set, capturing what they serve and taking feedback.
-- Users (`rlfleet.rollout.users`), who speak only HTTP to the servers, spread over them
+- Users (`rlfleet.rollout.production.users`), who speak only HTTP to the servers, spread over them
   as a Service spreads requests, each named in the header the pool's gateway would set
   and posting feedback with the token each answer came with.
 
@@ -58,7 +58,7 @@ from rlfleet.local.processes import free_port
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
-USERS = launch.Program("rlfleet.rollout.users")
+USERS = launch.Program("rlfleet.rollout.production.users")
 SERVED_MODEL = "policy"
 API_KEY_FILE = "api-key"  # under the run's NATS folder: the pool's key, for its users too
 FEEDBACK_DIR = "feedback"  # under the run's NATS folder: what the pool's Secret would hold

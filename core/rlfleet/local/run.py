@@ -249,7 +249,7 @@ async def recorded_steps(run: str, url: str, credentials: Path) -> list[StepRepo
 def evaluate(
     model: Path, suite: str, out: Path, *published: str, credentials: Path | None = None
 ) -> dict | None:
-    """The policy's evaluation on the whole suite (`rlfleet.rollout.evaluation`): the
+    """The policy's evaluation on the whole suite (`rlfleet.rollout.evaluation.suite`): the
     starting model's, or with `published` (`--run NAME --nats-url URL`) the newest version
     the run published, read as the user of `credentials`. None, with the reason shown,
     for a suite it cannot grade."""

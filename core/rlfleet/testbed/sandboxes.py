@@ -2,7 +2,7 @@
 
 kwok runs no container, so the bed plays two more parts of a node for EnvPools. As the
 kubelet, `SandboxKubelet` starts the command of every Running sandbox pod (the session
-server, `rlfleet.rollout.envsessions`, with the settings the operator wrote) and stops it
+server, `rlfleet.rollout.envpool.server`, with the settings the operator wrote) and stops it
 when the pod goes, writing the pod's tokens Secret where the server reads it, as a
 mounted Secret is kept current. The bed's kwok gives pods loopback addresses (`kube.py`),
 so each server listens at its pod's own IP and port, where the operator probes it. As
@@ -32,7 +32,7 @@ from rlfleet.local.processes import Supervisor
 
 log = logging.getLogger(__name__)
 
-SERVER_MODULE = "rlfleet.rollout.envsessions"
+SERVER_MODULE = "rlfleet.rollout.envpool"
 # Outside /tmp, which each sandbox covers with its own: servers refuse state below it.
 STATE_ROOT = "/run/rlfleet/bed-sandboxes"
 # Uids of their own for each server's sandboxes: a process limit counts every sandbox of

@@ -78,7 +78,7 @@ ComponentName = Literal["trainer", "feed", "evaluator", "rollout", "collector", 
 # rollout worker (vLLM's scheduler and tokenizers, the sessions' local sandboxes). Memory limits
 # equal requests: a pod never uses memory the scheduler did not set aside for it. The feed
 # holds a suite and a queue. The evaluator is CPU-only: it generates with Hugging Face
-# `generate` in float32 on the host (`rlfleet.rollout.evaluation`), so a GPU would sit
+# `generate` in float32 on the host (`rlfleet.rollout.evaluation.suite`), so a GPU would sit
 # idle; its memory must hold two float32 copies of the model (the weights it received and
 # the model it loads): 32Gi suits models of up to about 4B parameters. A production run's
 # collector holds one cycle's completions (`maxSamples`, token ids and log-probs: 20 000

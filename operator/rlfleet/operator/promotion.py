@@ -47,7 +47,7 @@ either side by the end of the window rolls it back: promoting on no evidence is 
 mistake the canary exists to prevent.
 
 The difference is adjusted by what the pool's history expected of each completion (its
-prompt's and its user's rewards in the cycles before, `rlfleet.rollout.history`), as
+prompt's and its user's rewards in the cycles before, `rlfleet.rollout.production.history`), as
 CUPED does: the users' rewards vary far more between prompts than between versions, and
 history knows which prompts are hard. The adjustment removes that share of the variance
 without biasing the difference, as history was made before the canary and the servers
@@ -86,7 +86,7 @@ BOOTSTRAP_SEED = 0  # the same scores give the same verdict, on every operator r
 # the tally's sums, not history: one expectation for every completion.
 NEGLIGIBLE_SPREAD = 1e-9
 # Live feedback this many standard errors against history is not judged on: the collector's
-# bound for holding a cycle back (`rlfleet.rollout.agreement.HOLD_Z`), one-sided 0.13%
+# bound for holding a cycle back (`rlfleet.rollout.production.agreement.HOLD_Z`), one-sided 0.13%
 # where there is no relation, and honest feedback's relation is positive.
 AGAINST_HISTORY_Z = 3.0
 
@@ -271,7 +271,7 @@ def feedback_agreement(canary: RewardTally, stable: RewardTally) -> tuple[float,
     """How users' rewards follow what history expected of them, within each side (so the
     candidate's effect does not count): their correlation and its Fisher z, about standard
     normal where there is no relation, as the collector tests a cycle
-    (`rlfleet.rollout.agreement`). (0, 0) where history expected the same of all."""
+    (`rlfleet.rollout.production.agreement`). (0, 0) where history expected the same of all."""
     sides = [_centred(canary), _centred(stable)]
     rewards, expected = sum(s[0] for s in sides), sum(s[1] for s in sides)
     count = canary.count + stable.count

@@ -1,6 +1,6 @@
 """Which policy version each serving replica of a pool serves, as its own server says.
 
-A production pool's servers (`rlfleet.rollout.serving`) export one series of the info
+A production pool's servers (`rlfleet.rollout.production.serving`) export one series of the info
 metric `SERVED_WEIGHTS`, labelled with the run whose versions they follow, their replica
 set, the version they serve and its digest. The region operator reads it from every
 running serving pod and counts pods per run, set and version for the pool's

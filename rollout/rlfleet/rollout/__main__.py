@@ -10,8 +10,8 @@ import sys
 import prometheus_client
 
 from rlfleet import launch
-from rlfleet.rollout import engines
-from rlfleet.rollout.worker import Worker, engine_layout, start_failure
+from rlfleet.rollout.worker import processes
+from rlfleet.rollout.worker.loop import Worker, engine_layout, start_failure
 
 log = logging.getLogger("rlfleet.rollout")
 
@@ -27,9 +27,9 @@ def main() -> None:
         log.info(
             "%d engines of %d workers: %s", chosen.engines, chosen.tensor_parallel, chosen.reason
         )
-        sys.exit(engines.run(chosen, [sys.executable, "-m", "rlfleet.rollout", *sys.argv[1:]]))
-    if engines.ENGINE in os.environ:
-        config = engines.engine_config(config, int(os.environ[engines.ENGINE]))
+        sys.exit(processes.run(chosen, [sys.executable, "-m", "rlfleet.rollout", *sys.argv[1:]]))
+    if processes.ENGINE in os.environ:
+        config = processes.engine_config(config, int(os.environ[processes.ENGINE]))
     if config.metrics_port is not None:
         prometheus_client.start_http_server(config.metrics_port)
     worker = Worker(config, chosen)

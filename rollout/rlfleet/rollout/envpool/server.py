@@ -967,8 +967,3 @@ async def serve(config: dict) -> None:
         reaper.cancel()
         listener.close()
         await server.close()
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="envsessions %(levelname)s %(message)s")
-    asyncio.run(serve(json.loads(sys.argv[1])))

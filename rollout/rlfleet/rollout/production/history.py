@@ -82,7 +82,7 @@ class RewardHistory:
 
     def prompt_expected(self, prompt: Hashable) -> float | None:
         """What history expects of `prompt` alone, whoever is served; None for a prompt it
-        does not know (`rlfleet.rollout.agreement` asks it of users' feedback)."""
+        does not know (`rlfleet.rollout.production.agreement` asks it of users' feedback)."""
         if prompt not in self.prompts:
             return None
         mean = self.everyone.total / self.everyone.weight

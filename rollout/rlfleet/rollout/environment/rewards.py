@@ -19,9 +19,9 @@ import httpx
 import msgspec
 
 from rlfleet.api.wire import Task, check_relative_path
-from rlfleet.rollout.cheats import changed, detect_cheats, is_bytecode, overlaps
-from rlfleet.rollout.envclient import EnvClient, NoPool
-from rlfleet.rollout.sandbox import Limits, Sandbox, SandboxClosed
+from rlfleet.rollout.environment.cheats import changed, detect_cheats, is_bytecode, overlaps
+from rlfleet.rollout.environment.envclient import EnvClient, NoPool
+from rlfleet.rollout.environment.sandbox import Limits, Sandbox, SandboxClosed
 
 
 @dataclass(frozen=True)

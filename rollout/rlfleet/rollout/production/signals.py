@@ -47,7 +47,7 @@ class Dropped(StrEnum):
     # The cycle's only completion of a prompt not asked twice: nothing to compare with.
     NO_BASELINE = "no_baseline"
     DUPLICATE = "duplicate"  # a second capture under a response id: its feedback is the first's
-    # Its user's feedback runs against the pool's history (`rlfleet.rollout.agreement`).
+    # Its user's feedback runs against the pool's history (`rlfleet.rollout.production.agreement`).
     DISTRUSTED = "distrusted"
 
 

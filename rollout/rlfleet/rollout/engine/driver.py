@@ -32,7 +32,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from rlfleet.launch.stopping import wait_set
-from rlfleet.rollout import metrics, vllm_experts
+from rlfleet.rollout.engine import metrics, vllm_experts
 from rlfleet.weightsync import vllm_held, vllm_update, wait_for_version_async
 
 log = logging.getLogger(__name__)

@@ -23,9 +23,9 @@ from vllm import SamplingParams
 from rlfleet.api.wire import Segment, Task
 from rlfleet.launch.settings import SessionConfig
 from rlfleet.models.chat import END_TURN, chat_text
-from rlfleet.rollout import tools
-from rlfleet.rollout.engine import Completion, Engine
-from rlfleet.rollout.sandbox import Sandbox, SandboxClosed
+from rlfleet.rollout.engine.driver import Completion, Engine
+from rlfleet.rollout.environment import tools
+from rlfleet.rollout.environment.sandbox import Sandbox, SandboxClosed
 
 SYSTEM = (
     "You are an agent working in a sandboxed directory with no network. "

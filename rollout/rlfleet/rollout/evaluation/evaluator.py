@@ -2,7 +2,7 @@
 
 It reads the run's weights off the hub's stream as a rollout worker does, jumping straight
 to the newest version, and when that version is `every_versions` past the last one it
-scored (or it has scored none), it evaluates it (`rlfleet.rollout.evaluation`) and
+scored (or it has scored none), it evaluates it (`rlfleet.rollout.evaluation.suite`) and
 publishes an `EvaluationReport`. The hub operator holds the run to the gate's floor. The
 reports are its memory: a restarted evaluator reads the last one and carries on after it.
 
@@ -37,8 +37,8 @@ from rlfleet.bus.reading import decoded, newest
 from rlfleet.bus.streams import bind_stream, cycle_stream, evaluation_stream
 from rlfleet.launch.settings import EvaluatorConfig
 from rlfleet.launch.stopping import run_until_signalled, wait_set
-from rlfleet.rollout.evaluation import evaluable, evaluate
-from rlfleet.rollout.tasks import load_suite, suite_path
+from rlfleet.rollout.environment.tasks import load_suite, suite_path
+from rlfleet.rollout.evaluation.suite import evaluable, evaluate
 from rlfleet.weightsync import Receiver, WeightStream
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def main() -> None:
     try:
         run_until_signalled(lambda stop: run_evaluator(config, stop))
     except ValueError as error:
-        sys.exit(f"python -m rlfleet.rollout.evaluator: {error}")
+        sys.exit(f"python -m rlfleet.rollout.evaluation.evaluator: {error}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ A captured completion is what the trainer needs to learn from it later: the prom
 and the completion's token ids, each sampled token's log-prob under the weights that
 served it, the policy version of every token, and, for an MoE model whose run replays
 routes, the experts every token it ran was routed to (recorded in vLLM's workers:
-`rlfleet.rollout.vllm_experts`). The server asks vLLM for the rest on the client's
+`rlfleet.rollout.engine.vllm_experts`). The server asks vLLM for the rest on the client's
 behalf (`prepare`) and gives the client back only what it asked for (`give_back`), so
 a client sees the same answer with capture on or off. A streamed answer is relayed
 event by event as it comes, each given back so (`Streamed`), and captured once its
@@ -14,7 +14,7 @@ Serving must not wait on NATS: captures go into a bounded buffer (`Captures`) th
 task drains into the run's capture stream, reconnecting as long as it takes. A full
 buffer drops the newest capture and counts it; the request it came from is served.
 A response id names one capture: the stream takes a capture only on a subject that has
-none (its id is the server's own anyway, `rlfleet.rollout.serving`), so feedback on it
+none (its id is the server's own anyway, `rlfleet.rollout.production.serving`), so feedback on it
 rewards one completion.
 """
 

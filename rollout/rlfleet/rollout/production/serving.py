@@ -1,5 +1,5 @@
-"""`python -m rlfleet.rollout.serving (CONFIG.json | --rlrun [SPEC]) [vLLM's arguments]`: a
-production pool's vLLM server with capture, feedback and policy versions, as ASGI
+"""`python -m rlfleet.rollout.production.serving (CONFIG.json | --rlrun [SPEC]) [vLLM's
+arguments]`: a production pool's vLLM server with capture, feedback and policy versions, as ASGI
 middleware.
 
 The pool runs vLLM's own OpenAI-compatible server; this command starts it with a
@@ -11,8 +11,8 @@ arguments what the middleware needs (`vllm_arguments`): the middleware itself, a
 processed log-probs, those of the distribution each token was sampled from (temperature
 applied), which is what the trainer's off-policy correction divides by, and the worker
 extension that records routed experts (`--enforce-eager` too when the run replays them).
-Chat completions are captured (`rlfleet.rollout.capture`), streamed or whole; `POST
-/v1/feedback` is answered here (`rlfleet.rollout.feedback`); every other request passes
+Chat completions are captured (`rlfleet.rollout.production.capture`), streamed or whole; `POST
+/v1/feedback` is answered here (`rlfleet.rollout.production.feedback`); every other request passes
 through untouched.
 
 A chat completion's id is the server's own: a client's request id (header `X-Request-Id`,
@@ -25,7 +25,7 @@ version, answered: a client that knew could reward one set and punish the other.
 
 It takes requests once its engine has sampled a token (`warm_up`).
 A server in a replica set also serves the version its set is told to, switched in place
-(`rlfleet.rollout.serving_versions`), so weightsync goes into its workers as well.
+(`rlfleet.rollout.production.versions`), so weightsync goes into its workers as well.
 """
 
 from __future__ import annotations
@@ -48,22 +48,23 @@ from rlfleet import launch
 from rlfleet.launch.caches import own_caches
 from rlfleet.launch.settings import FEEDBACK_DIR_ENV, ServingConfig, from_json, to_json
 from rlfleet.launch.stopping import log_with_vllm
-from rlfleet.rollout import capture, vllm_experts
-from rlfleet.rollout.capture import Asked, Bus, Captures, Skip
-from rlfleet.rollout.feedback import (
+from rlfleet.rollout.engine import vllm_experts
+from rlfleet.rollout.production import capture
+from rlfleet.rollout.production.capture import Asked, Bus, Captures, Skip
+from rlfleet.rollout.production.feedback import (
     MAX_BODY_BYTES,
     TOKEN_HEADER,
     FeedbackDesk,
     PoolFeedback,
     Served,
 )
-from rlfleet.rollout.serving_versions import VersionFollower
+from rlfleet.rollout.production.versions import VersionFollower
 from rlfleet.weightsync import vllm_options
 
 log = logging.getLogger(__name__)
 
 SETTINGS_ENV = "RLFLEET_SERVING_SETTINGS"
-MIDDLEWARE = "rlfleet.rollout.serving.CaptureMiddleware"  # as vLLM imports it, by name
+MIDDLEWARE = "rlfleet.rollout.production.serving.CaptureMiddleware"  # as vLLM imports it, by name
 COMPLETIONS, FEEDBACK = "/v1/chat/completions", "/v1/feedback"
 # A client's name for its request, which vLLM would make the response's id.
 REQUEST_ID_HEADER = b"x-request-id"
@@ -414,11 +415,14 @@ def main() -> None:
         settings, config, given = settings_and_arguments(sys.argv[1:])
         arguments = vllm_arguments(config, given)
     except (OSError, msgspec.DecodeError, ValueError) as error:
-        sys.exit(f"rlfleet.rollout.serving: cannot serve with {' '.join(sys.argv[1:3])}: {error}")
+        sys.exit(
+            f"rlfleet.rollout.production.serving: cannot serve with "
+            f"{' '.join(sys.argv[1:3])}: {error}"
+        )
     try:
         pool_feedback()  # checked here, where a pod's log shows why it stopped
     except (OSError, ValueError) as error:
-        sys.exit(f"rlfleet.rollout.serving: no feedback key and user header: {error}")
+        sys.exit(f"rlfleet.rollout.production.serving: no feedback key and user header: {error}")
     own_caches(None)  # a pod's under the root its environment names
     os.environ[SETTINGS_ENV] = str(settings)
     server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *arguments]

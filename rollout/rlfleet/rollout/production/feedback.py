@@ -55,7 +55,7 @@ from rlfleet.api.wire import (
     takes_value,
 )
 from rlfleet.launch.settings import ServingConfig
-from rlfleet.rollout.capture import Bus
+from rlfleet.rollout.production.capture import Bus
 
 answered = Counter(
     "rlfleet_serving_feedback_total",

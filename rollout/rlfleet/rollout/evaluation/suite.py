@@ -33,9 +33,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlfleet.api.wire import AnswerStats, Task
 from rlfleet.bus import auth
-from rlfleet.rollout.rewards import matches
-from rlfleet.rollout.session import END_TURN, window_text
-from rlfleet.rollout.tasks import load_suite, suite_path
+from rlfleet.rollout.environment.rewards import matches
+from rlfleet.rollout.environment.session import END_TURN, window_text
+from rlfleet.rollout.environment.tasks import load_suite, suite_path
 from rlfleet.weightsync import Receiver, SyncConfig, WeightState, WeightStream
 
 # Sequences (tasks x attempts) per `generate` call: memory grows with it, and past about
@@ -158,7 +158,7 @@ async def published_weights(
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m rlfleet.rollout.evaluation", description=__doc__.splitlines()[0]
+        prog="python -m rlfleet.rollout.evaluation.suite", description=__doc__.splitlines()[0]
     )
     parser.add_argument("model", type=Path, help="the run's model folder (its starting weights)")
     parser.add_argument("suite", help="a shipped suite's name, or a path to a JSON Lines file")

@@ -1,6 +1,6 @@
-"""`python -m rlfleet.rollout.collector CONFIG.json`: a production run's collector. What
+"""`python -m rlfleet.rollout.production.collector CONFIG.json`: a production run's collector. What
 its pool served and what users said of it, turned cycle by cycle into trajectories for
-the trainer (`rlfleet.rollout.signals` decides).
+the trainer (`rlfleet.rollout.production.signals` decides).
 
 The capture stream is read in order from where the last cycle stopped, which the cycle
 report records (`CycleReport.capture_seq`) and a restarted collector reads back, so each
@@ -15,7 +15,7 @@ when `interval_s` has passed since the last one and at least `min_samples` of th
 completions it would take were answered (or it holds `max_samples`, answered or not, so
 silence cannot stall the collector); its trajectories are published (a retry after a
 crash is deduplicated by id within the stream's window), then its report. Before that,
-its feedback is screened against the pool's history (`rlfleet.rollout.agreement`): a
+its feedback is screened against the pool's history (`rlfleet.rollout.production.agreement`): a
 cycle whose rewards run against it is held back (no trajectories; its report says why),
 and a user whose feedback does so over the run is distrusted and dropped from then on,
 from the canary's tally too.
@@ -25,7 +25,7 @@ cycle is collecting, so the trainer never learns from the next cycle's traffic w
 candidate is still being judged. During a canary it also tallies users' rewards so far
 on the completions served since the canary began, by the version that served them
 (`LiveRewards`): what the conductor judges the canary on, each reward with what the
-cycles it closed before expected of it (`rlfleet.rollout.history`). There too no user
+cycles it closed before expected of it (`rlfleet.rollout.production.history`). There too no user
 counts for more than `max_per_user` completions of a version, and a response id for one.
 """
 
@@ -74,9 +74,9 @@ from rlfleet.bus.reading import decoded, messages, newest
 from rlfleet.bus.streams import cycle_stream
 from rlfleet.launch.settings import CollectorConfig
 from rlfleet.launch.stopping import run_until_signalled, wait_set
-from rlfleet.rollout.agreement import FeedbackScreen, Screened
-from rlfleet.rollout.history import RewardHistory, prompt_key
-from rlfleet.rollout.signals import CycleSamples, batch, reward, score_cycle
+from rlfleet.rollout.production.agreement import FeedbackScreen, Screened
+from rlfleet.rollout.production.history import RewardHistory, prompt_key
+from rlfleet.rollout.production.signals import CycleSamples, batch, reward, score_cycle
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ distrusted = prometheus_client.Counter(
 WORKER = "collector"  # what the trajectories name as their worker
 # Cycles trained on that a restarted collector replays into its history (held-back ones
 # between them are passed over): older ones' rewards are about forgotten
-# (`rlfleet.rollout.history.FORGOTTEN`).
+# (`rlfleet.rollout.production.history.FORGOTTEN`).
 REPLAYED_CYCLES = 8
 
 

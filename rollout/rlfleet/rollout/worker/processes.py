@@ -12,7 +12,7 @@ import time
 import msgspec
 
 from rlfleet.launch.settings import WorkerConfig
-from rlfleet.rollout import layout
+from rlfleet.rollout.worker import layout
 
 # Which of the pod's engines a process drives; set for the processes `run` starts.
 ENGINE = "RLFLEET_ROLLOUT_ENGINE"

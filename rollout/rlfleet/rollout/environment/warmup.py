@@ -1,4 +1,5 @@
-"""`python -m rlfleet.rollout.warmup MODEL_DIR SUITE.jsonl`: supervised warm-up before RL.
+"""`python -m rlfleet.rollout.environment.warmup MODEL_DIR SUITE.jsonl`: supervised warm-up
+before RL.
 
 A freshly made tiny model never answers in the harness's format, so every attempt scores
 zero and GRPO has no signal. A short fine-tune on a suite's answers, written exactly as a
@@ -16,8 +17,8 @@ from pathlib import Path
 
 from rlfleet.api.wire import Task
 from rlfleet.models.tiny import Example, fine_tune
-from rlfleet.rollout.session import END_TURN, window_text
-from rlfleet.rollout.tasks import load_suite, suite_path
+from rlfleet.rollout.environment.session import END_TURN, window_text
+from rlfleet.rollout.environment.tasks import load_suite, suite_path
 
 
 def examples(tasks: list[Task], fraction: float, seed: int) -> list[Example]:

@@ -31,7 +31,7 @@ from rlfleet.weightsync import WeightsyncWorker
 
 log = logging.getLogger(__name__)
 
-EXTENSION = "rlfleet.rollout.vllm_experts.RolloutWorker"
+EXTENSION = "rlfleet.rollout.engine.vllm_experts.RolloutWorker"
 # Finished records kept for a take: more than one step's finished requests (a rollout
 # engine takes them as they finish), and a production server's recent answers.
 KEEP_FINISHED = 4096

@@ -1,4 +1,5 @@
-"""`python -m rlfleet.rollout.feed CONFIG.json | --rlrun [SPEC]`: keeps a run's task queue stocked.
+"""`python -m rlfleet.rollout.taskfeed.feed CONFIG.json | --rlrun [SPEC]`: keeps a run's task
+queue stocked.
 
 Tasks come from a suite (a shipped name such as `toy`, or a path), shuffled afresh each
 pass, less those the curriculum skips because their last group taught nothing
@@ -41,8 +42,8 @@ from rlfleet.bus.streams import bind_stream, step_stream
 from rlfleet.launch.settings import FeedConfig
 from rlfleet.launch.stopping import run_until_signalled, wait_set
 from rlfleet.pipeline.admission import Admission
-from rlfleet.rollout.curriculum import Curriculum
-from rlfleet.rollout.tasks import load_suite, suite_path
+from rlfleet.rollout.environment.tasks import load_suite, suite_path
+from rlfleet.rollout.taskfeed.curriculum import Curriculum
 
 log = logging.getLogger(__name__)
 

@@ -44,13 +44,15 @@ from rlfleet.bus.streams import (
     bind_stream,
 )
 from rlfleet.launch.settings import RewardConfig, WorkerConfig
-from rlfleet.rollout import envclient, layout, metrics, rewards
-from rlfleet.rollout.engine import Engine
-from rlfleet.rollout.envclient import ClaimTimeout, EnvClient, RemoteSandbox
-from rlfleet.rollout.layout import Layout
-from rlfleet.rollout.sandbox import Limits, Sandbox, SandboxClosed
-from rlfleet.rollout.session import Episode, Session
-from rlfleet.rollout.tasks import start_files
+from rlfleet.rollout.engine import metrics
+from rlfleet.rollout.engine.driver import Engine
+from rlfleet.rollout.environment import envclient, rewards
+from rlfleet.rollout.environment.envclient import ClaimTimeout, EnvClient, RemoteSandbox
+from rlfleet.rollout.environment.sandbox import Limits, Sandbox, SandboxClosed
+from rlfleet.rollout.environment.session import Episode, Session
+from rlfleet.rollout.environment.tasks import start_files
+from rlfleet.rollout.worker import layout
+from rlfleet.rollout.worker.layout import Layout
 from rlfleet.weightsync import WeightStream, vllm_options, vllm_start
 
 log = logging.getLogger(__name__)
@@ -67,7 +69,7 @@ def engine_options() -> dict:
     and the trainer's off-policy correction divides by that log-prob). The processed
     log-prob also takes in every other sampling change (min_tokens, penalties, top-p),
     which the trainer does not make: sessions set the temperature and nothing else."""
-    from rlfleet.rollout.vllm_experts import EXTENSION
+    from rlfleet.rollout.engine.vllm_experts import EXTENSION
 
     return {"logprobs_mode": "processed_logprobs", **vllm_options(worker_extension=EXTENSION)}
 

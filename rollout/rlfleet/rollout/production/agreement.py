@@ -33,8 +33,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from rlfleet.rollout.history import RewardHistory, prompt_key
-from rlfleet.rollout.signals import CycleSamples, Dropped
+from rlfleet.rollout.production.history import RewardHistory, prompt_key
+from rlfleet.rollout.production.signals import CycleSamples, Dropped
 
 HOLD_Z = 3.0  # a cycle this many standard errors against history is held back
 DISTRUST_Z = 4.5  # a user this many, over the run, is distrusted
@@ -123,7 +123,8 @@ class FeedbackScreen:
         """A cycle trained on before a restart, as it was judged then (its report names
         the users it distrusted): its samples as they were trained on, the users'
         records brought up to date. A restarted collector replays the last few cycles
-        (`rlfleet.rollout.collector`), so what it knows of a user rests on those alone."""
+        (`rlfleet.rollout.production.collector`), so what it knows of a user rests on those
+        alone."""
         self.distrusted.update(distrusted)
         self._recorded(self._pairs(samples, history)[1])
         return self._kept(samples)

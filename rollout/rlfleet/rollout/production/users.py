@@ -1,4 +1,4 @@
-"""`python -m rlfleet.rollout.users CONFIG.json`: simulated users of a production pool.
+"""`python -m rlfleet.rollout.production.users CONFIG.json`: simulated users of a production pool.
 
 For the local real-time run and its benchmark: production needs users, and these speak
 only HTTP to the pool's servers, as real ones do. Each user asks a question of the suite
@@ -34,9 +34,9 @@ import msgspec
 
 from rlfleet.launch.settings import UsersConfig
 from rlfleet.launch.stopping import process_settings, run_until_signalled
-from rlfleet.rollout.feedback import TOKEN_HEADER
-from rlfleet.rollout.rewards import matches
-from rlfleet.rollout.tasks import load_suite, suite_path
+from rlfleet.rollout.environment.rewards import matches
+from rlfleet.rollout.environment.tasks import load_suite, suite_path
+from rlfleet.rollout.production.feedback import TOKEN_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def _ms(started: float) -> float:
 
 
 def main() -> None:
-    config = process_settings("rlfleet.rollout.users", UsersConfig)
+    config = process_settings("rlfleet.rollout.production.users", UsersConfig)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # every request is in the record
     api_key = os.environ.get("VLLM_API_KEY", "")
     run_until_signalled(Population(config, api_key).run)

@@ -5,8 +5,8 @@ like code and loaded without running any. Shipped suites live in `suites/`:
 
 - `toy.jsonl`: short arithmetic and string questions with exact answers, small enough for
   a tiny byte-level model to learn. Regenerate it with
-  `python -c "from pathlib import Path; from rlfleet.rollout import tasks;
-  tasks.write_suite(tasks.toy_suite(200, 0), Path('rollout/rlfleet/rollout/suites/toy.jsonl'))"`.
+  `python -c "from pathlib import Path; from rlfleet.rollout.environment import tasks;
+  tasks.write_suite(tasks.toy_suite(200, 0), tasks.SUITES / 'toy.jsonl')"`.
 - `rules.jsonl`: bare questions (no tool protocol) answered by a rule read off the prompt:
   first or last letter, repeat a word, the larger of two digits. A rule learned on some
   tasks carries over to the rest, so RL on a tiny model improves in minutes (`rlfleet run`'s

@@ -1,6 +1,6 @@
 """The client of the environment session server (`envsessions`), and a local one to run.
 
-`EnvClient.create` claims a sandbox (`rlfleet.rollout.sandbox.Sandbox`); `pool` is the
+`EnvClient.create` claims a sandbox (`rlfleet.rollout.environment.sandbox.Sandbox`); `pool` is the
 one a worker uses: its EnvPool's server when configured, else a server of its own.
 """
 
@@ -26,11 +26,12 @@ import msgspec
 
 from rlfleet.api.wire import Environment
 from rlfleet.launch.settings import Limits, PoolConfig, ServerConfig
-from rlfleet.rollout.sandbox import DEFAULT_LIMITS, SandboxClosed
+from rlfleet.rollout.environment.sandbox import DEFAULT_LIMITS, SandboxClosed
 
 log = logging.getLogger(__name__)
 
-_SERVER = Path(__file__).with_name("envsessions.py")
+# The session server as the sandbox image runs it (its package imports nothing of rlfleet).
+_SERVER_MODULE = "rlfleet.rollout.envpool"
 # Local pools' own folders (tokens, snapshots): outside the /tmp that sandboxes cover.
 LOCAL_POOLS = "/run/rlfleet/pools"
 _LOCAL_UIDS, _UID_STRIDE = 1_000_000, 4096  # each local pool's uids, by its process id
@@ -305,7 +306,7 @@ class LocalServer:
     def start(self) -> LocalServer:
         settings = json.dumps(msgspec.to_builtins(self.config))
         self.process = subprocess.Popen(
-            [sys.executable, "-I", str(_SERVER), settings],
+            [sys.executable, "-I", "-m", _SERVER_MODULE, settings],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             text=True,

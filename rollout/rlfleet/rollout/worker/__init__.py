@@ -1,0 +1,1 @@
+"""The rollout worker: tasks in, groups of attempts run on the pod's engines, trajectories out."""
