@@ -1,13 +1,18 @@
 # The README's two commands are `make demo` and `make test`; both run `make setup` first.
+# `setup` is the Python environment, all a local run (`make demo`) needs; `binaries` the test
+# bed's Kubernetes, etcd, kwok and helm, built from Go modules for what starts the bed.
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
 export PATH := $(CURDIR)/.bin:$(CURDIR)/.venv/bin:$(PATH)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo bed down bench lock crds docs
+.PHONY: setup binaries test lint demo bed down bench lock crds docs
 
 setup:
 	@bash scripts/setup.sh
+
+binaries: setup
+	@bash scripts/build-binaries.sh
 
 lint: setup
 	ruff check .
@@ -16,19 +21,19 @@ lint: setup
 	rlfleet crds check
 	rlfleet docs check
 
-test: lint
+test: lint binaries
 	pytest $(PYTEST_ARGS)
 
 demo: setup
 	rlfleet run examples/local.yaml
 
-bed: setup
+bed: binaries
 	@bash scripts/bed.sh
 
-down: setup
+down: binaries
 	rlfleet dev down
 
-bench: setup
+bench: binaries
 	@for b in bench/*.py; do python "$$b"; done
 
 crds: setup

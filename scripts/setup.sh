@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One idempotent setup: a fresh Debian machine with Python 3.11 and Go to a working tree.
-# Installs into ./.venv and ./.bin (both git-ignored); everything downloaded or built is
+# One idempotent setup: a fresh Debian machine with Python 3.11 to the Python environment a
+# local run needs (the bed's binaries are `make binaries`, scripts/build-binaries.sh).
+# Installs into ./.venv (git-ignored); everything downloaded or built is
 # cached per version under the user's cache directory, so a fresh clone sets up in seconds.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -33,5 +34,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-bash scripts/build-binaries.sh
 echo "setup done in $(( $(date +%s) - start ))s"

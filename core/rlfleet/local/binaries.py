@@ -1,5 +1,5 @@
-"""Finds the binaries a local run and the bed start: those `make setup` built into
-./.bin, else the PATH."""
+"""Finds the binaries a local run and the bed start: nats-server from the environment
+`make setup` made, the bed's from ./.bin (`make binaries`), else the PATH."""
 
 from __future__ import annotations
 
@@ -21,5 +21,5 @@ def binary(name: str, *, executable: bool = True) -> str:
             return str(path)
     found = shutil.which(name)
     if found is None:
-        raise FileNotFoundError(f"{name} not found: run `make setup` first")
+        raise FileNotFoundError(f"{name} not found: run `make binaries` (the bed's) first")
     return found
