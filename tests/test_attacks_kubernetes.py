@@ -1,4 +1,4 @@
-"""Attacks on the Kubernetes boundary (issue 60), each tried against the bed's real API
+"""Attacks on the Kubernetes boundary, each tried against the bed's real API
 servers with the chart installed by the real helm, watching one namespace. The attacker
 holds an operator's ServiceAccount token (a region's above all: it runs beside
 production), minted by the API server as the operator's own is, and calls the API with the

@@ -1,4 +1,4 @@
-"""Attacks on the NATS boundary (issue 60), each tried against the real hub and a region's
+"""Attacks on the NATS boundary, each tried against the real hub and a region's
 leaf node (`rlfleet.local.nats.StandaloneNats`) with the users the hub operator mints.
 
 The attacker holds one credential a run's pod or a region holds (a rollout worker's, the

@@ -1,6 +1,6 @@
 """Every process tree rlfleet starts compiles into caches it owns, never into the user's
-shared defaults (issue #34: a kernel another build left in torch's shared cache killed
-vLLM at start-up), and an engine that dies at start-up says why in one line."""
+shared defaults (a kernel another build left in torch's shared cache kills vLLM at
+start-up), and an engine that dies at start-up says why in one line."""
 
 from __future__ import annotations
 

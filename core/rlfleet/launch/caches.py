@@ -5,7 +5,7 @@ By default torch inductor compiles into `/tmp/torchinductor_$USER`, Triton into
 builds into `~/.cache/torch_extensions`, CUDA's JIT into `~/.nv/ComputeCache` and
 matplotlib its font list into `~/.cache/matplotlib`: folders every process of the user
 shares, whatever torch build or CPU wrote them. So the tree's `TMPDIR` is its own too. A vLLM engine
-once died at start-up reading a kernel another build had left there (issue #34: C++
+dies at start-up reading a kernel another build left there (a C++ error such as
 "`at::vec` has not been declared"). So whoever starts a tree (`rlfleet run`, the test
 session, a benchmark, a pod) names a root it owns in `CACHE_ROOT_ENV`, and every process
 in it derives the caches' folders from that one variable. The Hugging Face hub cache is

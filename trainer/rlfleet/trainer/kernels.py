@@ -19,7 +19,7 @@ many rows it reduces, so a row's sum of squares was summed in another order alon
 inside a batch (seen on an H200 in fp32: one sequence in ten off by 3e-6). Here it is
 summed by elementwise halving (`sum_of_squares`), the same additions in the same order
 for a row wherever it is. A demo-shaped training step costs the same with it as with a
-plain sum or the tiled GEMM against columns of ones that it replaced (88-90 ms on CPU).
+plain sum or the tiled GEMM against columns of ones that it replaced.
 The weight gradient is a sum over the batch's tokens and so depends on the batch by
 definition; it runs in a fixed order for a given batch.
 """

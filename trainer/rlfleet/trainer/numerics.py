@@ -2,7 +2,7 @@
 make a sequence's log-probs independent of its batch on the rank's device. The one home
 of that choice (`numerics`, pure), applied once before the first kernel runs (`apply`).
 
-Measured on an NVIDIA H200 (torch 2.11, CUDA 13; issue 59, `bench/gpu.py` judges it):
+Measured on an NVIDIA H200 (`bench/gpu.py` measures it; its results are in `bench/results/`):
 
 - The GEMM library picks its algorithm by shape. With its defaults it splits the
   reduction (split-K) for some shapes, such as an MoE expert that receives one tile of
@@ -12,9 +12,9 @@ Measured on an NVIDIA H200 (torch 2.11, CUDA 13; issue 59, `bench/gpu.py` judges
 - With split-K made impossible (a cuBLAS workspace too small for it), cuBLASLt preferred
   and no reduced-precision reductions, as vLLM's batch-invariant mode sets them on
   Hopper and Blackwell, the model's own kernels in bf16 kept 15 of 15 bitwise (and 24 of
-  24 sequences of up to 1,500 tokens in batches of up to 64) at 52k tokens/s, 20 times
-  the tiled kernels' 2.7k. In fp32 the model's kernels stayed variant (0 of 15); the
-  tiled kernels held, at a tenth of bf16's speed.
+  24 sequences of up to 1,500 tokens in batches of up to 64), an order of magnitude
+  faster than the tiled kernels. In fp32 the model's kernels stayed variant (0 of 15);
+  the tiled kernels held, far slower than bf16.
 - On CPUs the tiled kernels (`kernels`) are what holds; the GEMM settings do not apply.
 
 Older GPUs (Ampere) cannot be made invariant through cuBLAS: vLLM replaces the GEMMs with

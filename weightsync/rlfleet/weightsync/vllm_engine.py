@@ -179,9 +179,10 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        # vLLM 0.32's CPU MoE kernel prepacks expert weights once and skips it on reload,
-        # which would leave reloaded experts in the wrong layout: drop the kernel so it
-        # is rebuilt from the new weights, and put back those of layers left untouched.
+        # vLLM's CPU MoE kernel (the locked release) prepacks expert weights once and skips
+        # it on reload, which would leave reloaded experts in the wrong layout: drop the
+        # kernel so it is rebuilt from the new weights, and put back those of layers left
+        # untouched.
         self._stashed_kernels = [
             (module.quant_method, module.quant_method.moe_kernel)
             for module in self.model.modules()

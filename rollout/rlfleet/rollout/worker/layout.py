@@ -7,7 +7,7 @@ engine's layers all-reduce over fewer GPUs and each has its own batch. So a pod 
 smallest tensor-parallel size whose share of the weights leaves room for the KV cache,
 and as many such engines as that leaves GPUs for; `choose` says which and why.
 
-Expert parallelism is not chosen: on vLLM 0.32's CPU backend a two-worker MoE engine
+Expert parallelism is not chosen: on the locked vLLM's CPU backend a two-worker MoE engine
 with `enable_expert_parallel` loses a worker at its first step, and no GPU was at hand to
 show it works there (the weight reload and the routed-expert capture included). MoE
 engines shard every expert across the tensor-parallel group instead.
