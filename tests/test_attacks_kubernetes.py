@@ -28,13 +28,9 @@ from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import API_VERSION, COMPONENT_LABEL, RUN_LABEL
 from rlfleet.operator.config import Images, NatsAccess, Workloads
 from rlfleet.operator.kube import FIELD_MANAGER, Kube, Ref
-from rlfleet.operator.workloads import (
-    TRAINER_PORT,
-    envpool_objects,
-    hub_objects,
-    mirror,
-    rollout_deployment,
-)
+from rlfleet.operator.workloads.envpool import envpool_objects
+from rlfleet.operator.workloads.hub import TRAINER_PORT, hub_objects, mirror
+from rlfleet.operator.workloads.rollout import rollout_deployment
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import HUB, RELEASE, RELEASE_NAMESPACE, Fleet
 

@@ -13,7 +13,7 @@ import yaml
 from conftest import CLUSTERS, ROOT, Kubectl, wait_for
 
 from rlfleet.operator.config import Images, Workloads
-from rlfleet.operator.workloads import hub_objects
+from rlfleet.operator.workloads.hub import hub_objects
 from rlfleet.testbed.kube import H100, L4
 
 pytestmark = pytest.mark.bed

@@ -22,7 +22,7 @@ import yaml
 import images
 from rlfleet import launch
 from rlfleet.api.envpool import EnvPoolSpec
-from rlfleet.operator.workloads import envpool_server
+from rlfleet.operator.workloads.envpool import envpool_server
 
 HEAVY = ("torch", "vllm", "deepspeed", "transformers")
 # What each component's image runs (`python -m MODULE`): its ENTRYPOINT first, then the

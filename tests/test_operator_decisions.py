@@ -16,7 +16,7 @@ from rlfleet.api.inferencepool import InferencePoolSpec, ServedVersion
 from rlfleet.api.rlrun import EvaluationGate, RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.api.wire import EvaluationReport
 from rlfleet.operator.gate import judge
-from rlfleet.operator.region import decision_events, reclaim_clock
+from rlfleet.operator.region.pool_status import decision_events, reclaim_clock
 from rlfleet.operator.runstatus import (
     REGION_PROBLEMS,
     Observed,

@@ -60,7 +60,8 @@ from rlfleet.bus.reading import newest
 from rlfleet.bus.streams import cycle_stream, step_stream
 from rlfleet.launch import run_key
 from rlfleet.launch.settings import ServingConfig
-from rlfleet.operator.workloads import ENVPOOL_PORT, rollout_name
+from rlfleet.operator.workloads.envpool import ENVPOOL_PORT
+from rlfleet.operator.workloads.rollout import rollout_name
 from rlfleet.rollout.environment.envclient import EnvClient, EnvServerError
 from rlfleet.rollout.production.versions import VersionFollower
 from rlfleet.testbed.bed import BedInfo

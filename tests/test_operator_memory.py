@@ -12,7 +12,7 @@ from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.wire import BusRole
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.hub import Hub
-from rlfleet.operator.region import Region
+from rlfleet.operator.region.pool_reconciler import PoolReconciler as Region
 from rlfleet.operator.regions import RegionClients
 
 CONFIG = OperatorConfig(role="hub", cluster="hub", namespace="rlfleet-system")

@@ -16,13 +16,9 @@ from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import COMPONENT_LABEL, GPU_RESOURCE, GPU_TYPE_LABEL
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.operator.config import Images, NatsAccess, OperatorConfig, Workloads
-from rlfleet.operator.workloads import (
-    canary_deployment,
-    hub_objects,
-    mirror,
-    pool_feedback,
-    rollout_deployment,
-)
+from rlfleet.operator.workloads.hub import hub_objects, mirror
+from rlfleet.operator.workloads.inferencepool import canary_deployment, pool_feedback
+from rlfleet.operator.workloads.rollout import rollout_deployment
 
 NATS = NatsAccess(url="nats://nats.hub:4222")
 

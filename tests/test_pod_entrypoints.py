@@ -23,6 +23,7 @@ from conftest import ROOT, scrape, wait_for
 from nats.js.api import StreamInfo
 
 from rlfleet.api.inferencepool import InferencePoolSpec, ServedVersion
+from rlfleet.api.meta import COMPONENT_LABEL
 from rlfleet.api.wire import (
     BusRole,
     CycleState,
@@ -58,15 +59,10 @@ from rlfleet.local.run import make_streams
 from rlfleet.models.tiny import init_model
 from rlfleet.operator.config import Images, NatsAccess, Workloads
 from rlfleet.operator.served import read_served
-from rlfleet.operator.workloads import (
-    COMPONENT_LABEL,
-    POD_INDEX_LABEL,
-    hub_objects,
-    mirror,
-    pool_feedback,
-    rollout_deployment,
-    spec_config_map,
-)
+from rlfleet.operator.workloads.common import spec_config_map
+from rlfleet.operator.workloads.hub import POD_INDEX_LABEL, hub_objects, mirror
+from rlfleet.operator.workloads.inferencepool import pool_feedback
+from rlfleet.operator.workloads.rollout import rollout_deployment
 from rlfleet.rollout.environment.tasks import rules_suite, write_suite
 from rlfleet.weightsync import SyncConfig, WeightStream
 

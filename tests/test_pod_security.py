@@ -21,13 +21,9 @@ from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import COMPONENT_LABEL
 from rlfleet.operator.config import Images, NatsAccess, Workloads
 from rlfleet.operator.kube import Kube
-from rlfleet.operator.workloads import (
-    SANDBOX_CAPABILITIES,
-    envpool_objects,
-    hub_objects,
-    mirror,
-    rollout_deployment,
-)
+from rlfleet.operator.workloads.envpool import SANDBOX_CAPABILITIES, envpool_objects
+from rlfleet.operator.workloads.hub import hub_objects, mirror
+from rlfleet.operator.workloads.rollout import rollout_deployment
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import rendered_chart
 

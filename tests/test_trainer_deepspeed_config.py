@@ -16,11 +16,12 @@ import yaml
 from conftest import ROOT
 
 from rlfleet import launch
+from rlfleet.api.meta import COMPONENT_LABEL
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.launch.settings import TrainerConfig, to_json
 from rlfleet.local.processes import run_in_session
 from rlfleet.operator.config import Images, Workloads
-from rlfleet.operator.workloads import COMPONENT_LABEL, hub_objects
+from rlfleet.operator.workloads.hub import hub_objects
 from rlfleet.trainer.deepspeed_config import deepspeed_config, merged, own_settings
 
 TUNING = {"zero_optimization": {"reduce_bucket_size": 1234567, "overlap_comm": True}}

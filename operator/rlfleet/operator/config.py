@@ -154,7 +154,7 @@ class Workloads(BaseModel):
     # `prometheus.io/port` annotation and the component's settings all take this number.
     metrics_port: Annotated[int, Field(ge=1, le=65535)] = 9400
     # Who besides a run's own ranks may reach that port on its trainer pods (their
-    # NetworkPolicy, `workloads.trainer_network_policy`); empty: no one.
+    # NetworkPolicy, `workloads.hub.trainer_network_policy`); empty: no one.
     metrics_scrapers: list[MetricsScraper] = Field(default_factory=lambda: [MONITORING_NAMESPACE])
     # The node label whose value is a node's GPU type: rollout pods are placed by their
     # pool's `serving.gpuType`, trainer pods by the run's `trainer.gpuType`, on its value.
@@ -213,8 +213,8 @@ class OperatorConfig(BaseModel):
     # (`rlfleet.operator.envtokens`), made on first use.
     envpool_key_secret: Annotated[str, Field(min_length=1, max_length=253)] = "rlfleet-envpool-key"
     # The RuntimeClasses an EnvPool's pods may run under: VM-grade ones, as a pool's session
-    # server runs as root with SYS_ADMIN (`workloads.SANDBOX_CAPABILITIES`). A pool naming
-    # another runs no pod (`envpools.refusals`).
+    # server runs as root with SYS_ADMIN (`workloads.envpool.SANDBOX_CAPABILITIES`). A pool
+    # naming another runs no pod (`envpools.refusals`).
     envpool_runtime_classes: Annotated[list[RuntimeClassName], Field(min_length=1)] = [
         "gvisor",
         "kata",

@@ -20,10 +20,13 @@ from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable, NatsLogi
 from rlfleet.operator.hub import Hub
 from rlfleet.operator.kube import Kube, Ref
 from rlfleet.operator.locks import KeyedLocks
-from rlfleet.operator.region import Region
+from rlfleet.operator.region.common import token_mint
+from rlfleet.operator.region.envpool_reconciler import EnvPoolReconciler
+from rlfleet.operator.region.mirror_reconciler import MirrorReconciler
+from rlfleet.operator.region.pool_reconciler import PoolReconciler
 from rlfleet.operator.regions import RegionClients
 from rlfleet.operator.status import Event
-from rlfleet.operator.workloads import ORIGIN_LABEL
+from rlfleet.operator.workloads.common import ORIGIN_LABEL
 
 FINALIZER = f"{GROUP}/cleanup"
 RETRY_S = 5.0  # a failed reconcile is tried again this soon (kopf's default is 60 s)
@@ -154,7 +157,10 @@ def _hub(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -
 
 
 def _region(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube) -> None:
-    region = Region(local, config)
+    mint = token_mint(local, config)  # one per process: it reads the region's key once
+    pools = PoolReconciler(local, config, mint)
+    mirrors = MirrorReconciler(local, config, mint)
+    envpools = EnvPoolReconciler(local, config, mint)
     locks = KeyedLocks()
     every = config.resync_seconds
 
@@ -162,7 +168,7 @@ def _region(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube
     def reconcile_pool(body: kopf.Body, namespace: str, name: str, uid: str, **_) -> None:
         # Traffic and pods change without a spec change: a resync decides afresh too.
         with locks.of(uid), telemetry.reconciling("InferencePool", namespace, name):
-            events, lent_gpus = region.reconcile_pool(dict(body))
+            events, lent_gpus = pools.reconcile_pool(dict(body))
         telemetry.GPUS_LENT.labels(namespace, name).set(lent_gpus)
         _post(body, events)
 
@@ -175,10 +181,10 @@ def _region(registry: kopf.OperatorRegistry, config: OperatorConfig, local: Kube
         if body.metadata.get("deletionTimestamp"):
             return
         with locks.of(uid), telemetry.reconciling("RLRun", namespace, name):
-            region.report_run(dict(body), resync)
+            mirrors.report_run(dict(body), resync)
 
     @_level_driven(_kind(registry, "envpools"), every)
     def reconcile_envpool(body: kopf.Body, namespace: str, name: str, uid: str, **_) -> None:
         with locks.of(uid), telemetry.reconciling("EnvPool", namespace, name):
-            events = region.reconcile_envpool(dict(body))
+            events = envpools.reconcile_envpool(dict(body))
         _post(body, events)

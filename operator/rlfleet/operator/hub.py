@@ -20,7 +20,7 @@ from functools import partial
 from kubernetes.client.exceptions import ApiException
 
 from rlfleet import launch
-from rlfleet.api.meta import API_VERSION
+from rlfleet.api.meta import API_VERSION, COMPONENT_LABEL
 from rlfleet.api.production import ServingOrder
 from rlfleet.api.rlrun import RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.api.wire import BusRole, ServeOrder, StepReport
@@ -34,14 +34,11 @@ from rlfleet.operator.production import CycleUpdates
 from rlfleet.operator.regions import RegionClients, RegionCredentials
 from rlfleet.operator.runstatus import Decision, Observed, RegionReport, decide
 from rlfleet.operator.status import is_present, now, parse_time
-from rlfleet.operator.workloads import (
-    COMPONENT_LABEL,
-    ORIGIN_LABEL,
+from rlfleet.operator.workloads.common import ORIGIN_LABEL, mints_users, nats_key
+from rlfleet.operator.workloads.hub import (
     evaluator_name,
     hub_objects,
-    mints_users,
     mirror,
-    nats_key,
     nats_user_secret,
 )
 
