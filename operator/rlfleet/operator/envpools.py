@@ -1,6 +1,6 @@
 """How many session-server pods an EnvPool runs, from what its servers say (pure).
 
-Each pod is one session server (`rlfleet.rollout.envpool.server`) holding up to
+Each pod is one session server (`rlfleet.rollout.envpool`) holding up to
 `sessionsPerPod` sandboxes, all of its free ones kept warm. The operator reads every
 server's `/healthz` and sizes the Deployment so that `warm` sandboxes are free beside the
 claimed ones and the claims queued at full servers, within `maxBurst`, on one pod at

@@ -34,10 +34,12 @@ from rlfleet.api.meta import API_VERSION
 from rlfleet.launch.settings import Limits, ServerConfig
 from rlfleet.operator.config import OperatorConfig, Workloads
 from rlfleet.operator.kube import Kube, Ref
-from rlfleet.operator.region import Region as RegionOperator
-from rlfleet.operator.workloads import ENVPOOL_PORT, mirror, rollout_deployment
+from rlfleet.operator.region.envpool_reconciler import EnvPoolReconciler as RegionOperator
+from rlfleet.operator.workloads.envpool import ENVPOOL_PORT
+from rlfleet.operator.workloads.hub import mirror
+from rlfleet.operator.workloads.rollout import rollout_deployment
 from rlfleet.rollout.environment.envclient import EnvClient, EnvServerError, LocalServer
-from rlfleet.rollout.envpool import server as envsessions
+from rlfleet.rollout.envpool import sandboxes
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import rendered_chart
 
@@ -52,8 +54,8 @@ LIMITS = Limits(
 TOKENS = {"run-a": "a" * 8 + "-attacker-token", "run-b": "b" * 8 + "-victims-token"}
 HOME_PARENT = "/run/rlfleet"  # where session servers on this machine keep their state
 UID_BASE = 850_000
-SANDBOX_INIT = Path(envsessions.__file__).with_name("sandbox_init.py")
-ENVSERVER = Path(envsessions.__file__).with_name("envserver.py")
+SANDBOX_INIT = Path(sandboxes.__file__).with_name("sandbox_init.py")
+ENVSERVER = Path(sandboxes.__file__).with_name("envserver.py")
 UNTOUCHED = "untouched\n"
 PWNED = "pwned\n"
 
@@ -291,7 +293,7 @@ def test_dotdot_in_a_claim_that_reaches_sandbox_init(pool: Pool) -> None:
     try:
         assert init.stdin is not None and init.stdout is not None
         assert json.loads(init.stdout.readline()) == {"ready": True}
-        limits = {name: 64 for name in envsessions.RLIMIT_FIELDS} | {"memory_bytes": 1 << 30}
+        limits = {name: 64 for name in sandboxes.RLIMIT_FIELDS} | {"memory_bytes": 1 << 30}
         claimed = {
             "uid": UID_BASE + 999,
             "limits": limits | {"cpu_seconds": 10, "file_bytes": 1 << 20},
@@ -435,7 +437,6 @@ def refused_in_time(region: Region, document: dict) -> str | None:
     return refusal
 
 
-@pytest.mark.bed
 @pytest.mark.attack("sandbox")
 def test_runtime_class_runc_is_refused(region: Region) -> None:
     """An EnvPool under runc: a root container with SYS_ADMIN on the node's shared kernel,
@@ -446,7 +447,6 @@ def test_runtime_class_runc_is_refused(region: Region) -> None:
     assert region.create(envpool("on-gvisor", "gvisor"), dry=True) is None  # the honest case
 
 
-@pytest.mark.bed
 @pytest.mark.attack("sandbox")
 def test_pool_switched_to_an_unlisted_runtime_class_is_refused(region: Region) -> None:
     """A pool made under gVisor, then patched to a RuntimeClass of the attacker's choosing:
@@ -460,7 +460,6 @@ def test_pool_switched_to_an_unlisted_runtime_class_is_refused(region: Region) -
     assert "spec.template.runtimeClassName" in json.loads(refused.value.body)["message"]
 
 
-@pytest.mark.bed
 @pytest.mark.attack("sandbox")
 def test_pool_with_an_unlisted_runtime_class_gets_the_condition_and_no_pods(
     region: Region,
@@ -479,7 +478,6 @@ def test_pool_with_an_unlisted_runtime_class_gets_the_condition_and_no_pods(
     assert region.reconcile("stored-before") == []  # said once, not every resync
 
 
-@pytest.mark.bed
 @pytest.mark.attack("sandbox")
 def test_pool_image_from_an_unlisted_registry_gets_no_pods(region: Region) -> None:
     """With the chart's registry allowlist set, a pool whose image comes from elsewhere
@@ -533,7 +531,6 @@ def admits(policy: dict, namespace: dict, pod_labels: dict[str, str], port: int)
     return False
 
 
-@pytest.mark.bed
 @pytest.mark.attack("sandbox")
 def test_network_policy_admits_only_the_pools_rollout_pods(region: Region) -> None:
     """Who may open a connection to a pool's session servers: the rollout pods of the runs

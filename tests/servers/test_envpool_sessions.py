@@ -40,7 +40,7 @@ from rlfleet.rollout.environment.envclient import (
     local_server,
 )
 from rlfleet.rollout.environment.sandbox import SandboxClosed
-from rlfleet.rollout.envpool import server as envsessions
+from rlfleet.rollout.envpool import server as envpool_server
 from rlfleet.testbed.sandboxes import Relay
 
 LIMITS = Limits(
@@ -52,6 +52,12 @@ LIMITS = Limits(
     wall_seconds=120,
 )
 SNAPSHOTS_PARENT = "/run/rlfleet"  # beside the server's mounts_dir
+
+
+def snapshots_home() -> str:
+    """A fresh snapshots folder outside /tmp, made whichever test of the session runs first."""
+    Path(SNAPSHOTS_PARENT).mkdir(parents=True, exist_ok=True)
+    return tempfile.mkdtemp(prefix="snapshots-", dir=SNAPSHOTS_PARENT)
 TOKENS = {"run-a": "a" * 8 + "-token-of-run-a", "run-b": "b" * 8 + "-token-of-run-b"}
 
 
@@ -74,7 +80,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tokens_file.write_text(json.dumps(TOKENS))
     tokens_file.chmod(0o600)
     # Outside /tmp: sandboxes fork snapshots once their private /tmp covers the host's.
-    snapshots = Path(tempfile.mkdtemp(prefix="snapshots-", dir=SNAPSHOTS_PARENT))
+    snapshots = Path(snapshots_home())
     snapshots.chmod(0o755)  # as an image's: anyone may read the shared environments
     (snapshots / "hello").mkdir()
     (snapshots / "hello" / "greeting.txt").write_text("hello from a snapshot\n")
@@ -300,7 +306,7 @@ def small(served: Served) -> Iterator[Served]:
     """Two sessions at most, one kept warm, leases of two seconds, two environments a run."""
     config = ServerConfig(
         tokens_file=str(served.tokens_file),
-        snapshots_dir=tempfile.mkdtemp(prefix="snapshots-", dir=SNAPSHOTS_PARENT),
+        snapshots_dir=snapshots_home(),
         limits=LIMITS,
         max_sessions=2,
         warm=1,
@@ -451,8 +457,8 @@ def test_a_client_follows_only_an_endpoint_a_server_could_name() -> None:
         7,
     ):
         assert _endpoint(odd) == ""
-    assert envsessions._bracketed("http://fd00::5:8080") == "http://[fd00::5]:8080"
-    assert envsessions._bracketed("http://10.1.2.3:8080") == "http://10.1.2.3:8080"
+    assert envpool_server._bracketed("http://fd00::5:8080") == "http://[fd00::5]:8080"
+    assert envpool_server._bracketed("http://10.1.2.3:8080") == "http://10.1.2.3:8080"
 
 
 def test_a_local_pool_removes_what_a_killed_one_left_behind() -> None:
@@ -489,7 +495,7 @@ def test_a_server_whose_state_its_sandboxes_would_see_refuses_to_start(
         ServerConfig(tokens_file=str(served.tokens_file), snapshots_dir=str(served.snapshots_dir))
     )
     with pytest.raises(ValueError, match=rf"config: {own}: every sandbox sees /etc"):
-        envsessions.Server(config | {own: "/etc/rlfleet-state/x"})
+        envpool_server.Server(config | {own: "/etc/rlfleet-state/x"})
 
 
 def test_behind_one_service_claims_spread_and_each_session_stays_with_its_server(
@@ -499,7 +505,7 @@ def test_behind_one_service_claims_spread_and_each_session_stays_with_its_server
     that sends each connection to the next, as kube-proxy does): claims land on both,
     each session's calls go to the server holding it (another knows no such session),
     and an environment is built on each server a claim of it lands on."""
-    homes = [tempfile.mkdtemp(prefix="snapshots-", dir=SNAPSHOTS_PARENT) for _ in range(2)]
+    homes = [snapshots_home() for _ in range(2)]
     ports = [free_port(), free_port()]
     configs = [
         ServerConfig(
