@@ -6,7 +6,7 @@ SHELL := bash
 export PATH := $(CURDIR)/.bin:$(CURDIR)/.venv/bin:$(PATH)
 PYTEST_ARGS ?=
 
-.PHONY: setup binaries test lint demo bed down bench lock crds docs
+.PHONY: setup binaries test unit lint demo bed down bench lock crds docs
 
 setup:
 	@bash scripts/setup.sh
@@ -23,6 +23,11 @@ lint: setup
 
 test: lint binaries
 	pytest $(PYTEST_ARGS)
+
+# The inner loop: every test that starts no server, engine or cluster (tests/unit/), in
+# under two minutes; `docs/guides/development.md` says which tier to run for a change.
+unit: setup
+	pytest -q tests/unit $(PYTEST_ARGS)
 
 demo: setup
 	rlfleet run examples/local.yaml

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import tiers
 from probe_runs import run_probe
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,7 +28,8 @@ from rlfleet.testbed.bed import Bed, BedInfo
 from rlfleet.testbed.kube import audit_log
 from rlfleet.testbed.rbac import bed_usage
 
-ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 CLUSTERS = ("hub", "region-a", "region-b", "region-c")
 
 
@@ -46,11 +48,57 @@ BED_LOGS = pytest.StashKey[Path]()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules that use the bed run last, each kept whole and in order: the bed starts at
-    the first test that needs it and lives to the session's end, and idle it still takes
-    about 8 % of this 2-core machine, which every test after its start would share."""
-    uses_bed = {item.module for item in items if "testbed" in item.fixturenames}
-    items.sort(key=lambda item: item.module in uses_bed)  # stable: file order otherwise
+    """Each test marked with its folder's tier (`tiers`), and the tiers run cheapest first,
+    each module kept whole and in order: the bed starts at the first test that needs it
+    and lives to the session's end, and idle it still takes about 8 % of this 2-core
+    machine, which every test after its start would share."""
+    misplaced = []
+    for item in items:
+        tier = tiers.tier_of(item.path, TESTS)
+        if tier is None:
+            misplaced.append(f"{item.nodeid}: not in a tier's folder {tiers.TIERS}")
+            continue
+        item.add_marker(tier)
+        if wrong := tiers.too_low(tier, item.fixturenames):
+            misplaced.append(f"{item.nodeid}: in {tier}/, but {wrong} start a higher tier's")
+    if misplaced:
+        raise pytest.UsageError("tests outside their tier:\n" + "\n".join(misplaced))
+    items.sort(key=lambda item: tiers.TIERS.index(tiers.tier_of(item.path, TESTS)))
+
+
+_started_in_unit: list[str] = []
+_watching_unit = False
+
+
+def _record_servers(event: str, args: tuple) -> None:
+    """An audit hook: what a unit test's subprocesses start that a unit test must not."""
+    if not _watching_unit or event not in ("subprocess.Popen", "os.posix_spawn", "os.exec"):
+        return
+    argv = args[1]
+    argv = argv.split() if isinstance(argv, str | bytes) else list(argv or [])
+    if started := tiers.server_in([a.decode() if isinstance(a, bytes) else a for a in argv]):
+        _started_in_unit.append(started)
+
+
+sys.addaudithook(_record_servers)
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_server(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test in tests/unit/ fails if it starts a server, an engine or a cluster: the inner
+    loop must run on Python alone, in minutes."""
+    global _watching_unit
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    _started_in_unit.clear()
+    _watching_unit = True
+    try:
+        yield
+    finally:
+        _watching_unit = False
+    if _started_in_unit:
+        pytest.fail(f"a unit test started {sorted(set(_started_in_unit))}: move it to its tier")
 
 
 @pytest.fixture(scope="session")

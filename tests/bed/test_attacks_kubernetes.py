@@ -34,8 +34,6 @@ from rlfleet.operator.workloads.rollout import rollout_deployment
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import HUB, RELEASE, RELEASE_NAMESPACE, Fleet
 
-pytestmark = pytest.mark.bed
-
 REGION = "region-a"
 RUN = "tiny-moe-arith"
 VICTIM = "victim"

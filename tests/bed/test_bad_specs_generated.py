@@ -25,8 +25,6 @@ from kubernetes.client.exceptions import ApiException
 from rlfleet.operator.kube import Kube
 from rlfleet.testbed.bed import BedInfo
 
-pytestmark = pytest.mark.bed
-
 # (example, CRD file, plural) per kind; the examples are what users start from.
 KINDS = [
     ("rlrun", "rlfleet.io_rlruns.yaml", "rlruns"),

@@ -16,8 +16,6 @@ from rlfleet.operator.config import Images, Workloads
 from rlfleet.operator.workloads.hub import hub_objects
 from rlfleet.testbed.kube import H100, L4
 
-pytestmark = pytest.mark.bed
-
 
 @pytest.fixture
 def namespace(kubectl: Kubectl) -> Iterator[str]:

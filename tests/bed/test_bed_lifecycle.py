@@ -13,10 +13,7 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 from conftest import ROOT
-
-pytestmark = pytest.mark.bed
 
 
 def wait_gone(pids: list[int], timeout: float = 30) -> list[int]:

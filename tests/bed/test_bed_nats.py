@@ -25,8 +25,6 @@ from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.permissions import NEEDS, nats_matrix
 
-pytestmark = pytest.mark.nats
-
 
 async def _connect(server: NatsServer, credentials: str | None = None, **options):
     return await auth.connect(

@@ -12,7 +12,6 @@ import socket
 import time
 
 import msgspec
-import pytest
 from conftest import step_report
 
 from rlfleet.api.wire import StepReport, TrajectoryDrop
@@ -86,7 +85,6 @@ def test_the_audit_finds_what_was_lost_or_done_twice() -> None:
     assert audit(ledger(versions={"hub": {2}, "region-a": {2}})).versions_missing == 0
 
 
-@pytest.mark.bed
 def test_a_bed_server_restarted_leaves_the_bed_whole_for_the_next_run(testbed: Bed) -> None:
     # `rlfleet run --bed` takes a bed whose recorded processes are gone for half-dead and
     # stops it: after a fault restarts one of the bed's servers, bed.json names the new one.

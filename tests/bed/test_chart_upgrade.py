@@ -441,7 +441,6 @@ def upgrade(
             link.listener.close()
 
 
-@pytest.mark.bed
 def test_helm_upgrade_applies_this_releases_crds(upgrade: Upgrade) -> None:
     history = upgrade.fleet.helm(HUB, "history", RELEASE, "-n", RELEASE_NAMESPACE, "-o", "json")
     newest = json.loads(history.stdout)[-1]
@@ -457,7 +456,6 @@ def test_helm_upgrade_applies_this_releases_crds(upgrade: Upgrade) -> None:
             ), f"{name} in {cluster} is not the chart's"
 
 
-@pytest.mark.bed
 def test_a_stored_run_reads_without_the_removed_fields_and_an_old_manifest_is_refused(
     upgrade: Upgrade,
 ) -> None:
@@ -473,7 +471,6 @@ def test_a_stored_run_reads_without_the_removed_fields_and_an_old_manifest_is_re
         )
 
 
-@pytest.mark.bed
 def test_the_run_keeps_running_and_only_pods_of_changed_templates_are_replaced(
     upgrade: Upgrade,
 ) -> None:

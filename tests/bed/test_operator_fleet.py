@@ -78,8 +78,6 @@ from rlfleet.testbed.kube import H100, L4, audit_log
 from rlfleet.testbed.rbac import Grant, used_grants
 from rlfleet.testbed.traces import TraceReceiver
 
-pytestmark = pytest.mark.bed
-
 REGIONS = ["region-a", "region-b", "region-c"]
 RUN = "tiny-moe-arith"
 POOL = "chat-prod"

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import uuid
 
-import pytest
 import yaml
 
 from rlfleet.operator.kube import Kube, Ref
 from rlfleet.testbed.bed import BedInfo
-
-pytestmark = pytest.mark.bed
 
 
 def test_scaling_a_workload_deleted_since_it_was_read_says_so_and_raises_nothing(

@@ -36,8 +36,6 @@ from rlfleet.testbed.chaos import ChaosPlane, FaultKind, faults_and_audit
 from rlfleet.testbed.fleet import HUB
 from rlfleet.testbed.operated import BUSY, QUIET
 
-pytestmark = pytest.mark.bed
-
 REGIONS = ["region-a", "region-b"]
 
 

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import nats.js.errors
-import pytest
 import yaml
 from conftest import ROOT, rules_suite, run_streams
 
@@ -27,8 +26,6 @@ from rlfleet.local.binaries import binary
 from rlfleet.testbed import detached
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import HUB
-
-pytestmark = pytest.mark.bed
 
 REGIONS = ["region-a", "region-b"]
 

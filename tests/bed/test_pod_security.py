@@ -27,8 +27,6 @@ from rlfleet.operator.workloads.rollout import rollout_deployment
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import rendered_chart
 
-pytestmark = pytest.mark.bed
-
 RESTRICTED = {
     "pod-security.kubernetes.io/enforce": "restricted",
     "pod-security.kubernetes.io/enforce-version": "latest",

@@ -21,8 +21,6 @@ from rlfleet.local.files import write_secret
 from rlfleet.testbed.bed import BedInfo
 from rlfleet.testbed.fleet import serving_deployment
 
-pytestmark = pytest.mark.bed
-
 REGION = "region-a"
 FIELD = "spec.offPeakWindows[1].timeZone"
 

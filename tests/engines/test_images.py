@@ -1,7 +1,7 @@
 """What ships is tested as it ships: each image installs its own dependency set from the
 lock and nothing else, and each image's environment, built as its Dockerfile builds it
 (`tests/images.py`), runs its component. The operator's environment also runs the fleet
-tests (`tests/test_operator_fleet.py`), against the bed, under the chart's ServiceAccount.
+tests (`tests/bed/test_operator_fleet.py`), against the bed, under the chart's ServiceAccount.
 """
 
 from __future__ import annotations
@@ -149,7 +149,6 @@ def test_every_component_runs_from_an_image_whose_entrypoint_comes_first() -> No
         assert dockerfile(image).entrypoint == ["python", "-m", modules[0]]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("component", sorted(ENTRY_POINTS))
 def test_each_image_runs_its_component(
     component: str, image_environments: images.Environments
@@ -161,7 +160,6 @@ def test_each_image_runs_its_component(
         assert heavy == [], f"the operator's entry points import {heavy}"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("image", "module"),
     [
@@ -176,7 +174,6 @@ def test_each_image_runs_a_production_runs_components(
     assert "--rlrun" in _help(image_environments.python(image), module)
 
 
-@pytest.mark.slow
 def test_the_operator_image_holds_no_data_plane_library(
     image_environments: images.Environments,
 ) -> None:
@@ -188,7 +185,6 @@ def test_the_operator_image_holds_no_data_plane_library(
     assert result.stdout.strip() == "[]"
 
 
-@pytest.mark.slow
 def test_the_env_sandbox_image_serves_sessions_with_the_settings_the_operator_writes(
     image_environments: images.Environments,
 ) -> None:
@@ -203,6 +199,7 @@ def test_the_env_sandbox_image_serves_sessions_with_the_settings_the_operator_wr
         yaml.safe_load((images.ROOT / "examples" / "envpool.yaml").read_text())["spec"]
     )
     settings = msgspec.to_builtins(envpool_server(spec))
+    Path("/run/rlfleet").mkdir(parents=True, exist_ok=True)  # outside the /tmp sandboxes cover
     home = Path(tempfile.mkdtemp(dir="/run/rlfleet"))
     token = "t" * 24
     (home / "tokens.json").write_text(json.dumps({"run-a": token}))

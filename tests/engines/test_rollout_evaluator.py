@@ -32,8 +32,6 @@ from rlfleet.rollout.environment.tasks import rules_suite, write_suite
 from rlfleet.rollout.evaluation.evaluator import due
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 
-pytestmark = pytest.mark.nats
-
 
 def test_an_evaluator_scores_the_first_version_then_every_nth() -> None:
     assert not due(None, None, 10)  # nothing published yet

@@ -7,7 +7,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 import torch
 from router_agreement import agreement, trainer_model
 
@@ -15,8 +14,6 @@ from rlfleet.api.wire import Segment, Trajectory
 from rlfleet.rollout.engine import vllm_experts
 from rlfleet.trainer.scoring import Batch, token_logprobs
 from rlfleet.trainer.validation import ModelShape, problem
-
-pytestmark = pytest.mark.slow
 
 
 def test_vllm_reports_the_experts_of_every_token_it_ran(tiny_moe: Path, vllm_probe: dict) -> None:

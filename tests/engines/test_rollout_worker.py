@@ -45,8 +45,6 @@ from rlfleet.rollout.environment.tasks import SUITES, load_suite
 from rlfleet.trainer.validation import ModelShape, problem
 from rlfleet.weightsync import Publisher, SyncConfig, WeightStream
 
-pytestmark = [pytest.mark.nats, pytest.mark.slow]
-
 SYNC = SyncConfig(snapshot_every=4)
 SHAPE = ModelShape(vocab_size=320, moe_layers=2, num_experts=8, top_k=2)
 

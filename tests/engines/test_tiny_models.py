@@ -6,10 +6,7 @@ import json
 import math
 from pathlib import Path
 
-import pytest
 from probe_runs import run_probe
-
-pytestmark = pytest.mark.slow
 
 
 def test_checkpoint_is_a_qwen3_moe_in_hugging_face_format(tiny_moe: Path) -> None:

@@ -205,7 +205,6 @@ def test_the_trainer_refuses_owned_keys_before_loading_anything(tmp_path: Path) 
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.slow
 def test_the_users_settings_reach_the_trainers_engine(tmp_path: Path) -> None:
     """One real DeepSpeed engine per settings file (CPU accelerator): the user's bucket
     size is the engine's, and the trainer's own keys stay the trainer's."""

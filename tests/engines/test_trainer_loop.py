@@ -49,9 +49,7 @@ from rlfleet.bus.streams import (
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.local.processes import run_in_session
 
-pytestmark = [pytest.mark.nats, pytest.mark.slow]
-
-PROBES = Path(__file__).parent / "probes"
+PROBES = Path(__file__).parents[1] / "probes"
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 GROUP = 4
 LENGTH = 30  # tokens per trajectory; two groups fill a 200-token step

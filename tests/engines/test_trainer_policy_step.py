@@ -16,7 +16,7 @@ import pytest
 from rlfleet.launch.settings import TrainerConfig, to_json
 from rlfleet.local.processes import run_in_session
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_probe(kind: str, tmp_path: Path, **settings) -> dict:
@@ -47,7 +47,6 @@ def run_probe(kind: str, tmp_path: Path, **settings) -> dict:
     return json.loads(report.read_text())
 
 
-@pytest.mark.slow
 def test_a_step_that_clips_every_token_reports_a_clipped_fraction_of_one(tmp_path: Path) -> None:
     """Two micro-batches, two updates per step, a clip range of almost nothing and a large
     learning rate: the second pass moves every token's ratio out of the range, so the step
@@ -56,7 +55,6 @@ def test_a_step_that_clips_every_token_reports_a_clipped_fraction_of_one(tmp_pat
     assert run_probe("clipped", tmp_path, **clipped)["clipped_fraction"] > 0.95
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_a_nan_loss_is_left_out_and_never_reaches_the_weights(
     zero_stage: int, tmp_path: Path
@@ -76,7 +74,6 @@ def test_a_nan_loss_is_left_out_and_never_reaches_the_weights(
     assert everything["left_out"] == 2 and not everything["changed"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("inverted", "precision", "kl_coef"),
     [(False, "fp32", 0.0), (True, "bf16", 0.1)],

@@ -15,8 +15,6 @@ from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.models.tiny import init_model, read_weights
 from rlfleet.weightsync import Receiver, SyncConfig, WeightStream
 
-pytestmark = [pytest.mark.nats, pytest.mark.slow]
-
 NAMES = "abcdef"  # six groups: three steps of two
 STEPS = 3
 # 3 micro-batches a step: an odd count, so one rank pads with a micro-batch of no tokens.

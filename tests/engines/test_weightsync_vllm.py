@@ -11,7 +11,6 @@ import uuid
 from pathlib import Path
 
 import msgspec
-import pytest
 
 from rlfleet.bus.streams import ensure_run_streams
 from rlfleet.local.nats import HUB_DOMAIN
@@ -19,9 +18,7 @@ from rlfleet.local.processes import run_in_session
 from rlfleet.models.tiny import init_model, train_step
 from rlfleet.weightsync.config import SyncConfig
 
-pytestmark = [pytest.mark.slow, pytest.mark.nats]
-
-PROBE = Path(__file__).parent / "probes" / "vllm_weightsync.py"
+PROBE = Path(__file__).parents[1] / "probes" / "vllm_weightsync.py"
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 CONFIG = SyncConfig(shard_bytes=256 << 10, chunk_bytes=64 << 10)
 

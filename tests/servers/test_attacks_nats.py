@@ -42,8 +42,6 @@ from rlfleet.bus.streams import (
 )
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 
-pytestmark = [pytest.mark.nats]
-
 REFUSED = (TimeoutError, nats.errors.Error, nats.js.errors.Error)  # how a refusal shows
 WAIT_S = 2.0  # for an answer the servers will not give
 

@@ -58,6 +58,8 @@ def snapshots_home() -> str:
     """A fresh snapshots folder outside /tmp, made whichever test of the session runs first."""
     Path(SNAPSHOTS_PARENT).mkdir(parents=True, exist_ok=True)
     return tempfile.mkdtemp(prefix="snapshots-", dir=SNAPSHOTS_PARENT)
+
+
 TOKENS = {"run-a": "a" * 8 + "-token-of-run-a", "run-b": "b" * 8 + "-token-of-run-b"}
 
 

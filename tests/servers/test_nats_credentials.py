@@ -11,15 +11,12 @@ import uuid
 from pathlib import Path
 
 import nats.errors
-import pytest
 
 from rlfleet.api.wire import BusRole
 from rlfleet.bus import auth
 from rlfleet.local.files import write_secret
 from rlfleet.local.nats import HUB_DOMAIN, NatsBed, StandaloneNats
 from rlfleet.operator.dataplane import DataPlane, NatsLogin
-
-pytestmark = pytest.mark.nats
 
 
 def test_a_user_is_due_for_renewal_with_a_third_of_its_life_left() -> None:

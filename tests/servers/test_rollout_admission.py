@@ -80,7 +80,6 @@ def test_a_batch_short_of_a_group_gets_one_more_and_the_next_follows_the_reports
     assert admission.admit(8) == []
 
 
-@pytest.mark.nats
 def test_the_feed_follows_the_trainer_through_its_step_reports(
     nats_servers: StandaloneNats, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -134,7 +133,6 @@ def test_the_curriculum_mostly_skips_tasks_whose_last_group_taught_nothing() -> 
         Curriculum(revisit=0.0, seed=0)
 
 
-@pytest.mark.nats
 def test_the_feed_stops_asking_what_the_trainer_reports_as_settled(
     nats_servers: StandaloneNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -153,7 +151,6 @@ def test_the_feed_stops_asking_what_the_trainer_reports_as_settled(
     asyncio.run(asyncio.wait_for(scenario(), 120))
 
 
-@pytest.mark.nats
 def test_a_restarted_feed_remembers_what_the_step_stream_shows_settled(
     nats_servers: StandaloneNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -252,7 +249,6 @@ async def _make_streams(config: FeedConfig) -> None:
         await nc.close()
 
 
-@pytest.mark.nats
 def test_a_feed_whose_run_has_no_streams_fails_naming_the_stream_and_makes_none(
     nats_servers: StandaloneNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -283,7 +279,6 @@ def test_a_worker_takes_whole_groups_and_a_group_larger_than_its_sessions_alone(
     assert groups_to_take(running=32, max_sessions=16, group_size=32) == 0
 
 
-@pytest.mark.nats
 def test_a_task_whose_answer_was_lost_is_published_once(
     nats_servers: StandaloneNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,7 +8,6 @@ import asyncio
 import uuid
 
 import nats.js.errors
-import pytest
 
 from rlfleet.api.wire import (
     BusRole,
@@ -28,8 +27,6 @@ from rlfleet.bus.streams import (
     weights_mirror_config,
 )
 from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
-
-pytestmark = pytest.mark.nats
 
 
 def test_trajectories_past_the_backlog_push_out_the_oldest(nats_servers: StandaloneNats) -> None:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import msgspec
 import nats
-import pytest
 import torch
 from prometheus_client import REGISTRY
 
@@ -31,11 +30,9 @@ from rlfleet.weightsync.shards import EncodedVersion, encode_version
 from rlfleet.weightsync.state import WeightState
 from rlfleet.weightsync.transport import WeightStream
 
-pytestmark = pytest.mark.nats
-
 REGION = StandaloneNats.region
 CONFIG = SyncConfig(snapshot_every=3, shard_bytes=64 << 10, chunk_bytes=16 << 10, keep_snapshots=1)
-PROBE = Path(__file__).parent / "probes" / "weights_receive.py"
+PROBE = Path(__file__).parents[1] / "probes" / "weights_receive.py"
 
 
 def _model(seed: int, size: int = 96) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ from rlfleet.weightsync import (
 
 # Snapshots at 0 and 4, none retired: version 4 goes out as a delta and a snapshot.
 CONFIG = SyncConfig(snapshot_every=4, shard_bytes=16 << 10, chunk_bytes=4 << 10, keep_snapshots=2)
-PROBE = Path(__file__).parent / "probes" / "weights_publish_rank.py"
+PROBE = Path(__file__).parents[1] / "probes" / "weights_publish_rank.py"
 RANKS = 2
 
 
@@ -151,7 +151,6 @@ def test_every_tensor_has_exactly_one_owner_and_parts_are_balanced(
     assert max(loads) - min(loads) <= max(sizes.values(), default=0)
 
 
-@pytest.mark.nats
 def test_two_ranks_publish_what_one_process_would(
     nats_servers: StandaloneNats, tmp_path: Path
 ) -> None:
@@ -205,7 +204,6 @@ def test_two_ranks_publish_what_one_process_would(
     asyncio.run(receive())
 
 
-@pytest.mark.nats
 def test_a_rank_that_cannot_put_its_shards_leaves_no_manifest(
     nats_servers: StandaloneNats, tmp_path: Path
 ) -> None:

@@ -24,8 +24,6 @@ from rlfleet.weightsync.shards import encode_version
 from rlfleet.weightsync.state import WeightState
 from rlfleet.weightsync.transport import WeightStream
 
-pytestmark = pytest.mark.nats
-
 # Small chunks, so that every shard is several messages; two shards requested at once.
 CONFIG = SyncConfig(shard_bytes=64 << 10, chunk_bytes=4 << 10, parallel_fetches=2)
 

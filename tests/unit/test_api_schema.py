@@ -16,7 +16,7 @@ from rlfleet.api.schema import KINDS, crd
 from rlfleet.cli.crds import generated
 from rlfleet.cli.generated import stale
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = {"rlrun.yaml": RLRUN, "inferencepool.yaml": INFERENCEPOOL, "envpool.yaml": ENVPOOL}
 
 

@@ -245,7 +245,7 @@ def _json(document: dict) -> bytes:
 
 
 # An unknown field is no fault: a newer release may write it (`rlfleet.api.wire`'s rules;
-# tests/test_wire_evolution.py), and every door takes it (below).
+# tests/unit/test_wire_evolution.py), and every door takes it (below).
 COMMON = [("schema", "rlfleet.io/something-else/v1"), ("-run", None)]
 
 DOORS = [

@@ -35,7 +35,7 @@ from rlfleet.local.run import read_rlrun
 from rlfleet.operator.promotion import CanaryCall, judge_canary
 from rlfleet.rollout.production.history import RewardHistory
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "realtime.yaml"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "realtime.yaml"
 
 
 CANDIDATE_SD, HISTORY_SD = 0.5, 0.3  # of a version's log-odds about the serving one's
@@ -159,7 +159,7 @@ def test_a_canary_on_inverted_feedback_is_rolled_back_unjudged():
         assert inverted.rolled_back >= 0.95, (effect, inverted)
 
 
-if __name__ == "__main__":  # the rates, as JSON lines: python tests/test_canary_simulation.py
+if __name__ == "__main__":  # the rates, as JSON lines: python tests/unit/test_canary_simulation.py
     import sys
 
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else RUNS

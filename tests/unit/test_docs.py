@@ -20,7 +20,7 @@ from rlfleet.api.schema import KINDS, crd
 from rlfleet.cli import docs
 from rlfleet.cli.generated import stale, write
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted((ROOT / "docs").rglob("*.md"))
 GENERATED = {path.resolve() for path in docs.generated(ROOT)}
 WRITTEN = [ROOT / "README.md", *(p for p in PAGES if p.resolve() not in GENERATED)]

@@ -31,7 +31,7 @@ from rlfleet.pipeline.day import Pool, lent_by_hour
 from rlfleet.pipeline.model import Feed, Pipeline, Region, simulate
 from rlfleet.pipeline.sizing import Split, best_split, pipeline_for, predict
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
+EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
 def pipeline(**changes) -> Pipeline:

@@ -113,7 +113,7 @@ def test_users_records_are_bounded_and_the_distrusted_stay_distrusted(monkeypatc
     assert all(s.capture.user != "liar" for s in screened.samples.scored)
 
 
-if __name__ == "__main__":  # the rates, as JSON: python tests/test_poison_simulation.py [RUNS]
+if __name__ == "__main__":  # the rates, as JSON: python tests/unit/test_poison_simulation.py [RUNS]
     import statistics
     import sys
 

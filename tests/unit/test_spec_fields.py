@@ -21,7 +21,7 @@ from rlfleet.api.envpool import EnvPoolSpec
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.rlrun import RLRunSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE_ROOTS = ("core", "operator", "trainer", "rollout", "weightsync")
 API = ROOT / "core" / "rlfleet" / "api"
 SPECS = (RLRunSpec, InferencePoolSpec, EnvPoolSpec)

@@ -61,7 +61,7 @@ from rlfleet.trainer.held_out import Kept, _Stored
 from rlfleet.weightsync.ranks import ManifestReport, RankEncoding, RankReport
 from rlfleet.weightsync.state import TensorEntry
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Structs that cross between processes (which may run two releases) without being a
 # `WireMessage`: the ranks' reports a trainer's ranks gather, the trainer's drop log (read

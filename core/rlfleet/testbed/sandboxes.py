@@ -9,7 +9,7 @@ so each server listens at its pod's own IP and port, where the operator probes i
 kube-proxy, `service_url` is a local round-robin relay over a pool's Running pods: what
 rollout workers reach as the pool's Service.
 
-The server runs from this environment rather than the image (`tests/test_images.py`
+The server runs from this environment rather than the image (`tests/engines/test_images.py`
 runs the image's), and its paths are moved under STATE_ROOT.
 """
 

@@ -41,7 +41,7 @@ about so); likewise the chance that one `detectable_drop` worse is ever promoted
 most `miss_rate`. At the end of
 the window an undecided test goes the likelier way (rolled back when the difference is
 nearer the drop than none), which adds little when the window holds several times the
-traffic a decision takes on average (`tests/test_canary_simulation.py` measures both
+traffic a decision takes on average (`tests/unit/test_canary_simulation.py` measures both
 rates at the realtime example's traffic and at ten times it). Too little traffic on
 either side by the end of the window rolls it back: promoting on no evidence is the one
 mistake the canary exists to prevent.
@@ -78,7 +78,7 @@ from enum import StrEnum
 from statistics import fmean
 
 from rlfleet.api.wire import AnswerStats, EvaluationReport, RewardTally
-from rlfleet.launch.settings import CanaryPolicy, GatePolicy
+from rlfleet.launch.production import CanaryPolicy, GatePolicy
 
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0  # the same scores give the same verdict, on every operator replica

@@ -21,7 +21,7 @@ standard normal where there is no relation). No relation is the bound, not hones
 level: honest feedback correlates positively, so an honest cycle is held back less often
 than the one-sided 0.13% at 3 standard errors, and a poisoned one, whose correlation is
 about as negative as an honest one's is positive, falls far below it. The user bound is
-wider because every user is tested after every cycle. `tests/test_poison_simulation.py`
+wider because every user is tested after every cycle. `tests/unit/test_poison_simulation.py`
 measures both in the realtime example's world.
 """
 
