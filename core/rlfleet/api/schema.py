@@ -93,8 +93,8 @@ def _described(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": f"{description} {own}" if own else description, **schema}
 
 
-def crd(kind: ResourceKind) -> dict[str, Any]:
-    """The CustomResourceDefinition manifest of one kind."""
+def _object_schema(kind: ResourceKind) -> dict[str, Any]:
+    """The kind's OpenAPI schema: the object's envelope around its spec's and status's."""
     schema = {
         "type": "object",
         "description": kind.description,
@@ -121,7 +121,11 @@ def crd(kind: ResourceKind) -> dict[str, Any]:
     }
     if kind.rules:
         schema[VALIDATIONS] = list(kind.rules)
-    columns = [
+    return schema
+
+
+def _printer_columns(kind: ResourceKind) -> list[dict[str, Any]]:
+    return [
         {
             "name": column.name,
             "type": column.type,
@@ -131,6 +135,10 @@ def crd(kind: ResourceKind) -> dict[str, Any]:
         }
         for column in kind.columns
     ]
+
+
+def crd(kind: ResourceKind) -> dict[str, Any]:
+    """The CustomResourceDefinition manifest of one kind."""
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -152,8 +160,8 @@ def crd(kind: ResourceKind) -> dict[str, Any]:
                     "served": True,
                     "storage": True,
                     "subresources": {"status": {}},
-                    "additionalPrinterColumns": columns,
-                    "schema": {"openAPIV3Schema": schema},
+                    "additionalPrinterColumns": _printer_columns(kind),
+                    "schema": {"openAPIV3Schema": _object_schema(kind)},
                 }
             ],
         },
