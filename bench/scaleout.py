@@ -112,7 +112,7 @@ class _Sampler:
 async def _publish_as_rank(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
-    from rlfleet.bus import auth
+    from rlfleet.bus import connection
     from rlfleet.weightsync import Part, Publisher, WeightStream
 
     def gather(obj: object) -> list[object]:
@@ -122,7 +122,7 @@ async def _publish_as_rank(args: argparse.Namespace) -> dict:
 
     owned = sorted(owned_names(_sizes(), args.rank, args.world))
     tensors = {name: _tensor(name) for name in owned}
-    nc = await auth.connect(args.url)
+    nc = await connection.connect(args.url)
     part = Part(args.rank, args.world, gather) if args.world > 1 else None
     publisher = Publisher(WeightStream(nc, args.run, CONFIG), CONFIG, part=part)
     result: dict = {"rank": args.rank, "owned_mib": sum(_sizes()[n] for n in owned) / MIB}

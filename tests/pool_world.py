@@ -20,7 +20,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from rlfleet.launch.settings import UsersConfig
+from rlfleet.launch.production import UsersConfig
 
 
 def defaults(kind: type[msgspec.Struct]) -> dict:

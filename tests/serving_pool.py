@@ -32,7 +32,8 @@ from rlfleet.api.wire import (
     decode_captured,
 )
 from rlfleet.bus.streams import ensure_run_streams
-from rlfleet.launch.settings import FEEDBACK_DIR_ENV, ServingConfig, to_json
+from rlfleet.launch.production import FEEDBACK_DIR_ENV, ServingConfig
+from rlfleet.launch.settings import to_json
 from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.local.processes import free_port
 from rlfleet.models.tiny import init_model

@@ -13,8 +13,8 @@ import pytest
 from nats.errors import NoServersError
 
 from rlfleet.api.wire import BusRole, trajectory_subject
-from rlfleet.bus import auth
-from rlfleet.bus.auth import NKey
+from rlfleet.bus import connection
+from rlfleet.bus.credentials import ACCOUNT, USER, NKey, Permissions, creds, user_jwt
 from rlfleet.bus.streams import (
     TRAINER_ACK_WAIT_S,
     TRAINER_CONSUMER,
@@ -27,7 +27,7 @@ from rlfleet.testbed.permissions import NEEDS, nats_matrix
 
 
 async def _connect(server: NatsServer, credentials: str | None = None, **options):
-    return await auth.connect(
+    return await connection.connect(
         server.url,
         credentials if credentials is not None else Path(server.credentials),
         allow_reconnect=False,
@@ -38,7 +38,7 @@ async def _connect(server: NatsServer, credentials: str | None = None, **options
 
 
 def test_publish_on_each_region_leaf_is_consumed_at_the_hub(bed: BedInfo) -> None:
-    # What crosses a leaf is what a region's run users need (`auth.leaf_permissions`): a
+    # What crosses a leaf is what a region's run users need (`permissions.leaf_permissions`): a
     # rollout worker at each leaf publishes its run's trajectories into the hub's stream.
     run = f"leaf-{uuid.uuid4().hex[:6]}"
 
@@ -73,9 +73,9 @@ def test_publish_on_each_region_leaf_is_consumed_at_the_hub(bed: BedInfo) -> Non
 
 def _stranger() -> str:
     """A user signed by an account key the servers were never told of."""
-    account, user = NKey.generate(auth.ACCOUNT), NKey.generate(auth.USER)
-    jwt = auth.user_jwt(account, account.public, user, "stranger", auth.Permissions())
-    return auth.creds(jwt, user.seed)
+    account, user = NKey.generate(ACCOUNT), NKey.generate(USER)
+    jwt = user_jwt(account, account.public, user, "stranger", Permissions())
+    return creds(jwt, user.seed)
 
 
 @pytest.mark.parametrize("who", ["anonymous", "a user of an account no server trusts"])

@@ -32,7 +32,6 @@ from conftest import ROOT, run_streams, scrape, step_report, wait_for
 from prometheus_client import start_http_server
 
 import images
-from rlfleet import launch
 from rlfleet.api.meta import GPU_TYPE_LABEL
 from rlfleet.api.wire import (
     CycleEvent,
@@ -55,11 +54,19 @@ from rlfleet.api.wire import (
     trajectory_stream,
     weights_stream,
 )
-from rlfleet.bus import auth
+from rlfleet.bus import connection
+from rlfleet.bus.credentials import claims_of, parse_creds
 from rlfleet.bus.reading import newest
 from rlfleet.bus.streams import cycle_stream, step_stream
-from rlfleet.launch import run_key
-from rlfleet.launch.settings import ServingConfig
+from rlfleet.launch.pods import (
+    ENVPOOL_TOKEN_KEY,
+    ENVPOOL_URL_ENV,
+    REPLICA_SET_ENV,
+    Placement,
+    envpool_token_secret,
+    run_key,
+)
+from rlfleet.launch.production import ServingConfig
 from rlfleet.operator.workloads.envpool import ENVPOOL_PORT
 from rlfleet.operator.workloads.rollout import rollout_name
 from rlfleet.rollout.environment.envclient import EnvClient, EnvServerError
@@ -312,7 +319,7 @@ def container_env(pod: dict) -> dict[str, str | None]:
 
 
 def test_every_pod_reads_the_runs_mounted_spec_and_is_told_where_nats_is(world: World) -> None:
-    """The environment `rlfleet.launch.Placement` reads, as the operators set it: the
+    """The environment `rlfleet.launch.pods.Placement` reads, as the operators set it: the
     trainer and the feed reach the hub's NATS, a rollout worker its region's leaf node and
     the hub's JetStream domain (from the mirror), and each names itself by its pod."""
     hub_pods = world.items(HUB, "pods", "-l", f"rlfleet.io/run={RUN}")
@@ -623,11 +630,11 @@ def test_an_envpool_serves_the_runs_claims_bursts_past_warm_and_scales_back(
     # The run's rollout pods are told where the pool is, with the token minted for them.
     rollout = world.get(region, "deployment", rollout_name(RUN, POOL))["spec"]["template"]["spec"]
     env = {e["name"]: e.get("value") for e in rollout["containers"][0]["env"]}
-    assert env[launch.ENVPOOL_URL_ENV] == f"http://{pool}-sandbox.{world.ns}.svc:{ENVPOOL_PORT}"
+    assert env[ENVPOOL_URL_ENV] == f"http://{pool}-sandbox.{world.ns}.svc:{ENVPOOL_PORT}"
     mounted = {v["name"]: v.get("secret", {}).get("secretName") for v in rollout["volumes"]}
-    assert mounted["envpool"] == launch.envpool_token_secret(RUN)
-    secret = world.get(region, "secret", launch.envpool_token_secret(RUN))
-    token = base64.b64decode(secret["data"][launch.ENVPOOL_TOKEN_KEY]).decode()
+    assert mounted["envpool"] == envpool_token_secret(RUN)
+    secret = world.get(region, "secret", envpool_token_secret(RUN))
+    token = base64.b64decode(secret["data"][ENVPOOL_TOKEN_KEY]).decode()
     url = world.fleet.sandboxes.service_url(region, world.ns, pool)
 
     async def burst() -> None:
@@ -785,7 +792,7 @@ def assert_one_trainer_job(world: World, run: str) -> None:
     assert statefulset["spec"]["replicas"] == 2
     pods = world.items(HUB, "pods", "-l", f"rlfleet.io/run={run},rlfleet.io/component=trainer")
     ranks = sorted(
-        (launch.Placement.from_env(kubelet_env(pod)).ranks for pod in pods),
+        (Placement.from_env(kubelet_env(pod)).ranks for pod in pods),
         key=lambda r: r.node_rank,
     )
     first = next(p for p in pods if p["metadata"]["name"].endswith("-0"))
@@ -1049,14 +1056,14 @@ def test_the_hub_mints_each_component_its_own_nats_user_where_its_pods_run(
     for role in ("trainer", "feed", "observer"):
         meta, creds = minted(HUB, role)
         assert [o["kind"] for o in meta["ownerReferences"]] == ["RLRun"]  # it goes with the run
-        assert auth.claims_of(auth.parse_creds(creds)[0])["name"] == f"run:{world.key}:{role}"
+        assert claims_of(parse_creds(creds)[0])["name"] == f"run:{world.key}:{role}"
     # None for a component the run does not have (no evaluation yet: no evaluator).
     hub_secrets = world.items(HUB, "secrets", "-l", f"rlfleet.io/run={RUN}")
     assert f"{RUN}-nats-evaluator" not in {s["metadata"]["name"] for s in hub_secrets}
     for region in REGIONS:
         region_meta, creds = minted(region, "rollout")
         assert "ownerReferences" not in region_meta  # the hub deletes it with the mirror
-        user = auth.claims_of(auth.parse_creds(creds)[0])
+        user = claims_of(parse_creds(creds)[0])
         assert user["name"] == f"run:{world.key}:rollout"
         secrets = world.items(region, "secrets", "-l", f"rlfleet.io/run={RUN}")
         assert {s["metadata"]["name"] for s in secrets} <= {
@@ -1065,7 +1072,7 @@ def test_the_hub_mints_each_component_its_own_nats_user_where_its_pods_run(
         }
 
     async def reach() -> str:
-        nc = await auth.connect(world.fleet.bed.nats.leaves["region-a"].url, creds)
+        nc = await connection.connect(world.fleet.bed.nats.leaves["region-a"].url, creds)
         try:
             js = nc.jetstream(domain="hub", timeout=2)
             with pytest.raises(nats.errors.TimeoutError):
@@ -1186,7 +1193,7 @@ def test_a_production_runs_cycles_show_in_its_status_columns_and_events(world: W
         )[0]
         return base64.b64decode(secret["data"]["creds"]).decode()
 
-    serving = auth.claims_of(auth.parse_creds(creds("region-a", "serving"))[0])
+    serving = claims_of(parse_creds(creds("region-a", "serving"))[0])
     assert serving["name"] == f"run:{key}:serving"
 
     def state(number: int, phase: CyclePhase, serving: int, **more) -> CycleState:
@@ -1245,7 +1252,7 @@ def test_a_production_runs_cycles_show_in_its_status_columns_and_events(world: W
             (as_collector, cycle_subject(key), [report]),
             (as_conductor, cycle_state_subject(key), states),
         ):
-            nc = await auth.connect(url, user)
+            nc = await connection.connect(url, user)
             try:
                 for message in messages:
                     await nc.jetstream().publish(subject, encode(message))
@@ -1373,7 +1380,7 @@ def test_a_production_runs_canary_set_comes_out_of_its_pools_serving_not_its_len
         pod = canary["spec"]["template"]
         assert pod["metadata"]["labels"] == {"app": "chat-vllm", "rlfleet.io/replica-set": "canary"}
         env = pod["spec"]["containers"][0]["env"]
-        assert {"name": launch.REPLICA_SET_ENV, "value": "canary"} in env
+        assert {"name": REPLICA_SET_ENV, "value": "canary"} in env
         wait_for("serving gave the canary a replica", lambda: replicas("chat-vllm") == 3 - lending)
         wait_for("the canary's pod serving", lambda: world.serving_pods(region) == 4 - lending)
         assert lent() == lending  # out of serving, not out of what the first run borrows
@@ -1465,7 +1472,7 @@ def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:
     async def logs_in() -> bool:
         url = world.fleet.bed.nats.leaves["region-a"].url
         try:
-            nc = await auth.connect(url, leaked, allow_reconnect=False, connect_timeout=5)
+            nc = await connection.connect(url, leaked, allow_reconnect=False, connect_timeout=5)
         except nats.errors.Error:
             return False
         await nc.close()

@@ -21,7 +21,7 @@ import nats.js.errors
 import yaml
 from conftest import ROOT, rules_suite, run_streams
 
-from rlfleet.launch import run_key
+from rlfleet.launch.pods import run_key
 from rlfleet.local.binaries import binary
 from rlfleet.testbed import detached
 from rlfleet.testbed.bed import BedInfo

@@ -31,7 +31,7 @@ from rlfleet.api.wire import (
     feedback_subject,
     trajectory_stream,
 )
-from rlfleet.launch.settings import CollectorConfig, SignalRewards
+from rlfleet.launch.production import CollectorConfig, SignalRewards
 from rlfleet.local.nats import StandaloneNats
 from rlfleet.rollout.production.collector import Collector
 from rlfleet.rollout.production.feedback import TOKEN_HEADER, PoolFeedback

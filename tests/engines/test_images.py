@@ -20,8 +20,17 @@ import pytest
 import yaml
 
 import images
-from rlfleet import launch
 from rlfleet.api.envpool import EnvPoolSpec
+from rlfleet.launch.components import (
+    COLLECTOR,
+    COMPONENTS,
+    CONDUCTOR,
+    EVALUATOR,
+    FEED,
+    ROLLOUT,
+    SERVING,
+    TRAINER,
+)
 from rlfleet.operator.workloads.envpool import envpool_server
 
 HEAVY = ("torch", "vllm", "deepspeed", "transformers")
@@ -30,12 +39,12 @@ HEAVY = ("torch", "vllm", "deepspeed", "transformers")
 # server, which its user's Deployment runs in the rollout image (`examples/serving.yaml`).
 # Every module of each image's packages is imported by `bench/images.py`.
 ENTRY_POINTS = {
-    "operator": ["rlfleet.operator", launch.CONDUCTOR.module],
+    "operator": ["rlfleet.operator", CONDUCTOR.module],
     "rollout": [
-        *(launch.ROLLOUT.module, launch.FEED.module, launch.EVALUATOR.module),
-        *(launch.COLLECTOR.module, launch.SERVING.module),
+        *(ROLLOUT.module, FEED.module, EVALUATOR.module),
+        *(COLLECTOR.module, SERVING.module),
     ],
-    "trainer": [launch.TRAINER.module],
+    "trainer": [TRAINER.module],
 }
 # Flags of `pip install` that choose where and how, not what.
 HOW = re.compile(r"--no-cache-dir|--prefix=\S+")
@@ -143,7 +152,7 @@ def _help(python: Path, module: str) -> str:
 
 
 def test_every_component_runs_from_an_image_whose_entrypoint_comes_first() -> None:
-    components = {c.module for c in (*launch.COMPONENTS.values(), launch.SERVING)}
+    components = {c.module for c in (*COMPONENTS.values(), SERVING)}
     assert components <= {module for modules in ENTRY_POINTS.values() for module in modules}
     for image, modules in ENTRY_POINTS.items():
         assert dockerfile(image).entrypoint == ["python", "-m", modules[0]]

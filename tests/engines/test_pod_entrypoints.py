@@ -39,18 +39,18 @@ from rlfleet.api.wire import (
     step_subject,
     trajectory_stream,
 )
-from rlfleet.bus.auth import CREDENTIALS_ENV
+from rlfleet.bus.connection import CREDENTIALS_ENV
 from rlfleet.bus.reading import newest
 from rlfleet.bus.streams import cycle_stream, evaluation_stream, step_stream
-from rlfleet.launch import (
+from rlfleet.launch.caches import CACHE_ROOT_ENV
+from rlfleet.launch.pods import (
     METRICS_PORT_ENV,
     SPEC_FILE,
     STATE_DIR_ENV,
     nats_credentials_secret,
     run_key,
 )
-from rlfleet.launch.caches import CACHE_ROOT_ENV
-from rlfleet.launch.settings import FEEDBACK_DIR_ENV
+from rlfleet.launch.production import FEEDBACK_DIR_ENV
 from rlfleet.local.files import write_secret
 from rlfleet.local.nats import HUB_DOMAIN, NatsBed, NatsServer, start_nats
 from rlfleet.local.plan import cpu_flags, serving_dtype

@@ -37,9 +37,9 @@ from rlfleet.api.wire import (
     feedback_subject,
     serving_subject,
 )
-from rlfleet.bus.auth import CREDENTIALS_ENV
+from rlfleet.bus.connection import CREDENTIALS_ENV
 from rlfleet.bus.streams import ensure_run_streams
-from rlfleet.launch.settings import ServingConfig
+from rlfleet.launch.production import ServingConfig
 from rlfleet.local.nats import StandaloneNats
 from rlfleet.models.tiny import read_weights, train_step
 from rlfleet.operator.served import read_served

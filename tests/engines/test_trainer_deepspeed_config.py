@@ -15,9 +15,11 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from rlfleet import launch
 from rlfleet.api.meta import COMPONENT_LABEL
 from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.launch import components
+from rlfleet.launch.from_spec import trainer_settings
+from rlfleet.launch.pods import DEEPSPEED_CONFIG_FILE, DEEPSPEED_DIR, DEEPSPEED_KEY, Placement
 from rlfleet.launch.settings import TrainerConfig, to_json
 from rlfleet.local.processes import run_in_session
 from rlfleet.operator.config import Images, Workloads
@@ -127,34 +129,34 @@ def test_merging_leaves_the_users_settings_as_they_were() -> None:
 def test_a_trainer_pod_reads_the_mounted_file_only_when_the_spec_names_a_config_map(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mounted = tmp_path / launch.DEEPSPEED_KEY
+    mounted = tmp_path / DEEPSPEED_KEY
     mounted.write_text(json.dumps(TUNING))
-    monkeypatch.setattr(launch, "DEEPSPEED_CONFIG_FILE", str(mounted))
-    at = launch.Placement("nats://hub:4222", "hub")
+    monkeypatch.setattr(components, "DEEPSPEED_CONFIG_FILE", str(mounted))
+    at = Placement("nats://hub:4222", "hub")
     named = RLRunSpec.model_validate(run_document(deepSpeedConfigMap="ds-tuning")["spec"])
-    config = launch.TRAINER.for_pod("team-a_run", named, at)
+    config = components.TRAINER.for_pod("team-a_run", named, at)
     assert config.deepspeed == TUNING
     assert deepspeed_config(config)["zero_optimization"]["reduce_bucket_size"] == 1234567
     unnamed = RLRunSpec.model_validate(run_document()["spec"])
-    assert launch.TRAINER.for_pod("team-a_run", unnamed, at).deepspeed == {}
+    assert components.TRAINER.for_pod("team-a_run", unnamed, at).deepspeed == {}
 
 
 def test_a_mounted_file_that_is_no_json_object_names_the_field(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mounted = tmp_path / launch.DEEPSPEED_KEY
+    mounted = tmp_path / DEEPSPEED_KEY
     mounted.write_text("[1, 2]")
-    monkeypatch.setattr(launch, "DEEPSPEED_CONFIG_FILE", str(mounted))
+    monkeypatch.setattr(components, "DEEPSPEED_CONFIG_FILE", str(mounted))
     spec = RLRunSpec.model_validate(run_document(deepSpeedConfigMap="ds-tuning")["spec"])
     with pytest.raises(ValueError, match=r"deepSpeedConfigMap ds-tuning: ds_config\.json"):
-        launch.TRAINER.for_pod("team-a_run", spec, launch.Placement("nats://hub:4222"))
+        components.TRAINER.for_pod("team-a_run", spec, Placement("nats://hub:4222"))
 
 
 def test_settings_for_a_spec_naming_a_config_map_need_its_json() -> None:
     spec = RLRunSpec.model_validate(run_document(deepSpeedConfigMap="ds-tuning")["spec"])
-    at = launch.Placement("nats://hub:4222")
+    at = Placement("nats://hub:4222")
     with pytest.raises(ValueError, match="only a trainer pod mounts the ConfigMap"):
-        launch.trainer_settings("run", spec, "/models/tiny", "/state", at)
+        trainer_settings("run", spec, "/models/tiny", "/state", at)
 
 
 def test_a_local_run_refuses_a_config_map_it_cannot_read(tmp_path: Path) -> None:
@@ -180,14 +182,14 @@ def test_the_operator_mounts_the_config_map_where_trainer_pods_read_it() -> None
     (volume,) = [v for v in trainer["volumes"] if v.get("configMap", {}).get("name") == "ds-tuning"]
     (item,) = volume["configMap"]["items"]
     (mount,) = [m for m in trainer["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
-    assert item["key"] == launch.DEEPSPEED_KEY
-    assert f"{mount['mountPath']}/{item['path']}" == launch.DEEPSPEED_CONFIG_FILE
+    assert item["key"] == DEEPSPEED_KEY
+    assert f"{mount['mountPath']}/{item['path']}" == DEEPSPEED_CONFIG_FILE
     assert mount["readOnly"]
     assert all(
         "ds-tuning" not in json.dumps(pod) for name, pod in named.items() if name != "trainer"
     )
     unnamed = pods(run_document())["trainer"]
-    assert launch.DEEPSPEED_DIR not in json.dumps(unnamed)
+    assert DEEPSPEED_DIR not in json.dumps(unnamed)
 
 
 def test_the_trainer_refuses_owned_keys_before_loading_anything(tmp_path: Path) -> None:

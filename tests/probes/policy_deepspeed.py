@@ -7,10 +7,10 @@ from pathlib import Path
 
 
 def main() -> None:
-    from rlfleet import launch
+    from rlfleet.launch import components
     from rlfleet.trainer.policy import Policy
 
-    engine = Policy(launch.TRAINER.read(Path(sys.argv[1]))).engine
+    engine = Policy(components.TRAINER.read(Path(sys.argv[1]))).engine
     Path(sys.argv[2]).write_text(
         json.dumps(
             {

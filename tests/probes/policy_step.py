@@ -19,12 +19,12 @@ from pathlib import Path
 def main() -> None:
     import torch
 
-    from rlfleet import launch
     from rlfleet.api.wire import Segment
+    from rlfleet.launch import components
     from rlfleet.trainer.policy import Policy
     from rlfleet.trainer.rows import make_rows
 
-    policy = Policy(launch.TRAINER.read(Path(sys.argv[1])))
+    policy = Policy(components.TRAINER.read(Path(sys.argv[1])))
     gen = torch.Generator().manual_seed(0)
 
     def rows(poisoned: bool = False):

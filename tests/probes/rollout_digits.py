@@ -22,7 +22,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from rlfleet.api.wire import Segment, Trajectory, encode_trajectory, trajectory_subject
-    from rlfleet.bus import auth
+    from rlfleet.bus import connection
     from rlfleet.rollout.engine import vllm_experts
     from rlfleet.weightsync import SyncConfig, vllm_options, vllm_start, vllm_update
 
@@ -40,7 +40,7 @@ def main() -> None:
     tokenizer = llm.get_tokenizer()
     vllm_start(llm, args["nats_url"], args["run"], None, SyncConfig(snapshot_every=4))
     loop = asyncio.new_event_loop()
-    nc = loop.run_until_complete(auth.connect(args["nats_url"]))
+    nc = loop.run_until_complete(connection.connect(args["nats_url"]))
     js = nc.jetstream()
     version = vllm_update(llm, 0).version
     rounds = []

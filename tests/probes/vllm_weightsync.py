@@ -83,7 +83,7 @@ def finish_long(llm) -> list[dict]:
 def main() -> None:
     from vllm import LLM
 
-    from rlfleet.bus import auth
+    from rlfleet.bus import connection
     from rlfleet.models.tiny import read_weights
     from rlfleet.rollout.worker.loop import parallel_options
     from rlfleet.weightsync import (
@@ -120,7 +120,7 @@ def main() -> None:
     else:
         config = SyncConfig(**args["config"])
         loop = asyncio.new_event_loop()
-        hub = loop.run_until_complete(auth.connect(args["hub_url"]))
+        hub = loop.run_until_complete(connection.connect(args["hub_url"]))
         publisher = Publisher(WeightStream(hub, args["run"], config), config)
         vllm_start(llm, args["leaf_url"], args["run"], args["domain"], config)
         published: dict[int, tuple[list, str]] = {}

@@ -15,7 +15,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from rlfleet.bus import auth
+from rlfleet.bus import connection
 from rlfleet.weightsync import Part, Publisher, SyncConfig, WeightStream, owned_names
 
 
@@ -28,7 +28,7 @@ async def main(
         return gathered
 
     config = SyncConfig(**json.loads(config_json))
-    nc = await auth.connect(url)
+    nc = await connection.connect(url)
     publisher = Publisher(WeightStream(nc, run, config), config, part=Part(rank, world, gather))
     results: list[dict] = []
     for version, tensors in enumerate(torch.load(versions)):

@@ -8,14 +8,14 @@ import json
 import sys
 from pathlib import Path
 
-from rlfleet.bus import auth
+from rlfleet.bus import connection
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.receiver import Receiver
 from rlfleet.weightsync.transport import WeightStream
 
 
 async def main(url: str, domain: str, run: str, config: str) -> dict:
-    nc = await auth.connect(url)
+    nc = await connection.connect(url)
     stream = WeightStream(nc, run, SyncConfig(**json.loads(config)), domain=domain)
     fetch = stream.fetch_shard
 

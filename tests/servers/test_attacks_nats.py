@@ -33,7 +33,7 @@ from rlfleet.api.wire import (
     trajectory_subject,
     weights_stream,
 )
-from rlfleet.bus import auth
+from rlfleet.bus import connection
 from rlfleet.bus.streams import (
     TRAINER_CONSUMER,
     delete_run_streams,
@@ -71,7 +71,9 @@ def _run(name: str) -> str:
 
 async def _client(server: NatsServer | str, credentials: str | Path, **options) -> nats.NATS:
     url = server if isinstance(server, str) else server.url
-    return await auth.connect(url, credentials, allow_reconnect=False, connect_timeout=5, **options)
+    return await connection.connect(
+        url, credentials, allow_reconnect=False, connect_timeout=5, **options
+    )
 
 
 async def _logs_in(server: NatsServer | str, credentials: str | Path) -> bool:
@@ -268,7 +270,7 @@ def _revoke(servers: StandaloneNats, incarnation: str) -> list[str]:
     async def revoke() -> list[str]:
         admin = await servers.bed.hub.connect()
         try:
-            return await auth.revoke_run_users(
+            return await connection.revoke_run_users(
                 admin,
                 servers.bed.hub.url,
                 HUB_DOMAIN,

@@ -31,9 +31,10 @@ from rlfleet.api.wire import (
     feedback_subject,
     trajectory_stream,
 )
-from rlfleet.bus.auth import CREDENTIALS_ENV, connect
+from rlfleet.bus.connection import CREDENTIALS_ENV, connect
 from rlfleet.bus.streams import cycle_stream, ensure_run_streams
-from rlfleet.launch.settings import CollectorConfig, SignalRewards, to_json
+from rlfleet.launch.production import CollectorConfig, SignalRewards
+from rlfleet.launch.settings import to_json
 from rlfleet.local.nats import StandaloneNats
 from rlfleet.rollout.production import collector as collector_module
 from rlfleet.rollout.production.collector import Collector

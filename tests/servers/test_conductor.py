@@ -36,9 +36,9 @@ from rlfleet.api.wire import (
     step_subject,
     trainer_reset_subject,
 )
-from rlfleet.bus.auth import connect
+from rlfleet.bus.connection import connect
 from rlfleet.bus.streams import cycle_stream, ensure_run_streams
-from rlfleet.launch.settings import CanaryPolicy, ConductorConfig, GatePolicy
+from rlfleet.launch.production import CanaryPolicy, ConductorConfig, GatePolicy
 from rlfleet.local.nats import StandaloneNats
 from rlfleet.operator.conductor import Conductor
 

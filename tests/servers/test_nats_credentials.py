@@ -13,26 +13,28 @@ from pathlib import Path
 import nats.errors
 
 from rlfleet.api.wire import BusRole
-from rlfleet.bus import auth
+from rlfleet.bus import connection
+from rlfleet.bus.credentials import ACCOUNT, NKey, claims_of, expires_at, parse_creds
+from rlfleet.bus.permissions import mint_run_user, renewal_due
 from rlfleet.local.files import write_secret
 from rlfleet.local.nats import HUB_DOMAIN, NatsBed, StandaloneNats
 from rlfleet.operator.dataplane import DataPlane, NatsLogin
 
 
 def test_a_user_is_due_for_renewal_with_a_third_of_its_life_left() -> None:
-    seed = auth.NKey.generate(auth.ACCOUNT).seed
-    account = auth.NKey.generate(auth.ACCOUNT).public
-    user = auth.mint_run_user(seed, account, "r", BusRole.TRAINER, "uid-1", ttl_s=3000)
-    expires = auth.expires_at(user)
+    seed = NKey.generate(ACCOUNT).seed
+    account = NKey.generate(ACCOUNT).public
+    user = mint_run_user(seed, account, "r", BusRole.TRAINER, "uid-1", ttl_s=3000)
+    expires = expires_at(user)
     assert expires is not None and abs(expires - (time.time() + 3000)) < 5
-    assert not auth.renewal_due(user, expires - 1001, 3000)
-    assert auth.renewal_due(user, expires - 999, 3000)
+    assert not renewal_due(user, expires - 1001, 3000)
+    assert renewal_due(user, expires - 999, 3000)
     # The same key through the run's life, another for a run made again under its name.
-    again = auth.mint_run_user(seed, account, "r", BusRole.TRAINER, "uid-1", ttl_s=3000)
-    other = auth.mint_run_user(seed, account, "r", BusRole.TRAINER, "uid-2", ttl_s=3000)
-    key = auth.claims_of(auth.parse_creds(user)[0])["sub"]
-    assert auth.claims_of(auth.parse_creds(again)[0])["sub"] == key
-    assert auth.claims_of(auth.parse_creds(other)[0])["sub"] != key
+    again = mint_run_user(seed, account, "r", BusRole.TRAINER, "uid-1", ttl_s=3000)
+    other = mint_run_user(seed, account, "r", BusRole.TRAINER, "uid-2", ttl_s=3000)
+    key = claims_of(parse_creds(user)[0])["sub"]
+    assert claims_of(parse_creds(again)[0])["sub"] == key
+    assert claims_of(parse_creds(other)[0])["sub"] != key
 
 
 def test_a_renewed_user_is_picked_up_before_the_old_one_expires(
@@ -56,8 +58,8 @@ def test_a_renewed_user_is_picked_up_before_the_old_one_expires(
             nonlocal reconnects
             reconnects += 1
 
-        kept = await auth.connect(bed.hub.url, renewed, reconnected_cb=reconnected)
-        left = await auth.connect(bed.hub.url, stale, max_reconnect_attempts=-1)
+        kept = await connection.connect(bed.hub.url, renewed, reconnected_cb=reconnected)
+        left = await connection.connect(bed.hub.url, stale, max_reconnect_attempts=-1)
         await asyncio.sleep(ttl / 2)
         write_secret(renewed, bed.run_user(run, BusRole.TRAINER, ttl_s=ttl))
         await asyncio.sleep(ttl / 2 + 1)  # past the first JWT's expiry
@@ -100,8 +102,8 @@ def test_the_hub_revokes_a_deleted_runs_users_on_every_server(
 
     async def scenario() -> tuple[list[bool], list[str]]:
         clients = [
-            await auth.connect(bed.hub.url, old[BusRole.TRAINER], allow_reconnect=False),
-            await auth.connect(leaf.url, old[BusRole.ROLLOUT], allow_reconnect=False),
+            await connection.connect(bed.hub.url, old[BusRole.TRAINER], allow_reconnect=False),
+            await connection.connect(leaf.url, old[BusRole.ROLLOUT], allow_reconnect=False),
         ]
         await asyncio.to_thread(dataplane.revoke_users, run, "uid-old", 3600, 2)
         await asyncio.sleep(0.5)
@@ -109,12 +111,12 @@ def test_the_hub_revokes_a_deleted_runs_users_on_every_server(
         refused = []
         for url, user in ((bed.hub.url, old[BusRole.TRAINER]), (leaf.url, old[BusRole.ROLLOUT])):
             try:
-                nc = await auth.connect(url, user, allow_reconnect=False, connect_timeout=5)
+                nc = await connection.connect(url, user, allow_reconnect=False, connect_timeout=5)
             except nats.errors.Error as error:
                 refused.append(str(error))
             else:
                 await nc.close()
-        fresh = await auth.connect(leaf.url, new[BusRole.ROLLOUT], allow_reconnect=False)
+        fresh = await connection.connect(leaf.url, new[BusRole.ROLLOUT], allow_reconnect=False)
         await fresh.close()
         return closed, refused
 

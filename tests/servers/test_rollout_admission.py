@@ -31,8 +31,8 @@ from rlfleet.api.wire import (
     task_stream,
     task_subject,
 )
-from rlfleet.bus import auth, streams
-from rlfleet.bus.auth import CREDENTIALS_ENV
+from rlfleet.bus import connection, streams
+from rlfleet.bus.connection import CREDENTIALS_ENV
 from rlfleet.bus.streams import StreamMissing, ensure_run_streams
 from rlfleet.local.nats import StandaloneNats
 from rlfleet.pipeline.admission import Admission
@@ -158,7 +158,7 @@ def test_a_restarted_feed_remembers_what_the_step_stream_shows_settled(
 
     async def scenario() -> None:
         await _make_streams(config)
-        nc = await auth.connect(config.nats_url)
+        nc = await connection.connect(config.nats_url)
         try:
             js = nc.jetstream()
             # What the trainer reported before this feed (re)started.
@@ -213,7 +213,7 @@ async def _feeding(
     await _make_streams(config)
     stop = asyncio.Event()
     feeding = asyncio.create_task(feed(config, stop))
-    nc = await auth.connect(config.nats_url)
+    nc = await connection.connect(config.nats_url)
     try:
         js = nc.jetstream()
         worker = await js.pull_subscribe(
@@ -242,7 +242,7 @@ async def _take(worker: JetStreamContext.PullSubscription, count: int) -> list[T
 
 async def _make_streams(config: FeedConfig) -> None:
     """The run's streams, as whoever starts a run makes them."""
-    nc = await auth.connect(config.nats_url)
+    nc = await connection.connect(config.nats_url)
     try:
         await ensure_run_streams(nc, config.run, None)
     finally:
@@ -258,7 +258,7 @@ def test_a_feed_whose_run_has_no_streams_fails_naming_the_stream_and_makes_none(
     async def scenario() -> None:
         with pytest.raises(StreamMissing, match=f"stream {task_stream(config.run)} does not"):
             await feed(config, asyncio.Event())
-        nc = await auth.connect(config.nats_url)
+        nc = await connection.connect(config.nats_url)
         try:
             with pytest.raises(nats.js.errors.NotFoundError):
                 await nc.jetstream().stream_info(task_stream(config.run))
@@ -298,7 +298,7 @@ def test_a_task_whose_answer_was_lost_is_published_once(
 
     async def scenario() -> tuple[int, int]:
         await _make_streams(config)
-        nc = await auth.connect(config.nats_url)
+        nc = await connection.connect(config.nats_url)
         try:
             js = AnswerLost(nc.jetstream())
             task = Task(id="a", suite="three", prompt="a", answer="x", tools=False)

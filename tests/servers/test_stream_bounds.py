@@ -16,7 +16,7 @@ from rlfleet.api.wire import (
     trajectory_stream,
     trajectory_subject,
 )
-from rlfleet.bus import auth
+from rlfleet.bus import connection
 from rlfleet.bus.streams import (
     MAX_TRAJECTORY_BYTES,
     TASKS_WAITING,
@@ -104,7 +104,7 @@ def test_a_trajectory_of_several_mebibytes_is_taken_from_a_region(
 
     async def publish() -> int:
         admin = await bed.hub.connect()
-        worker = await auth.connect(
+        worker = await connection.connect(
             bed.leaves[nats_servers.region].url, bed.run_user(run, BusRole.ROLLOUT)
         )
         try:

@@ -20,7 +20,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from rlfleet.api.wire import BusRole
-from rlfleet.bus.auth import connect
+from rlfleet.bus.connection import connect
 from rlfleet.bus.streams import ensure_run_streams
 from rlfleet.local.nats import HUB_DOMAIN, NatsServer, StandaloneNats
 from rlfleet.weightsync.config import SyncConfig

@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 from pool_world import World, defaults
 
-from rlfleet import launch
 from rlfleet.api.wire import RewardTally
-from rlfleet.launch.settings import CanaryPolicy, ConductorConfig, SignalRewards
+from rlfleet.launch import from_spec, pods
+from rlfleet.launch.production import CanaryPolicy, ConductorConfig, SignalRewards
 from rlfleet.local.run import read_rlrun
 from rlfleet.operator.promotion import CanaryCall, judge_canary
 from rlfleet.rollout.production.history import RewardHistory
@@ -49,17 +49,17 @@ WORSE = -0.2  # the inverted cycle's candidate
 def _example(settings):
     """The example's component settings, as `settings` (a `launch` function) makes them."""
     name, spec = read_rlrun(EXAMPLE)
-    return settings(name, spec, launch.Placement("nats://-"))
+    return settings(name, spec, pods.Placement("nats://-"))
 
 
 def example_policy() -> CanaryPolicy:
     """The example's canary, as its conductor is told it."""
-    return _example(launch.conductor_settings).canary
+    return _example(from_spec.conductor_settings).canary
 
 
 def example_cap() -> int:
     """The most rewards of one user the example's collector counts for a version."""
-    return _example(launch.collector_settings).rewards.max_per_user
+    return _example(from_spec.collector_settings).rewards.max_per_user
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ import yaml
 from conftest import ROOT
 from pydantic import BaseModel
 
-from rlfleet import launch
 from rlfleet.api.production import CanarySpec, CycleSpec, FeedbackSpec, GateSpec, ProductionSpec
 from rlfleet.api.rlrun import (
     STEP_TOKENS,
@@ -22,15 +21,18 @@ from rlfleet.api.rlrun import (
     TrainerSpec,
     WeightSyncSpec,
 )
-from rlfleet.launch.settings import (
+from rlfleet.launch import components, pods
+from rlfleet.launch.production import (
     CanaryPolicy,
     CollectorConfig,
-    EvaluatorConfig,
-    FeedConfig,
     GatePolicy,
     ServingConfig,
-    SessionConfig,
     SignalRewards,
+)
+from rlfleet.launch.settings import (
+    EvaluatorConfig,
+    FeedConfig,
+    SessionConfig,
     SyncConfig,
     TrainerConfig,
     WorkerConfig,
@@ -132,9 +134,9 @@ def test_a_spec_that_says_nothing_gives_each_component_its_default_settings() ->
             "evaluation": {"suite": "toy"},
         }
     )
-    at = launch.Placement("nats://hub:4222")
-    runs = [(bare, c) for c in launch.components_of(bare)] + [
-        (production, c) for c in launch.components_of(production) if c != launch.TRAINER
+    at = pods.Placement("nats://hub:4222")
+    runs = [(bare, c) for c in components.components_of(bare)] + [
+        (production, c) for c in components.components_of(production) if c != components.TRAINER
     ]
     for spec, component in runs:
         built = component.for_pod("r", spec, at)

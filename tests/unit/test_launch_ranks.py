@@ -8,16 +8,16 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from rlfleet import launch
 from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.launch import components, pods
 from rlfleet.launch.settings import Ranks
 
-NATS = {launch.NATS_URL_ENV: "nats://hub:4222"}
+NATS = {pods.NATS_URL_ENV: "nats://hub:4222"}
 JOB = NATS | {
-    launch.TRAINER_NODES_ENV: "2",
-    launch.TRAINER_PROCS_PER_NODE_ENV: "8",
-    launch.TRAINER_MASTER_ADDR_ENV: "r-trainer-0.r-trainer.team-a.svc",
-    launch.TRAINER_MASTER_PORT_ENV: "29500",
+    pods.TRAINER_NODES_ENV: "2",
+    pods.TRAINER_PROCS_PER_NODE_ENV: "8",
+    pods.TRAINER_MASTER_ADDR_ENV: "r-trainer-0.r-trainer.team-a.svc",
+    pods.TRAINER_MASTER_PORT_ENV: "29500",
 }
 
 
@@ -28,15 +28,13 @@ def _spec() -> RLRunSpec:
 
 def test_each_pod_of_a_two_pod_job_reads_its_own_ranks_into_the_trainers_settings() -> None:
     ranks = [
-        launch.TRAINER.for_pod(
-            "r", _spec(), launch.Placement.from_env(JOB | {launch.TRAINER_NODE_RANK_ENV: str(i)})
+        components.TRAINER.for_pod(
+            "r", _spec(), pods.Placement.from_env(JOB | {pods.TRAINER_NODE_RANK_ENV: str(i)})
         ).ranks
         for i in (0, 1)
     ]
     assert ranks == [
-        Ranks(
-            node_rank=i, nodes=2, procs_per_node=8, master_addr=JOB[launch.TRAINER_MASTER_ADDR_ENV]
-        )
+        Ranks(node_rank=i, nodes=2, procs_per_node=8, master_addr=JOB[pods.TRAINER_MASTER_ADDR_ENV])
         for i in (0, 1)
     ]
     # One job of 16 ranks: pod 1's first process is rank 8, not a second rank 0.
@@ -44,30 +42,30 @@ def test_each_pod_of_a_two_pod_job_reads_its_own_ranks_into_the_trainers_setting
 
 
 def test_without_a_job_the_trainer_is_a_job_of_one() -> None:
-    assert launch.Placement.from_env(NATS).ranks == Ranks()
+    assert pods.Placement.from_env(NATS).ranks == Ranks()
 
 
 @pytest.mark.parametrize(
     ("changes", "error"),
     [
         ({}, "RLFLEET_TRAINER_NODE_RANK is not set"),
-        ({launch.TRAINER_NODE_RANK_ENV: ""}, "RLFLEET_TRAINER_NODE_RANK is not set"),
-        ({launch.TRAINER_NODE_RANK_ENV: "2"}, "RLFLEET_TRAINER_NODE_RANK=2: expected below"),
-        ({launch.TRAINER_NODE_RANK_ENV: "-1"}, "RLFLEET_TRAINER_NODE_RANK='-1'"),
+        ({pods.TRAINER_NODE_RANK_ENV: ""}, "RLFLEET_TRAINER_NODE_RANK is not set"),
+        ({pods.TRAINER_NODE_RANK_ENV: "2"}, "RLFLEET_TRAINER_NODE_RANK=2: expected below"),
+        ({pods.TRAINER_NODE_RANK_ENV: "-1"}, "RLFLEET_TRAINER_NODE_RANK='-1'"),
         (
-            {launch.TRAINER_NODE_RANK_ENV: "0", launch.TRAINER_NODES_ENV: "0"},
+            {pods.TRAINER_NODE_RANK_ENV: "0", pods.TRAINER_NODES_ENV: "0"},
             "RLFLEET_TRAINER_NODES='0'",
         ),
         (
-            {launch.TRAINER_NODE_RANK_ENV: "0", launch.TRAINER_NODES_ENV: "two"},
+            {pods.TRAINER_NODE_RANK_ENV: "0", pods.TRAINER_NODES_ENV: "two"},
             "RLFLEET_TRAINER_NODES='two'",
         ),
         (
-            {launch.TRAINER_NODE_RANK_ENV: "0", launch.TRAINER_PROCS_PER_NODE_ENV: "0"},
+            {pods.TRAINER_NODE_RANK_ENV: "0", pods.TRAINER_PROCS_PER_NODE_ENV: "0"},
             "RLFLEET_TRAINER_PROCS_PER_NODE='0'",
         ),
         (
-            {launch.TRAINER_NODE_RANK_ENV: "0", launch.TRAINER_MASTER_PORT_ENV: "70000"},
+            {pods.TRAINER_NODE_RANK_ENV: "0", pods.TRAINER_MASTER_PORT_ENV: "70000"},
             "RLFLEET_TRAINER_MASTER_PORT='70000'",
         ),
     ],
@@ -76,7 +74,7 @@ def test_a_bad_rank_environment_is_refused_naming_the_variable(
     changes: dict[str, str], error: str
 ) -> None:
     with pytest.raises(ValueError, match=error):
-        launch.Placement.from_env(JOB | changes)
+        pods.Placement.from_env(JOB | changes)
 
 
 def test_a_pod_with_fewer_gpus_than_ranks_is_refused_naming_the_field() -> None:

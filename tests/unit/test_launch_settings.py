@@ -11,13 +11,13 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from rlfleet import launch
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import WEIGHT_CHUNK_BYTES
+from rlfleet.launch import components, from_spec, pods
 from rlfleet.launch.settings import PoolConfig, SyncConfig, from_json, to_json
 from rlfleet.local import plan
 
-AT = launch.Placement("nats://hub:4222", "hub", "region-a", "rollout-0")
+AT = pods.Placement("nats://hub:4222", "hub", "region-a", "rollout-0")
 PRODUCTION = {"pool": {"region": "region-a", "name": "chat"}}
 
 
@@ -29,19 +29,19 @@ def _spec(name: str = "rlrun.yaml", **rollout: object) -> RLRunSpec:
 
 def test_rollouts_sample_and_the_trainer_scores_at_the_specs_temperature() -> None:
     hot = _spec(temperature=1.3)
-    assert launch.ROLLOUT.for_pod("r", hot, AT).session.temperature == 1.3
-    assert launch.TRAINER.for_pod("r", hot, AT).temperature == 1.3
+    assert components.ROLLOUT.for_pod("r", hot, AT).session.temperature == 1.3
+    assert components.TRAINER.for_pod("r", hot, AT).temperature == 1.3
     # Unset, both stay at 1: the model's own distribution.
     plain = _spec()
-    assert launch.ROLLOUT.for_pod("r", plain, AT).session.temperature == 1.0
-    assert launch.TRAINER.for_pod("r", plain, AT).temperature == 1.0
+    assert components.ROLLOUT.for_pod("r", plain, AT).session.temperature == 1.0
+    assert components.TRAINER.for_pod("r", plain, AT).temperature == 1.0
 
 
 def test_the_specs_weight_sync_reaches_every_component_that_moves_weights() -> None:
     spec = _spec().model_copy(
         update={"weight_sync": _spec().weight_sync.model_copy(update={"shard_size_mib": 4})}
     )
-    for component in (launch.TRAINER, launch.ROLLOUT):
+    for component in (components.TRAINER, components.ROLLOUT):
         sync = component.for_pod("r", spec, AT).weightsync
         assert (sync.snapshot_every, sync.shard_bytes) == (20, 4 << 20)
 
@@ -55,7 +55,7 @@ def test_a_production_runs_cycle_deadline_and_canary_reach_its_conductor() -> No
     production_run = {"rollout": None, "production": production}
     gated = {"evaluation": {"suite": "rules"}}
     spec = RLRunSpec.model_validate(document | gated | production_run)
-    conductor = launch.CONDUCTOR.for_pod("r", spec, AT)
+    conductor = components.CONDUCTOR.for_pod("r", spec, AT)
     assert conductor.phase_deadline_s == 900
     assert (conductor.canary.window_s, conductor.canary.min_samples) == (120, 8)
 
@@ -73,7 +73,7 @@ def test_a_local_run_writes_each_process_settings_its_program_reads_back(tmp_pat
     processes = _local(tmp_path)
     assert set(processes) == {"trainer", "rollout-region-a", "rollout-region-b", "feed"}
     for name, process in processes.items():
-        component = launch.COMPONENTS[name.partition("-")[0]]
+        component = components.COMPONENTS[name.partition("-")[0]]
         assert process.argv[-4:-1] == component.command(process.argv[-4])
         path = Path(process.argv[-1])
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,36 +96,36 @@ def test_a_local_run_serves_each_process_metrics_on_a_port_of_its_own(tmp_path) 
 
 
 def test_a_pod_serves_metrics_where_its_environment_says_or_nowhere() -> None:
-    env = {launch.NATS_URL_ENV: "nats://hub:4222", launch.METRICS_PORT_ENV: "9400"}
-    at = launch.Placement.from_env(env)
+    env = {pods.NATS_URL_ENV: "nats://hub:4222", pods.METRICS_PORT_ENV: "9400"}
+    at = pods.Placement.from_env(env)
     document = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())
     gated = document["spec"] | {"evaluation": {"suite": "rules"}}
     rollouts = RLRunSpec.model_validate(gated)
     production = RLRunSpec.model_validate(gated | {"rollout": None, "production": PRODUCTION})
-    runs = [(spec, c) for spec in (rollouts, production) for c in launch.components_of(spec)]
-    assert {component.name for _, component in runs} == set(launch.COMPONENTS)
+    runs = [(spec, c) for spec in (rollouts, production) for c in components.components_of(spec)]
+    assert {component.name for _, component in runs} == set(components.COMPONENTS)
     for spec, component in runs:
         assert component.for_pod("r", spec, at).metrics_port == 9400
-    assert launch.Placement.from_env({launch.NATS_URL_ENV: "nats://hub:4222"}).metrics_port is None
+    assert pods.Placement.from_env({pods.NATS_URL_ENV: "nats://hub:4222"}).metrics_port is None
     with pytest.raises(ValueError, match="RLFLEET_METRICS_PORT='http'"):
-        launch.Placement.from_env(env | {launch.METRICS_PORT_ENV: "http"})
+        pods.Placement.from_env(env | {pods.METRICS_PORT_ENV: "http"})
 
 
 def test_a_rollout_pod_claims_sandboxes_from_its_envpool_with_its_mounted_token() -> None:
     spec = _spec()  # names its EnvPool
     url = "http://arith-sandbox-sandbox.team-a.svc:8080"
-    env = {launch.NATS_URL_ENV: "nats://hub:4222", launch.ENVPOOL_URL_ENV: url}
-    worker = launch.rollout_settings("run", spec, "/models/m", launch.Placement.from_env(env))
-    assert worker.envpool == PoolConfig(url=url, token_file=launch.ENVPOOL_TOKEN_FILE)
+    env = {pods.NATS_URL_ENV: "nats://hub:4222", pods.ENVPOOL_URL_ENV: url}
+    worker = from_spec.rollout_settings("run", spec, "/models/m", pods.Placement.from_env(env))
+    assert worker.envpool == PoolConfig(url=url, token_file=pods.ENVPOOL_TOKEN_FILE)
     # No pool told: a server of the worker's own (as `rlfleet run` has).
-    alone = launch.Placement.from_env({launch.NATS_URL_ENV: "nats://hub:4222"})
-    assert launch.rollout_settings("run", spec, "/models/m", alone).envpool is None
+    alone = pods.Placement.from_env({pods.NATS_URL_ENV: "nats://hub:4222"})
+    assert from_spec.rollout_settings("run", spec, "/models/m", alone).envpool is None
 
 
 def test_a_misspelt_setting_is_refused_when_read(tmp_path) -> None:
     written = msgspec.json.decode(to_json(_local(tmp_path)["feed"].config))
     with pytest.raises(msgspec.ValidationError, match="max_stalenes"):
-        from_json(msgspec.json.encode(written | {"max_stalenes": 3}), launch.FEED.settings)
+        from_json(msgspec.json.encode(written | {"max_stalenes": 3}), components.FEED.settings)
 
 
 def test_a_weight_chunk_larger_than_the_weights_stream_takes_is_refused() -> None:

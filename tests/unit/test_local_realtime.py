@@ -9,13 +9,14 @@ from types import SimpleNamespace
 import yaml
 from conftest import ROOT
 
-from rlfleet import launch
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import BusRole, CycleOutcome, CyclePhase, CycleState, FinishedCycle
-from rlfleet.bus.auth import CREDENTIALS_ENV
-from rlfleet.launch.settings import FEEDBACK_DIR_ENV, ServingConfig, UsersConfig, to_json
+from rlfleet.bus.connection import CREDENTIALS_ENV
+from rlfleet.launch import components
+from rlfleet.launch.production import FEEDBACK_DIR_ENV, ServingConfig, UsersConfig
+from rlfleet.launch.settings import to_json
 from rlfleet.local import plan, realtime
-from rlfleet.local.run import inverting
+from rlfleet.local.watch import inverting
 from rlfleet.rollout.production.feedback import PoolFeedback
 
 
@@ -41,7 +42,7 @@ def test_a_production_run_starts_the_hubs_components_its_pool_and_its_users(tmp_
         "serving-canary-0", "serving-stable-1", "users",
     }  # fmt: skip
     for name in ("trainer", "evaluator", "collector", "conductor"):
-        component = launch.COMPONENTS[name]
+        component = components.COMPONENTS[name]
         process = processes[name]
         assert process.env[CREDENTIALS_ENV] == str(layout.credentials(BusRole(name)))
         process.settings_path.parent.mkdir(parents=True, exist_ok=True)

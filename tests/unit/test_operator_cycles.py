@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from msgspec.structs import replace
 
 from rlfleet.api.wire import CycleEvent, CycleReport, CycleState, RewardTally, ServeOrder
-from rlfleet.launch.settings import CanaryPolicy
+from rlfleet.launch.production import CanaryPolicy
 from rlfleet.operator.cycles import (
     CANARY,
     STABLE,

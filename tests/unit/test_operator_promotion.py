@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlfleet.api.wire import AnswerStats, EvaluationReport, RewardTally
-from rlfleet.launch.settings import CanaryPolicy, GatePolicy
+from rlfleet.launch.production import CanaryPolicy, GatePolicy
 from rlfleet.operator.promotion import (
     AGAINST_HISTORY_Z,
     CanaryCall,

@@ -11,10 +11,10 @@ import yaml
 from conftest import ROOT
 from pydantic import ValidationError
 
-from rlfleet import launch
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import COMPONENT_LABEL, GPU_RESOURCE, GPU_TYPE_LABEL
 from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.launch import pods
 from rlfleet.operator.config import Images, NatsAccess, OperatorConfig, Workloads
 from rlfleet.operator.workloads.hub import hub_objects, mirror
 from rlfleet.operator.workloads.inferencepool import canary_deployment, pool_feedback
@@ -103,7 +103,7 @@ def test_every_pod_serves_its_metrics_on_the_port_it_names_and_its_annotations_s
         }
         # What the component reads back (`Placement.from_env`) and serves on.
         env = resolved_env(template, ordinal=0)
-        assert launch.Placement.from_env(env).metrics_port == 9555, component
+        assert pods.Placement.from_env(env).metrics_port == 9555, component
 
 
 def resolved_env(template: dict, ordinal: int) -> dict[str, str]:
@@ -130,7 +130,7 @@ def test_the_trainers_pods_are_the_nodes_of_one_job() -> None:
     (statefulset,) = [o for o in made if o["kind"] == "StatefulSet"]
     service = next(o for o in made if o["kind"] == "Service")
     template = statefulset["spec"]["template"]
-    ranks = [launch.Placement.from_env(resolved_env(template, i)).ranks for i in (0, 1)]
+    ranks = [pods.Placement.from_env(resolved_env(template, i)).ranks for i in (0, 1)]
     name, namespace = run["metadata"]["name"], run["metadata"]["namespace"]
     # Rank 0's pod, by its stable name under the headless Service, on the named port.
     master = f"{name}-trainer-0.{service['metadata']['name']}.{namespace}.svc"
@@ -206,8 +206,8 @@ def test_a_canary_set_is_the_serving_pods_told_the_canary_set_and_selected_apart
     assert labels.items() >= serving["spec"]["selector"]["matchLabels"].items()
     # The stable set's name replaced, not repeated; the rest of the pod as served.
     (container,) = canary["spec"]["template"]["spec"]["containers"]
-    told = [e for e in container["env"] if e["name"] == launch.REPLICA_SET_ENV]
-    assert told == [{"name": launch.REPLICA_SET_ENV, "value": "canary"}]
+    told = [e for e in container["env"] if e["name"] == pods.REPLICA_SET_ENV]
+    assert told == [{"name": pods.REPLICA_SET_ENV, "value": "canary"}]
     served = serving["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == served["image"] and container["args"] == served["args"]
     assert serving["spec"]["template"]["metadata"]["labels"] == {"app": "chat"}  # a copy

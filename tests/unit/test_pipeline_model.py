@@ -15,7 +15,6 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlfleet import launch
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.profile import (
     Profile,
@@ -27,6 +26,7 @@ from rlfleet.api.profile import (
 )
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.traffic import decode_traffic
+from rlfleet.launch import from_spec, pods
 from rlfleet.pipeline.day import Pool, lent_by_hour
 from rlfleet.pipeline.model import Feed, Pipeline, Region, simulate
 from rlfleet.pipeline.sizing import Split, best_split, pipeline_for, predict
@@ -211,7 +211,7 @@ def test_a_fleets_feed_keeps_its_workers_busy():
             "rollout": {"groupSize": 8, "regions": [{"name": "region-a", "maxGpus": 64}]},
         }
     )
-    depth = launch.feed_settings("r", spec, launch.Placement("nats://x")).depth
+    depth = from_spec.feed_settings("r", spec, pods.Placement("nats://x")).depth
     split = Split(8, {"region-a": 64})
     fleet = predict(spec, profile(2000, 1e-5), split, Feed(depth))
     eight = predict(spec, profile(2000, 1e-5), split, Feed(8))

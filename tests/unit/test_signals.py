@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlfleet.api.wire import CapturedCompletion, Feedback, Segment
-from rlfleet.launch.settings import SignalRewards
+from rlfleet.launch.production import SignalRewards
 from rlfleet.rollout.production.signals import Dropped, batch, reward, score_cycle
 
 RUN = "live"

@@ -12,10 +12,10 @@ import yaml
 from conftest import ROOT
 from pydantic import ValidationError
 
-from rlfleet import launch
 from rlfleet.api.rlrun import RLRunSpec
+from rlfleet.launch import components, pods
 
-AT = launch.Placement("nats://hub:4222", "hub", "region-a", "rollout-0")
+AT = pods.Placement("nats://hub:4222", "hub", "region-a", "rollout-0")
 
 
 def _document(trainer: dict | None = None, rollout: dict | None = None) -> dict:
@@ -30,44 +30,44 @@ def _spec(trainer: dict | None = None, rollout: dict | None = None) -> RLRunSpec
 
 
 # (part of the spec, field, a value other than its default, component, where it lands)
-RECIPE: list[tuple[str, str, object, launch.Component, Callable]] = [
-    ("trainer", "learningRate", 3e-4, launch.TRAINER, operator.attrgetter("lr")),
+RECIPE: list[tuple[str, str, object, components.Component, Callable]] = [
+    ("trainer", "learningRate", 3e-4, components.TRAINER, operator.attrgetter("lr")),
     (
         "trainer",
         "learningRateWarmupSteps",
         25,
-        launch.TRAINER,
+        components.TRAINER,
         operator.attrgetter("lr_warmup_steps"),
     ),
     (
         "trainer",
         "learningRateDecaySteps",
         1000,
-        launch.TRAINER,
+        components.TRAINER,
         operator.attrgetter("lr_decay_steps"),
     ),
-    ("trainer", "learningRateFloor", 0.5, launch.TRAINER, operator.attrgetter("lr_floor")),
-    ("trainer", "stepTokens", 1000, launch.TRAINER, operator.attrgetter("step_tokens")),
-    ("trainer", "stepGroups", 4, launch.TRAINER, operator.attrgetter("step_groups")),
-    ("trainer", "stepGroups", 4, launch.FEED, operator.attrgetter("groups_per_step")),
-    ("trainer", "updatesPerStep", 2, launch.TRAINER, operator.attrgetter("updates_per_step")),
-    ("trainer", "clipLow", 0.1, launch.TRAINER, operator.attrgetter("clip_low")),
-    ("trainer", "clipHigh", 0.4, launch.TRAINER, operator.attrgetter("clip_high")),
-    ("trainer", "importanceWeightCap", 5.0, launch.TRAINER, operator.attrgetter("is_cap")),
-    ("rollout", "maxTurns", 3, launch.ROLLOUT, operator.attrgetter("session.max_turns")),
-    ("rollout", "turnTokens", 64, launch.ROLLOUT, operator.attrgetter("session.turn_tokens")),
+    ("trainer", "learningRateFloor", 0.5, components.TRAINER, operator.attrgetter("lr_floor")),
+    ("trainer", "stepTokens", 1000, components.TRAINER, operator.attrgetter("step_tokens")),
+    ("trainer", "stepGroups", 4, components.TRAINER, operator.attrgetter("step_groups")),
+    ("trainer", "stepGroups", 4, components.FEED, operator.attrgetter("groups_per_step")),
+    ("trainer", "updatesPerStep", 2, components.TRAINER, operator.attrgetter("updates_per_step")),
+    ("trainer", "clipLow", 0.1, components.TRAINER, operator.attrgetter("clip_low")),
+    ("trainer", "clipHigh", 0.4, components.TRAINER, operator.attrgetter("clip_high")),
+    ("trainer", "importanceWeightCap", 5.0, components.TRAINER, operator.attrgetter("is_cap")),
+    ("rollout", "maxTurns", 3, components.ROLLOUT, operator.attrgetter("session.max_turns")),
+    ("rollout", "turnTokens", 64, components.ROLLOUT, operator.attrgetter("session.turn_tokens")),
     (
         "rollout",
         "contextTokens",
         2048,
-        launch.ROLLOUT,
+        components.ROLLOUT,
         operator.attrgetter("session.context_tokens"),
     ),
     (
         "rollout",
         "summaryTokens",
         128,
-        launch.ROLLOUT,
+        components.ROLLOUT,
         operator.attrgetter("session.summary_tokens"),
     ),
 ]
@@ -79,7 +79,7 @@ RECIPE: list[tuple[str, str, object, launch.Component, Callable]] = [
     ids=[f"{part}.{field}-{component.name}" for part, field, _, component, _ in RECIPE],
 )
 def test_a_recipe_field_changes_the_settings_a_pod_builds(
-    part: str, field: str, value: object, component: launch.Component, landed: Callable
+    part: str, field: str, value: object, component: components.Component, landed: Callable
 ) -> None:
     unset = landed(component.for_pod("r", _spec(), AT))
     assert unset != value, f"{value!r} is the default: the case shows nothing"
@@ -89,10 +89,10 @@ def test_a_recipe_field_changes_the_settings_a_pod_builds(
 
 def test_a_step_counted_in_tokens_takes_no_count_of_groups() -> None:
     spec = _spec(trainer={"stepTokens": 1000})
-    assert launch.TRAINER.for_pod("r", spec, AT).step_groups is None
+    assert components.TRAINER.for_pod("r", spec, AT).step_groups is None
     # The feed keeps its first guess, which the trainer's step reports correct.
-    guess = launch.FEED.for_pod("r", _spec(), AT).groups_per_step
-    assert launch.FEED.for_pod("r", spec, AT).groups_per_step == guess
+    guess = components.FEED.for_pod("r", _spec(), AT).groups_per_step
+    assert components.FEED.for_pod("r", spec, AT).groups_per_step == guess
 
 
 BAD_RECIPES = {

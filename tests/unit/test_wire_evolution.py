@@ -73,6 +73,7 @@ ROOTS: list[type[msgspec.Struct]] = [RankReport, ManifestReport, TrajectoryDrop,
 # releases, or its fields are positions. By module, or by `module.QualName`.
 STRICT = {
     "rlfleet.launch.settings": "built by the release that reads them, at the pod's start",
+    "rlfleet.launch.production": "built by the release that reads them, at the pod's start",
     "rlfleet.api.profile": "a file people write: an unknown field is a misspelling",
     "rlfleet.api.traffic": "a file people write: an unknown field is a misspelling",
     "rlfleet.rollout.environment.tools": "a model's tool call: the model is told it is wrong",

@@ -118,7 +118,7 @@ CLIP_RULE = cel(
 
 
 class TrainerSpec(ApiModel):
-    """The trainer's job, and the recipe it learns by (`rlfleet.launch.trainer_settings`)."""
+    """The trainer's job, and the recipe it learns by (`launch.from_spec.trainer_settings`)."""
 
     model_config = ConfigDict(
         json_schema_extra={"x-kubernetes-validations": [STEP_SIZE_RULE, CLIP_RULE]}
@@ -397,7 +397,7 @@ MAX_TOKENS = 1 << 24  # bounds a token budget of the spec
 
 class RolloutSpec(ApiModel):
     """The rollouts' demand per region, and how their agent sessions run
-    (`rlfleet.launch.rollout_settings`)."""
+    (`rlfleet.launch.from_spec.rollout_settings`)."""
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [WINDOW_RULE]})
 

@@ -787,7 +787,7 @@ def decode_feedback(data: bytes) -> Feedback:
 
 class BusRole(StrEnum):
     """Who a run's NATS user is. Each component connects as a user of its own, allowed
-    only what that component does (`rlfleet.bus.auth.role_permissions`); the observer is
+    only what that component does (`rlfleet.bus.permissions.role_permissions`); the observer is
     for people and tools: it reads all of the run and changes nothing."""
 
     TRAINER = "trainer"

@@ -314,7 +314,7 @@ def run_stream_configs(
     ]
 
 
-# Users revoked with their runs (`rlfleet.bus.auth.revoke_run_users`): the owner of the
+# Users revoked with their runs (`rlfleet.bus.connection.revoke_run_users`): the owner of the
 # runs' account reads them back each time it signs the account again.
 REVOCATIONS = "RLFLEET-REVOKED"
 

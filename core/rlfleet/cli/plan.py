@@ -18,11 +18,11 @@ import msgspec
 import pydantic
 import yaml
 
-from rlfleet import launch
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.profile import Profile, decode_profile
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.traffic import decode_traffic
+from rlfleet.launch import from_spec, pods
 from rlfleet.local.run import InvalidRun, read_rlrun
 from rlfleet.pipeline.day import Pool, plan_day
 from rlfleet.pipeline.model import Feed, Prediction
@@ -100,7 +100,7 @@ def figures(split: Split, prediction: Prediction, profile: Profile) -> dict:
 
 def _feed(spec: RLRunSpec) -> Feed:
     """The feed as its pod runs for this spec."""
-    settings = launch.feed_settings("planned", spec, launch.Placement("nats://planned"))
+    settings = from_spec.feed_settings("planned", spec, pods.Placement("nats://planned"))
     return Feed(settings.depth, settings.poll_s)
 
 

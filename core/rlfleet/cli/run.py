@@ -109,6 +109,12 @@ def register(groups: argparse._SubParsersAction) -> None:
         help="a production run: its simulated users say the opposite of what they think "
         "about what cycle N collects, as a client with broken instrumentation would",
     )
+    _add_operator_arguments(command)
+    command.set_defaults(handler=_run)
+
+
+def _add_operator_arguments(command: argparse.ArgumentParser) -> None:
+    """`--operator` and what goes with it: the bed, serving spikes, the namespace, detaching."""
     operator = command.add_argument_group(
         "through the operators",
         "the RLRun applied to the four-cluster bed's hub; the pods the operators create "
@@ -142,4 +148,3 @@ def register(groups: argparse._SubParsersAction) -> None:
         help="leave the run training on the `rlfleet dev up` bed, in the background, until "
         "`rlfleet dev down` (which stops it as Ctrl-C does); returns once it has a version",
     )
-    command.set_defaults(handler=_run)

@@ -5,7 +5,7 @@ Each region's clients connect to their own leaf node, which reaches the hub over
 leaf connection, so a message crosses the WAN once per region. Every server has its own
 JetStream domain (`hub`, or the region's name): clients reach the hub's streams through
 the leaf with the `hub` domain. Authentication is on everywhere, with the JWTs of one
-operator (`rlfleet.bus.auth`): nobody is anonymous. The servers' own clients (tests,
+operator (`rlfleet.bus.credentials`): nobody is anonymous. The servers' own clients (tests,
 the operator, `rlfleet run`) connect as an unrestricted user of the account
 (`NatsServer.credentials`).
 """
@@ -20,25 +20,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlfleet.api.wire import BusRole
-from rlfleet.bus.auth import (
+from rlfleet.bus.connection import CREDENTIALS_ENV, AccountOwner, connect
+from rlfleet.bus.credentials import (
     ACCOUNT,
-    CREDENTIALS_ENV,
     LEAF,
     OPERATOR,
-    USER_TTL_S,
-    AccountOwner,
     NKey,
     Permissions,
     account_jwt,
     account_of,
-    connect,
-    leaf_permissions,
-    mint_run_user,
     mint_user,
     operator_jwt,
-    renewal_due,
     runs_account_jwt,
 )
+from rlfleet.bus.permissions import USER_TTL_S, leaf_permissions, mint_run_user, renewal_due
 from rlfleet.bus.streams import largest_message
 from rlfleet.local.binaries import binary
 from rlfleet.local.files import write_secret
@@ -59,7 +54,8 @@ class NatsServer:
         return await connect(self.url, Path(self.credentials), **options)
 
     def client_env(self) -> dict[str, str]:
-        """The environment a child process connects with (`rlfleet.bus.auth.connect` reads it)."""
+        """The environment a child process connects with (`rlfleet.bus.connection.connect`
+        reads it)."""
         return {CREDENTIALS_ENV: self.credentials}
 
 
@@ -99,7 +95,7 @@ class NatsBed:
 
     def keep_run_users(self, run: str, files: dict[BusRole, Path]) -> None:
         """Writes each of a run's users to its file, or signs it again there when its time
-        is nearly up (`rlfleet.bus.auth.renewal_due`): its processes reconnect with it."""
+        is nearly up (`rlfleet.bus.permissions.renewal_due`): its processes reconnect with it."""
         for role, path in files.items():
             if not path.exists() or renewal_due(path.read_text(), time.time(), USER_TTL_S):
                 write_secret(path, self.run_user(run, role))
@@ -201,6 +197,26 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
     admin = str(_user_creds(state / "admin.creds", signer, account, "admin"))
     # The system account's user: it sends the runs' account, signed again, to every server.
     system_user = _user_creds(state / "system.creds", system, system.public, "system")
+    hub, leaf_port, monitor_port = _start_hub(supervisor, state, trust, admin)
+    to_hub = _HubLink(f"nats://127.0.0.1:{leaf_port}", signer, account, system.public, system_user)
+    leaves = {
+        region: _start_leaf(supervisor, state, trust, region, to_hub, admin) for region in regions
+    }
+    supervisor.wait_until(
+        "every region's leaf connections at the hub",
+        lambda: _leaf_count(monitor_port) >= 2 * len(leaves),
+        30,
+        interval=0.1,
+    )
+    return NatsBed(
+        hub, leaves, *(str(state / f) for f in ("signing.seed", "operator.seed", "system.creds"))
+    )
+
+
+def _start_hub(
+    supervisor: Supervisor, state: Path, trust: _Trust, admin: str
+) -> tuple[NatsServer, int, int]:
+    """The hub, started and listening; returns it, and its leaf and monitoring ports."""
     hub_port, leaf_port, monitor_port = free_port(), free_port(), free_port()
     hub = NatsServer("hub", f"nats://127.0.0.1:{hub_port}", HUB_DOMAIN, admin)
     hub_conf = trust.conf() | {
@@ -214,56 +230,63 @@ def start_nats(regions: list[str], supervisor: Supervisor, state: Path) -> NatsB
     write_secret(state / "hub.conf", _conf(hub_conf))
     supervisor.start("nats-hub", [binary("nats-server"), "-c", str(state / "hub.conf")])
     supervisor.wait_until("nats hub", lambda: _listening(hub_port), 30, interval=0.1)
+    return hub, leaf_port, monitor_port
 
-    leaves: dict[str, NatsServer] = {}
-    for region in regions:
-        port = free_port()
-        # Each region's leaf node logs in to the hub as a user of its own, allowed only
-        # what a region does there, and only as a leaf node.
-        login = state / f"leaf-{region}.creds"
-        allowed = leaf_permissions(HUB_DOMAIN, region)
-        write_secret(
-            login,
-            mint_user(signer.seed, account, f"leaf-{region}", allowed, connections=(LEAF,)),
-        )
-        conf = trust.conf() | {
-            "server_name": f"leaf-{region}",
-            "listen": f"127.0.0.1:{port}",
-            "jetstream": _jetstream(state / region, region),
-            "leafnodes": {
-                "remotes": [
-                    {
-                        "urls": [f"nats://127.0.0.1:{leaf_port}"],
-                        "credentials": str(login),
-                        "account": account,
-                        "compression": "off",
-                    },
-                    # The system account's link: the hub's operator reaches this server
-                    # through it, to send it the runs' account when a run's users are revoked.
-                    {
-                        "urls": [f"nats://127.0.0.1:{leaf_port}"],
-                        "credentials": str(system_user),
-                        "account": system.public,
-                        "compression": "off",
-                    },
-                ]
-            },
-        }
-        write_secret(state / f"{region}.conf", _conf(conf))
-        supervisor.start(
-            f"nats-{region}", [binary("nats-server"), "-c", str(state / f"{region}.conf")]
-        )
-        supervisor.wait_until(f"nats {region}", lambda p=port: _listening(p), 30, interval=0.1)
-        leaves[region] = NatsServer(region, f"nats://127.0.0.1:{port}", region, admin)
-    supervisor.wait_until(
-        "every region's leaf connections at the hub",
-        lambda: _leaf_count(monitor_port) >= 2 * len(leaves),
-        30,
-        interval=0.1,
+
+@dataclass(frozen=True)
+class _HubLink:
+    """How a region's leaf node reaches the hub: the hub's leaf URL, the signing key that
+    mints the leaf's user, the account runs live in, and the system account's user."""
+
+    url: str
+    signer: NKey
+    account: str
+    system_account: str
+    system_user: Path
+
+
+def _start_leaf(
+    supervisor: Supervisor, state: Path, trust: _Trust, region: str, to_hub: _HubLink, admin: str
+) -> NatsServer:
+    """A region's leaf node, started and listening."""
+    port = free_port()
+    # Each region's leaf node logs in to the hub as a user of its own, allowed only
+    # what a region does there, and only as a leaf node.
+    login = state / f"leaf-{region}.creds"
+    allowed = leaf_permissions(HUB_DOMAIN, region)
+    write_secret(
+        login,
+        mint_user(
+            to_hub.signer.seed, to_hub.account, f"leaf-{region}", allowed, connections=(LEAF,)
+        ),
     )
-    return NatsBed(
-        hub, leaves, *(str(state / f) for f in ("signing.seed", "operator.seed", "system.creds"))
-    )
+    conf = trust.conf() | {
+        "server_name": f"leaf-{region}",
+        "listen": f"127.0.0.1:{port}",
+        "jetstream": _jetstream(state / region, region),
+        "leafnodes": {
+            "remotes": [
+                {
+                    "urls": [to_hub.url],
+                    "credentials": str(login),
+                    "account": to_hub.account,
+                    "compression": "off",
+                },
+                # The system account's link: the hub's operator reaches this server
+                # through it, to send it the runs' account when a run's users are revoked.
+                {
+                    "urls": [to_hub.url],
+                    "credentials": str(to_hub.system_user),
+                    "account": to_hub.system_account,
+                    "compression": "off",
+                },
+            ]
+        },
+    }
+    write_secret(state / f"{region}.conf", _conf(conf))
+    supervisor.start(f"nats-{region}", [binary("nats-server"), "-c", str(state / f"{region}.conf")])
+    supervisor.wait_until(f"nats {region}", lambda: _listening(port), 30, interval=0.1)
+    return NatsServer(region, f"nats://127.0.0.1:{port}", region, admin)
 
 
 class StandaloneNats:

@@ -18,11 +18,11 @@ from pathlib import Path
 import msgspec
 from msgspec.structs import replace
 
-from rlfleet import launch
 from rlfleet.api.profile import Profile
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import BusRole
-from rlfleet.bus.auth import CREDENTIALS_ENV
+from rlfleet.bus.connection import CREDENTIALS_ENV
+from rlfleet.launch import components, from_spec, pods
 from rlfleet.local.nats import HUB_DOMAIN, NatsBed
 from rlfleet.local.processes import free_port
 from rlfleet.pipeline.model import Feed, Pipeline
@@ -106,14 +106,14 @@ class Process:
     def metrics_url(self) -> str | None:
         """Where the process serves its Prometheus metrics, if it does."""
         port = getattr(self.config, "metrics_port", None)
-        return None if port is None else f"http://127.0.0.1:{port}{launch.METRICS_PATH}"
+        return None if port is None else f"http://127.0.0.1:{port}{pods.METRICS_PATH}"
 
 
 def local_pipeline(spec: RLRunSpec, profile: Profile, tuning: Tuning) -> Pipeline:
     """`rlfleet plan`'s model of what `processes` starts: one trainer rank, and one worker
     per region, all on the one rollout core (`split_cores`)."""
     split = Split(trainer_gpus=1, rollout_gpus={"local": len(spec.rollout_regions)})
-    feed = launch.feed_settings("local", spec, launch.Placement("nats://local"))
+    feed = from_spec.feed_settings("local", spec, pods.Placement("nats://local"))
     return pipeline_for(spec, profile, split, Feed(tuning.queue_depth, feed.poll_s))
 
 
@@ -143,7 +143,7 @@ def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
     return cores[:half], cores[half:]
 
 
-def pinned(component: launch.Program, cores: list[int], config_path: Path) -> list[str]:
+def pinned(component: components.Program, cores: list[int], config_path: Path) -> list[str]:
     cpus = ",".join(map(str, cores))
     return ["taskset", "-c", cpus, *component.command(sys.executable), str(config_path)]
 
@@ -151,45 +151,61 @@ def pinned(component: launch.Program, cores: list[int], config_path: Path) -> li
 def model_path(spec: RLRunSpec, layout: Layout) -> Path:
     if spec.model.uri.startswith(TINY_SCHEME):
         return layout.model
-    return Path(launch.model_dir(spec))
+    return Path(pods.model_dir(spec))
 
 
 def processes(
     name: str, spec: RLRunSpec, layout: Layout, nats: NatsBed, tuning: Tuning
 ) -> list[Process]:
     """The components as local processes, with the settings pods get from the same spec
-    (`rlfleet.launch`) and this machine's sizes on top. Each connects to NATS as the
-    user of its component (`layout.credentials`), as its pods would, and serves its metrics on
-    a port of its own (`Process.metrics_url`)."""
+    (`rlfleet.launch.from_spec`) and this machine's sizes on top. Each connects to NATS as
+    the user of its component (`layout.credentials`), as its pods would, and serves its
+    metrics on a port of its own (`Process.metrics_url`)."""
     trainer_cores, rollout_cores = split_cores(sorted(os.sched_getaffinity(0)))
     model = str(model_path(spec, layout))
     threads = {"OMP_NUM_THREADS": str(len(trainer_cores))}
-    hub = launch.Placement(nats.hub.url, HUB_DOMAIN)
-    found: list[Process] = []
+    hub = pods.Placement(nats.hub.url, HUB_DOMAIN)
+    trainer = from_spec.trainer_settings(name, spec, model, str(layout.checkpoints), metered(hub))
+    trainer = replace(trainer, zero_stage=min(trainer.zero_stage, 2))  # ZeRO-3 needs a GPU
+    found = [_component(layout, "trainer", components.TRAINER, trainer_cores, trainer, threads)]
+    rollout_env = _rollout_env(rollout_cores)
+    found += _rollout_workers(name, spec, layout, model, nats, tuning, rollout_cores, rollout_env)
+    feed = from_spec.feed_settings(name, spec, metered(hub))
+    feed = replace(feed, depth=tuning.queue_depth)
+    found.append(_component(layout, "feed", components.FEED, rollout_cores, feed, {}))
+    if spec.evaluation is not None:
+        # Scoring shares the rollout cores: it generates, as they do.
+        evaluator = from_spec.evaluator_settings(name, spec, model, metered(hub))
+        scoring_threads = {"OMP_NUM_THREADS": rollout_env["OMP_NUM_THREADS"]}
+        found.append(
+            _component(
+                layout, "evaluator", components.EVALUATOR, rollout_cores, evaluator, scoring_threads
+            )
+        )
+    return found
 
-    def add(
-        process_name: str,
-        component: launch.Component,
-        cores: list[int],
-        config: msgspec.Struct,
-        env: dict,
-    ) -> None:
-        path = layout.configs / f"{process_name}.json"
-        env = env | {CREDENTIALS_ENV: str(layout.credentials(BusRole(component.name)))}
-        found.append(Process(process_name, pinned(component, cores, path), config, env))
 
-    def metered(at: launch.Placement) -> launch.Placement:
-        return dataclasses.replace(at, metrics_port=free_port())
+def metered(at: pods.Placement) -> pods.Placement:
+    """`at`, serving its metrics on a free port of this machine."""
+    return dataclasses.replace(at, metrics_port=free_port())
 
-    trainer = launch.trainer_settings(name, spec, model, str(layout.checkpoints), metered(hub))
-    add(
-        "trainer",
-        launch.TRAINER,
-        trainer_cores,
-        replace(trainer, zero_stage=min(trainer.zero_stage, 2)),  # ZeRO-3 needs a GPU
-        threads,
-    )
-    rollout_env = {
+
+def _component(
+    layout: Layout,
+    process_name: str,
+    component: components.Component,
+    cores: list[int],
+    config: msgspec.Struct,
+    env: dict,
+) -> Process:
+    """One of the run's components, pinned to `cores`, as its own NATS user."""
+    path = layout.configs / f"{process_name}.json"
+    env = env | {CREDENTIALS_ENV: str(layout.credentials(BusRole(component.name)))}
+    return Process(process_name, pinned(component, cores, path), config, env)
+
+
+def _rollout_env(rollout_cores: list[int]) -> dict[str, str]:
+    return {
         "OMP_NUM_THREADS": str(len(rollout_cores)),
         # vLLM's CPU engine binds its own threads; keep them on the rollout cores.
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, rollout_cores)),
@@ -198,33 +214,38 @@ def processes(
         # three processes only add a hand-off per engine step and per weight update.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
+
+
+def _rollout_workers(
+    name: str,
+    spec: RLRunSpec,
+    layout: Layout,
+    model: str,
+    nats: NatsBed,
+    tuning: Tuning,
+    rollout_cores: list[int],
+    rollout_env: dict[str, str],
+) -> list[Process]:
+    """One rollout worker per region, behind the region's leaf node, on the rollout cores."""
     dtype = serving_dtype(cpu_flags())
+    found = []
     for demand in spec.rollout_regions:
-        at = launch.Placement(nats.leaves[demand.name].url, HUB_DOMAIN, demand.name, "0")
-        worker = launch.rollout_settings(name, spec, model, metered(at))
-        add(
-            f"rollout-{demand.name}",
-            launch.ROLLOUT,
-            rollout_cores,
-            replace(
-                worker,
-                dtype=dtype,
-                max_sessions=tuning.max_sessions,
-                max_model_len=tuning.max_model_len,
-            ),
-            rollout_env,
+        at = pods.Placement(nats.leaves[demand.name].url, HUB_DOMAIN, demand.name, "0")
+        worker = from_spec.rollout_settings(name, spec, model, metered(at))
+        worker = replace(
+            worker,
+            dtype=dtype,
+            max_sessions=tuning.max_sessions,
+            max_model_len=tuning.max_model_len,
         )
-    feed = launch.feed_settings(name, spec, metered(hub))
-    add(
-        "feed",
-        launch.FEED,
-        rollout_cores,
-        replace(feed, depth=tuning.queue_depth),
-        {},
-    )
-    if spec.evaluation is not None:
-        # Scoring shares the rollout cores: it generates, as they do.
-        evaluator = launch.evaluator_settings(name, spec, model, metered(hub))
-        scoring_threads = {"OMP_NUM_THREADS": rollout_env["OMP_NUM_THREADS"]}
-        add("evaluator", launch.EVALUATOR, rollout_cores, evaluator, scoring_threads)
+        found.append(
+            _component(
+                layout,
+                f"rollout-{demand.name}",
+                components.ROLLOUT,
+                rollout_cores,
+                worker,
+                rollout_env,
+            )
+        )
     return found

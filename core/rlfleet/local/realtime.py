@@ -29,7 +29,6 @@ import matplotlib
 import numpy as np
 from msgspec.structs import replace
 
-from rlfleet import launch
 from rlfleet.api.inferencepool import (
     CANARY,
     FEEDBACK_KEY_FILE,
@@ -47,10 +46,12 @@ from rlfleet.api.wire import (
     capture_subject,
     decode_captured,
 )
-from rlfleet.bus import auth
-from rlfleet.bus.auth import CREDENTIALS_ENV
+from rlfleet.bus import connection
+from rlfleet.bus.connection import CREDENTIALS_ENV
 from rlfleet.bus.reading import decoded
-from rlfleet.launch.settings import FEEDBACK_DIR_ENV, UsersConfig, spec_default
+from rlfleet.launch import components, from_spec, pods
+from rlfleet.launch.production import FEEDBACK_DIR_ENV, UsersConfig
+from rlfleet.launch.settings import spec_default
 from rlfleet.local import plan
 from rlfleet.local.nats import HUB_DOMAIN, NatsBed
 from rlfleet.local.processes import free_port
@@ -58,7 +59,7 @@ from rlfleet.local.processes import free_port
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
-USERS = launch.Program("rlfleet.rollout.production.users")
+USERS = components.Program("rlfleet.rollout.production.users")
 SERVED_MODEL = "policy"
 API_KEY_FILE = "api-key"  # under the run's NATS folder: the pool's key, for its users too
 FEEDBACK_DIR = "feedback"  # under the run's NATS folder: what the pool's Secret would hold
@@ -123,46 +124,77 @@ def processes(
     assert production is not None and spec.evaluation is not None
     trainer_cores, pool_cores = plan.split_cores(sorted(os.sched_getaffinity(0)))
     model = str(plan.model_path(spec, layout))
-    hub = launch.Placement(nats.hub.url, HUB_DOMAIN)
+    hub = pods.Placement(nats.hub.url, HUB_DOMAIN)
     region = production.pool.region
-    found: list[plan.Process] = []
-
-    def metered(at: launch.Placement) -> launch.Placement:
-        return dataclasses.replace(at, metrics_port=free_port())
-
-    def env(role: BusRole, cores: list[int], extra: dict | None = None) -> dict[str, str]:
-        threads = {"OMP_NUM_THREADS": str(len(cores))}
-        return threads | (extra or {}) | {CREDENTIALS_ENV: str(layout.credentials(role))}
-
-    def add(process: str, component: launch.Component, cores: list[int], config) -> None:
-        path = layout.configs / f"{process}.json"
-        argv = plan.pinned(component, cores, path)
-        found.append(plan.Process(process, argv, config, env(BusRole(component.name), cores)))
-
-    trainer = launch.trainer_settings(name, spec, model, str(layout.checkpoints), metered(hub))
-    add(
-        "trainer",
-        launch.TRAINER,
-        trainer_cores,
-        replace(trainer, zero_stage=min(trainer.zero_stage, 2)),
-    )
-    evaluator = launch.evaluator_settings(name, spec, model, metered(hub))
-    evaluator = replace(evaluator, attempts=pace.attempts, poll_seconds=pace.poll_s)
-    # A cycle evaluates only once its candidate is trained: the evaluator has the
-    # trainer's cores to itself, and production's servers keep theirs.
-    add("evaluator", launch.EVALUATOR, trainer_cores, evaluator)
-    collector = launch.collector_settings(name, spec, metered(hub))
-    add(
-        "collector",
-        launch.COLLECTOR,
-        pool_cores,
-        replace(collector, settle_s=pace.settle_s, poll_s=pace.poll_s),
-    )
-    conductor = launch.conductor_settings(name, spec, metered(hub))
-    add("conductor", launch.CONDUCTOR, pool_cores, replace(conductor, poll_s=pace.poll_s))
-
+    found = _hub_processes(name, spec, layout, model, hub, pace, (trainer_cores, pool_cores))
     key = api_key(layout)
-    at = launch.Placement(nats.leaves[region].url, HUB_DOMAIN, region)
+    at = pods.Placement(nats.leaves[region].url, HUB_DOMAIN, region)
+    found += _pool_servers(name, spec, layout, model, at, pace, pool_cores, key)
+    found.append(_users(spec, layout, server_urls(found), pace, key, inverted_while))
+    return found
+
+
+def _env(
+    layout: plan.Layout, role: BusRole, cores: list[int], extra: dict | None = None
+) -> dict[str, str]:
+    threads = {"OMP_NUM_THREADS": str(len(cores))}
+    return threads | (extra or {}) | {CREDENTIALS_ENV: str(layout.credentials(role))}
+
+
+def _component_process(
+    layout: plan.Layout, process: str, component: components.Component, cores: list[int], config
+) -> plan.Process:
+    """One of the run's components, pinned to `cores`, as its own NATS user."""
+    path = layout.configs / f"{process}.json"
+    argv = plan.pinned(component, cores, path)
+    return plan.Process(process, argv, config, _env(layout, BusRole(component.name), cores))
+
+
+def _hub_processes(
+    name: str,
+    spec: RLRunSpec,
+    layout: plan.Layout,
+    model: str,
+    hub: pods.Placement,
+    pace: Pace,
+    cores: tuple[list[int], list[int]],
+) -> list[plan.Process]:
+    """The hub's components, at this machine's pace: the trainer and the evaluator on the
+    trainer's cores, the collector and the conductor on the pool's."""
+    trainer_cores, pool_cores = cores
+    trainer = from_spec.trainer_settings(
+        name, spec, model, str(layout.checkpoints), plan.metered(hub)
+    )
+    trainer = replace(trainer, zero_stage=min(trainer.zero_stage, 2))
+    evaluator = from_spec.evaluator_settings(name, spec, model, plan.metered(hub))
+    evaluator = replace(evaluator, attempts=pace.attempts, poll_seconds=pace.poll_s)
+    collector = from_spec.collector_settings(name, spec, plan.metered(hub))
+    collector = replace(collector, settle_s=pace.settle_s, poll_s=pace.poll_s)
+    conductor = from_spec.conductor_settings(name, spec, plan.metered(hub))
+    conductor = replace(conductor, poll_s=pace.poll_s)
+    return [
+        _component_process(layout, "trainer", components.TRAINER, trainer_cores, trainer),
+        # A cycle evaluates only once its candidate is trained: the evaluator has the
+        # trainer's cores to itself, and production's servers keep theirs.
+        _component_process(layout, "evaluator", components.EVALUATOR, trainer_cores, evaluator),
+        _component_process(layout, "collector", components.COLLECTOR, pool_cores, collector),
+        _component_process(layout, "conductor", components.CONDUCTOR, pool_cores, conductor),
+    ]
+
+
+def _pool_servers(
+    name: str,
+    spec: RLRunSpec,
+    layout: plan.Layout,
+    model: str,
+    at: pods.Placement,
+    pace: Pace,
+    pool_cores: list[int],
+    key: str,
+) -> list[plan.Process]:
+    """The pool's vLLM servers in its region: its canary set's, then one stable."""
+    production = spec.production
+    assert production is not None
     serving_env = {
         "VLLM_API_KEY": key,
         FEEDBACK_DIR_ENV: str(feedback_dir(layout)),
@@ -170,24 +202,35 @@ def processes(
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, pool_cores)),
         "TOKENIZERS_PARALLELISM": "false",
     }
+    found = []
     sets = [CANARY] * production.canary.replicas + [STABLE]
     for n, replica_set in enumerate(sets):
         process = f"serving-{replica_set}-{n}"
         path = layout.configs / f"{process}.json"
         placed = dataclasses.replace(at, replica_set=replica_set)
-        config = replace(launch.serving_settings(name, spec, placed), poll_s=pace.serving_poll_s)
+        config = replace(from_spec.serving_settings(name, spec, placed), poll_s=pace.serving_poll_s)
         vllm = [
             *("--model", model, "--served-model-name", SERVED_MODEL, "--port", str(free_port())),
             *("--dtype", plan.serving_dtype(plan.cpu_flags())),
             *("--max-model-len", str(pace.max_model_len), "--seed", str(n)),
         ]
-        argv = [*plan.pinned(launch.SERVING, pool_cores, path), *vllm]
-        found.append(
-            plan.Process(process, argv, config, env(BusRole.SERVING, pool_cores, serving_env), path)
-        )
+        argv = [*plan.pinned(components.SERVING, pool_cores, path), *vllm]
+        env = _env(layout, BusRole.SERVING, pool_cores, serving_env)
+        found.append(plan.Process(process, argv, config, env, path))
+    return found
 
+
+def _users(
+    spec: RLRunSpec,
+    layout: plan.Layout,
+    servers: dict[str, str],
+    pace: Pace,
+    key: str,
+    inverted_while: Path | None,
+) -> plan.Process:
+    """The simulated users, who speak only HTTP to the pool's servers."""
     users = UsersConfig(
-        servers=server_urls(found),
+        servers=servers,
         model=SERVED_MODEL,
         suite=spec.suite,
         record=layout.report / REQUESTS,
@@ -196,8 +239,7 @@ def processes(
     )
     path = layout.configs / "users.json"
     argv = [*USERS.command(sys.executable), str(path)]
-    found.append(plan.Process("users", argv, users, {"VLLM_API_KEY": key}))
-    return found
+    return plan.Process("users", argv, users, {"VLLM_API_KEY": key})
 
 
 def _p99(values: list[float]) -> float | None:
@@ -224,7 +266,7 @@ def _fitted_rise(rates: list[float], answers: list[int] | None = None) -> float 
 async def served_versions(run: str, url: str, credentials: Path) -> dict[str, int]:
     """The policy version that answered each captured completion, by response id: what
     no answer tells its user, read from the run's captures (as its observer)."""
-    nc = await auth.connect(url, credentials)
+    nc = await connection.connect(url, credentials)
     try:
         js = nc.jetstream()
         stream, subject = capture_stream(run), capture_subject(run)
@@ -292,33 +334,25 @@ def summary(
     (the cycles it finished)."""
     records = [r | {"version": versions.get(r.get("response_id") or "")} for r in records]
     history = state.history if state is not None else []
-    outcomes = [c.outcome for c in history]
-    accept, answers, start = [], [], min((r["at"] for r in records), default=0.0)
-    for cycle in history:  # a cycle's traffic: from the cycle before's end to its own
-        judged = [r["right"] for r in records if start <= r["at"] < cycle.finished_at]
-        judged = [right for right in judged if right is not None]
-        accept.append(round(sum(judged) / len(judged), 4) if judged else None)
-        answers.append(len(judged))
-        start = cycle.finished_at
-    known, known_answers = [], []
-    for rate, count in zip(accept, answers, strict=True):
-        if rate is not None:
-            known.append(rate)
-            known_answers.append(count)
-    swaps = _swaps(records)
-
-    def during_swap(r: dict) -> bool:
-        end = r["at"] + r["latency_ms"] / 1000
-        return any(s == r["server"] and r["at"] <= to and end >= since for s, since, to in swaps)
-
-    served = [r for r in records if r["status"] == 200]
-    in_swap, steady = [], []
-    for r in served:  # one pass: each test scans every switch
-        (in_swap if during_swap(r) else steady).append(r)
-    poisoned = next((c.candidate for c in history if c.number == invert_cycle), None)
-    poisoned_cycles = {invert_cycle - 1, invert_cycle} if invert_cycle is not None else set()
     ends = [c.finished_at for c in history]
-    servers = {r["server"] for r in records}
+    return (
+        _cycle_outcomes(records, history, invert_cycle)
+        | _accept_rates(records, history)
+        | _requests_served(records, history, invert_cycle)
+        | {
+            "cycle_seconds_mean": (
+                round((ends[-1] - ends[0]) / (len(ends) - 1), 1) if len(ends) > 1 else None
+            ),
+        }
+    )
+
+
+def _cycle_outcomes(
+    records: list[dict], history: list[FinishedCycle], invert_cycle: int | None
+) -> dict:
+    """How the cycles ended, the canary's rollbacks and the inverted cycle's among them."""
+    outcomes = [c.outcome for c in history]
+    poisoned_cycles = {invert_cycle - 1, invert_cycle} if invert_cycle is not None else set()
     return {
         "cycles": len(history),
         "promoted": outcomes.count(CycleOutcome.PROMOTED),
@@ -346,6 +380,24 @@ def summary(
         "inverted_cycle_outcome": next(
             (str(c.outcome) for c in history if c.number == invert_cycle), None
         ),
+    }
+
+
+def _accept_rates(records: list[dict], history: list[FinishedCycle]) -> dict:
+    """The share of answers users accepted in each cycle's traffic, and its trend."""
+    accept, answers, start = [], [], min((r["at"] for r in records), default=0.0)
+    for cycle in history:  # a cycle's traffic: from the cycle before's end to its own
+        judged = [r["right"] for r in records if start <= r["at"] < cycle.finished_at]
+        judged = [right for right in judged if right is not None]
+        accept.append(round(sum(judged) / len(judged), 4) if judged else None)
+        answers.append(len(judged))
+        start = cycle.finished_at
+    known, known_answers = [], []
+    for rate, count in zip(accept, answers, strict=True):
+        if rate is not None:
+            known.append(rate)
+            known_answers.append(count)
+    return {
         "accept_rate_by_cycle": accept,
         "accept_rate_first": known[0] if known else None,
         "accept_rate_last": known[-1] if known else None,
@@ -353,6 +405,27 @@ def summary(
         "accept_rate_fitted_rise": _fitted_rise(known, known_answers),
         # Each cycle alike, as this report fitted before it weighed them by their answers.
         "accept_rate_fitted_rise_per_cycle": _fitted_rise(known),
+    }
+
+
+def _requests_served(
+    records: list[dict], history: list[FinishedCycle], invert_cycle: int | None
+) -> dict:
+    """How the pool served: requests and feedback lost, latency steady and while a server
+    swapped versions, and how much the inverted cycle's candidate served."""
+    swaps = _swaps(records)
+
+    def during_swap(r: dict) -> bool:
+        end = r["at"] + r["latency_ms"] / 1000
+        return any(s == r["server"] and r["at"] <= to and end >= since for s, since, to in swaps)
+
+    served = [r for r in records if r["status"] == 200]
+    in_swap, steady = [], []
+    for r in served:  # one pass: each test scans every switch
+        (in_swap if during_swap(r) else steady).append(r)
+    poisoned = next((c.candidate for c in history if c.number == invert_cycle), None)
+    servers = {r["server"] for r in records}
+    return {
         "requests_total": len(records),
         "requests_failed": len(records) - len(served),
         "feedback_lost": sum(
@@ -369,9 +442,6 @@ def summary(
             else None
         ),
         "canary_fraction": round(sum("canary" in s for s in servers) / max(len(servers), 1), 4),
-        "cycle_seconds_mean": (
-            round((ends[-1] - ends[0]) / (len(ends) - 1), 1) if len(ends) > 1 else None
-        ),
     }
 
 

@@ -3,49 +3,39 @@
 An embedded NATS hub with a leaf node per region, a tiny MoE made on the spot and warmed
 up on the task suite, then the trainer, one rollout worker per region, a task feeder and,
 with an evaluation gate, the evaluator, as local processes (`plan.processes`). The
-trainer's step reports drive a live display; the run stops after its time budget, on
-Ctrl-C (each process finishes what it is doing) or at the gate's verdict, and leaves a
-report. Everything lives under one folder, so running again resumes.
+trainer's step reports drive a live display (`watch.follow`); the run stops after its
+time budget, on Ctrl-C (each process finishes what it is doing) or at the gate's verdict,
+and leaves a report. Everything lives under one folder, so running again resumes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import msgspec
 import yaml
-from nats.aio.msg import Msg
-from rich.console import Console
-from rich.live import Live
-from rich.table import Table
 
-from rlfleet.api.rlrun import EvaluationGate, RLRunSpec, check_run_name
+from rlfleet.api.rlrun import RLRunSpec, check_run_name
 from rlfleet.api.wire import (
     BusRole,
-    CyclePhase,
     CycleState,
     EvaluationReport,
     StepReport,
     cycle_state_subject,
     decode_cycle_state,
-    decode_evaluation_report,
     decode_step_report,
-    evaluation_subject,
     step_subject,
 )
-from rlfleet.bus import auth
+from rlfleet.bus import connection
 from rlfleet.bus.reading import decoded, newest
 from rlfleet.bus.streams import (
     TRAJECTORY_BACKLOG,
@@ -53,15 +43,13 @@ from rlfleet.bus.streams import (
     ensure_run_streams,
     step_stream,
 )
-from rlfleet.launch import EVALUATION, WARMUP
 from rlfleet.launch.caches import own_caches
+from rlfleet.launch.components import EVALUATION, WARMUP
 from rlfleet.launch.settings import to_json
-from rlfleet.launch.stopping import wait_set
 from rlfleet.local import plan, realtime, report
 from rlfleet.local.nats import NatsBed, start_nats
 from rlfleet.local.processes import Supervisor, stop_pids
-
-console = Console()
+from rlfleet.local.watch import INVERTED, Plane, console, follow, tell
 
 
 class InvalidRun(Exception):
@@ -112,133 +100,11 @@ def make_model(spec: RLRunSpec, layout: plan.Layout, warmup_steps: int) -> None:
 
 
 EVALUATION_START, EVALUATION_END = "evaluation-start.json", "evaluation-end.json"
-# While this file is in the run folder, a production run's simulated users say the
-# opposite of what they think (`--invert-cycle`).
-INVERTED = "inverted"
-STARTUP_LIMIT_S = 900  # the first step must come within this; DeepSpeed and vLLM start slowly
-
-
-def table(
-    name: str,
-    reports: list[StepReport],
-    scores: list[EvaluationReport],
-    trained_s: float,
-    budget_s: float,
-    status: str | None = None,
-) -> Table:
-    progress = f"{trained_s:.0f}s of {budget_s:.0f}s training" if reports else "starting"
-    shown = Table(title=f"rlfleet run {name}: {progress}")
-    for column in ("version", "reward", "staleness", "delta bytes", "sync s", "tokens/s"):
-        shown.add_column(column, justify="right")
-    for r in reports[-12:]:
-        shown.add_row(
-            str(r.policy_version),
-            f"{r.reward_mean:.3f}",
-            f"{r.staleness_mean:.2f} (max {r.staleness_max})",
-            f"{r.weight_bytes:,}",
-            f"{r.weight_seconds:.2f}",
-            f"{r.tokens / max(r.step_seconds, 1e-9):.0f}",
-        )
-    captions = [f"evaluation: {scored(scores[-1])}"] if scores else []
-    shown.caption = "\n".join(captions + ([status] if status else [])) or None
-    return shown
-
-
-def scored(score: EvaluationReport) -> str:
-    return (
-        f"version {score.policy_version} scored {score.reward:.4f} "
-        f"(pass@{score.attempts} {score.pass_at_k:.4f}) on {score.tasks} tasks of {score.suite}"
-    )
-
-
-async def follow(
-    name: str,
-    plane: Plane,
-    budget_s: float,
-    stop: asyncio.Event,
-    gate: EvaluationGate | None,
-    invert_cycle: int | None = None,
-) -> list[EvaluationReport]:
-    """Shows step reports as they come until the training budget (counted from the first
-    step, so start-up is not charged to it) is spent, `stop` is set, or an evaluation the
-    gate rules on (under its floor, at its target) ends the run. Returns the evaluations.
-
-    A production run's budget counts from its start (its first step waits for a cycle),
-    its cycles are shown as they turn, and with `invert_cycle` its users say the opposite
-    of what they think about all that cycle collects."""
-    steps: list[StepReport] = []
-    scores: list[EvaluationReport] = []
-    cycles: list[CycleState] = []
-    launched = time.monotonic()
-    first_step: float | None = launched if plane.production else None
-
-    def trained_s() -> float:
-        return 0.0 if first_step is None else time.monotonic() - first_step
-
-    async def on_step(message: Msg) -> None:
-        nonlocal first_step
-        with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
-            steps.append(decode_step_report(message.data))
-            first_step = first_step or time.monotonic()
-
-    async def on_score(message: Msg) -> None:
-        with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
-            scores.append(decode_evaluation_report(message.data))
-
-    async def on_cycle(message: Msg) -> None:
-        with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
-            cycles.append(decode_cycle_state(message.data))
-            if invert_cycle is not None:
-                inverted = plane.root / INVERTED
-                if inverting(cycles[-1], invert_cycle):
-                    inverted.touch()
-                else:
-                    inverted.unlink(missing_ok=True)
-
-    def ruled() -> bool:  # on the newest score, as the hub operator judges
-        return gate is not None and bool(scores) and gate.verdict(scores[-1].reward) is not None
-
-    def shown() -> Table:
-        status = plane.status(trained_s())
-        if cycles:
-            status = "\n".join(filter(None, [cycle_line(cycles[-1]), status]))
-        return table(name, steps, scores, trained_s(), budget_s, status)
-
-    nc = await auth.connect(plane.url, plane.credentials)
-    await nc.subscribe(step_subject(plane.key), cb=on_step)
-    await nc.subscribe(evaluation_subject(plane.key), cb=on_score)
-    await nc.subscribe(cycle_state_subject(plane.key), cb=on_cycle)
-    try:
-        with Live(shown(), console=console) as live:
-            while not stop.is_set() and trained_s() < budget_s and not ruled():
-                plane.check_alive()
-                if first_step is None and time.monotonic() - launched > STARTUP_LIMIT_S:
-                    raise TimeoutError(f"no training step in {STARTUP_LIMIT_S}s; see the logs")
-                await wait_set(stop, 1.0)
-                live.update(shown())
-    finally:
-        await nc.close()
-    return scores
-
-
-def inverting(state: CycleState, cycle: int) -> bool:
-    """Whether what is served now is decided in `cycle`: from the close of the cycle before
-    it (that one trains, is judged) until `cycle` itself closes."""
-    collecting = state.phase == CyclePhase.COLLECTING
-    return (state.number, collecting) in ((cycle - 1, False), (cycle, True))
-
-
-def cycle_line(state: CycleState) -> str:
-    done = ", ".join(f"{c.number} {c.outcome}" for c in state.history[-6:])
-    line = f"cycle {state.number}: {state.phase}, production serves version {state.serving}"
-    if state.candidate is not None:
-        line += f", candidate {state.candidate}"
-    return line + (f" (before: {done})" if done else "")
 
 
 async def recorded_steps(run: str, url: str, credentials: Path) -> list[StepReport]:
     """Every step report the run's stream holds, re-runs included, oldest first."""
-    nc = await auth.connect(url, credentials)
+    nc = await connection.connect(url, credentials)
     try:
         steps = decoded(nc.jetstream(), step_stream(run), step_subject(run), decode_step_report)
         return [report async for _, report in steps]
@@ -257,7 +123,7 @@ def evaluate(
         [*EVALUATION.command(sys.executable), str(model), suite, str(out), *published],
         capture_output=True,
         text=True,
-        env=os.environ | ({auth.CREDENTIALS_ENV: str(credentials)} if credentials else {}),
+        env=os.environ | ({connection.CREDENTIALS_ENV: str(credentials)} if credentials else {}),
     )
     if done.returncode != 0:
         reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -286,29 +152,6 @@ class Trained:
         if spec.evaluation is None or not self.scores:
             return None
         return spec.evaluation.verdict(self.scores[-1].reward)
-
-
-class Plane(Protocol):
-    """Where a run's processes run and how they are reached: started on entering."""
-
-    url: str  # the hub's NATS
-    key: str  # the run's name there: its streams, subjects and user
-    root: Path  # the run's folder
-    production: bool  # learns from a production pool's users (`spec.production`)
-    credentials: Path  # the run's observer: reads all of it, changes nothing
-
-    def __enter__(self) -> Plane: ...
-
-    def __exit__(self, *exc: object) -> None: ...
-
-    def check_alive(self) -> None:
-        """Raises if a process the run needs has died."""
-
-    def status(self, trained_s: float) -> str | None:
-        """What to show under the live table, read every second of training."""
-
-    def stop_run(self) -> None:
-        """Stops the run's processes (each finishes what it is doing), leaving NATS up."""
 
 
 PlaneFactory = Callable[[str, RLRunSpec, plan.Layout, plan.Tuning], Plane]
@@ -447,7 +290,7 @@ def train(
 
 
 async def last_cycle_state(run: str, url: str, credentials: Path) -> CycleState | None:
-    nc = await auth.connect(url, credentials)
+    nc = await connection.connect(url, credentials)
     try:
         subject = cycle_state_subject(run)
         return await newest(nc.jetstream(), cycle_stream(run), subject, decode_cycle_state)
@@ -493,11 +336,3 @@ def run(
     if spec.evaluation is not None and verdict is not None:
         tell(verdict, spec.evaluation, trained.scores[-1])
     return 1 if verdict == "Failed" else 0
-
-
-def tell(verdict: str, gate: EvaluationGate, score: EvaluationReport) -> None:
-    if verdict == "Failed":
-        console.print(f"[red]Failed: {scored(score)}, under minReward {gate.min_reward:g}[/red]")
-    else:
-        target = f"targetReward {gate.target_reward:g}"
-        console.print(f"[green]Succeeded: {scored(score)}, at or above {target}[/green]")

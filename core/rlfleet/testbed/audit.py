@@ -30,7 +30,7 @@ from rlfleet.api.wire import (
     weights_prefix,
     weights_stream,
 )
-from rlfleet.bus import auth
+from rlfleet.bus import connection
 from rlfleet.bus.reading import messages
 from rlfleet.bus.streams import TRAINER_CONSUMER
 
@@ -76,7 +76,7 @@ def _drop_log(checkpoints: Path) -> list[TrajectoryDrop]:
 async def _read(
     run: str, hub_url: str, leaf_urls: dict[str, str], credentials: Path, checkpoints: Path
 ) -> Ledger:
-    hub = await auth.connect(hub_url, credentials)
+    hub = await connection.connect(hub_url, credentials)
     try:
         js = hub.jetstream()
         trajectories: dict[int, str | None] = {}
@@ -96,7 +96,7 @@ async def _read(
     finally:
         await hub.close()
     for region, url in leaf_urls.items():
-        leaf = await auth.connect(url, credentials)
+        leaf = await connection.connect(url, credentials)
         try:
             versions[region] = await _versions(leaf.jetstream(domain=region), run)
         finally:

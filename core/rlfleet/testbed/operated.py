@@ -33,10 +33,10 @@ from pathlib import Path
 import yaml
 from rich.logging import RichHandler
 
-from rlfleet import launch as pods
 from rlfleet.api.meta import API_VERSION
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import BusRole
+from rlfleet.launch import components, pods
 from rlfleet.launch.settings import PoolConfig
 from rlfleet.local import plan
 from rlfleet.local import run as local_run
@@ -296,7 +296,7 @@ class OperatedPlane:
         self.apply(HUB, self.document)
         console.print(f"applied RLRun {self.name}; waiting for the hub to mint its NATS users")
         spec = RLRunSpec.model_validate(self.document["spec"])
-        for role in [*pods.hub_roles(spec), pods.region_role(spec)]:
+        for role in [*components.hub_roles(spec), components.region_role(spec)]:
             write_secret(self.layout.credentials(role), self._minted_user(role))
         for process in self.production_own:
             local_run.launch(process, self.supervisor)

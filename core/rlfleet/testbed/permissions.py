@@ -4,7 +4,7 @@ streams and on another run's, and the servers' verdicts are compared with what t
 component needs.
 
 The table here is written from what each component does, apart from the permissions
-the hub mints (`rlfleet.bus.auth.role_access`), so that a user allowed too much or too
+the hub mints (`rlfleet.bus.permissions.role_access`), so that a user allowed too much or too
 little shows up as a mismatch. Each operation is one publish or subscribe on the subject
 that a client, or nats-py on its behalf, uses for it; the server answers a refused one
 with a permissions violation naming the subject, which is how the verdict is read, with
@@ -36,7 +36,8 @@ from rlfleet.api.wire import (
     weights_prefix,
     weights_stream,
 )
-from rlfleet.bus.auth import connect, run_inbox
+from rlfleet.bus.connection import connect
+from rlfleet.bus.permissions import run_inbox
 from rlfleet.bus.streams import (
     TRAINER_CONSUMER,
     WORKER_CONSUMER,
@@ -131,17 +132,11 @@ class Check:
 
 def _operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
     """(operation, is a subscription, subject) for every kind of operation on `run`."""
-    streams = {
-        "TASKS": task_stream(run),
-        "TRAJ": trajectory_stream(run),
-        "STEPS": step_stream(run),
-        "EVALS": evaluation_stream(run),
-        "WEIGHTS": weights_stream(run),
-        "CAPTURE": capture_stream(run),
-        "FEEDBACK": feedback_stream(run),
-        "CYCLES": cycle_stream(run),
-        "SERVING": serving_stream(run),
-    }
+    return [*_subject_operations(run), *_stream_operations(run), *_inbox_operations(run, role)]
+
+
+def _subject_operations(run: str) -> list[tuple[str, bool, str]]:
+    """Publishing to and listening on each of the run's subjects, and listing streams."""
     subjects = {
         "tasks": task_subject(run),
         "trajectories": trajectory_subject(run),
@@ -162,6 +157,23 @@ def _operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
         found.append((f"listen {short}", True, subject))
     found.append(("list streams", False, "$JS.API.STREAM.NAMES"))
     found.append(("list streams' configs", False, "$JS.API.STREAM.LIST"))
+    return found
+
+
+def _stream_operations(run: str) -> list[tuple[str, bool, str]]:
+    """Every JetStream API call on each of the run's streams and their consumers."""
+    streams = {
+        "TASKS": task_stream(run),
+        "TRAJ": trajectory_stream(run),
+        "STEPS": step_stream(run),
+        "EVALS": evaluation_stream(run),
+        "WEIGHTS": weights_stream(run),
+        "CAPTURE": capture_stream(run),
+        "FEEDBACK": feedback_stream(run),
+        "CYCLES": cycle_stream(run),
+        "SERVING": serving_stream(run),
+    }
+    found = []
     for short, stream in streams.items():
         durable = _DURABLES.get(short, "any")
         api = {
@@ -184,6 +196,12 @@ def _operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
         # The same through a JetStream domain's prefix, as a region reaches the hub.
         found.append((f"delete {short} (domain)", False, f"$JS.hub.API.STREAM.DELETE.{stream}"))
         found.append((f"ack {short}", False, f"$JS.ACK.{stream}.{durable}.1.1.1.1.0"))
+    return found
+
+
+def _inbox_operations(run: str, role: BusRole) -> list[tuple[str, bool, str]]:
+    """Reading, and answering on, every other user's reply subjects."""
+    found = []
     for other in BusRole:
         if other != role:
             inbox = f"{run_inbox(run, other)}.x"

@@ -20,7 +20,7 @@ import kubernetes
 import msgspec
 
 from rlfleet.api.meta import COMPONENT_LABEL, RUN_LABEL
-from rlfleet.launch import REGION_ENV
+from rlfleet.launch.pods import REGION_ENV
 from rlfleet.launch.settings import PoolConfig
 from rlfleet.local.plan import Process
 from rlfleet.local.processes import Supervisor, free_port

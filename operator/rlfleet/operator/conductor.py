@@ -26,7 +26,6 @@ from typing import TypeVar
 import prometheus_client
 from msgspec.structs import replace
 
-from rlfleet import launch
 from rlfleet.api.wire import (
     CycleState,
     EvaluationReport,
@@ -54,10 +53,11 @@ from rlfleet.api.wire import (
     step_subject,
     trainer_reset_subject,
 )
-from rlfleet.bus import auth
+from rlfleet.bus import connection
 from rlfleet.bus.reading import newest, recent
 from rlfleet.bus.streams import cycle_stream, evaluation_stream, step_stream
-from rlfleet.launch.settings import ConductorConfig
+from rlfleet.launch import components
+from rlfleet.launch.production import ConductorConfig
 from rlfleet.launch.stopping import run_until_signalled, wait_set
 from rlfleet.operator.cycles import Act, Action, Observed, Phase, Step, advance, first_state
 from rlfleet.operator.promotion import gate_reports
@@ -204,7 +204,7 @@ class Conductor:
 
 
 async def conduct(config: ConductorConfig, stopping: asyncio.Event) -> None:
-    nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
+    nc = await connection.connect(config.nats_url, max_reconnect_attempts=-1)
     try:
         conductor = Conductor(config, nc.jetstream(domain=config.jetstream_domain))
         state = await conductor.start()
@@ -219,7 +219,7 @@ async def conduct(config: ConductorConfig, stopping: asyncio.Event) -> None:
 
 
 def main() -> None:
-    config = launch.component_settings(sys.argv[1:], launch.CONDUCTOR)
+    config = components.component_settings(sys.argv[1:], components.CONDUCTOR)
     if config.metrics_port is not None:
         prometheus_client.start_http_server(config.metrics_port)
     run_until_signalled(lambda stopping: conduct(config, stopping))

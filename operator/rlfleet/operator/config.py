@@ -10,7 +10,7 @@ from kubernetes.utils.quantity import parse_quantity
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlfleet.api.meta import GPU_TYPE_LABEL, Quantity
-from rlfleet.bus.auth import USER_TTL_S
+from rlfleet.bus.permissions import USER_TTL_S
 
 Name = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -180,7 +180,7 @@ class NatsAccess(BaseModel):
     # run's users (one per component). None: anonymous, and runs' pods get no user.
     # With `operator-seed` (the NATS operator's key, or one of its signing keys) and
     # `system-creds` (a user of the system account) too, a deleted run's users are revoked
-    # on every server (`rlfleet.bus.auth.revoke_run_users`); without, they only expire.
+    # on every server (`rlfleet.bus.connection.revoke_run_users`); without, they only expire.
     credentials_secret: str | None = None
     # How long a run's user JWT is valid; the hub signs it again before it expires.
     user_ttl_seconds: Annotated[float, Field(ge=10, le=30 * 86400)] = USER_TTL_S

@@ -52,7 +52,7 @@ from rlfleet.api.wire import (
 )
 from rlfleet.api.wire import CycleOutcome as Outcome
 from rlfleet.api.wire import CyclePhase as Phase
-from rlfleet.launch.settings import CanaryPolicy
+from rlfleet.launch.production import CanaryPolicy
 from rlfleet.operator.promotion import CanaryCall, GateVerdict, judge_canary
 
 

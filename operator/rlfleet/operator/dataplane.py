@@ -18,7 +18,6 @@ import nats
 import nats.errors
 import nats.js.errors
 
-from rlfleet import launch
 from rlfleet.api.wire import (
     BusRole,
     EvaluationReport,
@@ -36,7 +35,9 @@ from rlfleet.api.wire import (
     serve_order_subject,
     step_subject,
 )
-from rlfleet.bus import auth
+from rlfleet.bus import connection
+from rlfleet.bus.credentials import account_of
+from rlfleet.bus.permissions import mint_run_user
 from rlfleet.bus.reading import decoded, newest
 from rlfleet.bus.streams import (
     cycle_stream,
@@ -46,6 +47,7 @@ from rlfleet.bus.streams import (
     largest_message,
     step_stream,
 )
+from rlfleet.launch import pods
 from rlfleet.operator.production import CycleUpdates
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,7 @@ class NatsLogin:
 
     credentials: str | None  # the operator's own user (.creds text); None: anonymous
     signing_seed: str | None = None  # the account's signing key, which mints runs' users
-    # Both or neither: what revokes a deleted run's users (`rlfleet.bus.auth.AccountOwner`).
+    # Both or neither: what revokes a deleted run's users (`rlfleet.bus.connection.AccountOwner`).
     operator_seed: str | None = None  # the NATS operator's key, which signs the account
     system_credentials: str | None = None  # a system account user (.creds text)
 
@@ -116,7 +118,7 @@ class DataPlane:
     async def _client(self) -> nats.NATS:
         async with self._connecting:
             if self._nc is None or self._nc.is_closed:
-                self._nc = await auth.connect(
+                self._nc = await connection.connect(
                     self.url,
                     self.login().credentials,
                     connect_timeout=self.timeout_s,
@@ -142,10 +144,10 @@ class DataPlane:
                 "the operator's NATS Secret has no `creds` and `signing-seed`: "
                 f"no user can be made for run {run}"
             )
-        account = auth.account_of(login.credentials)
+        account = account_of(login.credentials)
         return {
-            role: auth.mint_run_user(login.signing_seed, account, run, role, incarnation, ttl_s)
-            for role in launch.POD_ROLES
+            role: mint_run_user(login.signing_seed, account, run, role, incarnation, ttl_s)
+            for role in pods.POD_ROLES
         }
 
     def revoke_users(self, run: str, incarnation: str, ttl_s: float, servers: int) -> None:
@@ -161,10 +163,10 @@ class DataPlane:
             )
             return
         assert login.credentials is not None and login.signing_seed is not None
-        owner = auth.AccountOwner(
+        owner = connection.AccountOwner(
             login.operator_seed,
             login.system_credentials,
-            auth.account_of(login.credentials),
+            account_of(login.credentials),
             login.signing_seed,
         )
         try:
@@ -179,10 +181,10 @@ class DataPlane:
             )
 
     async def _revoke(
-        self, owner: auth.AccountOwner, incarnation: str, ttl_s: float, servers: int
+        self, owner: connection.AccountOwner, incarnation: str, ttl_s: float, servers: int
     ) -> list[str]:
         nc = await self._client()
-        return await auth.revoke_run_users(
+        return await connection.revoke_run_users(
             nc, self.url, self.domain, owner, incarnation, ttl_s, servers, self.timeout_s
         )
 

@@ -19,12 +19,12 @@ from functools import partial
 
 from kubernetes.client.exceptions import ApiException
 
-from rlfleet import launch
 from rlfleet.api.meta import API_VERSION, COMPONENT_LABEL
 from rlfleet.api.production import ServingOrder
 from rlfleet.api.rlrun import RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.api.wire import BusRole, ServeOrder, StepReport
-from rlfleet.bus.auth import renewal_due
+from rlfleet.bus.permissions import renewal_due
+from rlfleet.launch import components, pods
 from rlfleet.operator import gate
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.dataplane import DataPlane, DataPlaneUnavailable, StorageRefused
@@ -90,7 +90,7 @@ class Hub:
                 return None
             self._users[meta["uid"]] = users
             self._placed = {key for key in self._placed if key[0] != meta["uid"]}
-        for role in launch.hub_roles(spec):
+        for role in components.hub_roles(spec):
             self._place_user(self.local, run, self.config.cluster, role, users, owned=True)
         return users
 
@@ -242,7 +242,7 @@ class Hub:
         try:
             kube = self.regions.client(region)
             kube.delete(_mirror_ref(run))
-            secret = launch.nats_credentials_secret(run["metadata"]["name"], role)
+            secret = pods.nats_credentials_secret(run["metadata"]["name"], role)
             kube.delete(Ref("v1", "Secret", secret, run["metadata"]["namespace"]))
         except (RegionCredentials, Unreachable):
             return False
@@ -317,7 +317,7 @@ class Hub:
         meta = run["metadata"]
         old = RLRunStatus.model_validate(run.get("status") or {})
         verdict = self._verdict(run, spec, old)
-        users, role = self._nats_users(run, spec), launch.region_role(spec)
+        users, role = self._nats_users(run, spec), components.region_role(spec)
         spec_problems = self._ensure_streams(run, spec, resync)
         self._pass_order(run, spec)
         trainer = self._apply_hub_objects(run, spec, old, verdict.held, resync)
@@ -361,7 +361,7 @@ class Hub:
         region's copy of its weights); returns what is left for a later try."""
         uid = run["metadata"]["uid"]
         spec = RLRunSpec.model_validate(run["spec"])
-        named, role = set(spec.region_names), launch.region_role(spec)
+        named, role = set(spec.region_names), components.region_role(spec)
         named |= {e["name"] for e in (run.get("status") or {}).get("regions", [])}
         for region in named:
             self._answered.pop((uid, region), None)

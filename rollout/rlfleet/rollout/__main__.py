@@ -9,7 +9,7 @@ import sys
 
 import prometheus_client
 
-from rlfleet import launch
+from rlfleet.launch import components
 from rlfleet.rollout.worker import processes
 from rlfleet.rollout.worker.loop import Worker, engine_layout, start_failure
 
@@ -17,7 +17,7 @@ log = logging.getLogger("rlfleet.rollout")
 
 
 def main() -> None:
-    config = launch.component_settings(sys.argv[1:], launch.ROLLOUT)
+    config = components.component_settings(sys.argv[1:], components.ROLLOUT)
     try:
         chosen = engine_layout(config)
     except (OSError, ValueError) as error:  # no model to read, or a tensor_parallel that can't be

@@ -5,14 +5,14 @@ import sys
 
 import torch
 
-from rlfleet import launch
+from rlfleet.launch import components
 from rlfleet.trainer.deepspeed_config import deepspeed_config
 from rlfleet.trainer.ranks import launch as launch_ranks
 from rlfleet.trainer.ranks import too_few_gpus
 
 
 def main() -> None:
-    config = launch.component_settings(sys.argv[1:], launch.TRAINER)
+    config = components.component_settings(sys.argv[1:], components.TRAINER)
     try:
         deepspeed_config(config)  # a user's DeepSpeed file is refused before anything loads
     except ValueError as error:

@@ -50,7 +50,7 @@ from rlfleet.api.wire import (
     trajectory_id,
     trajectory_stream,
 )
-from rlfleet.bus import auth
+from rlfleet.bus import connection
 from rlfleet.bus.patience import TRANSIENT, patiently
 from rlfleet.bus.reading import newest
 from rlfleet.bus.streams import (
@@ -126,7 +126,7 @@ class Trainer:
         self._resume(state)
         if state is None and config.production:  # version 0 is a serving version too
             await asyncio.to_thread(self.policy.save, 0, self._client_state([], None))
-        nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
+        nc = await connection.connect(config.nats_url, max_reconnect_attempts=-1)
         try:
             js = nc.jetstream(domain=config.jetstream_domain)
             for stream in (trajectory_stream(config.run), step_stream(config.run)):
@@ -516,7 +516,7 @@ async def follow(config: TrainerConfig, local_rank: int) -> None:
     state = await asyncio.to_thread(policy.load)
     if state is None and config.production:  # with rank 0's save of version 0
         await asyncio.to_thread(policy.save, 0, {"step": 0})
-    nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
+    nc = await connection.connect(config.nats_url, max_reconnect_attempts=-1)
     try:
         publisher = await rank_publisher(nc, config)
         await publish(policy, publisher, state["step"] if state is not None else 0)

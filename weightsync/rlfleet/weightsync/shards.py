@@ -185,6 +185,49 @@ def _piece_elements(tensor: torch.Tensor, config: SyncConfig) -> int:
     return max(1, config.shard_bytes // 4 // tensor.element_size())
 
 
+def _piece_jobs(
+    tensors: Mapping[str, torch.Tensor],
+    base: WeightState | None,
+    config: SyncConfig,
+    digests: dict[str, bytes],
+    host_base: dict[str, torch.Tensor],
+    on_device: bool | None,
+    hashed_late: list[str],
+) -> Iterator[tuple]:
+    """`_encode_piece`'s arguments for every piece of `tensors`, in name order, as
+    `encode_shards` takes them: each tensor's digest and `host_base` entry are settled as
+    its pieces are reached (`hashed_late` names those whose digest waits for all of its
+    pieces to be encoded)."""
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        old = base.tensors.get(name) if base is not None else None
+        if old is not None and (old.dtype != tensor.dtype or old.shape != tensor.shape):
+            old = None  # carried whole: new shape or dtype
+        off_host = tensor.device.type != "cpu" if on_device is None else on_device
+        ranges = _ranges(tensor.numel(), _piece_elements(tensor, config))
+        if off_host and old is not None and old.device == tensor.device:
+            host = host_base.get(name)
+            if host is None or host.dtype != old.dtype or host.shape != old.shape:
+                host = host_base[name] = _host_copy(old)
+            if name not in digests:
+                hashed_late.append(name)
+            new, old = tensor.detach().contiguous(), old.contiguous()
+            for start, count in ranges:
+                yield name, new, old, start, count, config, host
+            continue
+        new = _host(tensor)
+        if old is not None:
+            old = _host(old)  # a copy only where base and tensor are on other devices
+        if name not in digests:
+            digests[name] = xxhash.xxh3_128(as_bits(new)).digest()
+        if off_host:  # the host copy made to send it, kept (never the caller's own)
+            host_base[name] = new if tensor.device.type != "cpu" else _host_copy(new)
+        else:
+            host_base.pop(name, None)
+        for start, count in ranges:
+            yield name, new, old, start, count, config
+
+
 def encode_shards(
     run: str,
     version: int,
@@ -216,42 +259,12 @@ def encode_shards(
     """
     host_base = {} if host_base is None else host_base
     hashed_late: list[str] = []  # digests taken from `host_base` once their pieces are in
-
-    def jobs() -> Iterator[tuple]:
-        for name in sorted(tensors):
-            tensor = tensors[name]
-            old = base.tensors.get(name) if base is not None else None
-            if old is not None and (old.dtype != tensor.dtype or old.shape != tensor.shape):
-                old = None  # carried whole: new shape or dtype
-            off_host = tensor.device.type != "cpu" if on_device is None else on_device
-            ranges = _ranges(tensor.numel(), _piece_elements(tensor, config))
-            if off_host and old is not None and old.device == tensor.device:
-                host = host_base.get(name)
-                if host is None or host.dtype != old.dtype or host.shape != old.shape:
-                    host = host_base[name] = _host_copy(old)
-                if name not in digests:
-                    hashed_late.append(name)
-                new, old = tensor.detach().contiguous(), old.contiguous()
-                for start, count in ranges:
-                    yield name, new, old, start, count, config, host
-                continue
-            new = _host(tensor)
-            if old is not None:
-                old = _host(old)  # a copy only where base and tensor are on other devices
-            if name not in digests:
-                digests[name] = xxhash.xxh3_128(as_bits(new)).digest()
-            if off_host:  # the host copy made to send it, kept (never the caller's own)
-                host_base[name] = new if tensor.device.type != "cpu" else _host_copy(new)
-            else:
-                host_base.pop(name, None)
-            for start, count in ranges:
-                yield name, new, old, start, count, config
-
     group: list[tuple[Piece, list[bytes]]] = []
     size = local = 0
     pieces = sum(len(_ranges(t.numel(), _piece_elements(t, config))) for t in tensors.values())
     pool = executor_for(sum(t.nbytes for t in tensors.values()), pieces)
-    for item in _encoded_pieces(jobs(), pool):
+    jobs = _piece_jobs(tensors, base, config, digests, host_base, on_device, hashed_late)
+    for item in _encoded_pieces(jobs, pool):
         item_size = sum(item[0].sizes) + 64 + len(item[0].tensor)
         if group and size + item_size > config.shard_bytes:
             yield _shard(run, version, local * world + rank, group)

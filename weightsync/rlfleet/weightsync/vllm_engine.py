@@ -43,7 +43,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from rlfleet.bus import auth
+from rlfleet.bus import connection
 from rlfleet.launch.stopping import log_with_vllm
 from rlfleet.weightsync.bits import as_bits, dtype_name
 from rlfleet.weightsync.config import SyncConfig
@@ -170,7 +170,7 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     async def _follow(self, info: InitInfo) -> Receiver:
-        self._nc = await auth.connect(info.nats_url, max_reconnect_attempts=-1)
+        self._nc = await connection.connect(info.nats_url, max_reconnect_attempts=-1)
         stream = WeightStream(self._nc, info.run, SyncConfig(**info.config), domain=info.domain)
         receiver = Receiver(stream)
         self._following = asyncio.ensure_future(receiver.follow(self._stop))

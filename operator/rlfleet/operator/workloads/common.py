@@ -15,11 +15,11 @@ import base64
 from pathlib import Path
 from typing import Any
 
-from rlfleet import launch
 from rlfleet.api.meta import GPU_RESOURCE, GROUP, RUN_LABEL
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import BusRole
-from rlfleet.bus.auth import CREDENTIALS_ENV
+from rlfleet.bus.connection import CREDENTIALS_ENV
+from rlfleet.launch import pods
 from rlfleet.operator.config import NatsAccess, Resources, Workloads
 
 POOL_LABEL = f"{GROUP}/pool"
@@ -70,7 +70,7 @@ def object_meta(body: dict, name: str, labels: dict[str, str]) -> dict:
 
 def nats_key(run: dict) -> str:
     """The run's name on NATS, for its pods (in the mounted spec) and the hub alike."""
-    return launch.run_key(run["metadata"]["namespace"], run["metadata"]["name"])
+    return pods.run_key(run["metadata"]["namespace"], run["metadata"]["name"])
 
 
 def spec_config_map(run: dict) -> dict:
@@ -80,7 +80,7 @@ def spec_config_map(run: dict) -> dict:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": object_meta(run, f"{name}-spec", {RUN_LABEL: name}),
-        "data": {Path(launch.SPEC_FILE).name: launch.spec_document(nats_key(run), run["spec"])},
+        "data": {Path(pods.SPEC_FILE).name: pods.spec_document(nats_key(run), run["spec"])},
     }
 
 
@@ -95,7 +95,7 @@ def pod_template(labels: dict, pod: dict) -> dict:
         metadata["annotations"] = {
             "prometheus.io/scrape": "true",
             "prometheus.io/port": str(ports[0]["containerPort"]),
-            "prometheus.io/path": launch.METRICS_PATH,
+            "prometheus.io/path": pods.METRICS_PATH,
         }
     return {"metadata": metadata, "spec": pod}
 
@@ -159,24 +159,24 @@ def component_container(
     name: str, image: str, gpus: int, env: dict[str, str], workloads: Workloads
 ) -> dict:
     """A component reading its run's mounted spec (`python -m ... --rlrun`), placed by
-    the environment (`rlfleet.launch.Placement`), sized by the operator's config for its
+    the environment (`rlfleet.launch.pods.Placement`), sized by the operator's config for its
     kind (`name`), serving its metrics on the `metrics` port."""
     port = workloads.metrics_port
     return {
         "name": name,
         "image": image,
-        "args": ["--rlrun", launch.SPEC_FILE],
+        "args": ["--rlrun", pods.SPEC_FILE],
         "env": [
             *({"name": k, "value": v} for k, v in env.items()),
-            {"name": launch.METRICS_PORT_ENV, "value": str(port)},
+            {"name": pods.METRICS_PORT_ENV, "value": str(port)},
             {
-                "name": launch.POD_NAME_ENV,
+                "name": pods.POD_NAME_ENV,
                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
             },
         ],
         "ports": [{"name": METRICS_PORT_NAME, "containerPort": port}],
         "resources": _resources(workloads.resources[name], gpus),
-        "volumeMounts": [{"name": "spec", "mountPath": launch.SPEC_DIR, "readOnly": True}],
+        "volumeMounts": [{"name": "spec", "mountPath": pods.SPEC_DIR, "readOnly": True}],
     }
 
 
@@ -204,16 +204,16 @@ def mints_users(nats: NatsAccess | None) -> bool:
 def with_nats(pod: dict, run: str, role: BusRole, minted: bool) -> dict:
     """Mounts the NATS user of the run's component `role`, if the hub `minted` users, and
     tells the component where it is: a pod can do with its own run's subjects and streams
-    what its component does, nothing more (`rlfleet.bus.auth.role_access`)."""
+    what its component does, nothing more (`rlfleet.bus.permissions.role_access`)."""
     if not minted:
         return pod
-    secret = {"secretName": launch.nats_credentials_secret(run, role)}
+    secret = {"secretName": pods.nats_credentials_secret(run, role)}
     pod["volumes"].append({"name": "nats", "secret": secret | {"defaultMode": CREDENTIALS_MODE}})
     container = pod["containers"][0]
     container["volumeMounts"].append(
-        {"name": "nats", "mountPath": launch.NATS_CREDENTIALS_DIR, "readOnly": True}
+        {"name": "nats", "mountPath": pods.NATS_CREDENTIALS_DIR, "readOnly": True}
     )
-    path = f"{launch.NATS_CREDENTIALS_DIR}/{launch.NATS_CREDENTIALS_KEY}"
+    path = f"{pods.NATS_CREDENTIALS_DIR}/{pods.NATS_CREDENTIALS_KEY}"
     container["env"].insert(0, {"name": CREDENTIALS_ENV, "value": path})
     return pod
 
@@ -224,7 +224,7 @@ def with_model(pod: dict, spec: RLRunSpec) -> dict:
     if claim is not None:
         pod["volumes"].append({"name": "model", "persistentVolumeClaim": {"claimName": claim}})
         pod["containers"][0]["volumeMounts"].append(
-            {"name": "model", "mountPath": launch.model_dir(spec), "readOnly": True}
+            {"name": "model", "mountPath": pods.model_dir(spec), "readOnly": True}
         )
     return pod
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlfleet import launch
 from rlfleet.api.meta import API_VERSION, COMPONENT_LABEL, RUN_LABEL
 from rlfleet.api.rlrun import CheckpointStorage, RLRunSpec
 from rlfleet.api.wire import BusRole
+from rlfleet.launch import components, pods
 from rlfleet.launch.settings import Ranks
 from rlfleet.operator.config import Images, NatsAccess, Workloads
 from rlfleet.operator.workloads.common import (
@@ -47,7 +47,7 @@ def nats_user_secret(run: dict, role: BusRole, credentials: str, owned: bool) ->
     """The NATS user (.creds text) of one of the run's components: owned by the run in
     the hub, so it goes with it; in a region, the hub deletes it with the mirror."""
     name = run["metadata"]["name"]
-    meta = object_meta(run, launch.nats_credentials_secret(name, role), {RUN_LABEL: name})
+    meta = object_meta(run, pods.nats_credentials_secret(name, role), {RUN_LABEL: name})
     if not owned:
         del meta["ownerReferences"]
     return {
@@ -55,17 +55,17 @@ def nats_user_secret(run: dict, role: BusRole, credentials: str, owned: bool) ->
         "kind": "Secret",
         "metadata": meta,
         "type": "Opaque",
-        "stringData": {launch.NATS_CREDENTIALS_KEY: credentials},
+        "stringData": {pods.NATS_CREDENTIALS_KEY: credentials},
     }
 
 
 def _with_deepspeed(pod: dict, spec: RLRunSpec) -> dict:
     """Mounts the user's DeepSpeed settings, if the spec names a ConfigMap, where the
-    trainer reads them (`launch.DEEPSPEED_CONFIG_FILE`). Only that key is projected: a
+    trainer reads them (`pods.DEEPSPEED_CONFIG_FILE`). Only that key is projected: a
     ConfigMap without it leaves the pod unstarted with an event that says so."""
     config_map = spec.trainer.deep_speed_config_map
     if config_map is not None:
-        key = launch.DEEPSPEED_KEY
+        key = pods.DEEPSPEED_KEY
         pod["volumes"].append(
             {
                 "name": "deepspeed",
@@ -73,7 +73,7 @@ def _with_deepspeed(pod: dict, spec: RLRunSpec) -> dict:
             }
         )
         pod["containers"][0]["volumeMounts"].append(
-            {"name": "deepspeed", "mountPath": launch.DEEPSPEED_DIR, "readOnly": True}
+            {"name": "deepspeed", "mountPath": pods.DEEPSPEED_DIR, "readOnly": True}
         )
     return pod
 
@@ -83,7 +83,7 @@ def _nats_env(nats: NatsAccess | None) -> dict[str, str]:
     `nats` they are told none, and stop saying so (`Placement.from_env`)."""
     if nats is None:
         return {}
-    return {launch.NATS_URL_ENV: nats.url, launch.JETSTREAM_DOMAIN_ENV: nats.domain}
+    return {pods.NATS_URL_ENV: nats.url, pods.JETSTREAM_DOMAIN_ENV: nats.domain}
 
 
 def hub_objects(
@@ -119,8 +119,8 @@ def hub_objects(
     statefulset = _trainer(run, spec, images, workloads, nats, stopped, labels)
     network = trainer_network_policy(run, labels, workloads)
     objects = [spec_config_map(run), statefulset, service, budget, network]
-    for component in launch.components_of(spec):
-        if component not in (launch.TRAINER, launch.ROLLOUT):
+    for component in components.components_of(spec):
+        if component not in (components.TRAINER, components.ROLLOUT):
             objects.append(
                 _hub_component(run, spec, images, workloads, nats, component.name, stopped)
             )
@@ -206,23 +206,23 @@ def _trainer(
 def _trainer_container(
     run: dict, spec: RLRunSpec, images: Images, workloads: Workloads, nats: NatsAccess | None
 ) -> dict:
-    """A trainer pod's container, told its place in the job (`launch.Placement.from_env`
+    """A trainer pod's container, told its place in the job (`pods.Placement.from_env`
     reads it into `Ranks`): its ordinal as node rank, the replicas as nodes, one process per
     GPU (one on a GPU-less trainer), and pod 0 through the headless Service as rank 0."""
     name, namespace = run["metadata"]["name"], run["metadata"]["namespace"]
     gpus = spec.trainer.gpus_per_replica
     ranks = {
-        launch.TRAINER_NODES_ENV: str(spec.trainer.replicas),
-        launch.TRAINER_PROCS_PER_NODE_ENV: str(max(gpus, 1)),
-        launch.TRAINER_MASTER_ADDR_ENV: f"{name}-trainer-0.{name}-trainer.{namespace}.svc",
-        launch.TRAINER_MASTER_PORT_ENV: str(TRAINER_PORT),
+        pods.TRAINER_NODES_ENV: str(spec.trainer.replicas),
+        pods.TRAINER_PROCS_PER_NODE_ENV: str(max(gpus, 1)),
+        pods.TRAINER_MASTER_ADDR_ENV: f"{name}-trainer-0.{name}-trainer.{namespace}.svc",
+        pods.TRAINER_MASTER_PORT_ENV: str(TRAINER_PORT),
     }
     image = spec.trainer.image or images.trainer
     container = component_container("trainer", image, gpus, _nats_env(nats) | ranks, workloads)
     index = {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}
-    container["env"].append({"name": launch.TRAINER_NODE_RANK_ENV, "valueFrom": index})
+    container["env"].append({"name": pods.TRAINER_NODE_RANK_ENV, "valueFrom": index})
     container["ports"].append({"name": "rendezvous", "containerPort": TRAINER_PORT})
-    container["volumeMounts"].append({"name": "state", "mountPath": launch.STATE_DIR})
+    container["volumeMounts"].append({"name": "state", "mountPath": pods.STATE_DIR})
     return container
 
 
@@ -263,10 +263,10 @@ def _hub_component(
     name = run["metadata"]["name"]
     labels = {RUN_LABEL: name, COMPONENT_LABEL: component}
     image = (spec.rollout.image if spec.rollout is not None else None) or images.rollout
-    if component == launch.CONDUCTOR.name:
+    if component == components.CONDUCTOR.name:
         image = images.operator
     container = component_container(component, image, 0, _nats_env(nats), workloads)
-    container["command"] = launch.COMPONENTS[component].command()
+    container["command"] = components.COMPONENTS[component].command()
     pod = {"containers": [container], "volumes": [spec_volume(name)]}
     if component == "evaluator":
         pod = with_model(pod, spec)
@@ -285,8 +285,8 @@ def mirror(run: dict, origin: str, nats: NatsAccess | None, held: bool = False) 
     spec = run["spec"] | {"suspend": True} if held else run["spec"]
     annotations = {ORIGIN_UID: meta["uid"]} | ({JETSTREAM_DOMAIN: nats.domain} if nats else {})
     if mints_users(nats):
-        role = launch.region_role(RLRunSpec.model_validate(run["spec"]))
-        annotations[NATS_USER] = launch.nats_credentials_secret(meta["name"], role)
+        role = components.region_role(RLRunSpec.model_validate(run["spec"]))
+        annotations[NATS_USER] = pods.nats_credentials_secret(meta["name"], role)
     return {
         "apiVersion": API_VERSION,
         "kind": "RLRun",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 
-from rlfleet import launch
 from rlfleet.api.inferencepool import (
     CANARY,
     FEEDBACK_KEY_FILE,
@@ -20,6 +19,7 @@ from rlfleet.api.inferencepool import (
     feedback_secret,
 )
 from rlfleet.api.meta import COMPONENT_LABEL
+from rlfleet.launch import pods
 from rlfleet.operator.workloads.common import POOL_LABEL, object_meta, secret_data
 
 
@@ -38,8 +38,8 @@ def canary_deployment(pool: dict, serving: dict, replicas: int) -> dict:
         REPLICA_SET_LABEL: CANARY
     }
     for container in template["spec"]["containers"]:
-        env = [e for e in container.get("env", []) if e["name"] != launch.REPLICA_SET_ENV]
-        container["env"] = [*env, {"name": launch.REPLICA_SET_ENV, "value": CANARY}]
+        env = [e for e in container.get("env", []) if e["name"] != pods.REPLICA_SET_ENV]
+        container["env"] = [*env, {"name": pods.REPLICA_SET_ENV, "value": CANARY}]
     selector = copy.deepcopy(serving["spec"]["selector"])
     selector["matchLabels"] = selector.get("matchLabels", {}) | {REPLICA_SET_LABEL: CANARY}
     labels = {POOL_LABEL: pool["metadata"]["name"], COMPONENT_LABEL: CANARY}

@@ -8,11 +8,11 @@ EnvPool, claim sandboxes there with the run's token, a Secret beside the mirror.
 
 from __future__ import annotations
 
-from rlfleet import launch
 from rlfleet.api.inferencepool import InferencePoolSpec
 from rlfleet.api.meta import COMPONENT_LABEL, RUN_LABEL
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import BusRole
+from rlfleet.launch import pods
 from rlfleet.operator.config import Workloads
 from rlfleet.operator.workloads.common import (
     CREDENTIALS_MODE,
@@ -55,12 +55,12 @@ def rollout_deployment(
     assert rollout is not None  # a production run asks no region for rollout GPUs
     labels = {RUN_LABEL: name, POOL_LABEL: pool, COMPONENT_LABEL: "rollout"}
     endpoints = {e.region: e.url for e in spec.weight_sync.endpoints}
-    env = {launch.REGION_ENV: region, "RLFLEET_POOL": pool}
+    env = {pods.REGION_ENV: region, "RLFLEET_POOL": pool}
     if region in endpoints:
-        env[launch.NATS_URL_ENV] = endpoints[region]
+        env[pods.NATS_URL_ENV] = endpoints[region]
     domain = run["metadata"].get("annotations", {}).get(JETSTREAM_DOMAIN)
     if domain:
-        env[launch.JETSTREAM_DOMAIN_ENV] = domain
+        env[pods.JETSTREAM_DOMAIN_ENV] = domain
     image = rollout.image or default_image
     container = component_container(
         "rollout", image, pool_spec.serving.gpus_per_replica, env, workloads
@@ -86,16 +86,16 @@ def rollout_deployment(
 
 def _with_envpool(pod: dict, run: dict, envpool: str) -> dict:
     """Tells the worker where its run's EnvPool is, and mounts the run's token for it."""
-    secret = launch.envpool_token_secret(run["metadata"]["name"])
+    secret = pods.envpool_token_secret(run["metadata"]["name"])
     pod["volumes"].append(
         {"name": "envpool", "secret": {"secretName": secret, "defaultMode": CREDENTIALS_MODE}}
     )
     container = pod["containers"][0]
     container["volumeMounts"].append(
-        {"name": "envpool", "mountPath": launch.ENVPOOL_TOKEN_DIR, "readOnly": True}
+        {"name": "envpool", "mountPath": pods.ENVPOOL_TOKEN_DIR, "readOnly": True}
     )
     url = envpool_url(run["metadata"]["namespace"], envpool)
-    container["env"].insert(0, {"name": launch.ENVPOOL_URL_ENV, "value": url})
+    container["env"].insert(0, {"name": pods.ENVPOOL_URL_ENV, "value": url})
     return pod
 
 
@@ -105,7 +105,7 @@ def envpool_token(run: dict, token: str) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": object_meta(run, launch.envpool_token_secret(name), {RUN_LABEL: name}),
+        "metadata": object_meta(run, pods.envpool_token_secret(name), {RUN_LABEL: name}),
         "type": "Opaque",
-        "data": secret_data({launch.ENVPOOL_TOKEN_KEY: token}),
+        "data": secret_data({pods.ENVPOOL_TOKEN_KEY: token}),
     }

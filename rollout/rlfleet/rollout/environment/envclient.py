@@ -90,6 +90,20 @@ def _start_files(start: Path | Mapping[str, bytes]) -> dict[str, str]:
     return files
 
 
+def _claim_body(
+    start: Path | Mapping[str, bytes] | None, limits: Limits | None, snapshot: str | None
+) -> dict:
+    """A claim's request, naming only what the caller gave: the server's own otherwise."""
+    body: dict = {}
+    if limits is not None:
+        body["limits"] = msgspec.to_builtins(limits)
+    if start is not None:
+        body["files"] = _start_files(start)
+    if snapshot is not None:
+        body["snapshot"] = snapshot
+    return body
+
+
 class EnvClient:
     """A run's connection to a pool: one session server, or an EnvPool's servers behind
     one Service. Each claim's reply names the server (`endpoint`) that holds the session,
@@ -140,13 +154,15 @@ class EnvClient:
         the connection (one starting or going away), or when the token is refused (a new
         run's token reaches the pool's servers within a resync and a Secret refresh; a
         rotated one is read again from `token_file`)."""
-        body: dict = {}
-        if limits is not None:
-            body["limits"] = msgspec.to_builtins(limits)
-        if start is not None:
-            body["files"] = _start_files(start)
-        if snapshot is not None:
-            body["snapshot"] = snapshot
+        body = _claim_body(start, limits, snapshot)
+        response = await self._claim_by_deadline(body, snapshot)
+        if response.status_code != 201:
+            _raise(response)
+        return self._hold(response.json())
+
+    async def _claim_by_deadline(self, body: dict, snapshot: str | None) -> httpx.Response:
+        """The answer to a claim, asked again (as `create` says) until one is not a full
+        server's or `claim_seconds` have passed."""
         clock = asyncio.get_running_loop().time
         deadline = clock() + self.claim_seconds
         while True:
@@ -173,13 +189,13 @@ class EnvClient:
                 response = await self._claim(server, body | {"wait_seconds": wait})
                 error = _error(response) if response.status_code != 201 else {}
             if error.get("type") != "capacity_error":
-                break
+                return response
             if clock() >= deadline:
                 waited = f"no sandbox came free within {self.claim_seconds:g} s"
                 raise ClaimTimeout(503, error | {"message": f"{waited}: {error.get('message')}"})
-        if response.status_code != 201:
-            _raise(response)
-        reply = response.json()
+
+    def _hold(self, reply: dict) -> RemoteSandbox:
+        """The sandbox a claim was given, its lease renewed from now on."""
         server = _endpoint(reply.get("endpoint"))
         sandbox = RemoteSandbox(self, reply["id"], server, msgspec.convert(reply["limits"], Limits))
         self.held[sandbox.id] = server

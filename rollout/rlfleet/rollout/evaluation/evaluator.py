@@ -22,7 +22,6 @@ from pathlib import Path
 
 import prometheus_client
 
-from rlfleet import launch
 from rlfleet.api.wire import (
     EvaluationReport,
     EvaluationRequest,
@@ -32,9 +31,10 @@ from rlfleet.api.wire import (
     evaluation_request_subject,
     evaluation_subject,
 )
-from rlfleet.bus import auth
+from rlfleet.bus import connection
 from rlfleet.bus.reading import decoded, newest
 from rlfleet.bus.streams import bind_stream, cycle_stream, evaluation_stream
+from rlfleet.launch import components
 from rlfleet.launch.settings import EvaluatorConfig
 from rlfleet.launch.stopping import run_until_signalled, wait_set
 from rlfleet.rollout.environment.tasks import load_suite, suite_path
@@ -83,7 +83,7 @@ async def run_evaluator(config: EvaluatorConfig, stop: asyncio.Event) -> None:
     tasks = load_suite(suite_path(config.suite))
     if not evaluable(tasks):
         raise ValueError(f"suite {config.suite}: only bare exact-answer tasks can be evaluated")
-    nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
+    nc = await connection.connect(config.nats_url, max_reconnect_attempts=-1)
     try:
         js = nc.jetstream(domain=config.jetstream_domain)
         stream = WeightStream(nc, config.run, config.weightsync, config.jetstream_domain)
@@ -144,7 +144,7 @@ async def _score(config: EvaluatorConfig, tasks, receiver: Receiver) -> Evaluati
 
 
 def main() -> None:
-    config = launch.component_settings(sys.argv[1:], launch.EVALUATOR)
+    config = components.component_settings(sys.argv[1:], components.EVALUATOR)
     if config.metrics_port is not None:
         prometheus_client.start_http_server(config.metrics_port)
 

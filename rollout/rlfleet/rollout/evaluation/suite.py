@@ -25,6 +25,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -32,7 +33,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlfleet.api.wire import AnswerStats, Task
-from rlfleet.bus import auth
+from rlfleet.bus import connection
 from rlfleet.rollout.environment.rewards import matches
 from rlfleet.rollout.environment.session import END_TURN, window_text
 from rlfleet.rollout.environment.tasks import load_suite, suite_path
@@ -81,42 +82,16 @@ def evaluate(
     """`model`'s folder with `weights` (a published version) in place of its own."""
     if not evaluable(tasks):
         raise ValueError("only bare exact-answer tasks can be evaluated here")
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    tokenizer.padding_side = "left"  # every prompt ends where its answer begins
-    tokenizer.pad_token = tokenizer.pad_token or END_TURN  # masked out: any token will do
-    with tempfile.TemporaryDirectory(prefix="rlfleet-evaluation-") as tmp:
-        if weights is not None:
-            model = _with_weights(model, weights, Path(tmp))
-        policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    end = tokenizer.convert_tokens_to_ids(END_TURN)
+    tokenizer, policy = _policy(model, weights)
     torch.manual_seed(seed)
     right_per_task, empty, generated = [], 0, 0
     per_batch = max(1, SEQUENCES_PER_BATCH // attempts)
     for first in range(0, len(tasks), per_batch):
         batch = tasks[first : first + per_batch]
-        prompts = [window_text(task.prompt, tools=False) for task in batch]
-        encoded = tokenizer(prompts, return_tensors="pt", add_special_tokens=False, padding=True)
-        with torch.no_grad():
-            out = policy.generate(
-                encoded.input_ids.repeat_interleave(attempts, 0),
-                attention_mask=encoded.attention_mask.repeat_interleave(attempts, 0),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                max_new_tokens=max_tokens,
-                eos_token_id=end,
-                pad_token_id=end,
-            )
-        new_tokens = out[:, encoded.input_ids.shape[1] :]
-        answers = [t.split(END_TURN)[0] for t in tokenizer.batch_decode(new_tokens)]
-        for index, task in enumerate(batch):
-            assert task.answer is not None
-            own = answers[index * attempts : (index + 1) * attempts]
-            right_per_task.append(sum(matches(answer, task.answer) for answer in own))
-        empty += sum(not answer.strip() for answer in answers)
-        # Tokens up to and with the end of the turn (padding after it is the same token).
-        ended = new_tokens == end
-        generated += int(torch.where(ended.any(1), ended.int().argmax(1) + 1, ended.shape[1]).sum())
+        right, batch_empty, batch_tokens = _attempt(tokenizer, policy, batch, attempts, max_tokens)
+        right_per_task += right
+        empty += batch_empty
+        generated += batch_tokens
     count = len(tasks)
     return Evaluation(
         version=version,
@@ -130,6 +105,51 @@ def evaluate(
         },
         answers=AnswerStats(answers=attempts * count, empty=empty, tokens=generated),
     )
+
+
+def _policy(model: Path, weights: Mapping[str, torch.Tensor] | None) -> tuple[Any, Any]:
+    """The tokenizer, padding on the left, and the model with `weights` in place."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.padding_side = "left"  # every prompt ends where its answer begins
+    tokenizer.pad_token = tokenizer.pad_token or END_TURN  # masked out: any token will do
+    with tempfile.TemporaryDirectory(prefix="rlfleet-evaluation-") as tmp:
+        if weights is not None:
+            model = _with_weights(model, weights, Path(tmp))
+        policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    return tokenizer, policy
+
+
+def _attempt(
+    tokenizer: Any, policy: Any, batch: list[Task], attempts: int, max_tokens: int
+) -> tuple[list[int], int, int]:
+    """One `generate` call over a batch of tasks, `attempts` each: the right attempts of
+    each task, the empty answers, and the tokens generated."""
+    end = tokenizer.convert_tokens_to_ids(END_TURN)
+    prompts = [window_text(task.prompt, tools=False) for task in batch]
+    encoded = tokenizer(prompts, return_tensors="pt", add_special_tokens=False, padding=True)
+    with torch.no_grad():
+        out = policy.generate(
+            encoded.input_ids.repeat_interleave(attempts, 0),
+            attention_mask=encoded.attention_mask.repeat_interleave(attempts, 0),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            max_new_tokens=max_tokens,
+            eos_token_id=end,
+            pad_token_id=end,
+        )
+    new_tokens = out[:, encoded.input_ids.shape[1] :]
+    answers = [t.split(END_TURN)[0] for t in tokenizer.batch_decode(new_tokens)]
+    right = []
+    for index, task in enumerate(batch):
+        assert task.answer is not None
+        own = answers[index * attempts : (index + 1) * attempts]
+        right.append(sum(matches(answer, task.answer) for answer in own))
+    empty = sum(not answer.strip() for answer in answers)
+    # Tokens up to and with the end of the turn (padding after it is the same token).
+    ended = new_tokens == end
+    generated = int(torch.where(ended.any(1), ended.int().argmax(1) + 1, ended.shape[1]).sum())
+    return right, empty, generated
 
 
 def _with_weights(model: Path, weights: Mapping[str, torch.Tensor], folder: Path) -> Path:
@@ -147,7 +167,7 @@ async def published_weights(
     url: str, run: str, config: SyncConfig, domain: str | None = None
 ) -> WeightState:
     """The newest version of `run`'s weights on the stream, verified."""
-    nc = await auth.connect(url)
+    nc = await connection.connect(url)
     try:
         receiver = Receiver(WeightStream(nc, run, config, domain))
         await receiver.sync()

@@ -40,8 +40,8 @@ from rlfleet.api.wire import (
     capture_subject,
     encode_captured,
 )
-from rlfleet.bus.auth import connect
-from rlfleet.launch.settings import ServingConfig
+from rlfleet.bus.connection import connect
+from rlfleet.launch.production import ServingConfig
 
 log = logging.getLogger(__name__)
 

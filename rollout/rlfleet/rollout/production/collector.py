@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 import msgspec
 import prometheus_client
 
-from rlfleet import launch
 from rlfleet.api.wire import (
     MAX_NAMED_USERS,
     CapturedCompletion,
@@ -69,10 +68,11 @@ from rlfleet.api.wire import (
     live_subject,
     trajectory_subject,
 )
-from rlfleet.bus.auth import connect
+from rlfleet.bus.connection import connect
 from rlfleet.bus.reading import decoded, messages, newest
 from rlfleet.bus.streams import cycle_stream
-from rlfleet.launch.settings import CollectorConfig
+from rlfleet.launch import components
+from rlfleet.launch.production import CollectorConfig
 from rlfleet.launch.stopping import run_until_signalled, wait_set
 from rlfleet.rollout.production.agreement import FeedbackScreen, Screened
 from rlfleet.rollout.production.history import RewardHistory, prompt_key
@@ -389,7 +389,7 @@ def may_close(state: CycleState | None, last: CycleReport | None) -> bool:
 
 
 def main() -> None:
-    config = launch.component_settings(sys.argv[1:], launch.COLLECTOR)
+    config = components.component_settings(sys.argv[1:], components.COLLECTOR)
     if config.metrics_port is not None:
         prometheus_client.start_http_server(config.metrics_port)
     run_until_signalled(Collector(config).run)

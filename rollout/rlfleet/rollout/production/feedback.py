@@ -54,7 +54,7 @@ from rlfleet.api.wire import (
     feedback_subject,
     takes_value,
 )
-from rlfleet.launch.settings import ServingConfig
+from rlfleet.launch.production import ServingConfig
 from rlfleet.rollout.production.capture import Bus
 
 answered = Counter(
@@ -218,6 +218,34 @@ class FeedbackDesk:
 
     async def answer(self, body: bytes | None, headers: dict[bytes, bytes]) -> Answer:
         """The answer to one request; `body` None: it was longer than `MAX_BODY_BYTES`."""
+        admitted = self._admitted(body, headers)
+        if isinstance(admitted, Answer):
+            return admitted
+        request, user = admitted
+        js = self.bus.jetstream()
+        served = await self._served(js, request, user)
+        if isinstance(served, Answer):
+            return served
+        if not served.captured:
+            answered.labels("not_captured").inc()
+            return Answer(200, {"status": "not_captured"})
+        event, cap = hash(request.event_id), self.config.max_events_per_response
+        known = event in served.events  # a retry of an event this server took
+        if not known and len(served.events) >= cap:
+            error = f"response {request.response_id!r} has had its {cap} feedback events"
+            return Answer.refuse(409, "too_many_events", error, "response_id")
+        feedback = self._feedback(request, served)
+        self.remembered.took(request.response_id, event)  # before the wait: others see it
+        answer = await self._store(js, feedback)
+        if answer.status != 200 and not known:
+            self.remembered.took(request.response_id, event, taken=False)
+        return answer
+
+    def _admitted(
+        self, body: bytes | None, headers: dict[bytes, bytes]
+    ) -> tuple[FeedbackRequest, str] | Answer:
+        """The request and the user it is from, when its key, body, user and token are all
+        good; else the refusal."""
         if not self.authorized(headers.get(b"authorization", b"")):
             return Answer.refuse(401, "unauthorized", "a valid API key is required")
         if body is None:
@@ -243,7 +271,11 @@ class FeedbackDesk:
             return Answer.refuse(403, "forbidden", error, "token")
         if refused := self._invalid(request):
             return refused
-        js = self.bus.jetstream()
+        return request, user
+
+    async def _served(self, js, request: FeedbackRequest, user: str) -> Served | Answer:
+        """What this pool served as the response the event is about, to `user`; else the
+        refusal."""
         try:
             served = self.remembered.get(request.response_id) or await self._lookup(js, request)
         except _Unreachable:
@@ -254,16 +286,12 @@ class FeedbackDesk:
         if served.user != user:  # a token of the right pair, for a capture of another user
             error = "the response was served to another user"
             return Answer.refuse(403, "forbidden", error, "token")
-        if not served.captured:
-            answered.labels("not_captured").inc()
-            return Answer(200, {"status": "not_captured"})
-        event, cap = hash(request.event_id), self.config.max_events_per_response
-        known = event in served.events  # a retry of an event this server took
-        if not known and len(served.events) >= cap:
-            error = f"response {request.response_id!r} has had its {cap} feedback events"
-            return Answer.refuse(409, "too_many_events", error, "response_id")
+        return served
+
+    def _feedback(self, request: FeedbackRequest, served: Served) -> Feedback:
+        """The event as the stream keeps it, received now, late past the window."""
         now = time.time()
-        feedback = Feedback(
+        return Feedback(
             run=self.config.run,
             response_id=request.response_id,
             event_id=request.event_id,
@@ -274,11 +302,6 @@ class FeedbackDesk:
             received_at=now,
             late=now - served.served_at > self.config.feedback_window_s,
         )
-        self.remembered.took(request.response_id, event)  # before the wait: others see it
-        answer = await self._store(js, feedback)
-        if answer.status != 200 and not known:
-            self.remembered.took(request.response_id, event, taken=False)
-        return answer
 
     def _invalid(self, request: FeedbackRequest) -> Answer | None:
         """Why the event cannot be stored as it is, naming its field; None: it can."""

@@ -6,7 +6,7 @@ The pool runs vLLM's own OpenAI-compatible server; this command starts it with a
 `ServingConfig` (the file named in `RLFLEET_SERVING_SETTINGS`; the run's NATS user in
 `RLFLEET_NATS_CREDS`): one a local run wrote, or, in a pool's pod, one made from the
 run's spec the region mounts and the pod's environment (its NATS server, region and
-replica set; `launch.Placement`), written under its state folder. It adds to vLLM's
+replica set; `pods.Placement`), written under its state folder. It adds to vLLM's
 arguments what the middleware needs (`vllm_arguments`): the middleware itself, and
 processed log-probs, those of the distribution each token was sampled from (temperature
 applied), which is what the trainer's off-policy correction divides by, and the worker
@@ -44,9 +44,10 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from rlfleet import launch
+from rlfleet.launch import components, pods
 from rlfleet.launch.caches import own_caches
-from rlfleet.launch.settings import FEEDBACK_DIR_ENV, ServingConfig, from_json, to_json
+from rlfleet.launch.production import FEEDBACK_DIR_ENV, ServingConfig
+from rlfleet.launch.settings import from_json, to_json
 from rlfleet.launch.stopping import log_with_vllm
 from rlfleet.rollout.engine import vllm_experts
 from rlfleet.rollout.production import capture
@@ -401,9 +402,9 @@ def settings_and_arguments(argv: list[str]) -> tuple[Path, ServingConfig, list[s
         path = Path(argv[0]).resolve()
         return path, from_json(path.read_bytes(), ServingConfig), argv[1:]
     given = len(argv) > 1 and not argv[1].startswith("-")
-    run, spec = launch.read_spec(Path(argv[1] if given else launch.SPEC_FILE))
-    at = launch.Placement.from_env(os.environ)
-    config = launch.SERVING.for_pod(run, spec, at)
+    run, spec = pods.read_spec(Path(argv[1] if given else pods.SPEC_FILE))
+    at = pods.Placement.from_env(os.environ)
+    config = components.SERVING.for_pod(run, spec, at)
     path = (Path(at.state_dir) / "serving.json").resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(to_json(config))

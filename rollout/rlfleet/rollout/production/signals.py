@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from rlfleet.api.wire import CapturedCompletion, Feedback, FeedbackKind, Trajectory, takes_value
-from rlfleet.launch.settings import SignalRewards
+from rlfleet.launch.production import SignalRewards
 
 # An edit is compared on at most this much text: difflib's matching grows with the square.
 SIMILARITY_CHARS = 4096

@@ -32,7 +32,7 @@ import uuid
 import httpx
 import msgspec
 
-from rlfleet.launch.settings import UsersConfig
+from rlfleet.launch.production import UsersConfig
 from rlfleet.launch.stopping import process_settings, run_until_signalled
 from rlfleet.rollout.environment.rewards import matches
 from rlfleet.rollout.environment.tasks import load_suite, suite_path

@@ -28,7 +28,7 @@ from prometheus_client import Gauge, Info
 
 from rlfleet.api.inferencepool import SERVED_WEIGHTS
 from rlfleet.api.wire import ServingTarget, decode_serving_target, serving_stream, serving_subject
-from rlfleet.launch.settings import ServingConfig
+from rlfleet.launch.production import ServingConfig
 from rlfleet.rollout.production.capture import Bus
 from rlfleet.weightsync import (
     vllm_held_async,

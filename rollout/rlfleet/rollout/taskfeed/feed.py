@@ -25,7 +25,6 @@ import prometheus_client
 from nats.js import JetStreamContext
 from nats.js.api import PubAck, StreamState
 
-from rlfleet import launch
 from rlfleet.api.wire import (
     Task,
     TaskMessage,
@@ -35,10 +34,11 @@ from rlfleet.api.wire import (
     task_stream,
     task_subject,
 )
-from rlfleet.bus import auth
+from rlfleet.bus import connection
 from rlfleet.bus.patience import TRANSIENT, patiently
 from rlfleet.bus.reading import messages
 from rlfleet.bus.streams import bind_stream, step_stream
+from rlfleet.launch import components
 from rlfleet.launch.settings import FeedConfig
 from rlfleet.launch.stopping import run_until_signalled, wait_set
 from rlfleet.pipeline.admission import Admission
@@ -103,7 +103,7 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
     curriculum = Curriculum(config.revisit_uniform, config.seed)
     trainer = _Trainer(admission, curriculum)
     feed_id = secrets.token_hex(8)  # names this feed's publishes apart from an earlier one's
-    nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
+    nc = await connection.connect(config.nats_url, max_reconnect_attempts=-1)
     following: list[asyncio.Task] = []
     stopping = asyncio.Event()  # a follower stops on it, should nats-py swallow its cancel
     try:
@@ -212,7 +212,7 @@ async def _queue_state(js, run: str) -> StreamState:
 
 
 def main() -> None:
-    config = launch.component_settings(sys.argv[1:], launch.FEED)
+    config = components.component_settings(sys.argv[1:], components.FEED)
     if config.metrics_port is not None:
         prometheus_client.start_http_server(config.metrics_port)
 

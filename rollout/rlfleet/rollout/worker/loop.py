@@ -34,7 +34,7 @@ from rlfleet.api.wire import (
     trajectory_stream,
     trajectory_subject,
 )
-from rlfleet.bus import auth
+from rlfleet.bus import connection
 from rlfleet.bus.patience import TRANSIENT
 from rlfleet.bus.streams import (
     TASK_MAX_DELIVER,
@@ -233,7 +233,7 @@ class Worker:
 
     async def _serve(self, llm, engine: Engine) -> None:
         config = self.config
-        nc = await auth.connect(config.nats_url, max_reconnect_attempts=-1)
+        nc = await connection.connect(config.nats_url, max_reconnect_attempts=-1)
         try:
             js = nc.jetstream(domain=config.jetstream_domain)
             for stream in (task_stream(config.run), trajectory_stream(config.run)):
