@@ -217,8 +217,8 @@ def train(quick: bool) -> dict:
         precision="bf16",
         kl_coef=0.1,
         router_replay=False,
-        lr=1e-3,
-        lr_warmup_steps=0,
+        learning_rate=1e-3,
+        learning_rate_warmup_steps=0,
     )
     policy = Policy(config)
     gen = torch.Generator().manual_seed(3)

@@ -209,7 +209,7 @@ def step_timing(model_dir: Path, work: Path) -> dict[str, float]:
             model=model_dir,
             checkpoint_dir=work / f"ckpt-{invariant}",
             batch_invariant=invariant,
-            lr=1e-5,
+            learning_rate=1e-5,
         )
         policy = Policy(config)
         budget = config.micro_batch_tokens

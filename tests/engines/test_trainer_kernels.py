@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -10,10 +11,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlfleet.api.wire import Segment
+from rlfleet.launch.settings import TrainerConfig
 from rlfleet.trainer import kernels
 from rlfleet.trainer.objective import ObjectiveConfig, group_advantages, policy_loss
 from rlfleet.trainer.rows import make_rows, routed_experts
 from rlfleet.trainer.scoring import Batch, prepare, token_logprobs
+
+# The objective a run with the spec's defaults trains with.
+DEFAULTS = ObjectiveConfig.of(
+    TrainerConfig(run="r", nats_url="", model=Path(), checkpoint_dir=Path())
+)
 
 
 def _model(path: Path, batch_invariant: bool) -> torch.nn.Module:
@@ -214,7 +221,7 @@ def test_router_replay_trains_with_exactly_the_trajectory_experts(
     seen = _record_experts(model)
     logprobs = token_logprobs(model, rows.batch, tiled=batch_invariant, replay=True)
     loss = policy_loss(
-        logprobs, logprobs.detach(), rows.behaviour, rows.advantages, rows.mask, ObjectiveConfig()
+        logprobs, logprobs.detach(), rows.behaviour, rows.advantages, rows.mask, DEFAULTS
     ).loss
     loss.backward()
     real = rows.batch.real.reshape(-1)
@@ -258,7 +265,7 @@ def test_group_advantages_normalise_within_each_group() -> None:
 def test_truncated_importance_weight_is_capped() -> None:
     logprobs = torch.tensor([[-0.1, -0.1]], requires_grad=True)
     behaviour = torch.tensor([[-5.0, -0.1]])  # first token: the engine thought it far less likely
-    config = ObjectiveConfig(is_cap=2.0)
+    config = dataclasses.replace(DEFAULTS, importance_weight_cap=2.0)
     result = policy_loss(
         logprobs, logprobs.detach(), behaviour, torch.ones(1, 2), torch.ones(1, 2), config
     )
@@ -271,7 +278,7 @@ def test_truncated_importance_weight_is_capped() -> None:
 def test_kl_to_the_reference_is_zero_at_the_reference_and_positive_away_from_it() -> None:
     logprobs = torch.tensor([[-1.0, -2.0, -0.5]])
     ones = torch.ones(1, 3)
-    config = ObjectiveConfig(kl_coef=0.1)
+    config = dataclasses.replace(DEFAULTS, kl_coef=0.1)
     same = policy_loss(logprobs, logprobs, logprobs, ones, ones, config, reference=logprobs)
     assert same.kl_ref == 0.0
     moved = policy_loss(logprobs, logprobs, logprobs, ones, ones, config, reference=logprobs - 0.3)

@@ -292,7 +292,12 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_trajectories(
     names = "abcdef"
     # Two optimiser passes per batch: the optimiser state they leave is what resumes, the
     # learning rate's schedule with it (updates 0, 2 and 4 start the steps).
-    schedule = {"lr": 1e-3, "lr_warmup_steps": 2, "lr_decay_steps": 4, "lr_floor": 0.25}
+    schedule = {
+        "learning_rate": 1e-3,
+        "learning_rate_warmup_steps": 2,
+        "learning_rate_decay_steps": 4,
+        "learning_rate_floor": 0.25,
+    }
     with trainer(
         tmp_path, tiny_moe, nats_servers, max_steps=3, ack_wait_s=3, updates_per_step=2, **schedule
     ) as process:
@@ -363,7 +368,7 @@ def test_trainer_raises_the_reward_of_a_fixed_policy_on_a_verifiable_task(
         nats_servers,
         jetstream_domain=None,
         max_staleness=0,
-        lr=1e-2,
+        learning_rate=1e-2,
         # Synchronous: one step per round, on the whole round (leftovers would go stale).
         step_tokens=round_tokens,
         max_step_tokens=round_tokens,

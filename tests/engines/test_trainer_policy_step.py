@@ -29,7 +29,7 @@ def run_probe(kind: str, tmp_path: Path, **settings) -> dict:
         model=init_model("tiny-moe", tmp_path / "model"),
         checkpoint_dir=tmp_path / "checkpoints",
         router_replay=False,
-        lr_warmup_steps=0,
+        learning_rate_warmup_steps=0,
         **settings,
     )
     (tmp_path / "trainer.json").write_bytes(to_json(config))
@@ -51,7 +51,7 @@ def test_a_step_that_clips_every_token_reports_a_clipped_fraction_of_one(tmp_pat
     """Two micro-batches, two updates per step, a clip range of almost nothing and a large
     learning rate: the second pass moves every token's ratio out of the range, so the step
     clipped all of its tokens, whatever the micro-batches' share of them."""
-    clipped = {"lr": 1e-2, "updates_per_step": 2, "clip_low": 1e-6, "clip_high": 1e-6}
+    clipped = {"learning_rate": 1e-2, "updates_per_step": 2, "clip_low": 1e-6, "clip_high": 1e-6}
     assert run_probe("clipped", tmp_path, **clipped)["clipped_fraction"] > 0.95
 
 
@@ -64,7 +64,7 @@ def test_a_nan_loss_is_left_out_and_never_reaches_the_weights(
     ZeRO, DeepSpeed's overflow check dropped the whole step, the good micro-batches too,
     and the step's report said loss NaN (JSON null, which no reader of it takes). Here the
     behaviour log-probs of some micro-batches are NaN, which makes their loss NaN."""
-    report = run_probe("nonfinite", tmp_path, lr=1e-3, zero_stage=zero_stage)
+    report = run_probe("nonfinite", tmp_path, learning_rate=1e-3, zero_stage=zero_stage)
     # One of two: the step trains on the other, and reports only what it trained on.
     some, everything = report["some"], report["all"]
     assert some["finite"] and everything["finite"]
@@ -89,6 +89,6 @@ def test_a_step_against_what_users_said_has_a_negative_held_out_gain(
     step trains in bf16 over float32 master weights, with a reference model beside it:
     a GPU's precision learns (and is scored) as float32 does."""
     kind = "held_out_inverted" if inverted else "held_out"
-    report = run_probe(kind, tmp_path, lr=1e-3, kl_coef=kl_coef, precision=precision)
+    report = run_probe(kind, tmp_path, learning_rate=1e-3, kl_coef=kl_coef, precision=precision)
     assert (report["gain"] < 0) if inverted else (report["gain"] > 0)
     assert report["without"] is None

@@ -18,7 +18,9 @@ from rlfleet.weightsync import Receiver, SyncConfig, WeightStream
 NAMES = "abcdef"  # six groups: three steps of two
 STEPS = 3
 # 3 micro-batches a step: an odd count, so one rank pads with a micro-batch of no tokens.
-SETTINGS = dict(max_steps=STEPS, micro_batch_tokens=90, lr=1e-3, weightsync={"snapshot_every": 8})
+SETTINGS = dict(
+    max_steps=STEPS, micro_batch_tokens=90, learning_rate=1e-3, weightsync={"snapshot_every": 8}
+)
 
 
 @pytest.fixture(scope="module")

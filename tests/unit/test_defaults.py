@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 import typing
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -49,17 +50,17 @@ SPEC_FIELDS = [
     (TrainerSpec, "precision", TrainerConfig, "precision", None),
     (TrainerSpec, "router_replay", TrainerConfig, "router_replay", None),
     (TrainerSpec, "kl_coef", TrainerConfig, "kl_coef", None),
-    (TrainerSpec, "learning_rate", TrainerConfig, "lr", None),
-    (TrainerSpec, "learning_rate_warmup_steps", TrainerConfig, "lr_warmup_steps", None),
-    (TrainerSpec, "learning_rate_decay_steps", TrainerConfig, "lr_decay_steps", None),
-    (TrainerSpec, "learning_rate_floor", TrainerConfig, "lr_floor", None),
+    (TrainerSpec, "learning_rate", TrainerConfig, "learning_rate", None),
+    (TrainerSpec, "learning_rate_warmup_steps", TrainerConfig, "learning_rate_warmup_steps", None),
+    (TrainerSpec, "learning_rate_decay_steps", TrainerConfig, "learning_rate_decay_steps", None),
+    (TrainerSpec, "learning_rate_floor", TrainerConfig, "learning_rate_floor", None),
     # Unset (so that stepGroups can be set instead), a step is `STEP_TOKENS` tokens.
     (TrainerSpec, "step_tokens", TrainerConfig, "step_tokens", lambda _: STEP_TOKENS),
     (TrainerSpec, "step_groups", TrainerConfig, "step_groups", None),
     (TrainerSpec, "updates_per_step", TrainerConfig, "updates_per_step", None),
     (TrainerSpec, "clip_low", TrainerConfig, "clip_low", None),
     (TrainerSpec, "clip_high", TrainerConfig, "clip_high", None),
-    (TrainerSpec, "importance_weight_cap", TrainerConfig, "is_cap", None),
+    (TrainerSpec, "importance_weight_cap", TrainerConfig, "importance_weight_cap", None),
     (RolloutSpec, "temperature", TrainerConfig, "temperature", None),
     (RolloutSpec, "temperature", SessionConfig, "temperature", None),
     (RolloutSpec, "group_size", WorkerConfig, "group_size", None),
@@ -192,3 +193,18 @@ def test_prompts_are_written_in_the_tokenizers_chat_format() -> None:
     messages = [{"role": role, "content": content} for role, content in turns]
     rendered = jinja2.Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
     assert rendered == chat_text(turns)
+
+
+def test_the_trainers_objective_takes_the_specs_knobs_by_their_names_and_defaults() -> None:
+    """Each of the objective's knobs is a `spec.trainer` field of the same name, given by
+    the settings, with no default of its own."""
+    import dataclasses
+
+    from rlfleet.trainer.objective import ObjectiveConfig  # torch: only this test needs it
+
+    settings = TrainerConfig(run="r", nats_url="", model=Path(), checkpoint_dir=Path())
+    objective = ObjectiveConfig.of(settings)
+    for knob in dataclasses.fields(ObjectiveConfig):
+        assert knob.default is dataclasses.MISSING, f"ObjectiveConfig.{knob.name} has a default"
+        api = TrainerSpec.model_fields[knob.name].get_default(call_default_factory=True)
+        assert getattr(objective, knob.name) == api, knob.name

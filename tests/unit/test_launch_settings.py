@@ -81,8 +81,8 @@ def test_a_local_run_writes_each_process_settings_its_program_reads_back(tmp_pat
         assert component.read(path) == process.config
     # The example's recipe, as a pod would have it, and the machine's sizes on top.
     trainer, worker = processes["trainer"].config, processes["rollout-region-a"].config
-    assert (trainer.step_groups, trainer.lr, trainer.zero_stage) == (8, 5e-4, 1)
-    assert (trainer.lr_warmup_steps, trainer.lr_decay_steps) == (50, 1350)
+    assert (trainer.step_groups, trainer.learning_rate, trainer.zero_stage) == (8, 5e-4, 1)
+    assert (trainer.learning_rate_warmup_steps, trainer.learning_rate_decay_steps) == (50, 1350)
     assert (worker.group_size, worker.session.turn_tokens) == (16, 24)
     assert processes["feed"].config.groups_per_step == trainer.step_groups
     assert worker.max_sessions == plan.Tuning().max_sessions

@@ -31,29 +31,41 @@ def _spec(trainer: dict | None = None, rollout: dict | None = None) -> RLRunSpec
 
 # (part of the spec, field, a value other than its default, component, where it lands)
 RECIPE: list[tuple[str, str, object, components.Component, Callable]] = [
-    ("trainer", "learningRate", 3e-4, components.TRAINER, operator.attrgetter("lr")),
+    ("trainer", "learningRate", 3e-4, components.TRAINER, operator.attrgetter("learning_rate")),
     (
         "trainer",
         "learningRateWarmupSteps",
         25,
         components.TRAINER,
-        operator.attrgetter("lr_warmup_steps"),
+        operator.attrgetter("learning_rate_warmup_steps"),
     ),
     (
         "trainer",
         "learningRateDecaySteps",
         1000,
         components.TRAINER,
-        operator.attrgetter("lr_decay_steps"),
+        operator.attrgetter("learning_rate_decay_steps"),
     ),
-    ("trainer", "learningRateFloor", 0.5, components.TRAINER, operator.attrgetter("lr_floor")),
+    (
+        "trainer",
+        "learningRateFloor",
+        0.5,
+        components.TRAINER,
+        operator.attrgetter("learning_rate_floor"),
+    ),
     ("trainer", "stepTokens", 1000, components.TRAINER, operator.attrgetter("step_tokens")),
     ("trainer", "stepGroups", 4, components.TRAINER, operator.attrgetter("step_groups")),
     ("trainer", "stepGroups", 4, components.FEED, operator.attrgetter("groups_per_step")),
     ("trainer", "updatesPerStep", 2, components.TRAINER, operator.attrgetter("updates_per_step")),
     ("trainer", "clipLow", 0.1, components.TRAINER, operator.attrgetter("clip_low")),
     ("trainer", "clipHigh", 0.4, components.TRAINER, operator.attrgetter("clip_high")),
-    ("trainer", "importanceWeightCap", 5.0, components.TRAINER, operator.attrgetter("is_cap")),
+    (
+        "trainer",
+        "importanceWeightCap",
+        5.0,
+        components.TRAINER,
+        operator.attrgetter("importance_weight_cap"),
+    ),
     ("rollout", "maxTurns", 3, components.ROLLOUT, operator.attrgetter("session.max_turns")),
     ("rollout", "turnTokens", 64, components.ROLLOUT, operator.attrgetter("session.turn_tokens")),
     (

@@ -133,16 +133,17 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # feed's staleness-aware admission can issue exactly, so nothing goes stale unused.
     step_groups: Positive | None = None
     micro_batch_tokens: Positive = 8192  # padded tokens per forward/backward
-    lr: float = spec_default(TrainerSpec, "learning_rate")
-    # The lr ramps up from 0 over these optimiser updates.
-    lr_warmup_steps: Annotated[int, msgspec.Meta(ge=0)] = spec_default(
+    learning_rate: float = spec_default(TrainerSpec, "learning_rate")
+    # The rate ramps up from 0 over these optimiser updates.
+    learning_rate_warmup_steps: Annotated[int, msgspec.Meta(ge=0)] = spec_default(
         TrainerSpec, "learning_rate_warmup_steps"
     )
-    # Then it falls along a half cosine to lr_floor x lr over these (0: it stays at lr).
-    lr_decay_steps: Annotated[int, msgspec.Meta(ge=0)] = spec_default(
+    # Then it falls along a half cosine to learning_rate_floor x learning_rate over these
+    # (0: it stays at learning_rate).
+    learning_rate_decay_steps: Annotated[int, msgspec.Meta(ge=0)] = spec_default(
         TrainerSpec, "learning_rate_decay_steps"
     )
-    lr_floor: Annotated[float, msgspec.Meta(ge=0, le=1)] = spec_default(
+    learning_rate_floor: Annotated[float, msgspec.Meta(ge=0, le=1)] = spec_default(
         TrainerSpec, "learning_rate_floor"
     )
     # Optimiser passes over each batch (PPO epochs).
@@ -151,7 +152,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grad_clip: float = 1.0
     clip_low: float = spec_default(TrainerSpec, "clip_low")
     clip_high: float = spec_default(TrainerSpec, "clip_high")
-    is_cap: float = spec_default(TrainerSpec, "importance_weight_cap")
+    importance_weight_cap: float = spec_default(TrainerSpec, "importance_weight_cap")
     kl_coef: float = spec_default(TrainerSpec, "kl_coef")
     # The user's DeepSpeed JSON (`spec.trainer.deepSpeedConfigMap`): the trainer merges it
     # under its own settings and refuses the keys it sets itself.

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rlfleet.launch.settings import TrainerConfig
 
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.28  # asymmetric upper clip (DAPO) keeps low-probability tokens learning
-    is_cap: float = 2.0  # truncated importance sampling: behaviour -> trainer weights capped here
-    kl_coef: float = 0.0  # KL to the reference policy (k3 estimator); 0 switches it off
+    """The objective's knobs, under the spec's names (`spec.trainer`); their defaults are the
+    API model's alone, and reach here through the trainer's settings (`of`)."""
+
+    clip_low: float
+    clip_high: float  # asymmetric upper clip (DAPO) keeps low-probability tokens learning
+    importance_weight_cap: float  # truncated importance sampling: weights capped here
+    kl_coef: float  # KL to the reference policy (k3 estimator); 0 switches it off
+
+    @classmethod
+    def of(cls, settings: TrainerConfig) -> ObjectiveConfig:
+        return cls(**{field.name: getattr(settings, field.name) for field in fields(cls)})
 
 
 def group_advantages(
@@ -63,7 +74,7 @@ def policy_loss(
     ratio = torch.exp(logprobs - proximal)
     clipped_ratio = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
     surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
-    is_weight = torch.exp(proximal - behaviour).clamp(max=config.is_cap).detach()
+    is_weight = torch.exp(proximal - behaviour).clamp(max=config.importance_weight_cap).detach()
     loss = -(is_weight * surrogate * mask).sum() / tokens
     kl = torch.zeros((), device=logprobs.device)
     if reference is not None and config.kl_coef > 0:

@@ -54,12 +54,7 @@ class Policy:
         self.config = config
         self.local_rank = local_rank
         deepspeed_config(config)  # a user's bad file fails before anything starts
-        self.objective = ObjectiveConfig(
-            clip_low=config.clip_low,
-            clip_high=config.clip_high,
-            is_cap=config.is_cap,
-            kl_coef=config.kl_coef,
-        )
+        self.objective = ObjectiveConfig.of(config)
         accelerator = get_accelerator()
         self.device = torch.device(accelerator.device_name(local_rank))
         # Before the first kernel: cuBLAS reads its workspace settings once.
@@ -89,15 +84,15 @@ class Policy:
             else None
         )
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+            model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
         )
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             functools.partial(
                 lr_factor,
-                warmup=config.lr_warmup_steps,
-                decay=config.lr_decay_steps,
-                floor=config.lr_floor,
+                warmup=config.learning_rate_warmup_steps,
+                decay=config.learning_rate_decay_steps,
+                floor=config.learning_rate_floor,
             ),
         )
         self.engine, *_ = deepspeed.initialize(
