@@ -234,7 +234,7 @@ def test_scripted_sessions_write_run_submit_survive_abuse_and_summarise(
     # A malformed call is an error observation; then a file written, a command run, a submit.
     for happy in found[HAPPY.id]:
         assert happy.reward == 1.0, happy.reward_breakdown
-        assert happy.reward_breakdown == {"cheat": 0.0, "exact": 1.0, "hidden_tests": 1.0}
+        assert happy.reward_breakdown == {"cheat": 0.0, "exactAnswer": 1.0, "hiddenTests": 1.0}
         shown = observations(worker, happy)
         assert "error: invalid tool call" in shown, transcript(worker, happy)
         assert "wrote 6 bytes to a.txt" in shown and "exit code 0\nhello" in shown
@@ -317,7 +317,7 @@ def test_a_bare_question_is_asked_without_the_tool_protocol_or_a_sandbox(
         prompt = worker.text(segment.tokens[: segment.prompt_len])
         assert prompt == window_text(question.prompt, tools=False)
         assert "<|im_start|>system" not in prompt and "<tool>" not in prompt
-        assert "exact" in trajectory.reward_breakdown  # graded against the task's answer
+        assert "exactAnswer" in trajectory.reward_breakdown  # graded against the task's answer
     assert worker.metric("rlfleet_rollout_sandbox_claim_seconds_count") == sandboxes
 
 

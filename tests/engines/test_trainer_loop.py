@@ -75,7 +75,7 @@ def trajectory(run: str, group: str, attempt: int, version: int, **fields) -> Tr
         group_size=GROUP,
         attempt=attempt,
         reward=float(rng.random()),
-        reward_breakdown={"exact": 1.0},
+        reward_breakdown={"exactAnswer": 1.0},
         segments=[Segment(**segment)],
         worker="test",
         created_at=time.time(),

@@ -172,7 +172,7 @@ def test_an_archive_too_large_is_a_clear_error_and_the_sandbox_goes_on() -> None
 def test_exact_answer(submitted: str | None, value: float, reason: str) -> None:
     task = Task(id="t", suite="s", prompt="What is 3+4?", answer="7")
     reward = run(ExactAnswer().score(task, Outcome(submitted, {}, "")))
-    assert reward == Reward(value, {"exact": value}, reason)
+    assert reward == Reward(value, {"exactAnswer": value}, reason)
 
 
 @pytest.mark.parametrize("task_id", sorted(CODING))
@@ -197,7 +197,7 @@ def test_the_honest_fix_passes_and_is_not_flagged(task_id: str) -> None:
     assert replies[0]["exit_code"] == 0, replies[0]["output"]
     assert any(path.endswith(".pyc") for path in outcome.files)
     assert detect_cheats(task, outcome.files) is None
-    assert graded(task, outcome) == Reward(1.0, {"cheat": 0.0, "hidden_tests": 1.0})
+    assert graded(task, outcome) == Reward(1.0, {"cheat": 0.0, "hiddenTests": 1.0})
 
 
 CALC = CODING["coding-calc"].files["calc.py"]
@@ -525,7 +525,7 @@ def test_combined_is_the_weighted_mean_and_keeps_every_part(judge: JudgeEndpoint
     scorer = Combined([(3.0, ExactAnswer()), (1.0, Judge(judge.url, "m"))])
     reward = run(grade(task, Outcome("7", {}, "7"), scorer))
     assert reward == Reward(
-        pytest.approx(0.8), {"cheat": 0.0, "exact": 1.0, "judge": 0.2, "judge.clarity": 0.2}
+        pytest.approx(0.8), {"cheat": 0.0, "exactAnswer": 1.0, "judge": 0.2, "judge.clarity": 0.2}
     )
     with pytest.raises(ValueError, match="names must differ"):
         Combined([(1.0, ExactAnswer()), (1.0, ExactAnswer())])

@@ -534,6 +534,12 @@ class WeightSyncSpec(ApiModel):
     ] = 900
 
 
+# The reward kinds a run may name: one vocabulary from the spec (`spec.rewards[].kind`)
+# through the worker's settings to its scorers (`rlfleet.rollout.environment.rewards.SCORERS`)
+# and each trajectory's reward breakdown.
+RewardKind = Literal["exactAnswer", "hiddenTests", "judge"]
+
+
 class RewardSpec(ApiModel):
     """One part of the reward, combined with the others by weight."""
 
@@ -555,7 +561,7 @@ class RewardSpec(ApiModel):
     )
 
     kind: Annotated[
-        Literal["exactAnswer", "hiddenTests", "judge"],
+        RewardKind,
         Field(
             description=(
                 "What earns it, on tasks that have it: exactAnswer, the task's answer "

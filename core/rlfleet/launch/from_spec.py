@@ -127,12 +127,7 @@ def _rewards(spec: RLRunSpec) -> RewardConfig:
         if judge.endpoint is None or judge.judge_model is None:
             raise ValueError("spec.rewards: a judge reward needs endpoint and judgeModel")
         endpoint = JudgeConfig(base_url=judge.endpoint, model=judge.judge_model)
-    return RewardConfig(
-        exact=weights.get("exactAnswer", 0.0),
-        tests=weights.get("hiddenTests", 0.0),
-        judge=weights.get("judge", 0.0),
-        judge_endpoint=endpoint,
-    )
+    return RewardConfig(weights=weights, judge_endpoint=endpoint)
 
 
 def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> WorkerConfig:

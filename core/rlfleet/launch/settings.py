@@ -23,6 +23,7 @@ from rlfleet.api.rlrun import (
     STEP_TOKENS,
     EvaluationGate,
     Precision,
+    RewardKind,
     RLRunSpec,
     RolloutSpec,
     TrainerSpec,
@@ -250,14 +251,17 @@ class JudgeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     extra_body: dict = msgspec.field(default_factory=dict)  # e.g. a vLLM guided regex
 
 
-class RewardConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Weights of the parts that apply to a task (an answer, hidden tests, a rubric). With
-    no `spec.rewards`, the suite's verifiable checks: an answer and hidden tests."""
+def _verifiable() -> dict[RewardKind, float]:
+    return {"exactAnswer": 1.0, "hiddenTests": 1.0}
 
-    exact: Weight = 1.0
-    tests: Weight = 1.0
-    judge: Weight = 0.0
-    judge_endpoint: JudgeConfig | None = None
+
+class RewardConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Each reward kind's weight, by the spec's names; of those, the kinds that apply to a
+    task make its reward (a kind not listed weighs nothing). With no `spec.rewards`, the
+    suite's verifiable checks: an answer and hidden tests."""
+
+    weights: dict[RewardKind, Weight] = msgspec.field(default_factory=_verifiable)
+    judge_endpoint: JudgeConfig | None = None  # when `judge` is weighted
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -12,13 +12,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
 import msgspec
 
+from rlfleet.api.rlrun import RewardKind
 from rlfleet.api.wire import Task, check_relative_path
+from rlfleet.launch.settings import JudgeConfig
 from rlfleet.rollout.environment.cheats import changed, detect_cheats, is_bytecode, overlaps
 from rlfleet.rollout.environment.envclient import EnvClient, NoPool
 from rlfleet.rollout.environment.sandbox import Limits, Sandbox, SandboxClosed
@@ -68,7 +71,7 @@ def matches(answer: str, expected: str) -> bool:
 class ExactAnswer:
     """1 if the submitted answer is the task's answer, whitespace aside."""
 
-    name: str = "exact"
+    name: str = "exactAnswer"
 
     async def score(self, task: Task, outcome: Outcome) -> Reward:
         if task.answer is None:
@@ -101,7 +104,7 @@ class HiddenTests:
     pool: EnvClient | None  # None: no pool to grade in, so grading fails, saying so
     limits: Limits = field(default_factory=Limits)
     seconds: float = 60.0  # for the test command
-    name: str = "hidden_tests"
+    name: str = "hiddenTests"
 
     def _failed(self, reason: str) -> Reward:
         return Reward(0.0, {self.name: 0.0}, reason)
@@ -231,6 +234,56 @@ class Combined:
         value = sum(w * r.value for (w, _), r in zip(self.parts, rewards, strict=True)) / total
         breakdown = {key: v for reward in rewards for key, v in reward.breakdown.items()}
         return Reward(value, breakdown, "; ".join(r.reason for r in rewards if r.reason))
+
+
+@dataclass(frozen=True)
+class Grading:
+    """What an attempt's scorers are made with."""
+
+    pool: EnvClient | None  # where hidden tests run
+    limits: Limits  # of the sandbox they run in
+    judge: JudgeConfig | None  # the judge's endpoint, where the run weighs one
+
+
+def _exact_answer(task: Task, grading: Grading) -> Scorer | None:
+    return ExactAnswer() if task.answer is not None else None
+
+
+def _hidden_tests(task: Task, grading: Grading) -> Scorer | None:
+    return HiddenTests(grading.pool, grading.limits) if task.test_command is not None else None
+
+
+def _judge(task: Task, grading: Grading) -> Scorer | None:
+    if not task.rubric or (judge := grading.judge) is None:
+        return None
+    return Judge(
+        judge.base_url,
+        judge.model,
+        api_key=judge.api_key,
+        extra_body=judge.extra_body,
+        timeout=judge.timeout_s,
+    )
+
+
+# Each reward kind a run may name (`RewardKind`), and the scorer it is on the tasks it
+# applies to (None where it does not: a task without an answer has no exact answer).
+SCORERS: dict[RewardKind, Callable[[Task, Grading], Scorer | None]] = {
+    "exactAnswer": _exact_answer,
+    "hiddenTests": _hidden_tests,
+    "judge": _judge,
+}
+
+
+def scorer_for(task: Task, weights: Mapping[RewardKind, float], grading: Grading) -> Scorer:
+    """The weighted parts of the reward that apply to `task`; ValueError if none does."""
+    parts = [
+        (weight, scorer)
+        for kind, weight in weights.items()
+        if weight > 0 and (scorer := SCORERS[kind](task, grading)) is not None
+    ]
+    if not parts:
+        raise ValueError(f"task {task.id} has nothing the configured rewards can grade")
+    return Combined(parts)
 
 
 async def grade(task: Task, outcome: Outcome, scorer: Scorer) -> Reward:

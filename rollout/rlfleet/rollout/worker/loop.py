@@ -43,12 +43,12 @@ from rlfleet.bus.streams import (
     bind_consumer,
     bind_stream,
 )
-from rlfleet.launch.settings import RewardConfig, WorkerConfig
+from rlfleet.launch.settings import WorkerConfig
 from rlfleet.rollout.engine import metrics
 from rlfleet.rollout.engine.driver import Engine
 from rlfleet.rollout.environment import envclient, rewards
 from rlfleet.rollout.environment.envclient import ClaimTimeout, EnvClient, RemoteSandbox
-from rlfleet.rollout.environment.sandbox import Limits, Sandbox, SandboxClosed
+from rlfleet.rollout.environment.sandbox import Sandbox, SandboxClosed
 from rlfleet.rollout.environment.session import Episode, Session
 from rlfleet.rollout.environment.tasks import start_files
 from rlfleet.rollout.worker import layout
@@ -176,33 +176,6 @@ def read_task(data: bytes, run: str) -> TaskMessage:
     return task
 
 
-def scorer_for(
-    task: Task, config: RewardConfig, limits: Limits, pool: EnvClient | None
-) -> rewards.Scorer:
-    """The weighted parts of the reward that apply to `task`; ValueError if none does."""
-    parts: list[tuple[float, rewards.Scorer]] = []
-    if task.answer is not None and config.exact > 0:
-        parts.append((config.exact, rewards.ExactAnswer()))
-    if task.test_command is not None and config.tests > 0:
-        parts.append((config.tests, rewards.HiddenTests(pool, limits)))
-    if task.rubric and config.judge > 0 and (judge := config.judge_endpoint) is not None:
-        parts.append(
-            (
-                config.judge,
-                rewards.Judge(
-                    judge.base_url,
-                    judge.model,
-                    api_key=judge.api_key,
-                    extra_body=judge.extra_body,
-                    timeout=judge.timeout_s,
-                ),
-            )
-        )
-    if not parts:
-        raise ValueError(f"task {task.id} has nothing the configured rewards can grade")
-    return rewards.Combined(parts)
-
-
 class Worker:
     def __init__(self, config: WorkerConfig, layout: Layout) -> None:
         self.config = config
@@ -303,7 +276,10 @@ class Worker:
     async def _group(self, message, js) -> None:
         try:
             task = read_task(message.data, self.config.run)
-            scorer = scorer_for(task.task, self.config.rewards, self.config.limits, self.pool)
+            grading = rewards.Grading(
+                self.pool, self.config.limits, self.config.rewards.judge_endpoint
+            )
+            scorer = rewards.scorer_for(task.task, self.config.rewards.weights, grading)
         except (msgspec.DecodeError, ValueError) as error:
             log.warning("rejected task message %s: %s", message.metadata.sequence.stream, error)
             metrics.tasks_rejected.inc()
