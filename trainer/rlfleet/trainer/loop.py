@@ -1,7 +1,7 @@
 """The asynchronous training loop: trajectories in, policy versions out.
 
-Rank 0 runs the `Trainer`; the job's other ranks `follow` it (`rlfleet.trainer.distributed`
-says why one reader feeds them all).
+Rank 0 runs the `Trainer`; the job's other ranks `follow` it (`rlfleet.trainer.follower`;
+`rlfleet.trainer.distributed` says why one reader feeds them all).
 
 Per step: take full GRPO groups up to the token budget, one optimiser step, save a
 checkpoint that names the stream sequences it consumed, publish the new weights, and
@@ -27,19 +27,15 @@ import time
 import msgspec
 import nats.errors
 import prometheus_client
-import torch
 from nats.aio.msg import Msg
 
 from rlfleet.api.wire import (
     CyclePhase,
     DropReason,
     FinishedCycle,
-    GroupOutcome,
     StepReport,
     Trajectory,
     TrajectoryDrop,
-    WeightManifest,
-    cycle_of,
     cycle_state_subject,
     decode_cycle_state,
     decode_trainer_reset,
@@ -64,13 +60,13 @@ from rlfleet.bus.streams import (
 from rlfleet.launch.settings import TrainerConfig
 from rlfleet.trainer import distributed, metrics
 from rlfleet.trainer.distributed import Kind, Order
+from rlfleet.trainer.follower import publish, rank_publisher
 from rlfleet.trainer.groups import GroupBuffer, Received, staleness
-from rlfleet.trainer.held_out import HeldOut, Kept
-from rlfleet.trainer.objective import group_advantages
+from rlfleet.trainer.held_out import HeldOut
 from rlfleet.trainer.policy import Policy, StepResult
-from rlfleet.trainer.rows import Rows, make_rows, split_by_tokens
+from rlfleet.trainer.rows import Rows
+from rlfleet.trainer.step import Batch, assemble, step_report
 from rlfleet.trainer.validation import problem
-from rlfleet.weightsync import Part, Publisher, PublishFailed, WeightStream
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +295,7 @@ class Trainer:
     def _order(self, kind: Kind, step: int = 0) -> None:
         distributed.send([Order(kind, step)] * distributed.world())
 
-    def _train(self, micro_batches: list[Rows], tokens: int, held_out: list[Rows]) -> StepResult:
+    def _deal(self, micro_batches: list[Rows], tokens: int, held_out: list[Rows]) -> StepResult:
         """Deals the step's micro-batches (and held-out ones) to the ranks and trains on
         rank 0's share."""
         world = distributed.world()
@@ -316,6 +312,34 @@ class Trainer:
     async def _maybe_step(self, js) -> bool:
         """Trains one step if one is ready; returns whether it did."""
         now = time.monotonic()
+        await self._drop_unusable(now)
+        groups = self._take(now)
+        if not groups:
+            return False
+        started = time.perf_counter()
+        waited = started - self.ready_at
+        config = self.config
+        batch = assemble(groups, config.micro_batch_tokens, self.policy.pad_id, config.production)
+        result = await self._train(batch)
+        # Made before the commit, whose checkpoint holds it (`_resume`).
+        totals = (self.dropped_stale, self.rejected)
+        report = step_report(
+            config.run,
+            self.step,
+            self.version,
+            batch,
+            result,
+            totals=totals,
+            started=started,
+            waited=waited,
+        )
+        weights = await self._commit(batch, report)
+        await self._report(js, report, result, weights)
+        return True
+
+    async def _drop_unusable(self, now: float) -> None:
+        """Acknowledges what can no longer be trained on: trajectories gone stale, and
+        those of groups that never filled."""
         stale = self.buffer.drop_stale(self.version, self.max_staleness)
         expired = self.buffer.expire(now)
         if expired:
@@ -324,82 +348,55 @@ class Trainer:
             self._record_drops([(i.seq, i.trajectory) for i in expired], "expired")
         self._drop_stale(stale)
         await self._ack(item.seq for item in stale + expired)
+
+    def _take(self, now: float) -> list[list[Received]]:
+        """The next step's groups, or none while no step is ready."""
         # A production cycle trains once it is collected (all its trajectories are out);
         # its last groups may not fill a step, and nothing more comes until the cycle is
         # decided: its trainer takes what is ready, up to a step.
         partial = self.config.production
         if partial and self.cycle_phase != CyclePhase.TRAINING:
-            return False
+            return []
         if self.config.step_groups is not None:
-            groups = self.buffer.take_groups(self.config.step_groups, now, partial)
-        else:
-            groups = self.buffer.take(self.config.step_tokens, self._step_token_cap(), now, partial)
-        if not groups:
-            return False
-        started = time.perf_counter()
-        waited = started - self.ready_at
-        items = [item for group in groups for item in group]
-        rewards = torch.tensor([i.trajectory.reward for i in items])
-        group_index = torch.tensor([n for n, group in enumerate(groups) for _ in group])
-        advantages = group_advantages(rewards, group_index).tolist()
-        segments = [
-            (segment, advantage)
-            for item, advantage in zip(items, advantages, strict=True)
-            for segment in item.trajectory.segments
-        ]
-        made = [
-            Kept([s for s, _ in chunk], [a for _, a in chunk])
-            for chunk in split_by_tokens(segments, self.config.micro_batch_tokens)
-        ]
-        micro_batches = [make_rows(b.segments, b.advantages, self.policy.pad_id) for b in made]
-        tokens = sum(rows.tokens for rows in micro_batches)
-        # A production step's trajectories are all of one cycle: the conductor lets out
-        # none of the next before this one's candidate is decided.
-        cycle = cycle_of(items[0].trajectory.group_id) if self.config.production else None
-        held_out = self.held_out.rows_for(cycle, self.cycle_history, self.policy.pad_id)
-        result = await asyncio.to_thread(self._train, micro_batches, tokens, held_out)
-        self.held_out.keep(cycle, made)
-        lags = [staleness(i.trajectory, self.version) for i in items]
-        report = StepReport(
-            run=self.config.run,
-            step=self.step + 1,
-            policy_version=self.version + 1,
-            trajectories=[trajectory_id(i.trajectory) for i in items],
-            groups=len(groups),
-            tokens=result.tokens,
-            reward_mean=float(rewards.mean()),
-            loss=result.loss,
-            staleness_mean=sum(lags) / len(lags),
-            staleness_max=max(lags),
-            mismatch_mean_abs=result.mismatch.mean_abs,
-            mismatch_max_abs=result.mismatch.max_abs,
-            mismatch_kl=result.mismatch.kl,
-            clipped_fraction=result.clipped_fraction,
-            dropped_stale_total=self.dropped_stale,
-            rejected_total=self.rejected,
-            step_seconds=time.perf_counter() - started,
-            finished_at=time.time(),
-            wait_seconds=round(waited, 3),
-            learning_rate=result.learning_rate,
-            held_out_gain=result.held_out_gain,
-            outcomes=[
-                GroupOutcome(
-                    task_id=group[0].trajectory.task_id,
-                    rewards=[i.trajectory.reward for i in group],
-                )
-                for group in groups
-            ],
-        )
+            return self.buffer.take_groups(self.config.step_groups, now, partial)
+        return self.buffer.take(self.config.step_tokens, self._step_token_cap(), now, partial)
+
+    async def _train(self, batch: Batch) -> StepResult:
+        """One policy step on the batch, scored too on an earlier cycle's held-out rows;
+        then this cycle's micro-batches are held out for a later one (before the step's
+        checkpoint, which holds them)."""
+        pad_id = self.policy.pad_id
+        held_out = self.held_out.rows_for(batch.cycle, self.cycle_history, pad_id)
+        result = await asyncio.to_thread(self._deal, batch.micro_batches, batch.tokens, held_out)
+        self.held_out.keep(batch.cycle, batch.made)
+        return result
+
+    async def _commit(self, batch: Batch, report: StepReport) -> tuple[int, float]:
+        """Makes the trained version the current one, in the order that loses no
+        trajectory and trains none twice: a checkpoint that names the stream sequences
+        the step consumed, the version's weights published, and only then those
+        sequences acknowledged. Killed anywhere, the trainer resumes from its last
+        checkpoint: what it had not trained on is redelivered; what the checkpoint holds
+        is known by sequence (`consumed`) and acknowledged without training. Returns the
+        weights' bytes and seconds (`_publish_weights`)."""
         self.step += 1
-        seqs = [item.seq for item in items]
+        seqs = batch.seqs
         record = msgspec.to_builtins(report)
         await asyncio.to_thread(
             self.policy.save, self.step, self._client_state(seqs, record), self.pinned
         )
         self.consumed = set(seqs)
-        weight_bytes, weight_seconds = await self._publish_weights()
+        weights = await self._publish_weights()
         await self._ack(seqs)
         self.ready_at = time.perf_counter()
+        return weights
+
+    async def _report(
+        self, js, report: StepReport, result: StepResult, weights: tuple[int, float]
+    ) -> None:
+        """Logs the committed step, with its weights' size, sends its report and counts
+        it."""
+        weight_bytes, weight_seconds = weights
         report = msgspec.structs.replace(
             report, weight_bytes=weight_bytes, weight_seconds=round(weight_seconds, 3)
         )
@@ -412,14 +409,14 @@ class Trainer:
         )
         metrics.steps.inc()
         metrics.nonfinite.inc(result.nonfinite_micro_batches)
-        metrics.trajectories.labels("trained").inc(len(items))
+        metrics.trajectories.labels("trained").inc(len(report.trajectories))
         for stat in ("mean_abs", "max_abs", "kl"):
             metrics.mismatch.labels(stat).set(getattr(result.mismatch, stat))
         log.info(
             "step %d: %d trajectories, %d tokens, reward %.3f, loss %.4f, staleness %.2f, "
             "mismatch |dlogp| mean %.2e max %.2e kl %.2e, %.2fs",
             self.step,
-            len(items),
+            len(report.trajectories),
             result.tokens,
             report.reward_mean,
             result.loss,
@@ -435,7 +432,6 @@ class Trainer:
                 self.step,
                 result.held_out_gain,
             )
-        return True
 
     def _client_state(self, consumed: list[int], report: dict | None) -> dict:
         """What a checkpoint holds beside the model: what a resumed trainer goes on from."""
@@ -483,55 +479,3 @@ class Trainer:
         metrics.policy_version.set(self.version)
         shipped = next((m for m in manifests if m.kind == "delta"), manifests[0])
         return sum(s.size for s in shipped.shards), time.perf_counter() - started
-
-
-async def rank_publisher(nc, config: TrainerConfig) -> Publisher:
-    """This rank's publisher of the run's one version stream: each rank puts the shards
-    of the tensors it owns (`Policy.weights`), rank 0 the manifest."""
-    weights = WeightStream(nc, config.run, config.weightsync, config.jetstream_domain)
-    await weights.bind()
-    mirrors = [
-        WeightStream(nc, config.run, config.weightsync, domain) for domain in config.weight_mirrors
-    ]
-    part = Part(distributed.rank(), distributed.world(), distributed.gather)
-    return Publisher(weights, config.weightsync, mirrors, part=part)
-
-
-async def publish(policy: Policy, publisher: Publisher, version: int) -> list[WeightManifest]:
-    """Collective: every rank gathers its part of the policy and publishes it as `version`,
-    again while NATS restarts (every rank fails the same try: the publisher gathers each
-    rank's outcome, and another rank's failure is its `PublishFailed`)."""
-    weights = await asyncio.to_thread(policy.weights)
-    return await patiently(
-        lambda: publisher.publish(weights, version),
-        f"publishing version {version}",
-        transient=(*TRANSIENT, PublishFailed),
-    )
-
-
-async def follow(config: TrainerConfig, local_rank: int) -> None:
-    """A rank other than 0: takes its part in every collective rank 0 starts (restoring,
-    training its share of each step, saving, publishing) until told to stop."""
-    policy = await asyncio.to_thread(Policy, config, local_rank)
-    state = await asyncio.to_thread(policy.load)
-    if state is None and config.production:  # with rank 0's save of version 0
-        await asyncio.to_thread(policy.save, 0, {"step": 0})
-    nc = await connection.connect(config.nats_url, max_reconnect_attempts=-1)
-    try:
-        publisher = await rank_publisher(nc, config)
-        await publish(policy, publisher, state["step"] if state is not None else 0)
-        while (order := await asyncio.to_thread(distributed.receive)).kind is not Kind.STOP:
-            if order.kind is Kind.STEP:
-                await asyncio.to_thread(
-                    policy.train_step, order.micro_batches, order.tokens, order.held_out
-                )
-                # Rank 0's client state is the one resumed from; this node's own checkpoint
-                # says which version it holds.
-                step = order.step
-                await asyncio.to_thread(policy.save, step, {"step": step}, order.pinned)
-                await publish(policy, publisher, step)
-            elif order.kind is Kind.RESTORE:
-                await asyncio.to_thread(policy.restore, order.step)
-    finally:
-        await nc.close()
-    log.info("rank %d: stopped with rank 0", distributed.rank())

@@ -12,7 +12,8 @@ import torch.multiprocessing
 
 from rlfleet.launch.settings import TrainerConfig
 from rlfleet.trainer import distributed
-from rlfleet.trainer.loop import Trainer, follow
+from rlfleet.trainer.follower import follow
+from rlfleet.trainer.loop import Trainer
 
 
 def too_few_gpus(procs: int, gpus: int) -> str | None:
