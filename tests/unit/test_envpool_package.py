@@ -10,9 +10,8 @@ import sys
 IMPORT_ALL = """
 import importlib, json, pkgutil, sys
 import rlfleet.rollout.envpool as package
-for module in pkgutil.iter_modules(package.__path__):
-    if module.name != "__main__":  # that one serves
-        importlib.import_module(f"rlfleet.rollout.envpool.{module.name}")
+for module in pkgutil.iter_modules(package.__path__):  # __main__ too: importing it serves not
+    importlib.import_module(f"rlfleet.rollout.envpool.{module.name}")
 print(json.dumps(sorted(sys.modules)))
 """
 # What the interpreter itself, and this checkout's editable install, bring along.

@@ -7,5 +7,6 @@ import sys
 
 from rlfleet.rollout.envpool.server import serve
 
-logging.basicConfig(level=logging.INFO, format="envsessions %(levelname)s %(message)s")
-asyncio.run(serve(json.loads(sys.argv[1])))
+if __name__ == "__main__":  # an image's import check imports every module, this one too
+    logging.basicConfig(level=logging.INFO, format="envsessions %(levelname)s %(message)s")
+    asyncio.run(serve(json.loads(sys.argv[1])))
