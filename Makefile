@@ -6,7 +6,7 @@ SHELL := bash
 export PATH := $(CURDIR)/.bin:$(CURDIR)/.venv/bin:$(PATH)
 PYTEST_ARGS ?=
 
-.PHONY: setup binaries test unit lint demo bed down bench lock crds docs
+.PHONY: setup binaries test unit lint demo bed down bench bench-quick lock crds docs
 
 setup:
 	@bash scripts/setup.sh
@@ -40,6 +40,11 @@ down: binaries
 
 bench: binaries
 	@for b in bench/*.py; do python "$$b"; done
+
+# Every benchmark's quick mode (small sizes, the keys it prints checked), the long ones too:
+# about 25 minutes on 2 cores. `make test` runs the short ones.
+bench-quick: binaries
+	RLFLEET_BENCH_QUICK_ALL=1 pytest -q tests/engines/test_bench_quick.py $(PYTEST_ARGS)
 
 crds: setup
 	rlfleet crds generate

@@ -4,8 +4,10 @@ The trainer acks each trajectory it trained on (`ack_sync`, one round trip each)
 the step's checkpoint and publish, before it takes the next step: 128 a step in the demo.
 On the bed's NATS (a hub alone), five steps' worth each way, twice, alternating. Prints
 one JSON object: the median milliseconds for 128 acks in sequence and gathered.
+`--quick` acks one step of 8 each way, to check the script.
 """
 
+import argparse
 import asyncio
 import json
 import statistics
@@ -20,6 +22,7 @@ from rlfleet.local.nats import NatsBed, StandaloneNats
 
 STEP = 128  # trajectories a step in the demo: 8 groups of 16
 STEPS = 5
+QUICK = {"STEP": 8, "STEPS": 1}
 
 
 async def measure(bed: NatsBed) -> dict[str, float]:
@@ -54,6 +57,10 @@ async def measure(bed: NatsBed) -> dict[str, float]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    if parser.parse_args().quick:
+        globals().update(QUICK)
     with tempfile.TemporaryDirectory() as root:
         nats = StandaloneNats(Path(root))
         try:

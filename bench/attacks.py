@@ -7,9 +7,14 @@ pytest, in this process, and counts:
 - `attacks_tried`, and by surface in `by_surface` (`tried`, `succeeded`, `skipped`);
 - `attacks_succeeded`: the names of the attacks whose test failed or errored (the
   boundary gave way, or the attack could not be judged: either needs a look);
-- `attacks_skipped`: tests that did not run (a part missing on this machine).
+- `attacks_skipped`: tests that did not run (a part missing on this machine, or left
+  out by `--quick`).
 
-`python bench/attacks.py [-k EXPR]`; extra arguments go to pytest.
+It exits with pytest's status when pytest itself failed (a usage error, no tests), as
+then nothing was judged.
+
+`python bench/attacks.py [--quick] [-k EXPR]`; extra arguments go to pytest. `--quick`
+tries only the attacks that need no four-cluster bed (`QUICK_MARKS`), to check the script.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+MARKS = "attack"
+QUICK_MARKS = "attack and not bed"  # the bed's tier marker, from its tests' folder
 
 
 class Tally:
@@ -70,11 +77,15 @@ class Tally:
 
 def main() -> None:
     tally = Tally()
-    arguments = ["-q", "-p", "no:cacheprovider", "-m", "attack", str(ROOT / "tests")]
+    extra = [arg for arg in sys.argv[1:] if arg != "--quick"]
+    marks = QUICK_MARKS if len(extra) < len(sys.argv[1:]) else MARKS
+    arguments = ["-q", "-p", "no:cacheprovider", "-m", marks, str(ROOT / "tests")]
     with contextlib.redirect_stdout(sys.stderr):  # stdout holds the JSON object alone
-        code = pytest.main([*arguments, *sys.argv[1:]], plugins=[tally])
+        code = pytest.main([*arguments, *extra], plugins=[tally])
     result = tally.summary() | {"pytest_exit_code": int(code)}
     print(json.dumps(result))
+    if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+        sys.exit(int(code))  # pytest itself failed (no tests, a usage error): nothing judged
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ with the spec's default 8 MiB shards). It returns, as plain numbers:
 
 Needs torch and numpy only: weightsync's `bits` module is loaded from its file, without
 the package (whose NATS, msgspec and zstd a GPU machine may lack). Runs on CPU too:
-``python bench/codec_device.py --bytes 16777216`` prints one JSON object.
+``python bench/codec_device.py --bytes 16777216`` prints one JSON object (`--quick`: 16 MiB,
+to check the script).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _BITS_FILE = Path(__file__).resolve().parents[1] / "weightsync/rlfleet/weightsyn
 PIECE_BYTES = (8 << 20) // 4  # encode_shards: a quarter of a shard, the spec's 8 MiB
 LR = 1e-5
 ROUNDS = 3
+QUICK = {"bytes": 16 << 20}  # --quick's defaults: still several pieces
 
 
 def _load_bits():
@@ -130,6 +132,9 @@ def main() -> None:
     parser.add_argument("--bytes", type=int, default=1 << 30)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--lr", type=float, default=LR)
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    if parser.parse_known_args()[0].quick:
+        parser.set_defaults(**QUICK)
     args = parser.parse_args()
     result = device_encode_benchmark(args.bytes, args.lr, args.device)
     print(

@@ -10,7 +10,8 @@ modules, byte-compiled),
 `tool_call_ms_p50` a no-op `run` over HTTP; `sessions_concurrent` how many idle sessions
 the server held at once, each answering afterwards, with what one costs in memory and how
 many the machine's available memory would hold; then every escape attempt of the tests
-(`tests/envpool_escapes.py`).
+(`tests/envpool_escapes.py`). `--quick` runs all of it at the smallest counts, to check
+the script.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from rlfleet.launch.settings import ServerConfig
 from rlfleet.rollout.environment.envclient import EnvClient, LocalServer
 from rlfleet.rollout.environment.sandbox import DEFAULT_LIMITS
 
+# --quick's defaults: every part once or twice (sessions are claimed eight at a time).
+QUICK = {"claims": 2, "warm": 1, "files": 10, "setups": 1, "calls": 10, "sessions": 8}
 TOKENS = {"bench": "bench-token-" + "x" * 20, "other": "other-token-" + "y" * 20}
 
 
@@ -72,7 +75,7 @@ async def _timed(claim) -> float:
 async def environments(env: EnvClient, task: Path, args) -> dict:
     setup = SETUP.format(files=args.files)
     setups = []
-    for _ in range(3):
+    for _ in range(args.setups):
         started = time.perf_counter()
         async with await env.create(task) as session:
             reply = await session.call({"tool": "run", "command": setup}, 600)
@@ -155,8 +158,12 @@ def main() -> None:
     parser.add_argument("--claims", type=int, default=100)
     parser.add_argument("--warm", type=int, default=8)
     parser.add_argument("--files", type=int, default=2000, help="modules the set-up writes")
+    parser.add_argument("--setups", type=int, default=3, help="environments set up from scratch")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--sessions", type=int, default=200)
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    if parser.parse_known_args()[0].quick:
+        parser.set_defaults(**QUICK)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-envpool-") as tmp:
         tokens_file = Path(tmp) / "tokens.json"

@@ -9,10 +9,11 @@ Prints one JSON object.
 `versions_missing`, `floor_violations`, `pods_left`, `crashes` (processes that died with
 no fault to kill them), `recovery_seconds` (per kind, p50 and p99 of the seconds from a
 fault to the trainer's next step) and the whole `audit`. Bad input and permissions have
-their figures from their tests (`tests/test_bad_input.py`, `tests/test_bed_nats.py`).
+their figures from their tests (`tests/unit/test_bad_input.py`, `tests/bed/test_bed_nats.py`).
 The run's logs stay in `.rlfleet/bench/faults/`. It exits 1 when any of `LOSSES` is not 0.
+`--quick` injects a few faults in half a minute, to check the script (its logs apart).
 The short check, two minutes on an already started plane, is the last test of
-`tests/test_operator_local.py`.
+`tests/bed/test_operator_local.py`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ LOSSES = (
     "crashes",
 )
 EVALUATE_EVERY = 100  # versions: the demo makes about 25 a minute here
+# --quick's defaults: about three faults, kept apart from a full run's logs.
+QUICK = {"minutes": 0.5, "mean_gap": 10.0, "logs": RUN_ROOT.with_name("faults-quick")}
 
 
 @contextlib.contextmanager
@@ -68,6 +71,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="of faults, after step 1")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--mean-gap", type=float, default=MEAN_GAP_S, help="seconds a fault")
+    parser.add_argument("--logs", type=Path, default=RUN_ROOT, help="the run's, kept")
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    if parser.parse_known_args()[0].quick:
+        parser.set_defaults(**QUICK)
     args = parser.parse_args()
     # Each fault injected and each process started again, on stderr as they happen.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -78,7 +86,7 @@ def main() -> None:
     # An evaluator too, to kill: it scores a version now and then and never ends the run.
     document["spec"]["evaluation"] = {"suite": "rules", "everyVersions": EVALUATE_EVERY}
     # The run's logs stay for a look after it (each run replaces the last's); the bed goes.
-    shutil.rmtree(RUN_ROOT, ignore_errors=True)
+    shutil.rmtree(args.logs, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-faults-") as state:
         bed = Bed(Path(state) / "bed", attached=True)
         bed.start()
@@ -87,10 +95,10 @@ def main() -> None:
                 found = run_with_faults(
                     bed,
                     document,
-                    RUN_ROOT,
+                    args.logs,
                     minutes=args.minutes,
                     seed=args.seed,
-                    mean_gap_s=MEAN_GAP_S,
+                    mean_gap_s=args.mean_gap,
                 )
         finally:
             bed.stop()

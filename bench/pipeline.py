@@ -9,6 +9,8 @@ rollout workers sit on disjoint cores in both, so the comparison measures overla
 Reward is compared smoothed (`report.rolling_reward`). Idle fraction is
 the trainer's time waiting for trajectories (`StepReport.wait_seconds`) over its time
 from its first step to its last. Prints one JSON object; `--minutes` sets the budget.
+`--quick` runs both for a few seconds each on 16 of the suite's tasks, from a model
+barely warmed up, to check the script.
 """
 
 from __future__ import annotations
@@ -19,12 +21,31 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import StepReport
 from rlfleet.launch.caches import own_temporary_caches
 from rlfleet.local import plan, report
 from rlfleet.local.run import load, make_model, train
+from rlfleet.rollout.environment.tasks import suite_path
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "local.yaml"
+# --quick's defaults; the plot apart from a full run's.
+QUICK = {
+    "minutes": 0.1,
+    "warmup_steps": 2,
+    "tasks": 16,  # the whole suite's evaluation after each run takes half a minute
+    "plot": Path(".rlfleet/bench/pipeline-quick.png"),
+}
+
+
+def first_tasks(spec: RLRunSpec, tasks: int, folder: Path) -> RLRunSpec:
+    """`spec` on its suite's first `tasks` tasks alone (rolled out and evaluated), written
+    into `folder`."""
+    path = folder / f"{Path(spec.suite).stem}-{tasks}.jsonl"
+    lines = suite_path(spec.suite).read_text().split("\n")  # JSON may hold U+2028: not lines
+    path.write_text("\n".join(lines[:tasks]) + "\n")
+    rollout = spec.rollout.model_copy(update={"task_suite": str(path)})
+    return spec.model_copy(update={"rollout": rollout})
 
 
 def idle_fraction(reports: list[StepReport]) -> float:
@@ -58,15 +79,21 @@ def main() -> None:
         help="optimiser passes per batch: more work for the trainer per rollout (default: "
         "the example's trainer.updatesPerStep)",
     )
+    parser.add_argument("--tasks", type=int, help="the suite's first N alone (default: all)")
     parser.add_argument(
         "--plot", type=Path, default=Path(".rlfleet/bench/pipeline.png"), help="reward vs time"
     )
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    if parser.parse_known_args()[0].quick:
+        parser.set_defaults(**QUICK)
     args = parser.parse_args()
     name, spec = load(EXAMPLE)
     if args.updates_per_step is not None:
         trainer = spec.trainer.model_copy(update={"updates_per_step": args.updates_per_step})
         spec = spec.model_copy(update={"trainer": trainer})
     with tempfile.TemporaryDirectory(prefix="rlfleet-pipeline-") as tmp:
+        if args.tasks:
+            spec = first_tasks(spec, args.tasks, Path(tmp))
         shared = plan.Layout(Path(tmp) / "shared")
         make_model(spec, shared, args.warmup_steps)
         model = spec.model.model_copy(update={"uri": f"file://{shared.model}"})

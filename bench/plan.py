@@ -15,7 +15,8 @@ On this machine, from one warmed-up model of `examples/local.yaml`:
 Prints one JSON object: per run, predicted and measured steps, idle fraction and mean
 staleness; `steps_error` (relative), `idle_fraction_error` and `staleness_mean_error`
 (absolute: the synchronous run's staleness is 0) are the worst over the two runs. Target:
-`steps_error` at most 0.2.
+`steps_error` at most 0.2. `--quick` profiles and runs for a few seconds each on 16 of the
+suite's tasks, to check the script (its profile apart from a full run's).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from pipeline import idle_fraction
+from pipeline import first_tasks, idle_fraction
 
 from rlfleet.api.profile import encode_profile
 from rlfleet.launch.caches import own_temporary_caches
@@ -36,6 +37,13 @@ from rlfleet.pipeline.model import simulate
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "local.yaml"
 PROFILE_STALENESS = 16  # far enough ahead that no rollout waits for a version
+QUICK = {  # --quick's defaults
+    "minutes": 0.1,
+    "profile_minutes": 0.5,  # the rollouts' start-up backlog drained: the trainer waits
+    "warmup_steps": 2,
+    "tasks": 16,
+    "out": Path(".rlfleet/bench/profile-quick.json"),
+}
 
 
 def main() -> None:
@@ -44,12 +52,18 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=3.0, help="each measured run")
     parser.add_argument("--profile-minutes", type=float, default=1.0, help="each profiling run")
     parser.add_argument("--warmup-steps", type=int, default=plan.Tuning.warmup_steps)
+    parser.add_argument("--tasks", type=int, help="the suite's first N alone (default: all)")
     parser.add_argument("--out", type=Path, default=Path(".rlfleet/bench/profile.json"))
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    if parser.parse_known_args()[0].quick:
+        parser.set_defaults(**QUICK)
     args = parser.parse_args()
     name, spec = load(EXAMPLE)
     tuning = plan.Tuning()
     result: dict = {"bench": "plan", "budget_seconds": args.minutes * 60}
     with tempfile.TemporaryDirectory(prefix="rlfleet-plan-") as tmp:
+        if args.tasks:
+            spec = first_tasks(spec, args.tasks, Path(tmp))
         shared = plan.Layout(Path(tmp) / "shared")
         make_model(spec, shared, args.warmup_steps)
         model = spec.model.model_copy(update={"uri": f"file://{shared.model}"})

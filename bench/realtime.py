@@ -41,6 +41,7 @@ from rlfleet.local.run import run
 from rlfleet.testbed import operated
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "realtime.yaml"
+QUICK = {"minutes": 1.0, "warmup_steps": 2}  # --quick's defaults
 
 
 @contextlib.contextmanager
@@ -61,21 +62,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=15.0, help="the run's budget")
     parser.add_argument("--invert-cycle", type=int, default=3)
+    parser.add_argument("--warmup-steps", type=int, help="default: the run's own")
     parser.add_argument("--file", type=Path, default=EXAMPLE)
     parser.add_argument("--operator", action="store_true", help="through the operators")
     parser.add_argument(
         "--keep", type=Path, help="run in this folder and keep it (logs, users' records)"
     )
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    if parser.parse_known_args()[0].quick:
+        parser.set_defaults(**QUICK)
     args = parser.parse_args()
     with _run_folder(args.keep) as root:
         started = time.monotonic()
         if args.operator:
             bed = Path(root) / "bed"
             code = operated.run(
-                args.file, Path(root), args.minutes, None, bed, (), args.invert_cycle
+                args.file, Path(root), args.minutes, args.warmup_steps, bed, (), args.invert_cycle
             )
         else:
-            code = run(args.file, Path(root), args.minutes, None, invert_cycle=args.invert_cycle)
+            code = run(
+                args.file,
+                Path(root),
+                args.minutes,
+                args.warmup_steps,
+                invert_cycle=args.invert_cycle,
+            )
         found = json.loads((Path(root) / "report" / "realtime.json").read_text())
     found |= {
         "exit_code": code,

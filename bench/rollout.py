@@ -7,11 +7,12 @@ them continuously with prefix caching; the baseline runs the same sessions throu
 Hugging Face `generate`, batched per turn (the batch waits for its longest member),
 same model and dtype, in the same run. Only the tokens sessions asked for are counted.
 Also: a sandbox's start-up until its server answers, and tool-call round trips.
-Prints one JSON object.
+Prints one JSON object; `--quick` runs the same at the smallest sizes, to check the script.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -26,6 +27,11 @@ from rlfleet.rollout.environment.session import user_turn_text
 
 SESSIONS = 64
 TURNS = 5
+WARMUP_SESSIONS = 8
+SANDBOXES = 20  # started one after another, each timed
+READS = 10  # tool calls timed in each
+# --quick: every part still runs (the engine's continuous batching needs several sessions).
+QUICK = {"SESSIONS": 4, "TURNS": 2, "WARMUP_SESSIONS": 2, "SANDBOXES": 2, "READS": 2}
 SYSTEM = "<|im_start|>system\nYou are a careful agent. " + "Rules apply. " * 20 + "<|im_end|>\n"
 
 
@@ -55,18 +61,17 @@ async def vllm_sessions(model: Path) -> dict:
     llm = make_llm(config)  # the worker's own engine settings
     engine = Engine(llm, follow_weights=False)
     await engine.start()
-    tokenizer = engine.tokenizer
     prompts, lengths = plan()
 
     async def session(index: int) -> None:
-        context = tokenizer.encode(prompts[index], add_special_tokens=False)
+        context = engine.encode(prompts[index])  # as the worker's sessions encode
         for turn, length in enumerate(lengths[index]):
             params = SamplingParams(max_tokens=length, min_tokens=length, temperature=1.0)
             completion = await engine.generate(context, params)
             context += completion.token_ids
-            context += tokenizer.encode(observation(turn), add_special_tokens=False)
+            context += engine.encode(observation(turn))
 
-    await asyncio.gather(*(session(i) for i in range(8)))  # warm-up
+    await asyncio.gather(*(session(i) for i in range(WARMUP_SESSIONS)))
     before = engine.stats.generated_tokens, engine.stats.cached_tokens, engine.stats.prompt_tokens
     started = time.perf_counter()
     await asyncio.gather(*(session(i) for i in range(SESSIONS)))
@@ -118,7 +123,7 @@ def hf_sessions(model: Path) -> dict:
                 generated += len(new)
         return generated, time.perf_counter() - started
 
-    run(8)  # warm-up
+    run(WARMUP_SESSIONS)
     generated, seconds = run(SESSIONS)
     return {"hf_tokens_per_s": generated / seconds, "hf_seconds": seconds}
 
@@ -139,12 +144,12 @@ async def sandbox_latency() -> dict:
 
 async def _sandbox_calls(pool, start: Path) -> tuple[list, list, list]:
     starts, reads, runs = [], [], []
-    for _ in range(20):
+    for _ in range(SANDBOXES):
         began = time.perf_counter()
         async with await pool.create(start) as sandbox:
             await sandbox.call({"tool": "read", "path": "notes.txt"})
             starts.append(time.perf_counter() - began)
-            for _ in range(10):
+            for _ in range(READS):
                 began = time.perf_counter()
                 await sandbox.call({"tool": "read", "path": "notes.txt"})
                 reads.append(time.perf_counter() - began)
@@ -155,8 +160,13 @@ async def _sandbox_calls(pool, start: Path) -> tuple[list, list, list]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    if parser.parse_args().quick:
+        globals().update(QUICK)
     own_temporary_caches("rlfleet-bench-rollout-caches-")  # this invocation's, removed after
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the JSON alone
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from rlfleet.models.tiny import init_model
 

@@ -11,10 +11,13 @@ moved by one unit in the last place) are published and loaded.
 - `follower_vs_model`: the largest follower's growth over `model_mib` (0 is the aim: a
   copy per worker would make it about 1).
 - `update_pause_ms`: generation paused for each version's load, snapshot and delta.
+
+`--quick` serves the tiny MoE itself (still two workers), to check the script.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -38,6 +41,7 @@ SIZES = {
     "num_key_value_heads": 4,
     "head_dim": 128,
 }
+QUICK = {"SIZES": {}}
 
 
 def _workers() -> list[psutil.Process]:
@@ -55,8 +59,13 @@ def _rss_mib(workers: list[psutil.Process]) -> list[float]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    if parser.parse_args().quick:
+        globals().update(QUICK)
     own_temporary_caches("rlfleet-bench-rollout-parallel-caches-")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the JSON alone
     from vllm import LLM
 
     from rlfleet.bus.streams import ensure_run_streams

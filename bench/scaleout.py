@@ -16,6 +16,9 @@ element in a hundred moved by one unit in the last place, as an RL step moves bf
   `publish_extra_mib_max <= 0.75 * model_mib` with two ranks (`extra_vs_model`).
 - `step_s_by_ranks`: the real trainer's median step seconds per rank count, on the tiny
   MoE (`bench/trainer_ranks.py`, which this runs after the publishes).
+
+`--quick` publishes a model of four 256 KiB tensors and takes `trainer_ranks.py`'s quick
+steps, to check the script.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ SHAPE = (2048, 4096)  # bf16: 16 MiB each, 1 GiB in all
 CHANGED_FRACTION = 0.01
 CONFIG = SyncConfig()
 SAMPLE_S = 0.002
+RANK_FLAGS: list[str] = []  # what a rank's process is started with, besides its place
+QUICK = {"TENSORS": 4, "SHAPE": (256, 512), "RANK_FLAGS": ["--quick"]}  # the ranks' too
 
 
 def _sizes() -> dict[str, int]:
@@ -181,6 +186,7 @@ def _publish_with(ranks: int, hub, run: str) -> list[dict]:
                 run,
                 "--init",
                 init,
+                *RANK_FLAGS,
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -259,7 +265,11 @@ if __name__ == "__main__":
     parser.add_argument("--url")
     parser.add_argument("--run")
     parser.add_argument("--init")
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
     arguments = parser.parse_args()
+    if arguments.quick:
+        globals().update(QUICK)
+        vars(trainer_ranks).update(trainer_ranks.QUICK)
     if arguments.rank is None:
         main()
     else:

@@ -8,10 +8,12 @@ Here twenty real AdamW steps of the tiny MoE are encoded as deltas, then applied
 chain, each way twice, alternating; `rlfleet.weightsync.state.executor_for` picks the
 caller's thread for items under `POOLED_FROM_BYTES`. Prints one JSON object:
 milliseconds of wall time and of CPU (every thread of the process) per version.
+`--quick` runs the same on two versions, to check the script.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 import time
@@ -26,6 +28,7 @@ from rlfleet.weightsync.shards import EncodedVersion, apply_version, encode_vers
 from rlfleet.weightsync.state import WeightState
 
 VERSIONS = 20
+QUICK = {"VERSIONS": 2}  # --quick: a chain of deltas still
 CONFIG = SyncConfig()
 
 
@@ -78,6 +81,10 @@ def measure(versions: list[dict[str, torch.Tensor]]) -> dict[str, dict[str, floa
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    if parser.parse_args().quick:
+        globals().update(QUICK)
     versions = tiny_moe_versions()
     threshold = state_module.POOLED_FROM_BYTES
     runs: dict[str, list[dict]] = {"caller_thread": [], "pool": []}

@@ -1,11 +1,13 @@
 """Benchmark: start-up time and idle footprint of the four-cluster bed with NATS.
 
 Prints one JSON object. Memory is the resident set of every bed process, after the bed
-has idled; CPU is the bed's share of one core over the idle window.
+has idled; CPU is the bed's share of one core over the idle window. `--quick` idles for
+two seconds, to check the script (the bed's start is what it is).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 import time
@@ -17,9 +19,14 @@ import psutil
 from rlfleet.testbed.bed import Bed
 
 IDLE_SECONDS = 30
+QUICK = {"IDLE_SECONDS": 2}
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    if parser.parse_args().quick:
+        globals().update(QUICK)
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-bed-") as state:
         bed = Bed(Path(state), attached=True)
         started = time.monotonic()

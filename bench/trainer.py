@@ -15,10 +15,14 @@ Prints one JSON object; ratios compare numbers measured in this same run.
 - `prompt_sharing_speedup`: seconds per training step on a GRPO-shaped batch (8 groups of
   16 attempts at one 48-token prompt, answers of 2 to 9 tokens, the demo's shape) scored
   with each sequence whole over the same scored with each group's prompt run once.
+
+`--quick` runs all of it at the smallest sizes (vLLM and DeepSpeed still start), to check
+the script.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -36,6 +40,18 @@ from rlfleet.launch.caches import own_temporary_caches
 SAMPLE_PROMPTS = 16
 SAMPLE_N = 4
 SAMPLE_TOKENS = 48
+LONG_ANSWERS = 32
+GROUPS, GROUP_SIZE = 8, 16  # the demo's batch
+TIMED_STEPS = 5  # after a warm-up step
+QUICK = {
+    "SAMPLE_PROMPTS": 2,
+    "SAMPLE_N": 2,
+    "SAMPLE_TOKENS": 8,
+    "LONG_ANSWERS": 4,
+    "GROUPS": 2,
+    "GROUP_SIZE": 4,
+    "TIMED_STEPS": 1,
+}
 
 
 def sample_with_vllm(model: Path, out: Path) -> None:
@@ -146,9 +162,9 @@ def _segment(tokens: list[int], prompt: int, gen: torch.Generator):
 
 
 def _long_answers(gen: torch.Generator) -> list:
-    """32 sequences of 64 to 256 tokens, each its own prompt."""
+    """`LONG_ANSWERS` sequences of 64 to 256 tokens, each its own prompt."""
     segments = []
-    for _ in range(32):
+    for _ in range(LONG_ANSWERS):
         n = int(torch.randint(64, 257, (1,), generator=gen))
         tokens = torch.randint(0, 256, (n,), generator=gen).tolist()
         segments.append((_segment(tokens, 32, gen), float(torch.randn(1, generator=gen))))
@@ -156,11 +172,11 @@ def _long_answers(gen: torch.Generator) -> list:
 
 
 def _grpo_groups(gen: torch.Generator) -> list:
-    """8 groups of 16 short answers to one 48-token prompt each."""
+    """`GROUPS` groups of `GROUP_SIZE` short answers to one 48-token prompt each."""
     segments = []
-    for _ in range(8):
+    for _ in range(GROUPS):
         prompt = torch.randint(0, 256, (48,), generator=gen).tolist()
-        for _ in range(16):
+        for _ in range(GROUP_SIZE):
             answer = torch.randint(0, 256, (int(torch.randint(2, 10, (1,), generator=gen)),))
             tokens = prompt + answer.tolist()
             segments.append((_segment(tokens, 48, gen), float(torch.randn(1, generator=gen))))
@@ -187,7 +203,7 @@ def _seconds_per_step(policy, micro_batches) -> float:
     tokens = sum(rows.tokens for rows in micro_batches)
     policy.train_step(micro_batches, tokens)  # warm-up
     runs = []
-    for _ in range(5):
+    for _ in range(TIMED_STEPS):
         started = time.perf_counter()
         policy.train_step(micro_batches, tokens)
         runs.append(time.perf_counter() - started)
@@ -232,7 +248,7 @@ def step_timing(model_dir: Path, work: Path) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def main(quick: bool) -> None:
     own_temporary_caches("rlfleet-bench-trainer-caches-")  # this invocation's, removed after
     from rlfleet.models.tiny import init_model
 
@@ -242,7 +258,8 @@ def main() -> None:
         model = init_model("tiny-moe", work / "tiny-moe")
         samples_path = work / "samples.json"
         subprocess.run(
-            [sys.executable, __file__, "--sample", str(model), str(samples_path)],
+            [sys.executable, __file__, "--sample", str(model), str(samples_path)]
+            + (["--quick"] if quick else []),
             check=True,
             env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"},
             stdout=subprocess.DEVNULL,
@@ -259,7 +276,13 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--sample"]:
-        sample_with_vllm(Path(sys.argv[2]), Path(sys.argv[3]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    parser.add_argument("--sample", nargs=2, type=Path, help=argparse.SUPPRESS)  # the vLLM child
+    arguments = parser.parse_args()
+    if arguments.quick:
+        globals().update(QUICK)
+    if arguments.sample:
+        sample_with_vllm(*arguments.sample)
     else:
-        main()
+        main(arguments.quick)

@@ -11,10 +11,14 @@ splitting them); the first step (warm-up) is left out.
 - `speedup`: one rank's over two ranks', measured in this same run.
 - `threads_per_rank`: torch threads each rank gets, the host's cores split evenly, as
   one rank per GPU splits a node.
+
+`--quick` runs both configurations for two steps of one group (still two micro-batches a
+step, to split), to check the script.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -41,6 +45,7 @@ PROMPT = 16
 GROUPS_PER_STEP = 4
 STEPS = 6
 MICRO_BATCH_TOKENS = 512  # padded tokens per micro-batch: several per step to split
+QUICK = {"GROUPS_PER_STEP": 1, "STEPS": 2}  # the first step is left out: one is measured
 
 
 def _trajectory(run: str, group: int, attempt: int) -> bytes:
@@ -157,6 +162,10 @@ def step_seconds_by_ranks() -> dict[str, float]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    if parser.parse_args().quick:
+        globals().update(QUICK)
     own_temporary_caches("rlfleet-bench-trainer-ranks-caches-")  # this invocation's, removed after
     step_s = step_seconds_by_ranks()
     print(

@@ -7,7 +7,8 @@ by exact answer). `reward` is where RL starts; `pass_at_8` the share of tasks so
 attempt gets right. RL on a tiny model mostly turns "sometimes right"
 into "right", so `headroom` (their difference) bounds what a ten-minute run gains, and
 `mixed_groups` (groups whose attempts disagree) is what GRPO learns from. A quick way to
-try warm-up settings before a ten-minute `make demo`. Prints one JSON object.
+try warm-up settings before a ten-minute `make demo`. Prints one JSON object. `--quick`
+warms up for two steps and evaluates the suite's first eight tasks, to check the script.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from rlfleet.models.tiny import init_model
 from rlfleet.rollout.environment.tasks import load_suite, suite_path
 from rlfleet.rollout.evaluation.suite import evaluate
 
+QUICK = {"steps": [2], "tasks": 8}  # --quick's defaults
+
 
 def sampled(directory: Path, tasks: list[Task]) -> dict[str, float]:
     found = evaluate(directory, tasks)
@@ -44,8 +47,12 @@ def main() -> None:
     parser.add_argument("--suite", default="rules")
     default = plan.Tuning.warmup_steps
     parser.add_argument("--steps", type=int, nargs="+", default=[160, default, 280])
+    parser.add_argument("--tasks", type=int, help="evaluate the suite's first N (default: all)")
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    if parser.parse_known_args()[0].quick:
+        parser.set_defaults(**QUICK)
     args = parser.parse_args()
-    tasks = load_suite(suite_path(args.suite))
+    tasks = load_suite(suite_path(args.suite))[: args.tasks]
     result: dict = {"suite": args.suite, "default_steps": default}
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-warmup-") as tmp:
         fresh = init_model("tiny-moe", Path(tmp) / "fresh")

@@ -20,10 +20,14 @@ Prints one JSON object. Every ratio compares two numbers measured in this same r
 - `publish_gbps`: encoded shards put on the hub's stream (encoding not included);
   `join_s`: a fresh receiver process at a leaf, from its start with nothing held to the
   newest version of a 1 GiB model (a snapshot and the deltas after it), verified.
+
+`--quick` runs every part on models of a few MiB, one step and round each (vLLM and NATS
+still start), to check the script: its figures then say nothing.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -61,6 +65,7 @@ JOIN_BYTES = 1 << 30
 LATENCY_BYTES = 1 << 30
 JOIN_DELTAS = 3
 SCALING_MEMORY = 64 << 30  # for the 4 GiB latency run
+COPY_BYTES = 1 << 30  # memcpy and loopback TCP
 
 
 def _entropy(p: float) -> float:
@@ -200,7 +205,7 @@ def chain_is_bit_exact(length: int) -> bool:
     )
 
 
-def memcpy_gbps(nbytes: int = 1 << 30) -> float:
+def memcpy_gbps(nbytes: int) -> float:
     source = np.ones(nbytes, dtype=np.uint8)
     target = np.empty_like(source)
     best = math.inf
@@ -211,7 +216,7 @@ def memcpy_gbps(nbytes: int = 1 << 30) -> float:
     return nbytes / best / 1e9
 
 
-def loopback_gbps(nbytes: int = 1 << 30) -> float:
+def loopback_gbps(nbytes: int) -> float:
     """Raw TCP over loopback, one connection, Python sockets on both ends."""
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
@@ -244,7 +249,7 @@ def _cpu_s(process) -> float:
     return times.user + times.system
 
 
-def transfer(nbytes: int, rounds: int = TRANSFER_ROUNDS) -> dict:
+def transfer(nbytes: int, rounds: int) -> dict:
     """A full version of incompressible bits published at the hub, moved the way a version
     goes to a region (the median of `rounds` each):
 
@@ -407,7 +412,7 @@ def _join_receiver(url: str, credentials: str, run: str, started: float, out) ->
     out.send(asyncio.run(scenario()) | {"join_s": time.time() - started})
 
 
-def join(nbytes: int, deltas: int = JOIN_DELTAS) -> dict:
+def join(nbytes: int, deltas: int) -> dict:
     """`join_s`: a fresh receiver process, from its start with nothing held, to holding
     the newest of a snapshot and `deltas` deltas after it (each 1% of the elements moved
     by one unit in the last place) of a model of `nbytes` bf16, fetched at a leaf node."""
@@ -626,6 +631,22 @@ def version_latency(nbytes: int, lr: float, loopback: float, memcpy: float) -> d
 # them (the old way); "inflight": the update lands while they run.
 VLLM_ROUNDS = (None, None, None, "drain", "inflight", "inflight")
 
+# --quick: every part still runs, each kind of vLLM round once; a quarter of LATENCY_BYTES
+# is still whole tensors of SYNTHETIC_SHAPE.
+QUICK = {
+    "SYNTHETIC_PARAMS": 8 * 256 * 256,
+    "SYNTHETIC_SHAPE": (256, 256),
+    "STEPS": 1,
+    "CHAIN": 3,
+    "TRANSFER_BYTES": 16 << 20,
+    "TRANSFER_ROUNDS": 1,
+    "JOIN_BYTES": 4 << 20,
+    "LATENCY_BYTES": 4 << 20,
+    "JOIN_DELTAS": 1,
+    "COPY_BYTES": 16 << 20,
+    "VLLM_ROUNDS": (None, "drain", "inflight"),
+}
+
 
 def vllm_apply_pause() -> dict:
     """Tiny MoE in vLLM (CPU): the pause to write a real AdamW step's delta in place, with
@@ -714,6 +735,10 @@ def vllm_apply_pause() -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    if parser.parse_args().quick:
+        globals().update(QUICK)
     own_temporary_caches("rlfleet-bench-weightsync-caches-")  # this invocation's, removed after
     torch.set_num_threads(2)
     result: dict = {"bench": "weightsync"}
@@ -745,10 +770,10 @@ def main() -> None:
         "encode_gbps_at_lr1e-5": workloads["synthetic_1gib_lr1e-05"]["encode_gbps"],
         "apply_gbps_at_lr1e-5": workloads["synthetic_1gib_lr1e-05"]["apply_gbps"],
         "cores": WORKERS,
-        "memcpy_gbps": memcpy_gbps(),
+        "memcpy_gbps": memcpy_gbps(COPY_BYTES),
     }
-    result |= transfer(TRANSFER_BYTES)
-    result["loopback_gbps"] = loopback_gbps()
+    result |= transfer(TRANSFER_BYTES, TRANSFER_ROUNDS)
+    result["loopback_gbps"] = loopback_gbps(COPY_BYTES)
     result["transfer_vs_loopback"] = result["transfer_gbps"] / result["loopback_gbps"]
     result["fetch_vs_loopback"] = result["fetch_gbps"] / result["loopback_gbps"]
     latency = {
@@ -776,7 +801,7 @@ def main() -> None:
         "version_latency": latency,
         "version_latency_scaling": scaling,
     }
-    result |= join(JOIN_BYTES)
+    result |= join(JOIN_BYTES, JOIN_DELTAS)
     result |= vllm_apply_pause()
     result["bit_exact"] = chain_is_bit_exact(CHAIN)
     result["chain_length"] = CHAIN

@@ -13,7 +13,8 @@ four (what receivers did before). Each variant's `gbps` is the median of `--roun
 fetches into new memory; `cpu_s_per_gb` the hub server's, the leaf node's and this
 process's CPU seconds per GB. On a 16-core host, `leaf->hub` stayed near 0.8 GB/s
 however many connections, as the hub answers the leaf link's requests one at a time,
-while `hub` and `mirror` reached 2.1-2.3 GB/s over eight or sixteen.
+while `hub` and `mirror` reached 2.1-2.3 GB/s over eight or sixteen. `--quick`: every
+variant once on a 16 MiB version, to check the script.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ CONFIG = SyncConfig()
 PATHS = ("leaf->hub", "hub", "mirror")
 # (connections, requests in flight); (1, 4) is one connection as receivers had it.
 WINDOWS = ((1, 4), (1, 1), (4, 4), (8, 8), (16, 16))
+QUICK = {"mib": 16, "rounds": 1}  # --quick's defaults: a few shards, every variant
 
 
 def _cpu_s(process: psutil.Process) -> float:
@@ -116,6 +118,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=256, help="the version's size")
     parser.add_argument("--rounds", type=int, default=3, help="fetches per variant")
+    parser.add_argument("--quick", action="store_true", help="smallest sizes: check the script")
+    if parser.parse_known_args()[0].quick:
+        parser.set_defaults(**QUICK)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-paths-") as root:
         servers = StandaloneNats(Path(root))
