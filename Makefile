@@ -26,7 +26,8 @@ test: lint binaries
 
 # The inner loop: every test that starts no server, engine or cluster (tests/unit/), in
 # under two minutes; `docs/guides/development.md` says which tier to run for a change.
-unit: setup
+# Some render the chart with helm, so the bed's binaries (cached after the first build).
+unit: binaries
 	pytest -q tests/unit $(PYTEST_ARGS)
 
 demo: setup
