@@ -208,6 +208,11 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     claim_seconds: float = 30.0  # an attempt that gets no sandbox this soon fails
 
 
+# The session server's package, run as `python -I -m ENVPOOL_SERVER SETTINGS_JSON` by an
+# EnvPool's pods (whose image installs it), a local pool and the bed alike.
+ENVPOOL_SERVER = "rlfleet.rollout.envpool"
+
+
 class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The environment session server's (`rlfleet.rollout.envpool.server`): the one home of
     their defaults."""

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlfleet.api.meta import COMPONENT_LABEL, ENVPOOL_LABEL
+from rlfleet.launch.settings import ENVPOOL_SERVER
 from rlfleet.local.processes import Supervisor
 
 log = logging.getLogger(__name__)
 
-SERVER_MODULE = "rlfleet.rollout.envpool"
 # Outside /tmp, which each sandbox covers with its own: servers refuse state below it.
 STATE_ROOT = "/run/rlfleet/bed-sandboxes"
 # Uids of their own for each server's sandboxes: a process limit counts every sandbox of
@@ -141,7 +141,7 @@ class SandboxKubelet:
         name = f"sandbox-{key.replace('/', '-')}"
         log.info("sandbox pod %s is running: serving at %s", key, settings["advertise"])
         self.supervisor.start(
-            name, [sys.executable, "-I", "-m", SERVER_MODULE, json.dumps(settings)]
+            name, [sys.executable, "-I", "-m", ENVPOOL_SERVER, json.dumps(settings)]
         )
         return name
 

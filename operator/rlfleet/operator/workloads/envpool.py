@@ -17,14 +17,13 @@ from kubernetes.utils.quantity import parse_quantity
 
 from rlfleet.api.envpool import EnvPoolSpec
 from rlfleet.api.meta import COMPONENT_LABEL, ENVPOOL_LABEL, RUN_LABEL
-from rlfleet.launch.settings import Limits, ServerConfig
+from rlfleet.launch.settings import ENVPOOL_SERVER, Limits, ServerConfig
 from rlfleet.operator.workloads.common import object_meta, owned_deployment, secret_data
 
 # An EnvPool's pods: the session server (images/env-sandbox.Dockerfile) and where it keeps
 # its state, the runs' tokens, the port it serves and probes on, and the capabilities it
 # makes sandboxes with: namespaces and mounts, each sandbox's uid, its tree's owner, and
 # killing what a sandbox left.
-ENVPOOL_SERVER = "rlfleet.rollout.envpool"  # the package the image installs, run with -m
 ENVPOOL_PYTHON = "/usr/local/bin/python3"  # the image's (python:3.11-slim), sandboxes' too
 ENVPOOL_STATE_DIR = "/var/lib/rlfleet"
 ENVPOOL_TOKENS_DIR = "/etc/rlfleet/envpool"

@@ -25,13 +25,11 @@ import httpx
 import msgspec
 
 from rlfleet.api.wire import Environment
-from rlfleet.launch.settings import Limits, PoolConfig, ServerConfig
+from rlfleet.launch.settings import ENVPOOL_SERVER, Limits, PoolConfig, ServerConfig
 from rlfleet.rollout.environment.sandbox import DEFAULT_LIMITS, SandboxClosed
 
 log = logging.getLogger(__name__)
 
-# The session server as the sandbox image runs it (its package imports nothing of rlfleet).
-_SERVER_MODULE = "rlfleet.rollout.envpool"
 # Local pools' own folders (tokens, snapshots): outside the /tmp that sandboxes cover.
 LOCAL_POOLS = "/run/rlfleet/pools"
 _LOCAL_UIDS, _UID_STRIDE = 1_000_000, 4096  # each local pool's uids, by its process id
@@ -322,7 +320,7 @@ class LocalServer:
     def start(self) -> LocalServer:
         settings = json.dumps(msgspec.to_builtins(self.config))
         self.process = subprocess.Popen(
-            [sys.executable, "-I", "-m", _SERVER_MODULE, settings],
+            [sys.executable, "-I", "-m", ENVPOOL_SERVER, settings],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             text=True,
