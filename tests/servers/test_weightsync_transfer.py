@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 import uuid
 
 import msgspec
@@ -17,7 +18,7 @@ from rlfleet.bus.streams import ensure_run_streams
 from rlfleet.local.nats import HUB_DOMAIN, StandaloneNats
 from rlfleet.weightsync import Publisher
 from rlfleet.weightsync.config import SyncConfig
-from rlfleet.weightsync.direct import CHUNK_HEADER
+from rlfleet.weightsync.direct import CHUNK_HEADER, ShardConnection
 from rlfleet.weightsync.errors import CorruptShard
 from rlfleet.weightsync.receiver import Receiver
 from rlfleet.weightsync.shards import encode_version
@@ -329,6 +330,38 @@ def test_a_manifest_whose_ack_comes_late_is_sent_again_and_stored_once(
             subject = stream.subjects.manifest(7, manifest.kind)
             info = await hub.jetstream().stream_info(stream.subjects.stream, subject)
             assert info.state.subjects == {subject: 1}
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+class _StalledOnce(ShardConnection):
+    """A connection whose first open stalls its event loop for 3 s right after the TCP
+    handshake, as a loop on a saturated machine does: past the server's 2 s wait for
+    CONNECT, so the server drops it with 'Authentication Timeout'."""
+
+    stalls = 1
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if _StalledOnce.stalls:
+            _StalledOnce.stalls -= 1
+            time.sleep(3)
+
+
+def test_a_connection_the_server_timed_out_before_connect_is_opened_again(
+    nats_servers: StandaloneNats,
+) -> None:
+    """A put that opened its connection while its loop was starved fails no version: the
+    server's 'Authentication Timeout' is the machine's load, not the credentials'."""
+
+    async def scenario() -> None:
+        hub = await nats_servers.bed.hub.connect()
+        try:
+            connection = await _StalledOnce.open(hub)
+            assert _StalledOnce.stalls == 0
+            connection.close()
         finally:
             await hub.close()
 

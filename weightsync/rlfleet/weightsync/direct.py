@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 from dataclasses import dataclass, field
 
 import nats.errors
@@ -30,6 +31,8 @@ import numpy as np
 from nats.aio.client import Client
 
 from rlfleet.weightsync.errors import CorruptShard
+
+log = logging.getLogger(__name__)
 
 # Every chunk of a shard names its index and the shard's chunk count: "<index>/<count>".
 CHUNK_HEADER = "Rlfleet-Chunk"
@@ -44,6 +47,8 @@ _NO_RESPONDERS = 503
 # but the caller's whole version, and on a busy host (a rollout engine on both of two
 # cores) a loopback handshake can take longer than 2 s.
 OPEN_TIMEOUT_S = 10.0
+# The server's -ERR for a connection that sent no CONNECT in its auth timeout.
+_HANDSHAKE_TIMED_OUT = "Authentication Timeout"
 
 
 @dataclass
@@ -128,29 +133,41 @@ class ShardConnection(asyncio.BufferedProtocol):
 
     @classmethod
     async def open(cls, nc: Client) -> ShardConnection:
-        """A connection to the server `nc` is connected to, as `nc`'s user."""
+        """A connection to the server `nc` is connected to, as `nc`'s user. A server that
+        timed the handshake out (it waits 2 s for CONNECT, which a starved event loop on a
+        saturated machine can miss) is asked again, within the same deadline."""
+        async with asyncio.timeout(max(nc.options["connect_timeout"], OPEN_TIMEOUT_S)):
+            while True:
+                try:
+                    return await cls._open(nc)
+                except nats.errors.Error as error:
+                    if _HANDSHAKE_TIMED_OUT not in str(error):
+                        raise
+                    log.warning("a direct connection's handshake timed out: opening another")
+
+    @classmethod
+    async def _open(cls, nc: Client) -> ShardConnection:
         url = nc.connected_url
         if url is None:
             raise nats.errors.ConnectionClosedError
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout(max(nc.options["connect_timeout"], OPEN_TIMEOUT_S)):
-            try:
-                _, self = await loop.create_connection(cls, url.hostname, url.port or 4222)
-            except OSError as error:
-                raise nats.errors.NoServersError from error
-            try:
-                info = await self._info
-                if info.get("tls_required"):
-                    raise nats.errors.Error("direct gets speak plain TCP; the server wants TLS")
-                self._inbox = nc.new_inbox()
-                self._write(
-                    b"CONNECT %s\r\nSUB %s.* 1\r\n"
-                    % (json.dumps(_connect_options(nc, info)).encode(), self._inbox.encode())
-                )
-                await self._ping()
-            except BaseException:
-                self.close()
-                raise
+        try:
+            _, self = await loop.create_connection(cls, url.hostname, url.port or 4222)
+        except OSError as error:
+            raise nats.errors.NoServersError from error
+        try:
+            info = await self._info
+            if info.get("tls_required"):
+                raise nats.errors.Error("direct gets speak plain TCP; the server wants TLS")
+            self._inbox = nc.new_inbox()
+            self._write(
+                b"CONNECT %s\r\nSUB %s.* 1\r\n"
+                % (json.dumps(_connect_options(nc, info)).encode(), self._inbox.encode())
+            )
+            await self._ping()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def close(self) -> None:
