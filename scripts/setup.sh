@@ -22,7 +22,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.rlfleet-lock
 # The editable install maps each top-level subpackage, so a new one means reinstalling.
-want=$( (cat requirements/lock.txt requirements/overrides.txt pyproject.toml setup.py scripts/setup.sh; ls -d ./*/rlfleet/*/) |
+want=$( (cat requirements/lock.txt requirements/overrides.txt pyproject.toml setup.py scripts/setup.sh \
+  examples/environments/*/pyproject.toml; ls -d ./*/rlfleet/*/) |
   sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "syncing the Python environment with requirements/lock.txt"
@@ -31,6 +32,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # vLLM 28 s instead of 14, a CPU engine's start 2.5 min instead of under 1).
   VIRTUAL_ENV="$root/.venv" "$uv" pip sync --quiet --compile-bytecode requirements/lock.txt
   VIRTUAL_ENV="$root/.venv" "$uv" pip install --quiet --no-deps -e .
+  # The examples' environments, so that `rlfleet run examples/lookup.yaml` finds its own.
+  for example in examples/environments/*/; do
+    VIRTUAL_ENV="$root/.venv" "$uv" pip install --quiet --no-deps -e "$example"
+  done
   echo "$want" > "$stamp"
 fi
 

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from rlfleet.api.environment import EnvironmentSpec
 from rlfleet.api.meta import (
     AGE,
     DNS_LABEL,
@@ -77,6 +78,19 @@ class ModelSource(ApiModel):
             ),
         ),
     ]
+    tool_call_parser: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=63,
+            pattern=r"^[a-z0-9_]+$",
+            description=(
+                "vLLM's tool-call parser for the model's own format (a --tool-call-parser"
+                " name: hermes for Qwen and the tiny models, deepseek_v3, kimi_k2, ...): how"
+                " the rollout endpoint reads the tool calls a harness's model makes."
+            ),
+        ),
+    ] = "hermes"
     volume_claim_name: Annotated[
         Name | None,
         Field(
@@ -415,6 +429,10 @@ class RolloutSpec(ApiModel):
     task_suite: Annotated[
         str, Field(min_length=1, max_length=253, description="Task suite the run trains on.")
     ] = "toy"
+    environment: Annotated[
+        EnvironmentSpec,
+        Field(description="The harness, tasks and reward rollouts run; unset: rlfleet's agent."),
+    ] = EnvironmentSpec()
     env_pool: Annotated[
         Name | None,
         Field(

@@ -62,7 +62,9 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     for key, value in node.items():
         if key in _DROPPED:
             continue
-        if key == "additionalProperties" and value is False:
+        if key == "additionalProperties" and (
+            value is False or node.get("x-kubernetes-preserve-unknown-fields")
+        ):
             continue  # structural schemas prune unknown fields; kubectl's strict mode names them
         if key in ("exclusiveMinimum", "exclusiveMaximum"):
             out["minimum" if key == "exclusiveMinimum" else "maximum"] = value

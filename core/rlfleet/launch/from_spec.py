@@ -23,6 +23,7 @@ from rlfleet.launch.production import (
     SignalRewards,
 )
 from rlfleet.launch.settings import (
+    EnvironmentConfig,
     EvaluatorConfig,
     FeedConfig,
     JudgeConfig,
@@ -130,6 +131,16 @@ def _rewards(spec: RLRunSpec) -> RewardConfig:
     return RewardConfig(weights=weights, judge_endpoint=endpoint)
 
 
+def environment_settings(spec: RLRunSpec) -> EnvironmentConfig:
+    environment = _rollout(spec).environment
+    return EnvironmentConfig(
+        name=environment.name,
+        settings=environment.settings,
+        episode_s=environment.episode_seconds,
+        tool_call_parser=spec.model.tool_call_parser,
+    )
+
+
 def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> WorkerConfig:
     region, rollout = at.region or "default", _rollout(spec)
     return WorkerConfig(
@@ -147,6 +158,7 @@ def rollout_settings(name: str, spec: RLRunSpec, model: str, at: Placement) -> W
             summary_tokens=rollout.summary_tokens,
             temperature=rollout.temperature,
         ),
+        environment=environment_settings(spec),
         rewards=_rewards(spec),
         weightsync=_sync(spec),
         metrics_port=at.metrics_port,
@@ -179,6 +191,7 @@ def feed_settings(name: str, spec: RLRunSpec, at: Placement) -> FeedConfig:
         nats_url=at.nats_url,
         jetstream_domain=at.jetstream_domain,
         suite=rollout.task_suite,
+        environment=environment_settings(spec),
         max_staleness=spec.max_staleness,
         group_size=rollout.group_size,
         revisit_uniform=rollout.uniform_group_revisit,

@@ -19,9 +19,11 @@ from typing import Annotated, Any, ClassVar, TypeVar
 import msgspec
 from pydantic import BaseModel
 
+from rlfleet.api.environment import EnvironmentSpec
 from rlfleet.api.rlrun import (
     STEP_TOKENS,
     EvaluationGate,
+    ModelSource,
     Precision,
     RewardKind,
     RLRunSpec,
@@ -186,6 +188,17 @@ class SessionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     temperature: float = spec_default(RolloutSpec, "temperature")
 
 
+class EnvironmentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The run's environment (`rlfleet.rollout.environment.plugins`): its registered name
+    and its own settings, which it checks itself."""
+
+    name: str = spec_default(EnvironmentSpec, "name")
+    settings: dict[str, Any] = {}
+    episode_s: float = spec_default(EnvironmentSpec, "episode_seconds")
+    # How the episode endpoint reads the model's tool calls (vLLM's parser names).
+    tool_call_parser: str = spec_default(ModelSource, "tool_call_parser")
+
+
 class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A sandbox's limits (`rlfleet.rollout.envpool.server`)."""
 
@@ -292,6 +305,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     follow_weights: bool = True  # apply the trainer's versions as they arrive
     start_version: int | None = 0  # take no task before this version is loaded
     session: SessionConfig = SessionConfig()
+    environment: EnvironmentConfig = EnvironmentConfig()
     limits: Limits = Limits()
     # None: a session server of the worker's own, making namespace sandboxes as root.
     envpool: PoolConfig | None = None
@@ -308,6 +322,8 @@ class FeedConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nats_url: str
     suite: str  # a shipped suite's name, or a path to a JSON Lines file
     jetstream_domain: str | None = None
+    # Whose tasks, when the environment brings its own (the suite is then unused).
+    environment: EnvironmentConfig = EnvironmentConfig()
     # The trainer's bound.
     max_staleness: Annotated[int, msgspec.Meta(ge=0)] = spec_default(RLRunSpec, "max_staleness")
     groups_per_step: Positive = 8  # a first guess; steps correct it

@@ -32,3 +32,18 @@ version_wait = Counter(
     "rlfleet_rollout_version_wait_seconds_total",
     "Seconds tasks spent waiting for a newer policy version",
 )
+episodes_failed = Counter(
+    "rlfleet_rollout_episodes_failed_total",
+    "Attempts that yielded nothing to train on, by reason; their groups are tried again",
+    ["reason"],  # harness, deadline, reward, turns, context, ...
+)
+endpoint_refused = Counter(
+    "rlfleet_rollout_endpoint_refused_total",
+    "Requests the episode endpoint refused, by reason",
+    ["reason"],  # key (unknown, or its episode over), request (malformed), caps
+)
+resegmented_calls = Counter(
+    "rlfleet_rollout_resegmented_calls_total",
+    "Endpoint calls whose rendered prompt did not extend the episode's tokens so far, so"
+    " they started a new segment (a template that drops or rewrites past turns)",
+)

@@ -63,7 +63,7 @@ def user_turn_text(text: str) -> str:
 
 
 @dataclass
-class _Window:
+class Window:
     """One context window being built into a `Segment`."""
 
     tokens: list[int]
@@ -135,12 +135,12 @@ class Session:
     def _user_turn(self, text: str) -> list[int]:
         return self._encode(user_turn_text(text))
 
-    def _open(self, summary: str | None = None, observation: str | None = None) -> _Window:
+    def _open(self, summary: str | None = None, observation: str | None = None) -> Window:
         text = window_text(self.task.prompt, summary, observation, tools=self.task.tools)
         tokens = self._encode(text)
-        return _Window(tokens=tokens, prompt_len=len(tokens))
+        return Window(tokens=tokens, prompt_len=len(tokens))
 
-    def _fits(self, window: _Window, extra: int) -> bool:
+    def _fits(self, window: Window, extra: int) -> bool:
         # Room is always kept to ask for a summary and receive it.
         reserve = len(self._end) + 1 + len(self._summary_request) + self.config.summary_tokens
         return len(window.tokens) + extra + reserve <= self.config.context_tokens
@@ -150,7 +150,7 @@ class Session:
         closed = completion.token_ids[-len(self._end) :] == self._end
         return self._encode("\n") if closed else self._end + self._encode("\n")
 
-    async def _complete(self, window: _Window, max_tokens: int, stop: list[str]) -> Completion:
+    async def _complete(self, window: Window, max_tokens: int, stop: list[str]) -> Completion:
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=self.config.temperature,
@@ -171,7 +171,7 @@ class Session:
         return tools.observation(reply, self.config.observation_chars)
 
     async def run(self) -> Episode:
-        window: _Window | None = self._open()
+        window: Window | None = self._open()
         if not self._fits(window, self.config.turn_tokens):
             raise ValueError(
                 f"the task's prompt ({len(window.tokens)} tokens) leaves no room for a turn "

@@ -42,6 +42,8 @@ from rlfleet.launch import components
 from rlfleet.launch.settings import FeedConfig
 from rlfleet.launch.stopping import run_until_signalled, wait_set
 from rlfleet.pipeline.admission import Admission
+from rlfleet.rollout.environment import plugins
+from rlfleet.rollout.environment.plugins import Environment
 from rlfleet.rollout.environment.tasks import load_suite, suite_path
 from rlfleet.rollout.taskfeed.curriculum import Curriculum
 
@@ -57,6 +59,29 @@ def passes(tasks: list[Task], seed: int) -> Iterator[Task]:
         order = list(tasks)
         rng.shuffle(order)
         yield from order
+
+
+def environment_passes(environment: Environment) -> Iterator[Task]:
+    """An environment's own tasks over and over, in the order it gives them: read as they
+    are published, so a large dataset or an endless generator never sits in memory."""
+    while True:
+        source = environment.tasks()
+        if source is None:
+            raise ValueError("the environment has no tasks of its own")
+        empty = True
+        for task in source:
+            empty = False
+            yield task
+        if empty:
+            raise ValueError("the environment's tasks() gave no task")
+
+
+def task_source(config: FeedConfig) -> Iterator[Task]:
+    """The environment's own tasks, if it brings them; else the run's suite."""
+    environment = plugins.load(config.environment)
+    if environment.tasks() is not None:
+        return environment_passes(environment)
+    return passes(load_suite(suite_path(config.suite)), config.seed)
 
 
 class _Trainer:
@@ -98,7 +123,7 @@ async def publish_task(js: JetStreamContext, message: TaskMessage, message_id: s
 
 
 async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
-    tasks = passes(load_suite(suite_path(config.suite)), config.seed)
+    tasks = task_source(config)
     admission = Admission(config.max_staleness, config.groups_per_step)
     curriculum = Curriculum(config.revisit_uniform, config.seed)
     trainer = _Trainer(admission, curriculum)

@@ -11,13 +11,11 @@ message ids (group and attempt) let JetStream drop copies published twice.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import time
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -46,11 +44,10 @@ from rlfleet.bus.streams import (
 from rlfleet.launch.settings import WorkerConfig
 from rlfleet.rollout.engine import metrics
 from rlfleet.rollout.engine.driver import Engine
-from rlfleet.rollout.environment import envclient, rewards
-from rlfleet.rollout.environment.envclient import ClaimTimeout, EnvClient, RemoteSandbox
-from rlfleet.rollout.environment.sandbox import Sandbox, SandboxClosed
-from rlfleet.rollout.environment.session import Episode, Session
-from rlfleet.rollout.environment.tasks import start_files
+from rlfleet.rollout.environment import envclient, plugins
+from rlfleet.rollout.environment.endpoint import Endpoint
+from rlfleet.rollout.environment.envclient import EnvClient
+from rlfleet.rollout.environment.plugins import Attempt, EpisodeFailed
 from rlfleet.rollout.worker import layout
 from rlfleet.rollout.worker.layout import Layout
 from rlfleet.weightsync import WeightStream, vllm_options, vllm_start
@@ -159,15 +156,6 @@ def groups_to_take(running: int, max_sessions: int, group_size: int) -> int:
     return max(0, max_sessions - running) // group_size
 
 
-@dataclass(frozen=True)
-class _Group:
-    task: Task
-    scorer: rewards.Scorer
-    start: dict[str, bytes]  # the task's starting tree, copied into each attempt's sandbox
-    id: str
-    size: int
-
-
 def read_task(data: bytes, run: str) -> TaskMessage:
     """A task message of this run; msgspec.DecodeError or ValueError, saying why, if not."""
     task = decode_task_message(data)
@@ -181,8 +169,12 @@ class Worker:
         self.config = config
         self.layout = layout  # of this worker's one engine (`layout.engines` is 1)
         self.stopping = asyncio.Event()
+        # Made first, so that a setting it refuses stops the worker before its engine.
+        self.environment = plugins.load(config.environment)
         self.engine: Engine | None = None
+        self.endpoint: Endpoint | None = None  # where harnesses reach the engine
         self.pool: EnvClient | None = None  # where attempts claim sandboxes
+        self._failures_logged: set[str] = set()  # each reason is logged once
         self.sessions = 0  # running now
         self._groups: set[asyncio.Task] = set()
         self.ack_wait_s = WORKER_ACK_WAIT_S  # its consumer's, once bound
@@ -200,9 +192,17 @@ class Worker:
             log.error("vLLM engine did not start: %s", start_failure(error))
             raise SystemExit(1) from None
         self.engine = Engine(llm, follow_weights=config.follow_weights)
-        async with envclient.pool(config.envpool, config.limits, config.max_sessions) as pool:
-            self.pool = pool
-            await self._serve(llm, self.engine)
+        environment = config.environment
+        self.endpoint = Endpoint(
+            self.engine, config.session, environment.tool_call_parser, config.model
+        )
+        await self.endpoint.start()
+        try:
+            async with envclient.pool(config.envpool, config.limits, config.max_sessions) as pool:
+                self.pool = pool
+                await self._serve(llm, self.engine)
+        finally:
+            await self.endpoint.close()
 
     async def _serve(self, llm, engine: Engine) -> None:
         config = self.config
@@ -276,10 +276,7 @@ class Worker:
     async def _group(self, message, js) -> None:
         try:
             task = read_task(message.data, self.config.run)
-            grading = rewards.Grading(
-                self.pool, self.config.limits, self.config.rewards.judge_endpoint
-            )
-            scorer = rewards.scorer_for(task.task, self.config.rewards.weights, grading)
+            self.environment.check(task.task, self.config)
         except (msgspec.DecodeError, ValueError) as error:
             log.warning("rejected task message %s: %s", message.metadata.sequence.stream, error)
             metrics.tasks_rejected.inc()
@@ -291,7 +288,7 @@ class Worker:
         try:
             await self._await_version(task.min_policy_version)
             group_id = f"{task.task.id}@{message.metadata.sequence.stream}"
-            trajectories = await self._attempts(task.task, scorer, group_id, size)
+            trajectories = await self._attempts(task.task, group_id, size)
             for trajectory in trajectories:
                 await js.publish(
                     trajectory_subject(self.config.run),
@@ -300,9 +297,13 @@ class Worker:
                 )
                 metrics.trajectories.inc()
             await message.ack()
-        except Exception:  # an ExceptionGroup from the attempts included
+        except Exception as error:  # an ExceptionGroup from the attempts included
             tries = message.metadata.num_delivered
-            log.exception("task %s failed (try %d of %d)", task.task.id, tries, TASK_MAX_DELIVER)
+            failed = "task %s failed (try %d of %d)"
+            if _episodes_failed(error):  # each reason was logged once, as it was counted
+                log.debug(failed, task.task.id, tries, TASK_MAX_DELIVER, exc_info=True)
+            else:
+                log.exception(failed, task.task.id, tries, TASK_MAX_DELIVER)
             await message.nak(delay=5)
         finally:
             heartbeat.cancel()
@@ -324,66 +325,50 @@ class Worker:
             await asyncio.sleep(self.ack_wait_s / 3)
             await message.in_progress()
 
-    async def _attempts(
-        self, task: Task, scorer: rewards.Scorer, group_id: str, size: int
-    ) -> list[Trajectory]:
-        group = _Group(task, scorer, start_files(task), group_id, size)
+    async def _attempts(self, task: Task, group_id: str, size: int) -> list[Trajectory]:
         # One attempt failing cancels the others: the group is retried as a whole.
         async with asyncio.TaskGroup() as attempts:
-            running = [attempts.create_task(self._attempt(group, i)) for i in range(size)]
+            running = [
+                attempts.create_task(self._attempt(task, group_id, size, i)) for i in range(size)
+            ]
         return [attempt.result() for attempt in running]
 
-    async def _attempt(self, group: _Group, attempt: int) -> Trajectory:
-        task, group_id = group.task, group.id
-        assert self.engine is not None
-        # A bare question has no tools, so nothing for a sandbox to run.
-        sandbox = await self._claim(task, group.start) if task.tools else None
-        async with sandbox or contextlib.nullcontext():
-            seed = zlib.crc32(f"{self.config.seed}/{group_id}/{attempt}".encode())
-            episode = await Session(self.engine, task, sandbox, self.config.session, seed).run()
-            reward = await self._grade(task, group.scorer, episode, sandbox)
-        metrics.sessions.labels(episode.ended).inc()
-        if "cheat" in reward.reason:
-            metrics.cheats.inc()
+    async def _attempt(self, task: Task, group_id: str, size: int, index: int) -> Trajectory:
+        assert self.engine is not None and self.endpoint is not None
+        seed = zlib.crc32(f"{self.config.seed}/{group_id}/{index}".encode())
+        attempt = Attempt(
+            task, group_id, index, seed, self.config, self.engine, self.endpoint, self.pool
+        )
+        try:
+            result = await self.environment.attempt(attempt)
+        except EpisodeFailed as failed:
+            metrics.episodes_failed.labels(failed.reason).inc()
+            if failed.reason not in self._failures_logged:
+                self._failures_logged.add(failed.reason)
+                log.warning(
+                    "%s #%d: episode failed (logged once per reason): %s", group_id, index, failed
+                )
+            raise
+        reward = result.reward
+        metrics.sessions.labels(result.ended).inc()
         if reward.reason:
-            log.info("%s #%d: reward %.2f, %s", group_id, attempt, reward.value, reward.reason)
+            log.info("%s #%d: reward %.2f, %s", group_id, index, reward.value, reward.reason)
         return Trajectory(
             run=self.config.run,
             task_id=task.id,
             group_id=group_id,
-            group_size=group.size,
-            attempt=attempt,
+            group_size=size,
+            attempt=index,
             reward=reward.value,
             reward_breakdown=reward.breakdown,
-            segments=episode.segments,
+            segments=result.segments,
             worker=self.config.name,
             created_at=time.time(),
         )
 
-    async def _claim(self, task: Task, start: dict[str, bytes]) -> RemoteSandbox:
-        """A sandbox from the pool holding a copy of `start` over a fork of the task's
-        environment. Raises if there is no pool, the environment's set-up fails, or no
-        sandbox comes free in time: the attempt fails, and its group goes back to the queue."""
-        if self.pool is None:
-            raise envclient.NoPool("a task uses tools, and this worker has no environment pool")
-        environment = await self.pool.environment(task.environment)
-        started = time.perf_counter()
-        try:
-            sandbox = await self.pool.create(start, self.config.limits, snapshot=environment)
-        except ClaimTimeout:
-            metrics.claim_timeouts.inc()
-            raise
-        metrics.sandbox_claim.observe(time.perf_counter() - started)
-        return sandbox
 
-    async def _grade(
-        self, task: Task, scorer: rewards.Scorer, episode: Episode, sandbox: Sandbox | None
-    ) -> rewards.Reward:
-        if episode.ended == "sandbox":
-            return rewards.Reward(0.0, {"sandbox_stopped": 1.0}, f"sandbox: {episode.error}")
-        try:
-            files = {} if sandbox is None else await rewards.archive(sandbox)
-        except (rewards.ArchiveError, SandboxClosed) as error:  # the agent can cause both
-            return rewards.Reward(0.0, {"archive_failed": 1.0}, f"archive: {error}")
-        outcome = rewards.Outcome(episode.answer, files, episode.transcript)
-        return await rewards.grade(task, outcome, scorer)
+def _episodes_failed(error: BaseException) -> bool:
+    """Whether every failure in `error` (a group's attempts') is an EpisodeFailed."""
+    if isinstance(error, BaseExceptionGroup):
+        return all(_episodes_failed(inner) for inner in error.exceptions)
+    return isinstance(error, EpisodeFailed)

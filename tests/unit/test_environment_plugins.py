@@ -1,0 +1,120 @@
+"""Environments as plug-ins: the registry, the settings an environment refuses by name,
+the endpoint's request checks and segments, and a harness's reward, without an engine."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from rlfleet_lookup import LOOKUP
+from transformers import PreTrainedTokenizerFast
+
+from rlfleet.launch.settings import EnvironmentConfig
+from rlfleet.models.tiny import build_tokenizer
+from rlfleet.rollout.environment import endpoint, plugins
+from rlfleet.rollout.environment.agent import AgentEnvironment
+from rlfleet.rollout.environment.endpoint import EpisodeCapture, Refused
+from rlfleet.rollout.environment.harness import _reward
+from rlfleet.rollout.environment.plugins import EpisodeFailed, SettingsError
+
+
+def test_environments_are_found_by_entry_point_or_by_module_path() -> None:
+    assert {"agent", "lookup"} <= set(plugins.installed())
+    assert isinstance(plugins.load(EnvironmentConfig()), AgentEnvironment)
+    lookup = plugins.load(EnvironmentConfig(name="rlfleet_lookup:load_environment"))
+    assert [t.id for t in lookup.tasks()][:1] == ["lookup-apple"]
+    with pytest.raises(LookupError, match=r"no environment 'nope'.*installed: agent"):
+        plugins.load(EnvironmentConfig(name="nope"))
+    with pytest.raises(LookupError, match=r"spec\.rollout\.environment\.name: nowhere:x"):
+        plugins.load(EnvironmentConfig(name="nowhere:x"))
+
+
+@pytest.mark.parametrize(
+    ("name", "settings", "field"),
+    [
+        ("agent", {"turns": 3}, "turns"),
+        ("lookup", {"maxCalls": 0}, "maxCalls"),
+        ("lookup", {"words": {"apple": "seven"}}, "words.apple"),
+        ("lookup", {"colour": "red"}, "colour"),
+    ],
+)
+def test_a_setting_an_environment_refuses_is_named_as_the_spec_spells_it(
+    name: str, settings: dict, field: str
+) -> None:
+    with pytest.raises(SettingsError) as refused:
+        plugins.load(EnvironmentConfig(name=name, settings=settings))
+    assert str(refused.value).startswith(f"spec.rollout.environment.settings.{field}: ")
+
+
+def test_rewards_are_finite_numbers_in_range_or_named_parts_of_them() -> None:
+    assert _reward(0.25, (0, 1)).value == 0.25
+    parts = _reward({"correct": 1.0, "style": 0.5}, (0, 1))
+    assert parts.value == 0.75 and parts.breakdown == {"correct": 1.0, "style": 0.5}
+    for bad in (math.nan, math.inf, 2.0, "1", True, None, {}, {"a": math.nan}):
+        with pytest.raises(EpisodeFailed) as failed:
+            _reward(bad, (0, 1))
+        assert failed.value.reason == "reward"
+
+
+def _body(**extra) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def test_the_endpoint_refuses_what_would_change_the_sampled_distribution() -> None:
+    endpoint._parse(_body(temperature=0.3, top_p=1.0, stream=True))  # overridden, neutral
+    for control in (
+        {"top_p": 0.05},
+        {"top_k": 1},
+        {"logit_bias": {"7": 100}},
+        {"presence_penalty": 1.0},
+        {"min_tokens": 4},
+        {"response_format": {"type": "json_object"}},
+        {"n": 2},
+    ):
+        with pytest.raises(Refused) as refused:
+            endpoint._parse(_body(**control))
+        assert refused.value.status == 400 and next(iter(control)) in str(refused.value)
+
+
+def test_the_endpoint_refuses_malformed_requests_naming_the_field() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}
+    history = [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    with pytest.raises(Refused, match="arguments of 'c1' are not JSON"):
+        endpoint._parse(_body(messages=history))
+    with pytest.raises(Refused, match="messages"):
+        endpoint._parse({"model": "m"})
+
+
+def test_a_prompt_extending_the_episode_continues_its_window_else_starts_a_segment() -> None:
+    capture = EpisodeCapture("key", seed=0)
+    window = endpoint._extend(capture, [1, 2, 3])
+    window.generated, window.tokens = [1], [1, 2, 3, 9]  # as if 9 were sampled
+    window.logprobs, window.versions = [-0.1], [0]
+    assert endpoint._extend(capture, [1, 2, 3, 9, 4, 5]) is window
+    assert window.generated == [1, 0, 0] and capture.resegmented == 0
+    fresh = endpoint._extend(capture, [1, 2, 7])
+    assert fresh is not window and capture.resegmented == 1
+    assert [s.tokens for s in capture.segments] == [[1, 2, 3, 9, 4, 5]]
+    # A window nothing was sampled in (its call failed) is replaced, not kept.
+    assert endpoint._extend(capture, [8]) is not fresh and capture.resegmented == 1
+    assert len(capture.all_segments()) == 1
+
+
+def test_the_tiny_template_renders_tool_calls_as_the_hermes_parser_reads_them() -> None:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
+
+    tokenizer: PreTrainedTokenizerFast = build_tokenizer()
+    request = ChatCompletionRequest.model_validate(_body(tools=[LOOKUP]))
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"word": "apple"}}\n</tool_call>'
+    parser = ToolParserManager.get_tool_parser("hermes")(tokenizer, request.tools)
+    parsed = parser.extract_tool_calls(call, request)
+    assert parsed.tools_called and not parsed.content
+    (tool_call,) = parsed.tool_calls
+    assert json.loads(tool_call.function.arguments) == {"word": "apple"}
+    message = {"role": "assistant", "content": None, "tool_calls": [tool_call.model_dump()]}
+    rendered = tokenizer.apply_chat_template(
+        [*request.messages, message], tools=[LOOKUP], tokenize=False
+    )
+    assert rendered.endswith("<|im_start|>assistant\n" + call + "<|im_end|>\n")
