@@ -175,6 +175,22 @@ BAD_SPECS = {
         _rlrun(rewards=[{"kind": "judge", "endpoint": "http://judge:8000/v1"}]),
         "spec.rewards[0].judgeModel",
     ),
+    "python without its function": (
+        _rlrun(rewards=[{"kind": "python"}]),
+        "spec.rewards[0].function",
+    ),
+    "a function on a reward that is no python": (
+        _rlrun(rewards=[{"kind": "exactAnswer", "function": "graders:score"}]),
+        "spec.rewards[0].function",
+    ),
+    "remote without an endpoint": (
+        _rlrun(rewards=[{"kind": "remote"}]),
+        "spec.rewards[0].endpoint",
+    ),
+    "an environment name that is no entry point": (
+        _rlrun_with_rollout(environment={"name": "my env"}),
+        "spec.rollout.environment.name",
+    ),
     "a model volume for a uri that is no path": (
         _rlrun(model={"uri": "s3://bucket/tiny-moe", "volumeClaimName": "models"}),
         "spec.model.volumeClaimName",

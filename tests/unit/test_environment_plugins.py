@@ -15,8 +15,8 @@ from rlfleet.models.tiny import build_tokenizer
 from rlfleet.rollout.environment import endpoint, plugins
 from rlfleet.rollout.environment.agent import AgentEnvironment
 from rlfleet.rollout.environment.endpoint import EpisodeCapture, Refused
-from rlfleet.rollout.environment.harness import _reward
 from rlfleet.rollout.environment.plugins import EpisodeFailed, SettingsError
+from rlfleet.rollout.environment.rewards import scored
 
 
 def test_environments_are_found_by_entry_point_or_by_module_path() -> None:
@@ -48,12 +48,12 @@ def test_a_setting_an_environment_refuses_is_named_as_the_spec_spells_it(
 
 
 def test_rewards_are_finite_numbers_in_range_or_named_parts_of_them() -> None:
-    assert _reward(0.25, (0, 1)).value == 0.25
-    parts = _reward({"correct": 1.0, "style": 0.5}, (0, 1))
+    assert scored(0.25, (0, 1), "reward").value == 0.25
+    parts = scored({"correct": 1.0, "style": 0.5}, (0, 1), "reward")
     assert parts.value == 0.75 and parts.breakdown == {"correct": 1.0, "style": 0.5}
     for bad in (math.nan, math.inf, 2.0, "1", True, None, {}, {"a": math.nan}):
         with pytest.raises(EpisodeFailed) as failed:
-            _reward(bad, (0, 1))
+            scored(bad, (0, 1), "reward")
         assert failed.value.reason == "reward"
 
 

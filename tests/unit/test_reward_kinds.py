@@ -12,10 +12,21 @@ import pytest
 from rlfleet.api.rlrun import RewardKind, RLRunSpec
 from rlfleet.api.wire import Task
 from rlfleet.launch import from_spec
-from rlfleet.launch.settings import JudgeConfig, Limits, RewardConfig
+from rlfleet.launch.settings import JudgeConfig, Limits, RemoteRewardConfig, RewardConfig
 from rlfleet.rollout.environment import rewards
 
-GRADING = rewards.Grading(None, Limits(), JudgeConfig(base_url="http://judge/v1", model="j"))
+
+def _constant(task: Task, outcome: rewards.Outcome) -> float:
+    return 1.0
+
+
+GRADING = rewards.Grading(
+    None,
+    Limits(),
+    JudgeConfig(base_url="http://judge/v1", model="j"),
+    python=rewards.PythonGrader(_constant),
+    remote=rewards.Remote(RemoteRewardConfig(url="http://verifier/score")),
+)
 EVERYTHING = Task(
     id="t",
     suite="s",
@@ -42,12 +53,16 @@ def test_the_spec_s_rewards_reach_the_worker_by_their_kinds() -> None:
             "rewards": [
                 {"kind": "hiddenTests", "weight": 2},
                 {"kind": "judge", "weight": 0.5, "endpoint": "http://j/v1", "judgeModel": "m"},
+                {"kind": "python", "function": "graders.style:score"},
+                {"kind": "remote", "endpoint": "http://v/score", "requests": {"retries": 0}},
             ],
         }
     )
     config = from_spec._rewards(spec)
-    assert config.weights == {"hiddenTests": 2.0, "judge": 0.5}
+    assert config.weights == {"hiddenTests": 2.0, "judge": 0.5, "python": 1.0, "remote": 1.0}
     assert config.judge_endpoint == JudgeConfig(base_url="http://j/v1", model="m")
+    assert config.python_function == "graders.style:score"
+    assert config.remote == RemoteRewardConfig(url="http://v/score", retries=0)
     assert RewardConfig().weights == {"exactAnswer": 1.0, "hiddenTests": 1.0}  # none named
 
 

@@ -555,7 +555,31 @@ class WeightSyncSpec(ApiModel):
 # The reward kinds a run may name: one vocabulary from the spec (`spec.rewards[].kind`)
 # through the worker's settings to its scorers (`rlfleet.rollout.environment.rewards.SCORERS`)
 # and each trajectory's reward breakdown.
-RewardKind = Literal["exactAnswer", "hiddenTests", "judge"]
+RewardKind = Literal["exactAnswer", "hiddenTests", "judge", "python", "remote"]
+# A Python callable on the rollout image's path: `package.module:function`.
+FUNCTION = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$"
+
+
+class RemoteRequests(ApiModel):
+    """How a remote reward's requests are made."""
+
+    timeout_seconds: Annotated[
+        float, Field(gt=0, le=3600, description="One request's timeout.")
+    ] = 30.0
+    retries: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=10,
+            description=(
+                "Tries after the first, for a timeout, a refused connection, 429 or 5xx; then"
+                " the attempt fails (reason reward) and its group is tried again."
+            ),
+        ),
+    ] = 2
+    concurrency: Annotated[
+        int, Field(ge=1, le=4096, description="Requests one rollout worker has open at once.")
+    ] = 16
 
 
 class RewardSpec(ApiModel):
@@ -574,6 +598,26 @@ class RewardSpec(ApiModel):
                     "a judge reward needs judgeModel, the model the endpoint serves",
                     ".judgeModel",
                 ),
+                cel(
+                    "self.kind != 'python' || has(self.function)",
+                    "a python reward needs function, module:function",
+                    ".function",
+                ),
+                cel(
+                    "!has(self.function) || self.kind == 'python'",
+                    "function is a python reward's",
+                    ".function",
+                ),
+                cel(
+                    "self.kind != 'remote' || has(self.endpoint)",
+                    "a remote reward needs an endpoint, the URL each attempt is POSTed to",
+                    ".endpoint",
+                ),
+                cel(
+                    "!has(self.requests) || self.kind == 'remote'",
+                    "requests are a remote reward's",
+                    ".requests",
+                ),
             ]
         }
     )
@@ -585,7 +629,9 @@ class RewardSpec(ApiModel):
                 "What earns it, on tasks that have it: exactAnswer, the task's answer "
                 "(whitespace aside); hiddenTests, the task's tests passing in a fresh sandbox "
                 "of the run's EnvPool; judge, a model's mean 0-10 score on the task's rubric, "
-                "divided by 10."
+                "divided by 10; python, what `function` returns; remote, what a service at"
+                " `endpoint` answers. The last two apply to every task and return a number"
+                " from 0 to 1, or parts by name whose mean it is."
             )
         ),
     ]
@@ -606,7 +652,10 @@ class RewardSpec(ApiModel):
             Field(
                 max_length=2048,
                 pattern=r"^https?://",
-                description="OpenAI-compatible endpoint of the judge.",
+                description=(
+                    "A judge's OpenAI-compatible endpoint; a remote reward's URL, to which"
+                    " each attempt is POSTed as JSON (task, answer, transcript, files)."
+                ),
             ),
         ]
         | None
@@ -622,6 +671,22 @@ class RewardSpec(ApiModel):
         ]
         | None
     ) = None
+    function: (
+        Annotated[
+            str,
+            Field(
+                max_length=253,
+                pattern=FUNCTION,
+                description=(
+                    "A python reward's grader, module:function on the rollout image's path,"
+                    " sync or async, called with the task and the attempt's outcome (answer,"
+                    " files, transcript)."
+                ),
+            ),
+        ]
+        | None
+    ) = None
+    requests: RemoteRequests | None = None
 
 
 class EvaluationGate(ApiModel):

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from rlfleet.api.production import ProductionSpec
-from rlfleet.api.rlrun import STEP_TOKENS, RLRunSpec, RolloutSpec
+from rlfleet.api.rlrun import STEP_TOKENS, RemoteRequests, RLRunSpec, RolloutSpec
 from rlfleet.launch.pods import DEEPSPEED_KEY, ENVPOOL_TOKEN_FILE, Placement
 from rlfleet.launch.production import (
     CanaryPolicy,
@@ -28,6 +28,7 @@ from rlfleet.launch.settings import (
     FeedConfig,
     JudgeConfig,
     PoolConfig,
+    RemoteRewardConfig,
     RewardConfig,
     SessionConfig,
     SyncConfig,
@@ -128,7 +129,30 @@ def _rewards(spec: RLRunSpec) -> RewardConfig:
         if judge.endpoint is None or judge.judge_model is None:
             raise ValueError("spec.rewards: a judge reward needs endpoint and judgeModel")
         endpoint = JudgeConfig(base_url=judge.endpoint, model=judge.judge_model)
-    return RewardConfig(weights=weights, judge_endpoint=endpoint)
+    python = next((r for r in spec.rewards if r.kind == "python"), None)
+    if python is not None and python.function is None:
+        raise ValueError("spec.rewards: a python reward needs function")
+    return RewardConfig(
+        weights=weights,
+        judge_endpoint=endpoint,
+        python_function=python.function if python is not None else None,
+        remote=_remote_reward(spec),
+    )
+
+
+def _remote_reward(spec: RLRunSpec) -> RemoteRewardConfig | None:
+    remote = next((r for r in spec.rewards if r.kind == "remote"), None)
+    if remote is None:
+        return None
+    if remote.endpoint is None:
+        raise ValueError("spec.rewards: a remote reward needs an endpoint")
+    requests = remote.requests or RemoteRequests()
+    return RemoteRewardConfig(
+        url=remote.endpoint,
+        timeout_s=requests.timeout_seconds,
+        retries=requests.retries,
+        concurrency=requests.concurrency,
+    )
 
 
 def environment_settings(spec: RLRunSpec) -> EnvironmentConfig:

@@ -25,6 +25,7 @@ from rlfleet.api.rlrun import (
     EvaluationGate,
     ModelSource,
     Precision,
+    RemoteRequests,
     RewardKind,
     RLRunSpec,
     RolloutSpec,
@@ -273,6 +274,15 @@ def _verifiable() -> dict[RewardKind, float]:
     return {"exactAnswer": 1.0, "hiddenTests": 1.0}
 
 
+class RemoteRewardConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A remote reward service (`rlfleet.rollout.environment.rewards.Remote`)."""
+
+    url: str
+    timeout_s: float = spec_default(RemoteRequests, "timeout_seconds")
+    retries: int = spec_default(RemoteRequests, "retries")
+    concurrency: Positive = spec_default(RemoteRequests, "concurrency")
+
+
 class RewardConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Each reward kind's weight, by the spec's names; of those, the kinds that apply to a
     task make its reward (a kind not listed weighs nothing). With no `spec.rewards`, the
@@ -280,6 +290,8 @@ class RewardConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     weights: dict[RewardKind, Weight] = msgspec.field(default_factory=_verifiable)
     judge_endpoint: JudgeConfig | None = None  # when `judge` is weighted
+    python_function: str | None = None  # module:function, when `python` is weighted
+    remote: RemoteRewardConfig | None = None  # when `remote` is weighted
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -28,15 +28,33 @@ def load_environment(settings: Mapping[str, Any]) -> AgentEnvironment:
 
 
 class AgentEnvironment:
+    def __init__(self) -> None:
+        # Made once per worker from its settings: a python grader is imported once, and a
+        # remote service's bound on open requests holds across every attempt.
+        self._graders: tuple[rewards.PythonGrader | None, rewards.Remote | None] | None = None
+
     def tasks(self) -> Iterable[Task] | None:
         return None  # the run's suite
 
     def check(self, task: Task, config: WorkerConfig) -> None:
-        _scorer(task, config, None)  # whether any reward kind the run weighs applies
+        self._scorer(task, config, None)  # whether any reward kind the run weighs applies
+
+    def _scorer(self, task: Task, config: WorkerConfig, pool: EnvClient | None) -> rewards.Scorer:
+        """The weighted parts of the run's reward that apply to `task`; ValueError if none."""
+        if self._graders is None:
+            function, remote = config.rewards.python_function, config.rewards.remote
+            self._graders = (
+                rewards.PythonGrader.load(function) if function is not None else None,
+                rewards.Remote(remote) if remote is not None else None,
+            )
+        python, remote = self._graders
+        judge = config.rewards.judge_endpoint
+        grading = rewards.Grading(pool, config.limits, judge, python=python, remote=remote)
+        return rewards.scorer_for(task, config.rewards.weights, grading)
 
     async def attempt(self, attempt: Attempt) -> Result:
         task, config = attempt.task, attempt.config
-        scorer = _scorer(task, config, attempt.pool)
+        scorer = self._scorer(task, config, attempt.pool)
         # A bare question has no tools, so nothing for a sandbox to run.
         sandbox = await _claim(attempt.pool, attempt) if task.tools else None
         async with sandbox or contextlib.nullcontext():
@@ -46,12 +64,6 @@ class AgentEnvironment:
         if "cheat" in reward.reason:
             metrics.cheats.inc()
         return Result(episode.segments, reward, episode.ended)
-
-
-def _scorer(task: Task, config: WorkerConfig, pool: EnvClient | None) -> rewards.Scorer:
-    """The weighted parts of the run's reward that apply to `task`; ValueError if none."""
-    grading = rewards.Grading(pool, config.limits, config.rewards.judge_endpoint)
-    return rewards.scorer_for(task, config.rewards.weights, grading)
 
 
 async def _claim(pool: EnvClient | None, attempt: Attempt) -> RemoteSandbox:

@@ -16,7 +16,6 @@ a finite number in `reward_range` (`reward`): the trainer never sees half an epi
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,7 @@ from rlfleet.api.wire import Task
 from rlfleet.launch.settings import WorkerConfig
 from rlfleet.rollout.environment.endpoint import EpisodeCapture
 from rlfleet.rollout.environment.plugins import Attempt, EpisodeFailed, Result
-from rlfleet.rollout.environment.rewards import Reward
+from rlfleet.rollout.environment.rewards import scored
 
 
 @dataclass(frozen=True)
@@ -52,6 +51,11 @@ class Harness:
     def check(self, task: Task, config: WorkerConfig) -> None:
         return None
 
+    def demonstrations(self) -> Iterable[tuple[list[dict], list[dict] | None]] | None:
+        """Conversations (messages, tools) as the harness would have them go, for a
+        supervised warm-up before RL (`rlfleet run`'s tiny models): None for none."""
+        return None
+
     async def rollout(self, task: Task, model: Model) -> Any:
         """Plays one episode; what it returns is handed to `score`."""
         raise NotImplementedError
@@ -66,7 +70,7 @@ class Harness:
         try:
             async with asyncio.timeout(attempt.config.environment.episode_s):
                 state = await self._play(attempt, capture)
-                reward = _reward(await self._score(attempt.task, state), self.reward_range)
+                reward = scored(await self._score(attempt.task, state), self.reward_range, "reward")
         except TimeoutError:
             raise EpisodeFailed(
                 "deadline", f"past the episode's {attempt.config.environment.episode_s:g} s"
@@ -98,19 +102,3 @@ class Harness:
             return await self.score(task, state)
         except Exception as error:
             raise EpisodeFailed("reward", f"score raised {error!r}") from error
-
-
-def _reward(scored: object, bounds: tuple[float, float]) -> Reward:
-    """A score as a reward: a number, or named parts whose mean it is."""
-    parts = dict(scored) if isinstance(scored, Mapping) else {"reward": scored}
-    if not parts:
-        raise EpisodeFailed("reward", "score returned no parts")
-    low, high = bounds
-    for name, value in parts.items():
-        number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
-        if number is None or not math.isfinite(number) or not low <= number <= high:
-            raise EpisodeFailed(
-                "reward", f"{name} is {value!r}, not a finite number in [{low:g}, {high:g}]"
-            )
-    breakdown = {str(name): float(value) for name, value in parts.items()}
-    return Reward(sum(breakdown.values()) / len(breakdown), breakdown)

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib
+import inspect
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,9 +24,10 @@ import msgspec
 
 from rlfleet.api.rlrun import RewardKind
 from rlfleet.api.wire import Task, check_relative_path
-from rlfleet.launch.settings import JudgeConfig
+from rlfleet.launch.settings import JudgeConfig, RemoteRewardConfig
 from rlfleet.rollout.environment.cheats import changed, detect_cheats, is_bytecode, overlaps
 from rlfleet.rollout.environment.envclient import EnvClient, NoPool
+from rlfleet.rollout.environment.plugins import EpisodeFailed
 from rlfleet.rollout.environment.sandbox import Limits, Sandbox, SandboxClosed
 
 
@@ -236,6 +240,113 @@ class Combined:
         return Reward(value, breakdown, "; ".join(r.reason for r in rewards if r.reason))
 
 
+def scored(value: object, bounds: tuple[float, float], name: str) -> Reward:
+    """A grader's answer as a reward: a number, or parts by name whose mean it is, each
+    finite and within `bounds`; EpisodeFailed (reason `reward`) for anything else."""
+    parts = dict(value) if isinstance(value, Mapping) else {name: value}
+    if not parts:
+        raise EpisodeFailed("reward", f"{name} returned no parts")
+    low, high = bounds
+    for part, number in parts.items():
+        if isinstance(number, bool) or not isinstance(number, int | float):
+            number = None
+        if number is None or not math.isfinite(number) or not low <= number <= high:
+            raise EpisodeFailed(
+                "reward",
+                f"{name}: {part} is {parts[part]!r}, not a finite number in [{low:g}, {high:g}]",
+            )
+    breakdown = {str(part): float(number) for part, number in parts.items()}
+    return Reward(sum(breakdown.values()) / len(breakdown), breakdown)
+
+
+def _named(reward: Reward, name: str) -> Reward:
+    """A reward under `name` in a combined breakdown, its parts as `name.part`."""
+    if list(reward.breakdown) == [name]:
+        return reward
+    parts = {f"{name}.{part}": value for part, value in reward.breakdown.items()}
+    return Reward(reward.value, {name: reward.value} | parts)
+
+
+@dataclass(frozen=True)
+class PythonGrader:
+    """The user's function, sync (run in a thread, so the worker's loop goes on) or
+    async, called as `function(task, outcome)`."""
+
+    function: Callable[[Task, Outcome], Any]
+    name: str = "python"
+
+    @classmethod
+    def load(cls, path: str) -> PythonGrader:
+        module, _, attribute = path.partition(":")
+        try:
+            return cls(getattr(importlib.import_module(module), attribute))
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"spec.rewards: python function {path}: {error}") from error
+
+    async def score(self, task: Task, outcome: Outcome) -> Reward:
+        try:
+            if inspect.iscoroutinefunction(self.function):
+                value = await self.function(task, outcome)
+            else:
+                value = await asyncio.to_thread(self.function, task, outcome)
+        except Exception as error:
+            raise EpisodeFailed("reward", f"{self.name} raised {error!r}") from error
+        return _named(scored(value, (0.0, 1.0), self.name), self.name)
+
+
+_RETRIED = {429, 500, 502, 503, 504}
+
+
+@dataclass
+class Remote:
+    """A reward service: each attempt POSTed as JSON (the task, its answer, transcript and
+    files in base64), answered with `{"reward": x}` or `{"parts": {...}}`. At most
+    `concurrency` requests are open at once; a timeout, refused connection, 429 or 5xx is
+    tried again `retries` times, backing off; then the attempt fails."""
+
+    config: RemoteRewardConfig
+    name: str = "remote"
+    _open: asyncio.Semaphore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._open = asyncio.Semaphore(self.config.concurrency)
+
+    def _body(self, task: Task, outcome: Outcome) -> dict:
+        files = {path: base64.b64encode(data).decode() for path, data in outcome.files.items()}
+        return {
+            "task": msgspec.to_builtins(task),
+            "answer": outcome.answer,
+            "transcript": outcome.transcript,
+            "files": files,
+        }
+
+    async def score(self, task: Task, outcome: Outcome) -> Reward:
+        body, config, problem = self._body(task, outcome), self.config, ""
+        async with self._open, httpx.AsyncClient(timeout=config.timeout_s) as client:
+            for attempt in range(config.retries + 1):
+                if attempt:
+                    await asyncio.sleep(0.5 * 2 ** (attempt - 1))
+                try:
+                    response = await client.post(config.url, json=body)
+                except httpx.HTTPError as error:  # timeouts and refused connections
+                    problem = f"{type(error).__name__}: {error}"
+                    continue
+                if response.status_code in _RETRIED:
+                    problem = f"HTTP {response.status_code}"
+                    continue
+                return self._reward(response)
+        raise EpisodeFailed("reward", f"{self.name}: {problem} after {config.retries + 1} tries")
+
+    def _reward(self, response: httpx.Response) -> Reward:
+        try:
+            response.raise_for_status()
+            answer = response.json()
+            value = answer["parts"] if "parts" in answer else answer["reward"]
+        except (httpx.HTTPError, ValueError, LookupError, TypeError) as error:
+            raise EpisodeFailed("reward", f"{self.name}: {error!r}"[:300]) from error
+        return _named(scored(value, (0.0, 1.0), self.name), self.name)
+
+
 @dataclass(frozen=True)
 class Grading:
     """What an attempt's scorers are made with."""
@@ -243,6 +354,8 @@ class Grading:
     pool: EnvClient | None  # where hidden tests run
     limits: Limits  # of the sandbox they run in
     judge: JudgeConfig | None  # the judge's endpoint, where the run weighs one
+    python: PythonGrader | None = None  # where the run weighs one
+    remote: Remote | None = None  # where the run weighs one
 
 
 def _exact_answer(task: Task, grading: Grading) -> Scorer | None:
@@ -265,12 +378,22 @@ def _judge(task: Task, grading: Grading) -> Scorer | None:
     )
 
 
+def _python(task: Task, grading: Grading) -> Scorer | None:
+    return grading.python
+
+
+def _remote(task: Task, grading: Grading) -> Scorer | None:
+    return grading.remote
+
+
 # Each reward kind a run may name (`RewardKind`), and the scorer it is on the tasks it
 # applies to (None where it does not: a task without an answer has no exact answer).
 SCORERS: dict[RewardKind, Callable[[Task, Grading], Scorer | None]] = {
     "exactAnswer": _exact_answer,
     "hiddenTests": _hidden_tests,
     "judge": _judge,
+    "python": _python,
+    "remote": _remote,
 }
 
 
