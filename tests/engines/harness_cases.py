@@ -25,7 +25,9 @@ async def _ask(model: Model, messages: list[dict], **extra: Any) -> dict:
 
 
 async def _twice(model: Model) -> list[dict]:
-    """Two calls, the second's conversation extending the first's."""
+    """Two calls, the second's conversation extending the first's (after asking which
+    models there are, as some agents do first)."""
+    assert [served.id async for served in model.client.models.list()] == [model.name]
     first = await _ask(model, QUESTION)
     return await _ask(model, [*QUESTION, first, {"role": "user", "content": "Again?"}])
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 import yaml
 
+from rlfleet.api.environment import BUILT_IN
 from rlfleet.api.rlrun import RLRunSpec, check_run_name
 from rlfleet.api.wire import (
     BusRole,
@@ -86,16 +87,18 @@ def make_model(spec: RLRunSpec, layout: plan.Layout, warmup_steps: int) -> None:
     kind = spec.model.uri.removeprefix(plan.TINY_SCHEME)
     staging = layout.root / "model.partial"
     shutil.rmtree(staging, ignore_errors=True)  # what an interrupted warm-up left
-    console.print(f"making a {kind} model and warming it up on the {spec.suite} suite")
+    console.print(f"making a {kind} model and warming it up")
     subprocess.run(
         [sys.executable, "-m", "rlfleet.cli", "model", "init", "--kind", kind, str(staging)],
         check=True,
     )
-    suite = spec.suite
-    subprocess.run(
-        [*WARMUP.command(sys.executable), str(staging), suite, "--steps", str(warmup_steps)],
-        check=True,
-    )
+    warmup = [*WARMUP.command(sys.executable), str(staging), spec.suite]
+    warmup += ["--steps", str(warmup_steps)]
+    if spec.rollout is not None and spec.rollout.environment.name != BUILT_IN:
+        environment = spec.rollout.environment
+        warmup += ["--environment", environment.name]
+        warmup += ["--settings", json.dumps(environment.settings)]
+    subprocess.run(warmup, check=True)
     staging.rename(layout.model)  # only a finished warm-up counts
 
 

@@ -34,6 +34,20 @@ class Lookup(Harness):
             prompt = f"What is the secret number of {word}?"
             yield Task(id=f"lookup-{word}", suite="lookup", prompt=prompt, answer=str(number))
 
+    def demonstrations(self) -> Iterator[tuple[list[dict], list[dict]]]:
+        """Half the words looked up and answered: a tiny model's warm-up (`rlfleet run`)."""
+        for word, number in sorted(self.words.items())[::2]:
+            call = {"name": "lookup", "arguments": json.dumps({"word": word})}
+            yield (
+                [
+                    {"role": "user", "content": f"What is the secret number of {word}?"},
+                    {"role": "assistant", "tool_calls": [{"id": "c", "function": call}]},
+                    {"role": "tool", "tool_call_id": "c", "content": str(number)},
+                    {"role": "assistant", "content": str(number)},
+                ],
+                [LOOKUP],
+            )
+
     async def rollout(self, task: Task, model: Model) -> list[dict]:
         messages: list[dict] = [{"role": "user", "content": task.prompt}]
         for _ in range(self.max_calls):

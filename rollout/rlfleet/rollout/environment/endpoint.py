@@ -44,6 +44,7 @@ from rlfleet.rollout.environment.session import Window
 log = logging.getLogger(__name__)
 
 ROUTE = "/v1/chat/completions"
+MODELS_ROUTE = "/v1/models"  # what some agents ask first
 MAX_REQUEST_BYTES = 64 << 20  # a request's body: a long episode's whole conversation
 # Request fields that change the distribution tokens are sampled from, and the value that
 # leaves it alone (None: only unset leaves it alone).
@@ -105,10 +106,14 @@ class Endpoint:
         self.base_url = ""  # once started
         self._episodes: dict[str, EpisodeCapture] = {}
         self._runner: web.AppRunner | None = None
+        # vLLM's parsers log a traceback for every call the model got wrong, which a
+        # policy early in training makes by the thousand; the call is returned as text.
+        logging.getLogger("vllm.tool_parsers").setLevel(logging.CRITICAL)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
         app = web.Application(client_max_size=MAX_REQUEST_BYTES)
         app.router.add_post(ROUTE, self._handle)
+        app.router.add_get(MODELS_ROUTE, self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
@@ -140,6 +145,15 @@ class Endpoint:
         except Refused as refused:
             metrics.endpoint_refused.labels(refused.reason).inc()
             return _error(refused.status, refused.reason, str(refused))
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self._episode(request)
+        except Refused as refused:
+            metrics.endpoint_refused.labels(refused.reason).inc()
+            return _error(refused.status, refused.reason, str(refused))
+        model = {"id": self.model, "object": "model", "owned_by": "rlfleet"}
+        return web.json_response({"object": "list", "data": [model]})
 
     def _episode(self, request: web.Request) -> EpisodeCapture:
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
