@@ -6,6 +6,9 @@ observation, so each turn's prompt is the last one grown. The worker's engine se
 them continuously with prefix caching; the baseline runs the same sessions through
 Hugging Face `generate`, batched per turn (the batch waits for its longest member),
 same model and dtype, in the same run. Only the tokens sessions asked for are counted.
+The harness path: the same sessions as chat messages through the worker's episode
+endpoint (an OpenAI client per episode, the chat template rendering every call, each
+call captured) against the direct loop on token ids, on one engine in the same run.
 Also: a sandbox's start-up until its server answers, and tool-call round trips.
 Prints one JSON object; `--quick` runs the same at the smallest sizes, to check the script.
 """
@@ -50,17 +53,24 @@ def observation(turn: int) -> str:
     return "<|im_end|>\n" + user_turn_text(f"exit code 0\nresult of step {turn}")
 
 
-async def vllm_sessions(model: Path) -> dict:
-    from vllm import SamplingParams
-
+async def on_the_engine(model: Path) -> dict:
+    """The engine's parts, on one engine made as the worker makes it."""
     from rlfleet.launch.settings import WorkerConfig
     from rlfleet.rollout.engine.driver import Engine
     from rlfleet.rollout.worker.loop import make_llm
 
     config = WorkerConfig(run="bench", nats_url="", model=str(model), max_model_len=2048)
-    llm = make_llm(config)  # the worker's own engine settings
-    engine = Engine(llm, follow_weights=False)
+    engine = Engine(make_llm(config), follow_weights=False)
     await engine.start()
+    try:
+        return await vllm_sessions(engine) | await harness_vs_direct(engine)
+    finally:
+        await engine.close()
+
+
+async def vllm_sessions(engine) -> dict:
+    from vllm import SamplingParams
+
     prompts, lengths = plan()
 
     async def session(index: int) -> None:
@@ -79,12 +89,80 @@ async def vllm_sessions(model: Path) -> dict:
     generated = engine.stats.generated_tokens - before[0]
     cached = engine.stats.cached_tokens - before[1]
     prompt = engine.stats.prompt_tokens - before[2]
-    await engine.close()
     return {
         "vllm_tokens_per_s": generated / seconds,
         "vllm_seconds": seconds,
         "generated_tokens": generated,
         "prefix_cache_hit_fraction": cached / prompt,
+    }
+
+
+def _messages(index: int) -> list[dict]:
+    system = SYSTEM.removeprefix("<|im_start|>system\n").removesuffix("<|im_end|>\n")
+    # Another task than the direct loop's: neither is served from the other's cache.
+    task = plan()[0][index].split("<|im_start|>user\n")[1].split("<|im_end|>")[0] + " again"
+    return [{"role": "system", "content": system}, {"role": "user", "content": task}]
+
+
+async def _direct(engine, index: int, lengths: list[int]) -> None:
+    """A session on token ids, as the agent environment drives the engine."""
+    from vllm import SamplingParams
+
+    context = engine.encode(plan()[0][index])
+    for turn, length in enumerate(lengths):
+        completion = await engine.generate(context, SamplingParams(max_tokens=length))
+        context += completion.token_ids + engine.encode(observation(turn))
+
+
+async def _through_endpoint(endpoint, index: int, lengths: list[int]) -> int:
+    """The same session as an OpenAI-SDK harness plays it; its resegmented calls."""
+    capture = endpoint.open(seed=index)
+    client = endpoint.client(capture)  # as a Harness's
+    messages = _messages(index)
+    try:
+        for turn, length in enumerate(lengths):
+            reply = await client.chat.completions.create(
+                model="bench", messages=messages, max_tokens=length
+            )
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            messages.append({"role": "user", "content": f"exit code 0\nresult of step {turn}"})
+    finally:
+        endpoint.close_episode(capture)
+    return capture.resegmented
+
+
+async def harness_vs_direct(engine) -> dict:
+    from rlfleet.launch.settings import SessionConfig
+    from rlfleet.rollout.environment.endpoint import Endpoint
+
+    session = SessionConfig(max_turns=TURNS, turn_tokens=112, context_tokens=2048)
+    endpoint = Endpoint(engine, session, "hermes", "bench")
+    await endpoint.start()
+    lengths = plan()[1]
+
+    async def timed(play, count: int = SESSIONS) -> tuple[float, list]:
+        before, started = engine.stats.generated_tokens, time.perf_counter()
+        outcomes = await asyncio.gather(
+            *(play(i, lengths[i]) for i in range(count)), return_exceptions=True
+        )
+        return (engine.stats.generated_tokens - before) / (time.perf_counter() - started), outcomes
+
+    try:
+        await timed(lambda i, turns: _through_endpoint(endpoint, i, turns), WARMUP_SESSIONS)
+        direct, _ = await timed(lambda i, turns: _direct(engine, i, turns))
+        harness, outcomes = await timed(lambda i, turns: _through_endpoint(endpoint, i, turns))
+    finally:
+        await endpoint.close()
+    failed: dict[str, int] = {}
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            failed[type(outcome).__name__] = failed.get(type(outcome).__name__, 0) + 1
+    return {
+        "direct_tokens_per_s": direct,
+        "harness_tokens_per_s": harness,
+        "harness_vs_direct": harness / direct,
+        "resegmented_calls": sum(o for o in outcomes if isinstance(o, int)),
+        "episodes_failed": failed,
     }
 
 
@@ -173,7 +251,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-rollout-") as root:
         model = init_model("tiny-moe", Path(root) / "tiny-moe")
         result = {"bench": "rollout", "sessions": SESSIONS, "turns": TURNS}
-        result |= asyncio.run(vllm_sessions(model))
+        result |= asyncio.run(on_the_engine(model))
         result |= hf_sessions(model)
         result["vllm_vs_hf"] = result["vllm_tokens_per_s"] / result["hf_tokens_per_s"]
         result |= asyncio.run(sandbox_latency())

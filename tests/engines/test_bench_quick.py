@@ -90,8 +90,9 @@ KEYS = {
         swap_requests poisoned_served_fraction canary_fraction cycle_seconds_mean exit_code
         wall_seconds invert_cycle operator""",
     "rollout": """bench sessions turns vllm_tokens_per_s vllm_seconds generated_tokens
-        prefix_cache_hit_fraction hf_tokens_per_s hf_seconds vllm_vs_hf sandbox_claim_ms
-        tool_rtt_ms tool_run_rtt_ms""",
+        prefix_cache_hit_fraction direct_tokens_per_s harness_tokens_per_s harness_vs_direct
+        resegmented_calls episodes_failed hf_tokens_per_s hf_seconds vllm_vs_hf
+        sandbox_claim_ms tool_rtt_ms tool_run_rtt_ms""",
     "rollout_parallel": """bench tensor_parallel model_mib worker_extra_mib follower_vs_model
         update_pause_ms cpus""",
     "scaleout": """bench ranks model_mib tensors publish_s_by_ranks publish_snapshot_s_by_ranks

@@ -87,17 +87,29 @@ def test_the_endpoint_refuses_malformed_requests_naming_the_field() -> None:
 
 
 def test_a_prompt_extending_the_episode_continues_its_window_else_starts_a_segment() -> None:
+    def encode(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
     capture = EpisodeCapture("key", seed=0)
-    window = endpoint._extend(capture, [1, 2, 3])
-    window.generated, window.tokens = [1], [1, 2, 3, 9]  # as if 9 were sampled
-    window.logprobs, window.versions = [-0.1], [0]
-    assert endpoint._extend(capture, [1, 2, 3, 9, 4, 5]) is window
-    assert window.generated == [1, 0, 0] and capture.resegmented == 0
-    fresh = endpoint._extend(capture, [1, 2, 7])
+    window = endpoint._extend(capture, "abc", encode)
+    assert window.tokens == [97, 98, 99] and window.prompt_len == 3
+    # What was sampled stays as sampled (here an id no encoding gives), and only the new
+    # turns are encoded.
+    window.tokens, window.generated, window.logprobs, window.versions = (
+        [97, 98, 99, 7],
+        [1],
+        [-0.1],
+        [0],
+    )
+    capture.text += "X"
+    assert endpoint._extend(capture, "abcXde", encode) is window
+    assert window.tokens == [97, 98, 99, 7, 100, 101] and window.generated == [1, 0, 0]
+    assert capture.resegmented == 0
+    fresh = endpoint._extend(capture, "abz", encode)
     assert fresh is not window and capture.resegmented == 1
-    assert [s.tokens for s in capture.segments] == [[1, 2, 3, 9, 4, 5]]
+    assert [s.tokens for s in capture.segments] == [[97, 98, 99, 7, 100, 101]]
     # A window nothing was sampled in (its call failed) is replaced, not kept.
-    assert endpoint._extend(capture, [8]) is not fresh and capture.resegmented == 1
+    assert endpoint._extend(capture, "q", encode) is not fresh and capture.resegmented == 1
     assert len(capture.all_segments()) == 1
 
 

@@ -9,10 +9,12 @@ tool-call parser for the model's family, so the model keeps its native format.
 
 Nothing is re-tokenised for the trainer. The captured tokens are the rendered prompt and
 the sampled ids, with each sampled token's processed log-prob, routed experts and policy
-version. A call whose rendering extends the tokens of the episode so far (the previous
-prompt, what was sampled, then the new turns) continues the same segment, the new turns
-as observations; one that does not (a template that drops or rewrites past turns)
-starts a new segment, and is counted (`rlfleet_rollout_resegmented_calls_total`).
+version. A call whose rendered text extends the text of the episode so far (the previous
+prompt, what was sampled, then the new turns) continues the same segment: only the new
+turns are tokenised, as observations, so the sampled ids stay as they were even where
+decoding and encoding again would not give them back. One that does not (a template that
+drops or rewrites past turns) starts a new segment, and is counted
+(`rlfleet_rollout_resegmented_calls_total`).
 
 What is sampled is the policy's own distribution at the run's temperature: a request's
 temperature is overridden, and any control that would change the distribution (top-p,
@@ -27,9 +29,12 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
+import openai
 import pydantic
 from aiohttp import web
 from vllm import SamplingParams
@@ -80,6 +85,7 @@ class EpisodeCapture:
     seed: int
     segments: list[Segment] = field(default_factory=list)
     window: Window | None = None
+    text: str = ""  # what the open window's tokens spell, special tokens included
     calls: int = 0
     resegmented: int = 0
     failure: EpisodeFailed | None = None  # the first cap the episode broke
@@ -106,6 +112,9 @@ class Endpoint:
         self.base_url = ""  # once started
         self._episodes: dict[str, EpisodeCapture] = {}
         self._runner: web.AppRunner | None = None
+        # One connection pool for every episode's client: a client of its own made each
+        # episode an SSL context (53 ms of loading CA files) it never used.
+        self._http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None))
         # vLLM's parsers log a traceback for every call the model got wrong, which a
         # policy early in training makes by the thousand; the call is returned as text.
         logging.getLogger("vllm.tool_parsers").setLevel(logging.CRITICAL)
@@ -122,8 +131,16 @@ class Endpoint:
         self.base_url = f"http://{bound[0]}:{bound[1]}/v1"
 
     async def close(self) -> None:
+        await self._http.aclose()
         if self._runner is not None:
             await self._runner.cleanup()
+
+    def client(self, capture: EpisodeCapture) -> openai.AsyncOpenAI:
+        """An OpenAI client for the episode: on this endpoint, with its key, no retries
+        (a refused call is the harness's to see)."""
+        return openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=capture.key, max_retries=0, http_client=self._http
+        )
 
     def open(self, seed: int) -> EpisodeCapture:
         capture = EpisodeCapture(secrets.token_urlsafe(24), seed)
@@ -166,17 +183,24 @@ class Endpoint:
         self, request: web.Request, capture: EpisodeCapture, body: dict
     ) -> web.StreamResponse:
         chat = _parse(body)
-        prompt = self._render(chat)
-        window = _extend(capture, prompt)
-        max_tokens = self._budget(capture, chat, len(window.tokens))
+        window = _extend(capture, self._render(chat), self._encode)
+        prompt_tokens = len(window.tokens)
+        max_tokens = self._budget(capture, chat, prompt_tokens)
         completion = await self._sample(capture, window, chat, max_tokens)
+        capture.text += self._decode(completion.token_ids)
         message, finish = self._message(chat, completion)
-        response = _completion_body(self.model, message, finish, prompt, completion)
+        response = _completion_body(self.model, message, finish, prompt_tokens, completion)
         if chat.stream:
             return await _stream(request, response)
         return web.json_response(response)
 
-    def _render(self, chat) -> list[int]:
+    def _encode(self, text: str) -> list[int]:
+        return list(self.engine.llm.get_tokenizer().encode(text, add_special_tokens=False))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.engine.llm.get_tokenizer().decode(ids, skip_special_tokens=False)
+
+    def _render(self, chat) -> str:
         tokenizer = self.engine.llm.get_tokenizer()
         tools = [tool.model_dump(exclude_none=True) for tool in chat.tools or []] or None
         try:
@@ -188,7 +212,7 @@ class Endpoint:
             )
         except Exception as error:  # the template's own: jinja's, or its raise_exception
             raise Refused(400, "request", f"the chat template refused: {error}") from error
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return text
 
     def _budget(self, capture: EpisodeCapture, chat, context: int) -> int:
         """The call's most new tokens; a broken cap fails the episode."""
@@ -288,18 +312,21 @@ def _plain(message: dict) -> dict:
     return message
 
 
-def _extend(capture: EpisodeCapture, prompt: list[int]) -> Window:
-    """The window this call samples in: the open one, its new turns added, if the prompt
-    extends it; else a new one (the old closed as a segment)."""
+def _extend(capture: EpisodeCapture, text: str, encode: Callable[[str], list[int]]) -> Window:
+    """The window this call samples in: the open one, its new turns added as observations,
+    if the rendered `text` extends what it spells; else a new one (the old closed as a
+    segment)."""
     window = capture.window
-    if window is not None and window.generated and prompt[: len(window.tokens)] == window.tokens:
-        window.add_observation(prompt[len(window.tokens) :])
+    if window is not None and window.generated and text.startswith(capture.text):
+        window.add_observation(encode(text[len(capture.text) :]))
+        capture.text = text
         return window
     if window is not None and window.generated:
         capture.segments.append(window.segment())
         capture.resegmented += 1
         metrics.resegmented_calls.inc()
-    capture.window = Window(tokens=list(prompt), prompt_len=len(prompt))
+    prompt = encode(text)
+    capture.window, capture.text = Window(tokens=prompt, prompt_len=len(prompt)), text
     return capture.window
 
 
@@ -314,7 +341,7 @@ async def _json_body(request: web.Request) -> dict:
 
 
 def _completion_body(
-    model: str, message: dict, finish: str, prompt: list[int], completion: Completion
+    model: str, message: dict, finish: str, prompt_tokens: int, completion: Completion
 ) -> dict:
     return {
         "id": f"chatcmpl-{secrets.token_hex(12)}",
@@ -323,9 +350,9 @@ def _completion_body(
         "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         "usage": {
-            "prompt_tokens": len(prompt),
+            "prompt_tokens": prompt_tokens,
             "completion_tokens": len(completion.token_ids),
-            "total_tokens": len(prompt) + len(completion.token_ids),
+            "total_tokens": prompt_tokens + len(completion.token_ids),
         },
     }
 
