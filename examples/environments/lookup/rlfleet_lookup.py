@@ -22,7 +22,11 @@ LOOKUP = {
         },
     },
 }
-WORDS = {"apple": 7, "river": 3, "stone": 5, "cloud": 8}
+WORDS = {
+    "apple": 7, "river": 3, "stone": 5, "cloud": 8, "tiger": 1, "maple": 9, "ocean": 4,
+    "flint": 2, "grape": 6, "lemon": 0, "cedar": 3, "pearl": 8, "raven": 5, "sugar": 1,
+    "tulip": 9, "wheat": 2,
+}  # fmt: skip
 
 
 class Lookup(Harness):
