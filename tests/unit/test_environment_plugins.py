@@ -10,7 +10,7 @@ import pytest
 from rlfleet_lookup import LOOKUP
 from transformers import PreTrainedTokenizerFast
 
-from rlfleet.launch.settings import EnvironmentConfig
+from rlfleet.launch.settings import EnvironmentConfig, RewardConfig, WorkerConfig
 from rlfleet.models.tiny import build_tokenizer
 from rlfleet.rollout.environment import endpoint, plugins
 from rlfleet.rollout.environment.agent import AgentEnvironment
@@ -130,3 +130,10 @@ def test_the_tiny_template_renders_tool_calls_as_the_hermes_parser_reads_them() 
         [*request.messages, message], tools=[LOOKUP], tokenize=False
     )
     assert rendered.endswith("<|im_start|>assistant\n" + call + "<|im_end|>\n")
+
+
+def test_a_python_grader_that_does_not_import_stops_the_worker_as_it_starts() -> None:
+    rewards = RewardConfig(weights={"python": 1.0}, python_function="nowhere:score")
+    config = WorkerConfig(run="r", nats_url="nats://n", model="m", rewards=rewards)
+    with pytest.raises(ValueError, match="python function nowhere:score"):
+        AgentEnvironment().start(config)

@@ -29,9 +29,16 @@ def load_environment(settings: Mapping[str, Any]) -> AgentEnvironment:
 
 class AgentEnvironment:
     def __init__(self) -> None:
-        # Made once per worker from its settings: a python grader is imported once, and a
-        # remote service's bound on open requests holds across every attempt.
-        self._graders: tuple[rewards.PythonGrader | None, rewards.Remote | None] | None = None
+        self._python: rewards.PythonGrader | None = None
+        self._remote: rewards.Remote | None = None
+
+    def start(self, config: WorkerConfig) -> None:
+        # Made once per worker: a python grader imported (a wrong path stops the worker
+        # here, not each task), a remote service's bound on open requests held across
+        # every attempt.
+        function, remote = config.rewards.python_function, config.rewards.remote
+        self._python = rewards.PythonGrader.load(function) if function is not None else None
+        self._remote = rewards.Remote(remote) if remote is not None else None
 
     def tasks(self) -> Iterable[Task] | None:
         return None  # the run's suite
@@ -41,15 +48,10 @@ class AgentEnvironment:
 
     def _scorer(self, task: Task, config: WorkerConfig, pool: EnvClient | None) -> rewards.Scorer:
         """The weighted parts of the run's reward that apply to `task`; ValueError if none."""
-        if self._graders is None:
-            function, remote = config.rewards.python_function, config.rewards.remote
-            self._graders = (
-                rewards.PythonGrader.load(function) if function is not None else None,
-                rewards.Remote(remote) if remote is not None else None,
-            )
-        python, remote = self._graders
         judge = config.rewards.judge_endpoint
-        grading = rewards.Grading(pool, config.limits, judge, python=python, remote=remote)
+        grading = rewards.Grading(
+            pool, config.limits, judge, python=self._python, remote=self._remote
+        )
         return rewards.scorer_for(task, config.rewards.weights, grading)
 
     async def attempt(self, attempt: Attempt) -> Result:

@@ -45,6 +45,9 @@ class Harness:
 
     reward_range: tuple[float, float] = (0.0, 1.0)
 
+    def start(self, config: WorkerConfig) -> None:
+        return None
+
     def tasks(self) -> Iterable[Task] | None:
         return None
 

@@ -76,6 +76,11 @@ class Result:
 
 
 class Environment(Protocol):
+    def start(self, config: WorkerConfig) -> None:
+        """Once, as a worker of `config` starts: ValueError if the environment cannot run
+        in it (the worker stops, saying why)."""
+        ...
+
     def tasks(self) -> Iterable[Task] | None:
         """The environment's own tasks, passed over again and again by the feed (a
         generator may be endless); None: the run's task suite."""

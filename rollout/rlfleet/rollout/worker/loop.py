@@ -171,6 +171,7 @@ class Worker:
         self.stopping = asyncio.Event()
         # Made first, so that a setting it refuses stops the worker before its engine.
         self.environment = plugins.load(config.environment)
+        self.environment.start(config)
         self.engine: Engine | None = None
         self.endpoint: Endpoint | None = None  # where harnesses reach the engine
         self.pool: EnvClient | None = None  # where attempts claim sandboxes
