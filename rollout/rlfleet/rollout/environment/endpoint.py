@@ -44,7 +44,7 @@ from rlfleet.launch.settings import SessionConfig
 from rlfleet.rollout.engine import metrics
 from rlfleet.rollout.engine.driver import Completion, Engine
 from rlfleet.rollout.environment.plugins import EpisodeFailed
-from rlfleet.rollout.environment.session import Window
+from rlfleet.rollout.environment.session import Window, request_seed
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class Endpoint:
             max_tokens=max_tokens,
             temperature=self.session.temperature,
             stop=stop,
-            seed=capture.seed * 1_000_003 + capture.calls,
+            seed=request_seed(capture.seed, capture.calls),
         )
         capture.calls += 1
         completion = await self.engine.generate(list(window.tokens), params)

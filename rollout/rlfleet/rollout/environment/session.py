@@ -57,6 +57,12 @@ def window_text(
     return chat_text(turns)
 
 
+def request_seed(episode_seed: int, request: int) -> int:
+    """The sampling seed of an episode's `request`-th call: every call its own, and an
+    episode replayed with its seed samples alike."""
+    return episode_seed * 1_000_003 + request
+
+
 def user_turn_text(text: str) -> str:
     """A user turn (an observation, the summary request) after the model's closed turn."""
     return chat_text([("user", text)])
@@ -156,7 +162,7 @@ class Session:
             temperature=self.config.temperature,
             stop=stop,
             include_stop_str_in_output=True,
-            seed=self.seed * 1_000_003 + self._requests,
+            seed=request_seed(self.seed, self._requests),
         )
         self._requests += 1
         completion = await self.engine.generate(list(window.tokens), params)
