@@ -132,6 +132,8 @@ def _production_with(**production_changes: object) -> dict:
     return document
 
 
+_TASKS = {"path": "train.parquet", "volume": {"configMap": "tasks"}, "columns": {"prompt": "q"}}
+
 BAD_SPECS = {
     "wrong type": (_rlrun(maxStaleness="two"), "spec.maxStaleness"),
     "out of range": (_rlrun(maxStaleness=5000), "spec.maxStaleness"),
@@ -226,6 +228,24 @@ BAD_SPECS = {
     "an upper clip narrower than the lower": (
         _rlrun(trainer={"clipLow": 0.3}),
         "spec.trainer.clipHigh",
+    ),
+    "task data and a task suite": (
+        _rlrun_with_rollout(taskSuite="rules", tasks=_TASKS),
+        "spec.rollout.tasks",
+    ),
+    "task data that climbs out of its volume": (
+        _rlrun_with_rollout(tasks=_TASKS | {"path": "train/../../etc"}),
+        "spec.rollout.tasks.path",
+    ),
+    "task data asked by prompt and by messages": (
+        _rlrun_with_rollout(tasks=_TASKS | {"columns": {"prompt": "q", "messages": "m"}}),
+        "spec.rollout.tasks.columns",
+    ),
+    "task data on two volumes": (
+        _rlrun_with_rollout(
+            tasks=_TASKS | {"volume": {"configMap": "tasks", "persistentVolumeClaim": "data"}}
+        ),
+        "spec.rollout.tasks.volume",
     ),
     "a window with no room for a turn and its summary": (
         _rlrun_with_rollout(contextTokens=512, turnTokens=256),

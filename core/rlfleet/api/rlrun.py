@@ -23,6 +23,7 @@ from rlfleet.api.meta import (
     map_list,
 )
 from rlfleet.api.production import ProductionSpec, ProductionStatus
+from rlfleet.api.taskdata import TaskSource
 from rlfleet.api.wire import MAX_GROUP_SIZE
 
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
@@ -407,13 +408,21 @@ WINDOW_RULE = cel(
     ".contextTokens",
 )
 MAX_TOKENS = 1 << 24  # bounds a token budget of the spec
+DEFAULT_SUITE = "toy"
+ONE_TASK_SOURCE_RULE = cel(
+    f"!has(self.tasks) || self.taskSuite == '{DEFAULT_SUITE}'",
+    "tasks replaces the task suite: leave taskSuite unset",
+    ".tasks",
+)
 
 
 class RolloutSpec(ApiModel):
     """The rollouts' demand per region, and how their agent sessions run
     (`rlfleet.launch.from_spec.rollout_settings`)."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [WINDOW_RULE]})
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [WINDOW_RULE, ONE_TASK_SOURCE_RULE]}
+    )
 
     group_size: Annotated[
         int,
@@ -427,8 +436,23 @@ class RolloutSpec(ApiModel):
         Image | None, Field(description="Rollout worker image; the chart's default when unset.")
     ] = None
     task_suite: Annotated[
-        str, Field(min_length=1, max_length=253, description="Task suite the run trains on.")
-    ] = "toy"
+        str,
+        Field(
+            min_length=1,
+            max_length=253,
+            description="A shipped task suite the run trains on (or a path); unused with tasks.",
+        ),
+    ] = DEFAULT_SUITE
+    tasks: Annotated[
+        TaskSource | None,
+        Field(
+            description=(
+                "The run's own data as tasks (JSON Lines, Parquet or a datasets folder, on a"
+                " volume the feed mounts), instead of the task suite and of an environment's"
+                " own tasks."
+            )
+        ),
+    ] = None
     environment: Annotated[
         EnvironmentSpec,
         Field(description="The harness, tasks and reward rollouts run; unset: rlfleet's agent."),
@@ -504,10 +528,12 @@ class RolloutSpec(ApiModel):
     ] = 256
 
     @model_validator(mode="after")
-    def _window_rule(self) -> RolloutSpec:
-        """The CEL rule, for a spec no API server checks (`rlfleet run`)."""
+    def _rollout_rules(self) -> RolloutSpec:
+        """The CEL rules, for a spec no API server checks (`rlfleet run`)."""
         if self.turn_tokens + self.summary_tokens >= self.context_tokens:
             raise ValueError(WINDOW_RULE["message"])
+        if self.tasks is not None and self.task_suite != DEFAULT_SUITE:
+            raise ValueError(ONE_TASK_SOURCE_RULE["message"])
         return self
 
 

@@ -211,6 +211,10 @@ class Task(msgspec.Struct, frozen=True, omit_defaults=True):
     rubric: dict[str, str] = {}  # judge dimension -> what it means
     tools: bool = True  # False: a bare question, asked without the tool protocol
     environment: Environment | None = None  # forked under `files` in each sandbox
+    # The conversation the model continues, as a user's data holds it ({role, content}
+    # each); `prompt` is then its last user message (rlfleet's agent asks that alone).
+    messages: list[dict[str, str]] = []
+    metadata: dict[str, Any] = {}  # a user's own columns, for their environment
 
     def __post_init__(self) -> None:
         if self.environment is not None and not self.tools:

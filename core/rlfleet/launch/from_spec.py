@@ -13,6 +13,7 @@ import msgspec
 
 from rlfleet.api.production import ProductionSpec
 from rlfleet.api.rlrun import STEP_TOKENS, RemoteRequests, RLRunSpec, RolloutSpec
+from rlfleet.api.taskdata import MOUNT_DIR
 from rlfleet.launch.pods import DEEPSPEED_KEY, ENVPOOL_TOKEN_FILE, Placement
 from rlfleet.launch.production import (
     CanaryPolicy,
@@ -216,6 +217,8 @@ def feed_settings(name: str, spec: RLRunSpec, at: Placement) -> FeedConfig:
         jetstream_domain=at.jetstream_domain,
         suite=rollout.task_suite,
         environment=environment_settings(spec),
+        tasks=None if rollout.tasks is None else rollout.tasks.model_dump(mode="json"),
+        tasks_dir=MOUNT_DIR if rollout.tasks and rollout.tasks.volume else ".",
         max_staleness=spec.max_staleness,
         group_size=rollout.group_size,
         revisit_uniform=rollout.uniform_group_revisit,

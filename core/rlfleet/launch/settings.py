@@ -336,6 +336,10 @@ class FeedConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     jetstream_domain: str | None = None
     # Whose tasks, when the environment brings its own (the suite is then unused).
     environment: EnvironmentConfig = EnvironmentConfig()
+    # The run's own data (`spec.rollout.tasks`, as the spec spells it), read in place of
+    # both, its path relative to `tasks_dir`.
+    tasks: dict[str, Any] | None = None
+    tasks_dir: str = "."
     # The trainer's bound.
     max_staleness: Annotated[int, msgspec.Meta(ge=0)] = spec_default(RLRunSpec, "max_staleness")
     groups_per_step: Positive = 8  # a first guess; steps correct it

@@ -36,6 +36,7 @@ class Layout:
     """Where a local run keeps everything; running again with the same root resumes."""
 
     root: Path
+    spec_dir: Path = Path()  # where the run's file is: its relative paths start there
 
     @property
     def model(self) -> Path:
@@ -171,7 +172,7 @@ def processes(
     rollout_env = _rollout_env(rollout_cores)
     found += _rollout_workers(name, spec, layout, model, nats, tuning, rollout_cores, rollout_env)
     feed = from_spec.feed_settings(name, spec, metered(hub))
-    feed = replace(feed, depth=tuning.queue_depth)
+    feed = replace(feed, depth=tuning.queue_depth, tasks_dir=str(layout.spec_dir.resolve()))
     found.append(_component(layout, "feed", components.FEED, rollout_cores, feed, {}))
     if spec.evaluation is not None:
         # Scoring shares the rollout cores: it generates, as they do.

@@ -77,6 +77,11 @@ def load(path: Path) -> tuple[str, RLRunSpec]:
             f"{path}: spec.trainer.deepSpeedConfigMap: a local run has no ConfigMap to read "
             "it from; leave it out, or apply the run to a cluster"
         )
+    if spec.rollout and spec.rollout.tasks and spec.rollout.tasks.volume is not None:
+        raise InvalidRun(
+            f"{path}: spec.rollout.tasks.volume: a local run mounts no volume; leave it out,"
+            " and give the path relative to this file"
+        )
     return name, spec
 
 
@@ -311,7 +316,7 @@ def run(
 ) -> int:
     """Trains the run; exits 1 when its evaluation gate failed it."""
     name, spec = load(path)
-    layout = plan.Layout(root or Path(".rlfleet") / "runs" / name)
+    layout = plan.Layout(root or Path(".rlfleet") / "runs" / name, spec_dir=path.parent)
     own_caches(layout.caches)  # here, unless whoever started the run gave it a root
     tuning = plan.Tuning()
     make_model(spec, layout, warmup_steps or tuning.warmup_steps)

@@ -14,6 +14,7 @@ from typing import Any
 
 from rlfleet.api.meta import API_VERSION, COMPONENT_LABEL, RUN_LABEL
 from rlfleet.api.rlrun import CheckpointStorage, RLRunSpec
+from rlfleet.api.taskdata import MOUNT_DIR
 from rlfleet.api.wire import BusRole
 from rlfleet.launch import components, pods
 from rlfleet.launch.settings import Ranks
@@ -270,11 +271,29 @@ def _hub_component(
     pod = {"containers": [container], "volumes": [spec_volume(name)]}
     if component == "evaluator":
         pod = with_model(pod, spec)
+    if component == components.FEED.name:
+        pod = with_task_data(pod, spec)
     pod = with_nats(pod, name, BusRole(component), mints_users(nats))
     pod = least_privilege(pod, WORKLOAD_USER)
     deployment = owned_deployment(run, f"{name}-{component}", labels, 0 if stopped else 1, pod)
     deployment["spec"]["strategy"] = {"type": "Recreate"}
     return deployment
+
+
+def with_task_data(pod: dict, spec: RLRunSpec) -> dict:
+    """Mounts the volume of the run's own task data, read-only, where the feed reads it."""
+    source = spec.rollout.tasks if spec.rollout is not None else None
+    if source is None or source.volume is None:
+        return pod
+    if source.volume.persistent_volume_claim is not None:
+        volume = {"persistentVolumeClaim": {"claimName": source.volume.persistent_volume_claim}}
+    else:
+        volume = {"configMap": {"name": source.volume.config_map}}
+    pod["volumes"].append({"name": "tasks"} | volume)
+    pod["containers"][0]["volumeMounts"].append(
+        {"name": "tasks", "mountPath": MOUNT_DIR, "readOnly": True}
+    )
+    return pod
 
 
 def mirror(run: dict, origin: str, nats: NatsAccess | None, held: bool = False) -> dict:

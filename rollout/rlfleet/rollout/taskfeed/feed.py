@@ -19,12 +19,14 @@ import secrets
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import prometheus_client
 from nats.js import JetStreamContext
 from nats.js.api import PubAck, StreamState
 
+from rlfleet.api.taskdata import TaskSource
 from rlfleet.api.wire import (
     Task,
     TaskMessage,
@@ -42,7 +44,7 @@ from rlfleet.launch import components
 from rlfleet.launch.settings import FeedConfig
 from rlfleet.launch.stopping import run_until_signalled, wait_set
 from rlfleet.pipeline.admission import Admission
-from rlfleet.rollout.environment import plugins
+from rlfleet.rollout.environment import plugins, taskdata
 from rlfleet.rollout.environment.plugins import Environment
 from rlfleet.rollout.environment.tasks import load_suite, suite_path
 from rlfleet.rollout.taskfeed.curriculum import Curriculum
@@ -77,8 +79,14 @@ def environment_passes(environment: Environment) -> Iterator[Task]:
 
 
 def task_source(config: FeedConfig) -> Iterator[Task]:
-    """The environment's own tasks, if it brings them; else the run's suite."""
+    """The run's own data, if it names some; else the environment's own tasks, if it brings
+    them; else the run's suite. A source that cannot be read fails here, at the start."""
     environment = plugins.load(config.environment)
+    if config.tasks is not None:
+        source = TaskSource.model_validate(config.tasks)
+        root = taskdata.source_root(source, Path(config.tasks_dir))
+        taskdata.check(source, root)
+        return taskdata.data_passes(source, root, config.seed)
     if environment.tasks() is not None:
         return environment_passes(environment)
     return passes(load_suite(suite_path(config.suite)), config.seed)
@@ -170,7 +178,7 @@ async def feed(config: FeedConfig, stop: asyncio.Event) -> None:
             await wait_set(stop, config.poll_s)
         log.info(
             "published %d tasks of %s; skipped %d that last taught nothing",
-            *(published, config.suite, curriculum.skipped),
+            *(published, (config.tasks or {}).get("path", config.suite), curriculum.skipped),
         )
     finally:
         stopping.set()
