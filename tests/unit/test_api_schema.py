@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from rlfleet.cli.crds import generated
 from rlfleet.cli.generated import stale
 
 ROOT = Path(__file__).resolve().parents[2]
+RE2_MAX_REPEAT = 1000
 EXAMPLES = {"rlrun.yaml": RLRUN, "inferencepool.yaml": INFERENCEPOOL, "envpool.yaml": ENVPOOL}
 
 
@@ -60,6 +63,27 @@ def test_schema_is_structural() -> None:
 
     for kind in KINDS:
         walk(crd(kind)["spec"]["versions"][0]["schema"], kind.kind)
+
+
+def test_patterns_are_ones_the_api_server_compiles() -> None:
+    """Its patterns are Go's RE2, which refuses a repeat count over 1000 (Python's does not)."""
+
+    def patterns(node: object, path: str) -> Iterator[tuple[str, str]]:
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                yield path, node["pattern"]
+            for key, value in node.items():
+                yield from patterns(value, f"{path}.{key}")
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                yield from patterns(value, f"{path}[{index}]")
+
+    for kind in KINDS:
+        schema = crd(kind)["spec"]["versions"][0]["schema"]
+        for path, pattern in patterns(schema, kind.kind):
+            bounds = re.findall(r"(?<!\\)\{(\d*),?(\d*)\}", pattern)
+            counts = [int(n) for pair in bounds for n in pair if n]
+            assert all(n <= RE2_MAX_REPEAT for n in counts), f"{path}: {pattern}"
 
 
 def test_every_field_has_a_description() -> None:

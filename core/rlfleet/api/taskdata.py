@@ -20,7 +20,8 @@ Format = Literal["jsonl", "parquet", "datasets"]
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
 Column = Annotated[str, Field(min_length=1, max_length=253)]
 # Relative and printable; `..` is refused by a rule (the API server's patterns are RE2).
-RELATIVE_PATH = r"^[^/\x00-\x1f][^\x00-\x1f]{0,1023}$"
+RELATIVE_PATH = r"^[^/\x00-\x1f][^\x00-\x1f]*$"
+PATH_MAX = 1024
 
 
 VOLUME_RULE = cel(
@@ -111,6 +112,7 @@ class TaskSource(ApiModel):
         str,
         Field(
             pattern=RELATIVE_PATH,
+            max_length=PATH_MAX,
             description=(
                 "The file or folder, relative to the volume's root; without a volume, to the"
                 " feed's working folder (a file in its image, or rlfleet run's spec folder)."
