@@ -1,6 +1,7 @@
 """The environment the harness tests' worker runs (`harness_cases:load_environment`): the
-example `lookup` environment as it ships, and tasks whose harness misbehaves or makes the
-calls a test needs, chosen by task id."""
+example `lookup` environment as it ships, tasks whose harness misbehaves or makes the
+calls a test needs, chosen by task id, and the verifiers taskset `vf_questions` through
+the built-in `verifiers` environment."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from rlfleet_lookup import load_environment as load_lookup
 
 from rlfleet.api.wire import Task
 from rlfleet.rollout.environment.harness import Model
+from rlfleet.rollout.environment.plugins import Attempt, Result
+from rlfleet.rollout.environment.verifiers_env import SUITE as VERIFIERS
+from rlfleet.rollout.environment.verifiers_env import VerifiersEnvironment
+from rlfleet.rollout.environment.verifiers_env import load_environment as load_verifiers
 
 QUESTION = [{"role": "user", "content": "Say something."}]
 
@@ -104,6 +109,15 @@ def case(name: str) -> Task:
 
 
 class Cases(Lookup):
+    # A verifiers taskset's tasks go to the verifiers environment, so one worker (one
+    # engine) serves both ecosystems' tests.
+    verifiers: VerifiersEnvironment
+
+    async def attempt(self, attempt: Attempt) -> Result:
+        if attempt.task.suite == VERIFIERS:
+            return await self.verifiers.attempt(attempt)
+        return await super().attempt(attempt)
+
     async def rollout(self, task: Task, model: Model) -> Any:
         harness = HARNESSES.get(task.prompt)
         if harness is not None:
@@ -122,4 +136,6 @@ class Cases(Lookup):
 
 def load_environment(settings: Mapping[str, Any]) -> Cases:
     lookup = load_lookup(settings)
-    return Cases(lookup.words, lookup.max_calls)
+    cases = Cases(lookup.words, lookup.max_calls)
+    cases.verifiers = load_verifiers({"taskset": {"id": "vf_questions"}})
+    return cases

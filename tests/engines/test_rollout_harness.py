@@ -277,3 +277,28 @@ def test_each_way_a_harness_goes_wrong_fails_its_episode_counted_and_the_worker_
     assert not {f"case-{name}" for name in names} & set(found), sorted(found)
     assert all(t.reward == 0.5 for t in found["case-late"])
     assert worker.proc.poll() is None
+
+
+def test_a_verifiers_taskset_plays_through_its_own_harness_and_is_scored_by_its_rubric(
+    worker: HarnessWorker,
+) -> None:
+    """verifiers' null chat loop, run by verifiers in its own program, reaches the engine
+    through verifiers' relay; the episode is captured as sampled and its reward is the
+    rubric's weighted sum, each reward function a part."""
+    from rlfleet.rollout.environment.verifiers_env import load_environment
+
+    (task,) = load_environment({"taskset": {"id": "vf_questions"}}).tasks()
+    worker.publish(task)
+    question = [{"role": "user", "content": task.prompt}]
+    opening = worker.tokenizer.apply_chat_template(
+        question, add_generation_prompt=True, tokenize=False
+    )
+    for trajectory in worker.collect({task.id})[task.id]:
+        assert problem(trajectory, SHAPE, worker.run, needs_experts=True) is None
+        (segment,) = trajectory.segments
+        assert worker.tokenizer.decode(segment.tokens[: segment.prompt_len]) == opening
+        sampled = segment.tokens[segment.prompt_len :]
+        reply = worker.tokenizer.decode(sampled, skip_special_tokens=True).strip()
+        parts = {"replied": float(bool(reply)), "correct": float("7" in reply)}
+        assert trajectory.reward_breakdown == parts
+        assert trajectory.reward == 0.5 * parts["replied"] + 0.5 * parts["correct"]

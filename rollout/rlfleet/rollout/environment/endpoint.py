@@ -16,6 +16,10 @@ decoding and encoding again would not give them back. One that does not (a templ
 drops or rewrites past turns) starts a new segment, and is counted
 (`rlfleet_rollout_resegmented_calls_total`).
 
+A relay that multiplexes many episodes over one client (verifiers' interception server)
+presents the endpoint's `relay_key` instead, and names each call's episode by the session
+id it sends (`X-Session-ID`), bound to the episode with `bind` before its first call.
+
 What is sampled is the policy's own distribution at the run's temperature: a request's
 temperature is overridden, and any control that would change the distribution (top-p,
 top-k, logit bias, penalties, guided decoding) is refused, because the trainer would
@@ -50,6 +54,7 @@ log = logging.getLogger(__name__)
 
 ROUTE = "/v1/chat/completions"
 MODELS_ROUTE = "/v1/models"  # what some agents ask first
+SESSION_HEADER = "X-Session-ID"  # how a relay names the episode a call belongs to
 MAX_REQUEST_BYTES = 64 << 20  # a request's body: a long episode's whole conversation
 # Request fields that change the distribution tokens are sampled from, and the value that
 # leaves it alone (None: only unset leaves it alone).
@@ -89,6 +94,7 @@ class EpisodeCapture:
     calls: int = 0
     resegmented: int = 0
     failure: EpisodeFailed | None = None  # the first cap the episode broke
+    sessions: list[str] = field(default_factory=list)  # a relay's names for it
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one call at a time
 
     def all_segments(self) -> list[Segment]:
@@ -111,6 +117,8 @@ class Endpoint:
         self.model = model  # the name responses carry
         self.base_url = ""  # once started
         self._episodes: dict[str, EpisodeCapture] = {}
+        self.relay_key = secrets.token_urlsafe(24)
+        self._sessions: dict[str, EpisodeCapture] = {}  # a relay's session id -> episode
         self._runner: web.AppRunner | None = None
         # One connection pool for every episode's client: a client of its own made each
         # episode an SSL context (53 ms of loading CA files) it never used.
@@ -147,9 +155,16 @@ class Endpoint:
         self._episodes[capture.key] = capture
         return capture
 
+    def bind(self, capture: EpisodeCapture, session: str) -> None:
+        """Calls a relay makes under `session` are the episode's, until it is closed."""
+        capture.sessions.append(session)
+        self._sessions[session] = capture
+
     def close_episode(self, capture: EpisodeCapture) -> None:
-        """Ends the episode: its key is refused from now on."""
+        """Ends the episode: its key and a relay's names for it are refused from now on."""
         self._episodes.pop(capture.key, None)
+        for session in capture.sessions:
+            self._sessions.pop(session, None)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -174,7 +189,12 @@ class Endpoint:
 
     def _episode(self, request: web.Request) -> EpisodeCapture:
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        capture = self._episodes.get(key) if scheme.lower() == "bearer" else None
+        if scheme.lower() != "bearer":
+            capture = None
+        elif secrets.compare_digest(key, self.relay_key):
+            capture = self._sessions.get(request.headers.get(SESSION_HEADER, ""))
+        else:
+            capture = self._episodes.get(key)
         if capture is None:
             raise Refused(401, "key", "no episode under way has this key")
         return capture
@@ -191,7 +211,8 @@ class Endpoint:
         message, finish = self._message(chat, completion)
         response = _completion_body(self.model, message, finish, prompt_tokens, completion)
         if chat.stream:
-            return await _stream(request, response)
+            usage = chat.stream_options is not None and chat.stream_options.include_usage
+            return await _stream(request, response, usage=bool(usage))
         return web.json_response(response)
 
     def _encode(self, text: str) -> list[int]:
@@ -357,8 +378,9 @@ def _completion_body(
     }
 
 
-async def _stream(request: web.Request, whole: dict) -> web.StreamResponse:
-    """The completion as server-sent chunks: the message, then its finish reason."""
+async def _stream(request: web.Request, whole: dict, usage: bool) -> web.StreamResponse:
+    """The completion as server-sent chunks: the message, then its finish reason, then
+    (if asked for) its usage."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     choice = whole["choices"][0]
@@ -371,9 +393,11 @@ async def _stream(request: web.Request, whole: dict) -> web.StreamResponse:
         {"index": 0, "delta": delta, "finish_reason": None},
         {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]},
     ]
-    for chunk in chunks:
-        data = json.dumps(head | {"choices": [chunk]})
-        await response.write(f"data: {data}\n\n".encode())
+    events = [head | {"choices": [chunk]} for chunk in chunks]
+    if usage:
+        events.append(head | {"choices": [], "usage": whole["usage"]})
+    for event in events:
+        await response.write(f"data: {json.dumps(event)}\n\n".encode())
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
