@@ -15,7 +15,6 @@ a finite number in `reward_range` (`reward`): the trainer never sees half an epi
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,7 @@ import openai
 from rlfleet.api.wire import Task
 from rlfleet.launch.settings import WorkerConfig
 from rlfleet.rollout.environment.endpoint import EpisodeCapture
-from rlfleet.rollout.environment.plugins import Attempt, EpisodeFailed, Result
+from rlfleet.rollout.environment.plugins import Attempt, EpisodeFailed, Result, episode_deadline
 from rlfleet.rollout.environment.rewards import scored
 
 
@@ -71,13 +70,9 @@ class Harness:
         endpoint = attempt.endpoint
         capture = endpoint.open(attempt.seed)
         try:
-            async with asyncio.timeout(attempt.config.environment.episode_s):
+            async with episode_deadline(attempt.config):
                 state = await self._play(attempt, capture)
                 reward = scored(await self._score(attempt.task, state), self.reward_range, "reward")
-        except TimeoutError:
-            raise EpisodeFailed(
-                "deadline", f"past the episode's {attempt.config.environment.episode_s:g} s"
-            ) from None
         finally:
             endpoint.close_episode(capture)
         segments = capture.all_segments()

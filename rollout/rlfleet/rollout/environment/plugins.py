@@ -18,9 +18,11 @@ they start, so a bad setting stops them before they take any work.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib
 import importlib.metadata
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -50,6 +52,17 @@ class EpisodeFailed(RuntimeError):
     def __init__(self, reason: str, detail: str) -> None:
         self.reason = reason
         super().__init__(f"{reason}: {detail}")
+
+
+@contextlib.asynccontextmanager
+async def episode_deadline(config: WorkerConfig) -> AsyncIterator[None]:
+    """The run's episode deadline around an episode: past it, EpisodeFailed (`deadline`)."""
+    seconds = config.environment.episode_s
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError:
+        raise EpisodeFailed("deadline", f"past the episode's {seconds:g} s") from None
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,13 @@ from typing import Any
 
 from rlfleet.api.wire import Task
 from rlfleet.launch.settings import WorkerConfig
-from rlfleet.rollout.environment.plugins import Attempt, EpisodeFailed, Result, SettingsError
+from rlfleet.rollout.environment.plugins import (
+    Attempt,
+    EpisodeFailed,
+    Result,
+    SettingsError,
+    episode_deadline,
+)
 from rlfleet.rollout.environment.rewards import Reward, scored
 
 SUITE = "verifiers"
@@ -119,12 +125,8 @@ class VerifiersEnvironment:
         endpoint = attempt.endpoint
         capture = endpoint.open(attempt.seed)
         try:
-            async with asyncio.timeout(attempt.config.environment.episode_s):
+            async with episode_deadline(attempt.config):
                 trace = await self._episode(attempt, lambda t: endpoint.bind(capture, t.id))
-        except TimeoutError:
-            raise EpisodeFailed(
-                "deadline", f"past the episode's {attempt.config.environment.episode_s:g} s"
-            ) from None
         finally:
             endpoint.close_episode(capture)
         if capture.failure is not None:
