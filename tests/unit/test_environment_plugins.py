@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 from rlfleet_lookup import LOOKUP
@@ -137,3 +139,32 @@ def test_a_python_grader_that_does_not_import_stops_the_worker_as_it_starts() ->
     config = WorkerConfig(run="r", nats_url="nats://n", model="m", rewards=rewards)
     with pytest.raises(ValueError, match="python function nowhere:score"):
         AgentEnvironment().start(config)
+
+
+# The feed loads the run's environment for its tasks alone: importing vLLM (and torch)
+# there cost it about 7 s of CPU at each start and the engine's libraries in memory.
+FEED_TASKS = """
+import itertools, json, sys
+from rlfleet.launch.settings import EnvironmentConfig, FeedConfig
+from rlfleet.rollout.taskfeed.feed import task_source
+heavy = {}
+for name in sys.argv[1:]:
+    config = FeedConfig(
+        run="r", nats_url="nats://x", suite="toy", environment=EnvironmentConfig(name=name)
+    )
+    assert list(itertools.islice(task_source(config), 2))
+    heavy[name] = sorted({"vllm", "torch", "transformers"} & set(sys.modules))
+print(json.dumps(heavy))
+"""
+
+
+def test_the_feed_takes_an_environments_tasks_without_loading_an_engine() -> None:
+    names = ["agent", "lookup"]  # the built-in loop's, and a harness's (the example)
+    done = subprocess.run(
+        [sys.executable, "-c", FEED_TASKS, *names],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == {name: [] for name in names}

@@ -35,20 +35,21 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import openai
 import pydantic
 from aiohttp import web
-from vllm import SamplingParams
 
 from rlfleet.api.wire import Segment
 from rlfleet.launch.settings import SessionConfig
 from rlfleet.rollout.engine import metrics
-from rlfleet.rollout.engine.driver import Completion, Engine
 from rlfleet.rollout.environment.plugins import EpisodeFailed
 from rlfleet.rollout.environment.session import Window, request_seed
+
+if TYPE_CHECKING:  # vLLM only where episodes run: the feed imports harnesses for tasks alone
+    from rlfleet.rollout.engine.driver import Completion, Engine
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +256,8 @@ class Endpoint:
     async def _sample(
         self, capture: EpisodeCapture, window: Window, chat, max_tokens: int
     ) -> Completion:
+        from vllm import SamplingParams  # loaded by the engine already; see the imports
+
         stop = [chat.stop] if isinstance(chat.stop, str) else list(chat.stop or [])
         params = SamplingParams(
             max_tokens=max_tokens,

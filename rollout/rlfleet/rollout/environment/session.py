@@ -16,16 +16,18 @@ with the session's final reward. The conversation is in the one chat format
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-from vllm import SamplingParams
 
 from rlfleet.api.wire import Segment, Task
 from rlfleet.launch.settings import SessionConfig
 from rlfleet.models.chat import END_TURN, chat_text
-from rlfleet.rollout.engine.driver import Completion, Engine
 from rlfleet.rollout.environment import tools
 from rlfleet.rollout.environment.sandbox import Sandbox, SandboxClosed
+
+if TYPE_CHECKING:  # vLLM only where a session runs: the feed imports this for tasks alone
+    from rlfleet.rollout.engine.driver import Completion, Engine
 
 SYSTEM = (
     "You are an agent working in a sandboxed directory with no network. "
@@ -157,6 +159,8 @@ class Session:
         return self._encode("\n") if closed else self._end + self._encode("\n")
 
     async def _complete(self, window: Window, max_tokens: int, stop: list[str]) -> Completion:
+        from vllm import SamplingParams  # loaded by the engine already; see the imports
+
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=self.config.temperature,
