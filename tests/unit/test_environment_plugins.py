@@ -142,7 +142,7 @@ def test_a_python_grader_that_does_not_import_stops_the_worker_as_it_starts() ->
 
 
 # The feed loads the run's environment for its tasks alone: importing vLLM (and torch)
-# there cost it about 7 s of CPU at each start and the engine's libraries in memory.
+# there cost it about 9 s at each start and the engine's libraries in memory.
 FEED_TASKS = """
 import itertools, json, sys
 from rlfleet.launch.settings import EnvironmentConfig, FeedConfig

@@ -46,9 +46,9 @@ from rlfleet.api.wire import Segment
 from rlfleet.launch.settings import SessionConfig
 from rlfleet.rollout.engine import metrics
 from rlfleet.rollout.environment.plugins import EpisodeFailed
-from rlfleet.rollout.environment.session import Window, request_seed
+from rlfleet.rollout.environment.session import Window, request_seed, sampling
 
-if TYPE_CHECKING:  # vLLM only where episodes run: the feed imports harnesses for tasks alone
+if TYPE_CHECKING:  # vLLM only where a request is sent (`session.sampling`)
     from rlfleet.rollout.engine.driver import Completion, Engine
 
 log = logging.getLogger(__name__)
@@ -256,15 +256,9 @@ class Endpoint:
     async def _sample(
         self, capture: EpisodeCapture, window: Window, chat, max_tokens: int
     ) -> Completion:
-        from vllm import SamplingParams  # loaded by the engine already; see the imports
-
         stop = [chat.stop] if isinstance(chat.stop, str) else list(chat.stop or [])
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.session.temperature,
-            stop=stop,
-            seed=request_seed(capture.seed, capture.calls),
-        )
+        seed = request_seed(capture.seed, capture.calls)
+        params = sampling(max_tokens, self.session.temperature, stop, seed)
         capture.calls += 1
         completion = await self.engine.generate(list(window.tokens), params)
         window.add_completion(completion)

@@ -26,7 +26,9 @@ from rlfleet.models.chat import END_TURN, chat_text
 from rlfleet.rollout.environment import tools
 from rlfleet.rollout.environment.sandbox import Sandbox, SandboxClosed
 
-if TYPE_CHECKING:  # vLLM only where a session runs: the feed imports this for tasks alone
+if TYPE_CHECKING:  # vLLM only where a request is sent (`sampling`)
+    from vllm import SamplingParams
+
     from rlfleet.rollout.engine.driver import Completion, Engine
 
 SYSTEM = (
@@ -63,6 +65,22 @@ def request_seed(episode_seed: int, request: int) -> int:
     """The sampling seed of an episode's `request`-th call: every call its own, and an
     episode replayed with its seed samples alike."""
     return episode_seed * 1_000_003 + request
+
+
+def sampling(
+    max_tokens: int, temperature: float, stop: list[str], seed: int, *, keep_stop: bool = False
+) -> SamplingParams:
+    """A request's sampling settings. vLLM is imported here, not at the top: the feed
+    imports environments for their tasks alone, and a worker's engine has loaded it."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        stop=stop,
+        include_stop_str_in_output=keep_stop,
+        seed=seed,
+    )
 
 
 def user_turn_text(text: str) -> str:
@@ -159,15 +177,8 @@ class Session:
         return self._encode("\n") if closed else self._end + self._encode("\n")
 
     async def _complete(self, window: Window, max_tokens: int, stop: list[str]) -> Completion:
-        from vllm import SamplingParams  # loaded by the engine already; see the imports
-
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.config.temperature,
-            stop=stop,
-            include_stop_str_in_output=True,
-            seed=request_seed(self.seed, self._requests),
-        )
+        seed = request_seed(self.seed, self._requests)
+        params = sampling(max_tokens, self.config.temperature, stop, seed, keep_stop=True)
         self._requests += 1
         completion = await self.engine.generate(list(window.tokens), params)
         window.add_completion(completion)
