@@ -48,10 +48,11 @@ watches every namespace, each watched namespace's Role's otherwise (rbac.yaml). 
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [create, patch]
-# Each run's NATS user Secrets: applied when minted and again when renewed.
+# Each run's NATS user Secrets: applied when minted and again when renewed, deleted with
+# the component they are for (an evaluator whose gate was removed).
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [create, patch]
+  verbs: [create, patch, delete]
 {{- else }}
 # A region mirrors runs and serves its InferencePools and EnvPools: rollout Deployments,
 # serving Deployments read and scaled, sandbox servers behind a NetworkPolicy.

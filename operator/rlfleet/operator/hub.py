@@ -296,9 +296,12 @@ class Hub:
         # ConfigMap), so they go at once; an apply answers with the object, status too.
         applied = at_once([partial(self.local.apply, manifest) for manifest in objects])
         if spec.evaluation is None and is_present(old.conditions, "Failed"):
-            # The gate was removed: its evaluator goes with it.
+            # The gate was removed: its evaluator goes with it, and so do its credentials.
             evaluator = evaluator_name(meta["name"])
             self.local.delete(Ref("apps/v1", "Deployment", evaluator, meta["namespace"]))
+            secret = pods.nats_credentials_secret(meta["name"], BusRole.EVALUATOR)
+            self.local.delete(Ref("v1", "Secret", secret, meta["namespace"]))
+            self._placed.discard((meta["uid"], config.cluster, BusRole.EVALUATOR))
         return next((a for a in applied if Ref.of(a) == trainer_ref), {})
 
     def reconcile(self, run: dict, resync: bool = False) -> Decision:
