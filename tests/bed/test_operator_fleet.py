@@ -1,10 +1,12 @@
 """The operator on the real four-cluster bed: the chart installed with helm in each cluster,
 one operator process per cluster running under the chart's ServiceAccount.
 
-The tests run in file order and share one RLRun: applied, lending in three regions, a
-traffic spike reclaimed, an operator crashed mid-lend, a region cut off and back, a broken
-kubeconfig Secret, and finally the run deleted from all four clusters. A second run comes
-and goes on its own pools in between.
+The operators and the regions' serving come up once for the module; one RLRun (the
+example) lends in three regions, and each test that needs it asks for `lending`, which
+applies it again if a test before deleted it and waits until it lends everywhere. So every
+test runs alone or in any order: a traffic spike reclaimed, an operator crashed mid-lend, a
+region cut off and back, a broken kubeconfig Secret, the run deleted from all four
+clusters; other runs come and go on their own pools.
 """
 
 from __future__ import annotations
@@ -197,7 +199,6 @@ def world(
     for cluster in [HUB, *REGIONS]:
         fleet.kubectl(cluster, "create", "namespace", namespace)
     fleet.setup()
-    fleet.kubectl(HUB, "apply", "-f", "-", stdin=json.dumps(checkpoint_volume(namespace)))
     world = World(fleet, namespace, traffic, traces)
     for region in REGIONS:
         traffic.load[region] = 0.0
@@ -219,7 +220,39 @@ def world(
         traces.close()
         for link in fleet.links.values():
             link.listener.close()
-        fleet.kubectl(HUB, "delete", "persistentvolume", f"{namespace}-checkpoints")
+        fleet.kubectl(
+            HUB, "delete", "persistentvolume", f"{namespace}-checkpoints", "--ignore-not-found"
+        )
+
+
+def the_run() -> dict:
+    """The example, its trainer's checkpoints on a claim of their own."""
+    run = example("rlrun.yaml")
+    run["spec"]["trainer"] = {"checkpointStorage": CHECKPOINTS}
+    return run
+
+
+@pytest.fixture
+def lending(world: World) -> None:
+    """The example's run lending in all three regions: applied if it is not there (first, or
+    after a test deleted it), so each test starts from it whatever ran before."""
+
+    def present() -> list[dict]:
+        return world.items(HUB, "rlruns", "--field-selector", f"metadata.name={RUN}")
+
+    wait_for(
+        "a deleted run gone",
+        lambda: not any("deletionTimestamp" in r["metadata"] for r in present()),
+    )
+    if not present():
+        # A deleted run's claim leaves its volume Released, which no new claim binds.
+        volume = checkpoint_volume(world.ns)
+        world.fleet.kubectl(
+            HUB, "delete", "persistentvolume", volume["metadata"]["name"], "--ignore-not-found"
+        )
+        world.fleet.kubectl(HUB, "apply", "-f", "-", stdin=json.dumps(volume))
+        world.apply(HUB, the_run())
+    wait_for("lending", world.lent_everywhere, timeout=240)  # a new run's pods first
 
 
 def _columns(world: World, name: str, *options: str) -> dict[str, str]:
@@ -232,19 +265,16 @@ def _columns(world: World, name: str, *options: str) -> dict[str, str]:
     return {header[a:b].strip(): row[a:b].strip() for a, b in itertools.pairwise(starts)}
 
 
+@pytest.mark.usefixtures("lending")
 def test_applying_the_example_trains_in_the_hub_and_borrows_gpus_in_three_regions(
     world: World,
 ) -> None:
-    run = example("rlrun.yaml")
-    run["spec"]["trainer"] = {"checkpointStorage": CHECKPOINTS}
-    world.apply(HUB, run)
     wait_for("trainer pods running", lambda: world.trainer_pods() == 1)
     # Its rank keeps checkpoints on a claim of its own, bound to the hub's volume.
     claim = world.get(HUB, "persistentvolumeclaim", f"state-{RUN}-trainer-0")
     assert claim["status"]["phase"] == "Bound"
     assert claim["spec"]["storageClassName"] == CHECKPOINTS["storageClassName"]
     wait_for("the task feed running", lambda: world.running(HUB, "rlfleet.io/component=feed") == 1)
-    wait_for("rollout pods on lent GPUs in every region", world.lent_everywhere)
     for region in REGIONS:
         # Serving gave exactly the lent replicas; never below its floor of 1.
         assert world.serving_pods(region) == 4 - LENT[region] // 8
@@ -278,6 +308,7 @@ def test_applying_the_example_trains_in_the_hub_and_borrows_gpus_in_three_region
     assert budget["spec"]["maxUnavailable"] == 0
 
 
+@pytest.mark.usefixtures("lending")
 def test_reconciles_and_their_cross_cluster_calls_are_traced(world: World) -> None:
     """Spans reach an OTLP endpoint: each reconcile names its object, and the hub's calls
     into a region are children of the reconcile that made them, naming the cluster."""
@@ -310,7 +341,7 @@ def test_reconciles_and_their_cross_cluster_calls_are_traced(world: World) -> No
     call, parent = wait_for("a call into region-a under a reconcile", calls_into_region_a)[0]
     assert parent.name == "reconcile RLRun" and parent.trace_id == call.trace_id
     pools = spans("rlfleet-operator-region", "reconcile InferencePool")
-    assert {s.attributes["rlfleet.name"] for s in pools} == {POOL}
+    assert POOL in {s.attributes["rlfleet.name"] for s in pools}
     assert world.traces.rejected == 0
 
 
@@ -318,6 +349,7 @@ def container_env(pod: dict) -> dict[str, str | None]:
     return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
 
 
+@pytest.mark.usefixtures("lending")
 def test_every_pod_reads_the_runs_mounted_spec_and_is_told_where_nats_is(world: World) -> None:
     """The environment `rlfleet.launch.pods.Placement` reads, as the operators set it: the
     trainer and the feed reach the hub's NATS, a rollout worker its region's leaf node and
@@ -369,8 +401,8 @@ def assert_sized_and_scraped(pod: dict) -> None:
     assert container_env(pod)["RLFLEET_METRICS_PORT"] == str(port), name
 
 
+@pytest.mark.usefixtures("lending")
 def test_every_pod_of_the_run_asks_for_what_it_uses_and_serves_its_metrics(world: World) -> None:
-    wait_for("lending", world.lent_everywhere)
     pods = world.items(HUB, "pods", "-l", f"rlfleet.io/run={RUN}")
     for region in REGIONS:
         pods += world.items(region, "pods", "-l", f"rlfleet.io/run={RUN}")
@@ -410,10 +442,10 @@ class Sampler:
         return self.samples
 
 
+@pytest.mark.usefixtures("lending")
 def test_a_traffic_spike_reclaims_the_gpus_and_serving_never_dips_below_its_floor(
     world: World,
 ) -> None:
-    wait_for("lending", world.lent_everywhere)
     sampler = Sampler(world, "region-b")
     world.traffic.load["region-b"] = 200.0  # 100 requests per serving replica
     wait_for("serving back to 4", lambda: world.serving_pods("region-b") == 4)
@@ -434,6 +466,7 @@ def test_a_traffic_spike_reclaims_the_gpus_and_serving_never_dips_below_its_floo
     wait_for("lending again", world.lent_everywhere)
 
 
+@pytest.mark.usefixtures("lending")
 def test_a_rollout_pod_still_draining_past_the_reclaim_deadline_is_killed(
     world: World,
 ) -> None:
@@ -441,7 +474,6 @@ def test_a_rollout_pod_still_draining_past_the_reclaim_deadline_is_killed(
     past `reclaimDeadlineSeconds` the operator deletes its pod with no grace. A finalizer
     stands for a pod whose process will not stop (kwok's pods stop at once)."""
     region, hold = "region-c", "rlfleet.io/test-hold"
-    wait_for("lending", world.lent_everywhere)
     deadline = {"spec": {"reclaimDeadlineSeconds": 2}}
     world.fleet.kubectl(
         region, "-n", world.ns, "patch", "inferencepool", POOL, "--type=merge",
@@ -480,8 +512,8 @@ def test_a_rollout_pod_still_draining_past_the_reclaim_deadline_is_killed(
     wait_for("lending again", world.lent_everywhere)
 
 
+@pytest.mark.usefixtures("lending")
 def test_an_operator_killed_mid_lend_converges_without_flapping(world: World) -> None:
-    wait_for("lending", world.lent_everywhere)
     world.traffic.load["region-a"] = 200.0
     wait_for(
         "the reclaim to start",
@@ -502,8 +534,8 @@ def test_an_operator_killed_mid_lend_converges_without_flapping(world: World) ->
     assert set(samples) == {(2, 2, 2)}, samples
 
 
+@pytest.mark.usefixtures("lending")
 def test_a_region_cut_off_is_reported_and_rejoins_without_duplicates(world: World) -> None:
-    wait_for("lending", world.lent_everywhere)
     world.fleet.links["region-c"].cut()
     try:
         wait_for(
@@ -527,6 +559,7 @@ def test_a_region_cut_off_is_reported_and_rejoins_without_duplicates(world: Worl
     wait_for("lending", world.lent_everywhere)
 
 
+@pytest.mark.usefixtures("lending")
 def test_a_broken_kubeconfig_secret_is_a_condition_and_an_event_not_a_crash(
     world: World,
 ) -> None:
@@ -550,13 +583,13 @@ def test_a_broken_kubeconfig_secret_is_a_condition_and_an_event_not_a_crash(
     wait_for("healthy again", lambda: world.condition("RolloutsDegraded").get("status") == "False")
 
 
+@pytest.mark.usefixtures("lending")
 def test_a_region_dropped_while_it_refuses_the_hubs_token_is_forgotten_once_it_accepts(
     world: World,
 ) -> None:
     """Dropping a region from the spec deletes the run's mirror there. A region that
     refuses the hub's token (401) keeps the mirror for a later try, and the rest of the run
     is reconciled meanwhile (the reconcile used to fail whole, leaving the status stale)."""
-    wait_for("lending", world.lent_everywhere)
     good = world.fleet.kubectl(
         HUB, "-n", RELEASE_NAMESPACE, "get", "secret", "rlfleet-region-region-b", "-o", "json"
     )
@@ -605,6 +638,7 @@ def test_a_region_dropped_while_it_refuses_the_hubs_token_is_forgotten_once_it_a
     wait_for("lending", world.lent_everywhere)
 
 
+@pytest.mark.usefixtures("lending")
 def test_an_envpool_serves_the_runs_claims_bursts_past_warm_and_scales_back(
     world: World,
 ) -> None:
@@ -667,6 +701,7 @@ def test_an_envpool_serves_the_runs_claims_bursts_past_warm_and_scales_back(
     assert status().get("bursting") == 0
 
 
+@pytest.mark.usefixtures("lending")
 def test_a_run_borrowing_from_two_pools_gets_its_demand_once(world: World) -> None:
     """Two pools that could each lend the run all it asks for decide one at a time and see
     each other's decision, however fresh their view of the other pool is. The run's
@@ -838,6 +873,7 @@ def _secret_material(world: World) -> dict[str, str]:
     return found
 
 
+@pytest.mark.usefixtures("lending")
 def test_no_secret_appears_in_logs_events_status_or_arguments(world: World) -> None:
     """What the on-call reads and what `ps` shows: the operators' logs (and every other
     process the bed runs for the clusters), every event and every rlfleet object's status
@@ -930,6 +966,7 @@ def on_hub_nats(world: World, work) -> object:
     return asyncio.run(connected())
 
 
+@pytest.mark.usefixtures("lending")
 def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: World) -> None:
     async def streams(nc) -> tuple[list[str], dict[str, str]]:
         hub = nc.jetstream()
@@ -1020,6 +1057,7 @@ def test_the_hub_makes_the_run_streams_and_reports_the_trainers_progress(world: 
     assert len([e for e in world.events(HUB, RUN) if e["reason"] == "StalenessBoundExceeded"]) == 1
 
 
+@pytest.mark.usefixtures("lending")
 def test_a_run_stream_lost_is_made_again_at_the_next_resync(world: World) -> None:
     """Components only bind to a run's streams; the hub makes them. One lost (a NATS store
     wiped, a stream deleted by hand), a region's weights mirror too, comes back at the next
@@ -1041,6 +1079,7 @@ def test_a_run_stream_lost_is_made_again_at_the_next_resync(world: World) -> Non
     wait_for("the lost streams made again", lambda: on_hub_nats(world, present))
 
 
+@pytest.mark.usefixtures("lending")
 def test_the_hub_mints_each_component_its_own_nats_user_where_its_pods_run(
     world: World,
 ) -> None:
@@ -1057,7 +1096,7 @@ def test_the_hub_mints_each_component_its_own_nats_user_where_its_pods_run(
         meta, creds = minted(HUB, role)
         assert [o["kind"] for o in meta["ownerReferences"]] == ["RLRun"]  # it goes with the run
         assert claims_of(parse_creds(creds)[0])["name"] == f"run:{world.key}:{role}"
-    # None for a component the run does not have (no evaluation yet: no evaluator).
+    # None for a component the run does not have (no gate: no evaluator).
     hub_secrets = world.items(HUB, "secrets", "-l", f"rlfleet.io/run={RUN}")
     assert f"{RUN}-nats-evaluator" not in {s["metadata"]["name"] for s in hub_secrets}
     for region in REGIONS:
@@ -1086,6 +1125,7 @@ def test_the_hub_mints_each_component_its_own_nats_user_where_its_pods_run(
     assert asyncio.run(reach()) == trajectory_stream(world.key)
 
 
+@pytest.mark.usefixtures("lending")
 def test_the_evaluation_gate_holds_a_run_that_fails_or_reaches_its_target(
     world: World,
 ) -> None:
@@ -1101,7 +1141,6 @@ def test_the_evaluation_gate_holds_a_run_that_fails_or_reaches_its_target(
         )
         return [o["spec"]["replicas"] for o in found]
 
-    wait_for("lending", world.lent_everywhere)
     gate({"suite": "rules", "everyVersions": 10, "minReward": 0.5})
     wait_for("an evaluator", lambda: replicas("evaluator") == [1])
     # CPU-only (Hugging Face generate on the host): sized, and asking for no GPU.
@@ -1155,6 +1194,11 @@ def test_the_evaluation_gate_holds_a_run_that_fails_or_reaches_its_target(
     assert "EvaluationReachedTarget" in world.reasons(HUB, RUN)
     gate(None)
     wait_for("the evaluator gone", lambda: replicas("evaluator") == [])
+    evaluator_user = f"metadata.name={RUN}-nats-evaluator"
+    wait_for(
+        "its NATS user gone with it",
+        lambda: not world.items(HUB, "secrets", "--field-selector", evaluator_user),
+    )
     wait_for("running without a gate", lambda: world.run_status().get("phase") == "Running")
     assert not world.condition("Failed") and not world.condition("Succeeded")
 
@@ -1351,6 +1395,7 @@ def test_a_production_runs_cycles_show_in_its_status_columns_and_events(world: W
     )
 
 
+@pytest.mark.usefixtures("lending")
 def test_a_production_runs_canary_set_comes_out_of_its_pools_serving_not_its_lending(
     world: World,
 ) -> None:
@@ -1429,6 +1474,7 @@ def test_a_pools_status_shows_the_version_each_serving_replica_says_it_serves(
     wait_for("no answer, no version", lambda: not status().get("servedVersions"))
 
 
+@pytest.mark.usefixtures("lending")
 def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:
     secret = world.get("region-a", "secret", f"{RUN}-nats-rollout")
     leaked = base64.b64decode(secret["data"]["creds"]).decode()  # a worker's, say
@@ -1482,10 +1528,12 @@ def test_deleting_the_rlrun_cleans_up_all_four_clusters(world: World) -> None:
     assert not asyncio.run(logs_in())
 
 
-def test_no_operator_reconcile_raised_through_every_scenario(world: World) -> None:
+@pytest.mark.usefixtures("lending")
+def test_no_operator_reconcile_raised(world: World) -> None:
     # What an on-call alerts on: each operator reconciled and says so on its metrics, and
     # none of its reconciles raised (a cut-off region, a broken kubeconfig, a crash and a
-    # deletion are handled as conditions and events, not errors).
+    # deletion are handled as conditions and events, not errors). Last in the file, it
+    # covers every scenario above.
     for cluster in [HUB, *REGIONS]:
         samples = scrape(f"http://127.0.0.1:{world.fleet.metrics_ports[cluster]}/metrics")
         counted = {k: v for k, v in samples.items() if k.startswith(RECONCILES)}
