@@ -21,8 +21,12 @@ lint: setup
 	rlfleet crds check
 	rlfleet docs check
 
+# The whole suite on two workers, as this 2-core machine has cores: one process left one
+# core idle about half the time. Each worker takes whole modules, the bed tier as one
+# (`tests/tiers.py`); `pytest` alone runs the same suite in one process.
+TEST_WORKERS ?= 2
 test: lint binaries
-	pytest $(PYTEST_ARGS)
+	pytest -n $(TEST_WORKERS) --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The inner loop: every test that starts no server, engine or cluster (tests/unit/), in
 # under two minutes; `docs/guides/development.md` says which tier to run for a change.

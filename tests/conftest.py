@@ -16,6 +16,7 @@ import pytest
 import tiers
 from probe_runs import run_probe
 from prometheus_client.parser import text_string_to_metric_families
+from xdist.scheduler import LoadScopeScheduling
 
 import images
 from rlfleet.api.schema import KINDS
@@ -34,11 +35,17 @@ CLUSTERS = ("hub", "region-a", "region-b", "region-c")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def session_caches(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def session_caches(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
     """The session's compile caches, under a folder it owns (`rlfleet.launch.caches`): every
     process a test starts inherits them, and nothing is read from, or left in, the user's
-    shared defaults. A test that must own a root of its own drops `CACHE_ROOT_ENV`."""
-    root = tmp_path_factory.mktemp("caches")
+    shared defaults. The workers of a parallel run share one, as a machine's processes
+    share the defaults, so that each kernel and each model's inspection is made once. A
+    test that must own a root of its own drops `CACHE_ROOT_ENV`."""
+    if worker_id == "master":
+        root = tmp_path_factory.mktemp("caches")
+    else:
+        root = tmp_path_factory.getbasetemp().parent / "caches"
+        root.mkdir(exist_ok=True)
     os.environ.pop(CACHE_ROOT_ENV, None)  # the session owns its root whoever started it
     own_caches(root)
     return root
@@ -47,12 +54,14 @@ def session_caches(tmp_path_factory: pytest.TempPathFactory) -> Path:
 BED_LOGS = pytest.StashKey[Path]()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test marked with its folder's tier (`tiers`), and the tiers run cheapest first,
-    each module kept whole and in order: the bed starts at the first test that needs it
-    and lives to the session's end, and idle it still takes about 8 % of this 2-core
-    machine, which every test after its start would share."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test marked with its folder's tier (`tiers`), each module kept whole and in
+    order. Alone, the tiers run cheapest first: the bed starts at the first test that needs
+    it and lives to the session's end, and idle it still takes about 8 % of this 2-core
+    machine, which every test after its start would share. In a parallel run each worker
+    takes whole units (`tiers.work_unit`), the bed's first."""
     misplaced = []
+    parallel = hasattr(config, "workerinput")  # a worker of `pytest -n`
     for item in items:
         tier = tiers.tier_of(item.path, TESTS)
         if tier is None:
@@ -63,7 +72,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             misplaced.append(f"{item.nodeid}: in {tier}/, but {wrong} start a higher tier's")
     if misplaced:
         raise pytest.UsageError("tests outside their tier:\n" + "\n".join(misplaced))
-    items.sort(key=lambda item: tiers.TIERS.index(tiers.tier_of(item.path, TESTS)))
+    order = tiers.PARALLEL_ORDER if parallel else tiers.TIERS
+    items.sort(key=lambda item: order.index(tiers.tier_of(item.path, TESTS)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadScopeScheduling:
+    """A parallel run's workers take whole units (`tiers.work_unit`) in the order the
+    workers collected them (`make test` asks xdist not to reorder them)."""
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return tiers.work_unit(nodeid)
+
+    return Units(config, log)
 
 
 _started_in_unit: list[str] = []
@@ -106,6 +128,8 @@ def testbed(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Confi
     """The bed with its processes' supervisor, for tests that kill and restart them."""
     started = Bed(tmp_path_factory.mktemp("bed"), attached=True)
     pytestconfig.stash[BED_LOGS] = started.supervisor.log_dir
+    if hasattr(pytestconfig, "workeroutput"):  # a worker's: for the summary the run prints
+        pytestconfig.workeroutput["bed_logs"] = str(started.supervisor.log_dir)
     started.start()
     try:
         yield started
@@ -264,6 +288,13 @@ def crds_installed(kubectl: Kubectl) -> None:
             *(f"crd/{kind.crd_name}" for kind in KINDS),
         )
     kubectl.forget_discovery()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error: object | None) -> None:
+    """A parallel run's worker is done: where its bed's logs are, if it started the bed."""
+    if logs := getattr(node, "workeroutput", {}).get("bed_logs"):
+        node.config.stash[BED_LOGS] = Path(logs)
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:

@@ -17,6 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 
 TIERS = ("unit", "servers", "engines", "bed")  # cheapest first: the order the suite runs them
+# A parallel run (`pytest -n`, as `make test` runs) hands its workers whole units, the
+# longest first so that the last to finish is a short one: the bed tier, then the rest.
+PARALLEL_ORDER = ("bed", "engines", "servers", "unit")
 
 # The conftest fixtures that start something, and the tier that is.
 FIXTURE_TIERS = {
@@ -68,6 +71,14 @@ def too_low(tier: str, fixtures: list[str]) -> list[str]:
     """The fixtures a test of `tier` asks for that start what a higher tier starts."""
     rank = TIERS.index(tier)
     return [f for f in fixtures if f in FIXTURE_TIERS and TIERS.index(FIXTURE_TIERS[f]) > rank]
+
+
+def work_unit(nodeid: str) -> str:
+    """What a parallel run's worker takes whole: the bed tier in one unit, so one worker
+    starts the bed and the others never do, and every other module in one, so its module
+    fixtures (an engine, a pool of servers) start once."""
+    module = nodeid.split("::", 1)[0]
+    return "bed" if module.startswith("tests/bed/") else module
 
 
 def server_in(argv: list[str]) -> str | None:

@@ -61,3 +61,13 @@ def test_every_test_file_is_in_a_tier_and_every_tier_has_tests() -> None:
         assert any((TESTS / tier).glob("test_*.py")), tier
     # One conftest: tests import its helpers by name (`from conftest import ...`).
     assert not any(Path(TESTS, tier, "conftest.py").exists() for tier in tiers.TIERS)
+
+
+def test_a_parallel_run_keeps_the_bed_tier_on_one_worker_and_each_module_whole() -> None:
+    on_the_bed = {
+        tiers.work_unit(n) for n in ("tests/bed/test_a.py::t", "tests/bed/test_b.py::t[1]")
+    }
+    assert on_the_bed == {"bed"}
+    assert tiers.work_unit("tests/engines/test_a.py::test_x[a::b]") == "tests/engines/test_a.py"
+    assert tiers.work_unit("tests/unit/test_a.py::test_x") == "tests/unit/test_a.py"
+    assert tiers.PARALLEL_ORDER[0] == "bed" and set(tiers.PARALLEL_ORDER) == set(tiers.TIERS)
