@@ -115,6 +115,31 @@ def test_a_prompt_extending_the_episode_continues_its_window_else_starts_a_segme
     assert len(capture.all_segments()) == 1
 
 
+def test_a_reply_sent_back_as_given_extends_the_window_whatever_was_sampled() -> None:
+    """A policy samples special tokens mid-turn and stops partway through a character; the
+    reply a harness is given keeps both, so that sending it back renders the text the
+    capture holds and the episode goes on in one window. (Given vLLM's own text, which
+    drops both, 147 of 320 calls of bench/rollout.py started a new segment.)"""
+    tokenizer: PreTrainedTokenizerFast = build_tokenizer()
+    ids = tokenizer.encode("ab", add_special_tokens=False)
+    ids += [tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    ids += tokenizer.encode("cé", add_special_tokens=False)[:-1]  # half of é
+    question = [{"role": "user", "content": "Say something."}]
+    prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=False)
+
+    def extends(reply: str) -> bool:
+        turns = [*question, {"role": "assistant", "content": reply}, question[0]]
+        rendered = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        return rendered.startswith(prompt + sampled)
+
+    for end in ([tokenizer.convert_tokens_to_ids("<|im_end|>")], []):  # stopped, cut short
+        sampled = tokenizer.decode(ids + end, skip_special_tokens=False)
+        turn_end = tokenizer.decode(end, skip_special_tokens=False)
+        assert extends(endpoint.reply_text(sampled, turn_end, cut_at_stop=None))
+        assert not extends(tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd"))
+    assert endpoint.reply_text("ab</s>", "", cut_at_stop="ab") == "ab"  # vLLM cut it there
+
+
 def test_the_tiny_template_renders_tool_calls_as_the_hermes_parser_reads_them() -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.tool_parsers.abstract_tool_parser import ToolParserManager

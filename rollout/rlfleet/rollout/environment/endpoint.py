@@ -29,6 +29,7 @@ learn text the policy did not choose, scored as if it had.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
@@ -208,8 +209,12 @@ class Endpoint:
         prompt_tokens = len(window.tokens)
         max_tokens = self._budget(capture, chat, prompt_tokens)
         completion = await self._sample(capture, window, chat, max_tokens)
-        capture.text += self._decode(completion.token_ids)
-        message, finish = self._message(chat, completion)
+        sampled = self._decode(completion.token_ids)
+        capture.text += sampled
+        text = reply_text(
+            sampled, self._turn_end(completion), completion.text if chat.stop else None
+        )
+        message, finish = self._message(chat, completion, text)
         response = _completion_body(self.model, message, finish, prompt_tokens, completion)
         if chat.stream:
             usage = chat.stream_options is not None and chat.stream_options.include_usage
@@ -221,6 +226,17 @@ class Endpoint:
 
     def _decode(self, ids: list[int]) -> str:
         return self.engine.llm.get_tokenizer().decode(ids, skip_special_tokens=False)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(self.engine.llm.get_tokenizer().all_special_ids)
+
+    def _turn_end(self, completion: Completion) -> str:
+        """The text of the token that ended the model's turn, "" if none did."""
+        ids = completion.token_ids
+        if completion.finish_reason != "stop" or not ids or ids[-1] not in self._special_ids:
+            return ""
+        return self._decode(ids[-1:])
 
     def _render(self, chat) -> str:
         tokenizer = self.engine.llm.get_tokenizer()
@@ -264,10 +280,10 @@ class Endpoint:
         window.add_completion(completion)
         return completion
 
-    def _message(self, chat, completion: Completion) -> tuple[dict, str]:
+    def _message(self, chat, completion: Completion, text: str) -> tuple[dict, str]:
         """The assistant message, tool calls parsed out, and its finish reason."""
         finish = "length" if completion.finish_reason == "length" else "stop"
-        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
         if not chat.tools or chat.tool_choice == "none":
             return message, finish
         from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
@@ -275,7 +291,7 @@ class Endpoint:
         parser = ToolParserManager.get_tool_parser(self.tool_call_parser)(
             self.engine.llm.get_tokenizer(), chat.tools
         )
-        parsed = parser.extract_tool_calls(completion.text, chat)
+        parsed = parser.extract_tool_calls(text, chat)
         if parsed.tools_called:
             message["content"] = parsed.content or None
             message["tool_calls"] = [call.model_dump() for call in parsed.tool_calls]
@@ -328,6 +344,17 @@ def _plain(message: dict) -> dict:
         text = "".join(part.get("text", "") for part in content if isinstance(part, dict))
         message = {**message, "content": text}
     return message
+
+
+def reply_text(sampled: str, turn_end: str, cut_at_stop: str | None) -> str:
+    """The reply as the harness is given it: the sampled text as the capture spells it,
+    special tokens and a character cut short kept (vLLM's own text drops both), less the
+    token that ended the turn. So a harness that sends the reply back extends the
+    episode's window, on the sampled ids, instead of starting a new one from text encoded
+    again. A request's stop string is vLLM's to cut: `cut_at_stop` is its text then."""
+    if cut_at_stop is not None:
+        return cut_at_stop
+    return sampled.removesuffix(turn_end)
 
 
 def _extend(capture: EpisodeCapture, text: str, encode: Callable[[str], list[int]]) -> Window:
