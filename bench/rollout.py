@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from rlfleet.launch.caches import own_temporary_caches
-from rlfleet.rollout.environment.session import user_turn_text
+from rlfleet.rollout.environment.session import request_seed, sampling, user_turn_text
 
 SESSIONS = 64
 TURNS = 5
@@ -104,13 +104,14 @@ def _messages(index: int) -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": task}]
 
 
-async def _direct(engine, index: int, lengths: list[int]) -> None:
-    """A session on token ids, as the agent environment drives the engine."""
-    from vllm import SamplingParams
-
+async def _direct(engine, temperature: float, index: int, lengths: list[int]) -> None:
+    """A session on token ids, as the agent environment drives the engine: each call with
+    the sampling settings the endpoint gives the same call (`session.sampling`, seeded per
+    call), so that the two differ by the endpoint alone."""
     context = engine.encode(plan()[0][index])
     for turn, length in enumerate(lengths):
-        completion = await engine.generate(context, SamplingParams(max_tokens=length))
+        params = sampling(length, temperature, [], request_seed(index, turn))
+        completion = await engine.generate(context, params)
         context += completion.token_ids + engine.encode(observation(turn))
 
 
@@ -149,7 +150,7 @@ async def harness_vs_direct(engine) -> dict:
 
     try:
         await timed(lambda i, turns: _through_endpoint(endpoint, i, turns), WARMUP_SESSIONS)
-        direct, _ = await timed(lambda i, turns: _direct(engine, i, turns))
+        direct, _ = await timed(lambda i, turns: _direct(engine, session.temperature, i, turns))
         harness, outcomes = await timed(lambda i, turns: _through_endpoint(endpoint, i, turns))
     finally:
         await endpoint.close()
