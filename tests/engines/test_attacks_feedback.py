@@ -228,6 +228,16 @@ def test_value_on_a_kind_that_takes_none(pool: Pool):
 
 
 @attack
+def test_an_id_with_a_final_newline(pool: Pool):
+    """`e1\n` passed the id pattern (`$` matches before a final newline) and reached a NATS
+    subject: answered 503, retry, so a client retried it for ever."""
+    mine = _served(pool, "mallory")
+    for event_id in ("e1\n", "e1\r", "e\n1"):
+        _refused(pool.feedback(mine, event_id=event_id), (400,), "event_id")
+    assert _stored(pool, mine) == 0
+
+
+@attack
 def test_flooding_events_on_one_response(pool: Pool):
     """Events without end on one response: the feedback stream (bounded in count, and
     refusing new messages when full) would refuse every other user's."""

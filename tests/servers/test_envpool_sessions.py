@@ -138,6 +138,8 @@ def test_a_session_round_trip_as_the_harness_makes_it(served: Served) -> None:
             # A tool's own failure is an observation for the model, not an HTTP error.
             escape = await sandbox.call({"tool": "read", "path": "../../etc/passwd"})
             assert not escape["ok"] and "leaves the working directory" in escape["error"]
+            forged = await sandbox.call({"tool": "write", "path": "a\nb.py", "content": ""})
+            assert not forged["ok"] and "control character" in forged["error"]
             await sandbox.close()
             with pytest.raises(SandboxClosed, match="gone: it was destroyed"):
                 await sandbox.call({"tool": "run", "command": "true"})
@@ -230,6 +232,8 @@ def test_a_malformed_call_is_refused_naming_the_field(
         ({"limits": {"gpus": 1}}, "limits.gpus"),
         ({"files": {"../escape": "eA=="}}, "files.../escape"),
         ({"files": {"/etc/passwd": "eA=="}}, "files./etc/passwd"),
+        ({"files": {"a\nb.py": "eA=="}}, "files.a\nb.py"),  # forges a line in listings
+        ({"files": {"a\x7f": "eA=="}}, "files.a\x7f"),
         ({"files": {"a.txt": "not base64!"}}, "files.a.txt"),
         ({"files": {"big": base64.b64encode(bytes(900 << 10)).decode()}}, None),
         ({"wait_seconds": -1}, "wait_seconds"),

@@ -625,3 +625,40 @@ def test_a_document_people_write_is_still_refused_an_unknown_field(
         wire.decode_strict(task, Task)
     assert msgspec.json.decode(task, type=Task).id == "a"
     assert wire.decode_strict(msgspec.json.encode(TASK), Task) == TASK
+
+
+def _patterns(info: inspect.Type) -> Iterator[str]:
+    """Every string pattern `info` checks, at any depth short of another struct."""
+    if isinstance(info, inspect.StrType) and info.pattern is not None:
+        yield info.pattern
+    elif isinstance(info, inspect.Metadata):
+        yield from _patterns(info.type)
+    elif isinstance(info, inspect.UnionType):
+        for member in info.types:
+            yield from _patterns(member)
+    elif isinstance(info, inspect.DictType):
+        yield from _patterns(info.key_type)
+        yield from _patterns(info.value_type)
+    elif isinstance(info, inspect.TupleType):
+        for item in info.item_types:
+            yield from _patterns(item)
+    elif isinstance(info, inspect.ListType | inspect.VarTupleType | inspect.SetType):
+        yield from _patterns(info.item_type)
+
+
+def test_every_pattern_a_message_checks_matches_the_whole_string() -> None:
+    """msgspec checks a pattern with Python's `re.search`, whose `$` also matches before a
+    final newline: a feedback event id `e1\\n` passed `^...$` and reached a NATS subject
+    (answered 503, retry, instead of 400). Each pattern ends in `\\Z`."""
+    found = {
+        pattern
+        for cls in CROSSING
+        for field in inspect.type_info(cls).fields
+        for pattern in _patterns(field.type)
+    }
+    assert len(found) >= 4
+    assert [p for p in found if not p.endswith("\\Z")] == []
+    for token in ("e1\n", "e1\r", "e\n1"):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert(token, wire.SubjectToken)
+    assert msgspec.convert("e1", wire.SubjectToken) == "e1"

@@ -60,7 +60,7 @@ class ShardRef(msgspec.Struct, frozen=True):
     index: Count
     size: Annotated[int, msgspec.Meta(ge=0, le=MAX_SHARD_BYTES)]  # encoded bytes, as stored
     raw_size: Count  # model bytes its pieces cover
-    checksum: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]  # xxh3-128, hex
+    checksum: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}\Z")]  # xxh3-128, hex
     tensors: list[str]
 
 
@@ -181,7 +181,7 @@ class Environment(msgspec.Struct, frozen=True, omit_defaults=True):
     then a command run in it (a repository's dependencies installed, a build). Every
     attempt at a task naming it, and its grading, starts from a fork of the result."""
 
-    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")]
     setup: str  # run by /bin/sh in the tree, with no network; exit 0 or the set-up failed
     files: dict[str, str] = {}
 
@@ -469,8 +469,10 @@ def decode_step_report(data: bytes) -> StepReport:
 
 
 # A response or client event id as it appears in a subject: one token, no wildcards.
-SubjectToken = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
-FeedbackKindName = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9-]{0,31}$")]
+# Patterns end in `\Z`, not `$`: msgspec checks them with Python's `re.search`, whose `$`
+# also matches before a final newline.
+SubjectToken = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,128}\Z")]
+FeedbackKindName = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9-]{0,31}\Z")]
 
 
 class CapturedCompletion(WireMessage, tag="rlfleet.io/captured-completion/v1"):
@@ -669,7 +671,7 @@ class FinishedCycle(msgspec.Struct, frozen=True):
 class CycleEvent(msgspec.Struct, frozen=True):
     """A transition as on-call reads it: a Kubernetes event's reason and message."""
 
-    reason: Annotated[str, msgspec.Meta(pattern=r"^[A-Z][A-Za-z]{0,63}$")]
+    reason: Annotated[str, msgspec.Meta(pattern=r"^[A-Z][A-Za-z]{0,63}\Z")]
     message: str
 
 

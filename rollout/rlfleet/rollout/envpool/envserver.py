@@ -16,7 +16,8 @@ from an environment the files it left as they were) so the final tree can be gra
 elsewhere; `ping` is the session server's check that a new sandbox is up.
 
 Failures are replies too (`{"ok": false, "error": "..."}`): the model sees them as
-observations. Paths are relative to the working directory and may not leave it.
+observations. Paths are relative to the working directory, may not leave it, and hold
+no control character.
 """
 
 import base64
@@ -40,6 +41,8 @@ def _clip(text: str) -> str:
 
 
 def _inside(root: Path, path: str) -> Path:
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in path):  # `protocol.has_control`
+        raise ValueError(f"path {path!r} holds a control character")
     target = (root / path).resolve()
     if target != root and root not in target.parents:
         raise ValueError(f"path {path!r} leaves the working directory")

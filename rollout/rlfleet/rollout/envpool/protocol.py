@@ -206,6 +206,13 @@ def tool_request(body: dict) -> dict:
     return body
 
 
+def has_control(text: str) -> bool:
+    """Whether `text` holds a control character (C0, DEL or C1), as no file's path may: a
+    newline in a name forges lines in whatever lists the tree. (A tool call's path is
+    the sandbox's `envserver` to refuse, which runs alone there.)"""
+    return any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in text)
+
+
 def decode_files(files, disk_bytes: int) -> dict[str, bytes]:
     """A task's starting files, decoded; paths are relative and stay inside the tree."""
     if not isinstance(files, dict):
@@ -213,7 +220,7 @@ def decode_files(files, disk_bytes: int) -> dict[str, bytes]:
     decoded, total = {}, 0
     for path, content in files.items():
         parts = path.split("/")
-        if path.startswith("/") or "\0" in path or any(p in ("", ".", "..") for p in parts):
+        if path.startswith("/") or has_control(path) or any(p in ("", ".", "..") for p in parts):
             raise invalid("a file's path must be relative and plain", f"files.{path}")
         try:
             decoded[path] = base64.b64decode(content, validate=True)
