@@ -219,6 +219,34 @@ def test_user_rotation_through_the_body(pool: Pool):
 
 
 @attack
+def test_two_verdicts_from_one_user(pool: Pool):
+    """`accepted` then `rejected` from the response's user both counted (breakdown
+    accepted 1.0, rejected -1.0, reward 0): signals stacked on one response."""
+    mine = [_served(pool, "fickle", "name a shape") for _ in range(2)]  # each other's baseline
+    for kind in ("accepted", "rejected"):
+        assert pool.feedback(mine[0], kind)[0] == 200
+        time.sleep(0.01)  # received one after the other
+    assert pool.feedback(mine[1], "accepted")[0] == 200
+
+    async def cycle(collector: Collector, js) -> dict[str, dict[str, float]]:
+        # A cycle number of its own: the trajectories of another test's cycle 1 took its ids.
+        report = await collector.cycle(js, None, 77, time.time())
+        assert report is not None and report.superseded_feedback >= 1
+        info = await js.stream_info(trajectory_stream(pool.run))
+        found = {}
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            trajectory = decode_trajectory(
+                (await js.get_msg(trajectory_stream(pool.run), seq)).data
+            )
+            found[trajectory.task_id] = trajectory.reward_breakdown
+        return found
+
+    trained = asyncio.run(_collect(pool, cycle))
+    assert trained[mine[0]] == {"rejected": -1.0}  # the user's last word, alone
+    assert trained[mine[1]] == {"accepted": 1.0}
+
+
+@attack
 def test_value_on_a_kind_that_takes_none(pool: Pool):
     """`rejected` with a value of -1 scored +1: the value times rejected's weight."""
     mine = _served(pool, "mallory")

@@ -40,15 +40,33 @@ def event(kind: str, value: float | None = None, text: str | None = None, **fiel
         ([event("thumbs", -1.0)], -1.0),
         ([event("edited", text="four")], 1.0),  # kept as it was
         ([event("edited", text="")], -1.0),  # nothing of it survived
-        ([event("accepted"), event("thumbs", 1.0)], 1.0),  # clipped
-        ([event("accepted"), event("retried")], 0.5),
         ([event("copied")], 0.0),  # a kind with no weight counts nothing
-        # A kind sent twice counts once, the later one.
+        # One verdict per user and response, whatever the kinds: the later one.
         ([event("thumbs", 1.0), event("thumbs", -1.0, received_at=2.0, event_id="e2")], -1.0),
+        ([event("accepted"), event("rejected", received_at=2.0)], -1.0),
+        ([event("rejected"), event("accepted", received_at=2.0)], 1.0),
+        ([event("accepted"), event("retried", received_at=2.0)], -0.5),
+        ([event("accepted"), event("thumbs", 1.0, received_at=2.0)], 1.0),
+        # A kind with no weight is no verdict, and replaces none.
+        ([event("rejected"), event("copied", received_at=2.0)], -1.0),
     ],
 )
 def test_a_completions_reward_from_its_signals(events, expected):
     assert reward(capture("r"), events, REWARDS).reward == pytest.approx(expected)
+
+
+def test_a_later_verdict_replaces_the_earlier_and_is_counted():
+    """accepted then rejected by the one user a response's token names both counted
+    (breakdown accepted 1.0, rejected -1.0, reward 0): the last word stands alone."""
+    events = [
+        event("accepted"),
+        event("copied", received_at=2.0),
+        event("rejected", received_at=3.0),
+    ]
+    scored = reward(capture("r"), events, REWARDS)
+    assert (scored.reward, scored.breakdown, scored.replaced) == (-1.0, {"rejected": -1.0}, 1)
+    samples = score_cycle([capture("r")], {"r": events}, REWARDS)
+    assert samples.superseded == 1 and samples.scored[0].reward == -1.0
 
 
 def test_a_value_counts_only_on_a_kind_that_takes_one():

@@ -572,6 +572,8 @@ class CycleReport(WireMessage, tag="rlfleet.io/production-cycle/v1"):
         tuple[Annotated[str, msgspec.Meta(max_length=1024)], ...],
         msgspec.Meta(max_length=MAX_NAMED_USERS),
     ] = ()
+    # Verdicts a later one of the same user on the same response replaced.
+    superseded_feedback: Count = 0
 
     def __post_init__(self) -> None:
         _finite("times and reward_mean", self.reward_mean, self.served_from, self.served_to)

@@ -31,7 +31,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rlfleet.rollout.production.history import RewardHistory, prompt_key
 from rlfleet.rollout.production.signals import CycleSamples, Dropped
@@ -161,4 +161,4 @@ class FeedbackScreen:
         dropped = Counter(samples.dropped)
         if len(kept) < len(samples.scored):
             dropped[Dropped.DISTRUSTED] += len(samples.scored) - len(kept)
-        return CycleSamples(kept, dropped, samples.late)
+        return replace(samples, scored=kept, dropped=dropped)  # its other counts kept

@@ -316,6 +316,7 @@ class Collector:
             dropped={str(reason): count for reason, count in samples.dropped.items()},
             signals=dict(signals),
             late_feedback=samples.late,
+            superseded_feedback=samples.superseded,
             reward_mean=math.fsum(rewards) / len(rewards) if rewards else 0.0,
             served_from=min(served, default=0.0),
             served_to=max(served, default=0.0),

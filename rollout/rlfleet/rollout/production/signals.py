@@ -3,11 +3,15 @@
 Pure: the collector gives it a cycle's captures and the feedback stored on them, and
 gets back trajectories and counts of what was left out and why.
 
-A completion's reward is the weighted sum of its on-time signals, one per kind (the
-latest, if a client sent a kind twice), clipped to [-1, 1]: accepted +1, rejected -1, an
-edit scored by how much of the answer survived, and so on (`SignalRewards.weights`). A
-value counts only on a kind that takes one (thumbs, a pool's own kinds): the pool's
-servers refuse it elsewhere, and one stored anyway changes nothing.
+A completion's reward is its user's verdict: the latest on-time signal of a kind that has
+a weight, weighted (`SignalRewards.weights`: accepted +1, rejected -1, an edit scored by
+how much of the answer survived, and so on) and clipped to [-1, 1]. One verdict per
+user and response, whatever the kinds (only the completion's user holds its token):
+accepted then rejected is a rejection, the user's last word, where summing every kind
+made it 0 and let one client stack signals. The verdicts replaced are counted
+(`superseded`). A signal of a kind without weight (`copied`, by default) is no verdict
+and replaces none. A value counts only on a kind that takes one (thumbs, a pool's own
+kinds): the pool's servers refuse it elsewhere, and one stored anyway changes nothing.
 Feedback after the window was decided without it (the stream keeps it, marked late).
 A completion nobody answered within the window teaches nothing and is dropped, counted:
 silence is not a rejection (many clients never send feedback at all). No user counts for
@@ -55,7 +59,8 @@ class Dropped(StrEnum):
 class Scored:
     capture: CapturedCompletion
     reward: float
-    breakdown: dict[str, float]  # each kind's part of the reward
+    breakdown: dict[str, float]  # the verdict's kind and its part of the reward
+    replaced: int = 0  # earlier verdicts of the user the last one replaced
 
 
 @dataclass
@@ -63,6 +68,7 @@ class CycleSamples:
     scored: list[Scored] = field(default_factory=list)
     dropped: Counter[Dropped] = field(default_factory=Counter)
     late: int = 0  # feedback events that came after their window
+    superseded: int = 0  # verdicts a later one of the same user replaced
 
 
 def similarity(a: str, b: str) -> float:
@@ -82,19 +88,17 @@ def _signal(event: Feedback, capture: CapturedCompletion) -> float:
 def reward(
     capture: CapturedCompletion, events: Iterable[Feedback], rewards: SignalRewards
 ) -> Scored | None:
-    """The completion's reward from its on-time feedback; None if it had none."""
-    latest: dict[str, Feedback] = {}
-    for event in sorted(events, key=lambda e: e.received_at):
-        if not event.late:
-            latest[event.kind] = event
-    if not latest:
+    """The completion's reward, its user's latest on-time verdict; None if it had no
+    on-time feedback (`superseded` in `Scored.replaced`)."""
+    on_time = sorted((e for e in events if not e.late), key=lambda e: e.received_at)
+    if not on_time:
         return None
-    breakdown = {
-        kind: rewards.weights.get(kind, 0.0) * _signal(event, capture)
-        for kind, event in latest.items()
-    }
-    total = min(1.0, max(-1.0, math.fsum(breakdown.values())))
-    return Scored(capture, total, breakdown)
+    verdicts = [e for e in on_time if rewards.weights.get(e.kind, 0.0)]
+    if not verdicts:  # answered, with no verdict
+        return Scored(capture, 0.0, {on_time[-1].kind: 0.0})
+    last = verdicts[-1]
+    value = min(1.0, max(-1.0, rewards.weights[last.kind] * _signal(last, capture)))
+    return Scored(capture, value, {last.kind: value}, replaced=len(verdicts) - 1)
 
 
 def score_cycle(
@@ -115,6 +119,7 @@ def score_cycle(
         events = feedback.get(capture.response_id, [])
         samples.late += sum(event.late for event in events)
         scored = reward(capture, events, rewards)
+        samples.superseded += scored.replaced if scored is not None else 0
         if scored is None:
             samples.dropped[Dropped.NO_SIGNAL] += 1
         elif taken[capture.user] >= rewards.max_per_user:
