@@ -34,7 +34,7 @@ from conftest import ROOT, run_streams, scrape, step_report, wait_for
 from prometheus_client import start_http_server
 
 import images
-from rlfleet.api.meta import GPU_TYPE_LABEL
+from rlfleet.api.meta import GPU_TYPE_LABEL, LENDABLE_LABEL
 from rlfleet.api.wire import (
     CycleEvent,
     CycleOutcome,
@@ -782,6 +782,38 @@ def test_a_run_borrowing_from_two_pools_gets_its_demand_once(world: World) -> No
         for name in pools:
             world.fleet.kubectl(region, "-n", world.ns, "delete", "inferencepool", name)
             world.fleet.kubectl(region, "-n", world.ns, "delete", "deployment", name)
+
+
+@pytest.mark.attack("kubernetes")
+def test_an_inferencepool_naming_another_teams_deployment_scales_nothing(world: World) -> None:
+    """An InferencePool scaled an unlabelled Deployment of another team in its namespace
+    from 5 replicas to 1 because it named it. Lending takes GPUs from production: naming
+    a Deployment is not enough, its owner's label is, and the pool says so."""
+    region, name, pool_name = "region-a", "other-team", "poacher"
+    theirs = serving_deployment(name, replicas=5, gpus=0)  # no GPU the run's pods need
+    del theirs["metadata"]["labels"][LENDABLE_LABEL]
+    world.apply(region, theirs)
+    pool = example("inferencepool.yaml")
+    pool["metadata"]["name"] = pool_name
+    pool["spec"]["serving"] |= {"deploymentName": name, "replicas": 5}
+    world.traffic.load[pool_name] = 0.0  # idle: it would lend all it may
+    pool["spec"]["traffic"]["metricsUrl"] = world.traffic.url(pool_name)
+    world.apply(region, pool)
+
+    def told() -> dict | None:
+        status = world.get(region, "inferencepool", pool_name).get("status") or {}
+        found = [c for c in status.get("conditions", []) if c["reason"] == "ServingNotLendable"]
+        return found[0] if found else None
+
+    try:
+        ready = wait_for("the pool told why", told)
+        assert ready["status"] == "False" and f'{LENDABLE_LABEL}: "true"' in ready["message"]
+        assert "ServingNotLendable" in world.reasons(region, pool_name)
+        time.sleep(4)  # several of the pool's resyncs
+        assert world.get(region, "deployment", name)["spec"]["replicas"] == 5
+    finally:
+        world.fleet.kubectl(region, "-n", world.ns, "delete", "inferencepool", pool_name)
+        world.fleet.kubectl(region, "-n", world.ns, "delete", "deployment", name)
 
 
 A10G = "NVIDIA-A10G"  # a GPU type no pool of the bed serves on

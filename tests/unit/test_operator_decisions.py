@@ -12,11 +12,22 @@ from conftest import ROOT, evaluation_report, step_report
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlfleet.api.inferencepool import InferencePoolSpec, ServedVersion
+from rlfleet.api.inferencepool import (
+    InferencePoolSpec,
+    InferencePoolStatus,
+    LentToRun,
+    ServedVersion,
+)
+from rlfleet.api.meta import LENDABLE_LABEL
 from rlfleet.api.rlrun import EvaluationGate, RegionStatus, RLRunSpec, RLRunStatus
 from rlfleet.api.wire import EvaluationReport
 from rlfleet.operator.gate import judge
-from rlfleet.operator.region.pool_status import decision_events, reclaim_clock
+from rlfleet.operator.region.pool_status import (
+    decision_events,
+    reclaim_clock,
+    serving_unusable,
+    unusable,
+)
 from rlfleet.operator.runstatus import (
     REGION_PROBLEMS,
     Observed,
@@ -375,3 +386,26 @@ def test_served_versions_are_counted_per_set_and_digest_and_silence_apart() -> N
     served, unversioned = count_served(many)
     assert len(served) == MAX_SHOWN and unversioned == 5
     assert next(s for s in served if s.version == 0).replicas == 2
+
+
+def test_a_pool_acts_only_on_a_serving_deployment_its_owner_opted_in() -> None:
+    """An InferencePool scaled an unlabelled Deployment of another team from 5 replicas to
+    1 because it named it: naming is not consent, the owner's label is."""
+    pool = yaml.safe_load((ROOT / "examples" / "inferencepool.yaml").read_text())
+    spec = InferencePoolSpec.model_validate(pool["spec"])
+
+    def serving(labels: dict) -> dict:
+        return {"metadata": {"name": spec.serving.deployment_name, "labels": labels}}
+
+    assert unusable(None, "ns", spec)[0] == "ServingNotFound"
+    for labels in ({"app": "chat-vllm"}, {LENDABLE_LABEL: "yes"}, {LENDABLE_LABEL: "false"}):
+        reason, message = unusable(serving(labels), "ns", spec)
+        assert reason == "ServingNotLendable"
+        assert f"ns/{spec.serving.deployment_name} (spec.serving.deploymentName)" in message
+        assert f'{LENDABLE_LABEL}: "true"' in message
+    assert unusable(serving({"app": "x", LENDABLE_LABEL: "true"}), "ns", spec) is None
+    # Nothing is scaled then: what was lent stays lent, and shown; the warning comes once.
+    old = InferencePoolStatus(lent=[LentToRun(run="r", replicas=2)])
+    status, events = serving_unusable(old, "ServingNotLendable", "lacks the label", 3)
+    assert status.lent == old.lent and [e.reason for e in events] == ["ServingNotLendable"]
+    assert serving_unusable(status, "ServingNotLendable", "lacks the label", 3)[1] == []

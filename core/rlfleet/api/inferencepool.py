@@ -53,7 +53,11 @@ class ServingWorkload(ApiModel):
         Field(
             min_length=1,
             max_length=253,
-            description="The serving Deployment, in the pool's namespace.",
+            description=(
+                "The serving Deployment, in the pool's namespace. Its owner opts it in with "
+                'the label rlfleet.io/lendable: "true"; without it the pool scales nothing '
+                "and says so (Ready false, reason ServingNotLendable)."
+            ),
         ),
     ]
     replicas: Annotated[
@@ -310,7 +314,8 @@ class InferencePoolStatus(ApiModel):
         Field(
             description=(
                 "Ready: the traffic signal was read (false, reason ServingNotFound, while the "
-                "serving Deployment is missing; InvalidSpec, for an off-peak window in an "
+                "serving Deployment is missing; ServingNotLendable, while it lacks its "
+                "owner's opt-in; InvalidSpec, for an off-peak window in an "
                 "unknown time zone). Lending: some replicas are lent, its reason the "
                 "decision's. Reclaiming: rollout pods are draining."
             )

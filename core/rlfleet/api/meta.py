@@ -20,6 +20,9 @@ GPU_TYPE_LABEL = "nvidia.com/gpu.product"
 RUN_LABEL = f"{GROUP}/run"
 COMPONENT_LABEL = f"{GROUP}/component"
 ENVPOOL_LABEL = f"{GROUP}/envpool"  # on an EnvPool's pods: its name
+# A serving Deployment's owner opts it in to being lent and reclaimed (scaled) by the
+# InferencePools that name it with this label, valued "true": naming it is not enough.
+LENDABLE_LABEL = f"{GROUP}/lendable"
 
 # A DNS-1123 label: names of regions, pools and other objects a spec refers to.
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"

@@ -20,7 +20,7 @@ from pathlib import Path
 import kubernetes
 import yaml
 
-from rlfleet.api.meta import COMPONENT_LABEL
+from rlfleet.api.meta import COMPONENT_LABEL, LENDABLE_LABEL
 from rlfleet.local.binaries import binary
 from rlfleet.local.files import write_secret
 from rlfleet.local.processes import Supervisor, free_port
@@ -43,7 +43,8 @@ GVISOR = {
 
 
 def serving_deployment(name: str, replicas: int, gpus: int) -> dict:
-    """A production vLLM fleet as an InferencePool sees it (kwok runs its pods)."""
+    """A production vLLM fleet as an InferencePool sees it (kwok runs its pods), its owner
+    letting InferencePools lend it."""
     labels = {"app": name}
     container = {
         "name": "vllm",
@@ -53,7 +54,7 @@ def serving_deployment(name: str, replicas: int, gpus: int) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": name, "labels": labels},
+        "metadata": {"name": name, "labels": labels | {LENDABLE_LABEL: "true"}},
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": labels},

@@ -46,7 +46,8 @@ from rlfleet.operator.region.pool_status import (
     lent_entries,
     pool_status,
     reclaim_clock,
-    serving_missing,
+    serving_unusable,
+    unusable,
     zones_checked,
 )
 from rlfleet.operator.served import Answers, read_served
@@ -109,11 +110,10 @@ class PoolReconciler:
         serving = self.local.get(
             Ref("apps/v1", "Deployment", spec.serving.deployment_name, namespace)
         )
-        if serving is None:
-            message = f"Deployment {namespace}/{spec.serving.deployment_name} does not exist"
-            status, events = serving_missing(old, message, generation)
+        if (refused := unusable(serving, namespace, spec)) is not None:
+            status, events = serving_unusable(old, *refused, generation)
             self.local.write_status(pool, status)
-            return events, 0
+            return events, sum(e.replicas for e in old.lent) * spec.serving.gpus_per_replica
 
         observed = self._observe(namespace, name, spec, serving)
         current = {e.run: e.replicas for e in old.lent}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from rlfleet.api.inferencepool import InferencePoolSpec, InferencePoolStatus, LentToRun
-from rlfleet.api.meta import Condition
+from rlfleet.api.meta import LENDABLE_LABEL, Condition
 from rlfleet.operator.served import Answers, count_served
 from rlfleet.operator.status import Event, condition, find, invalid_spec, timestamp
 from rlfleet.pipeline.lending import Decision, PoolState, unknown_time_zones
@@ -42,15 +42,35 @@ def lent_entries(decision: Decision) -> list[LentToRun]:
     return [LentToRun(run=r, replicas=n) for r, n in decision.lent.items()]
 
 
-def serving_missing(
-    old: InferencePoolStatus, message: str, generation: int
+def unusable(
+    serving: dict | None, namespace: str, spec: InferencePoolSpec
+) -> tuple[str, str] | None:
+    """Why the pool may not act on its serving Deployment, as (reason, message); None if it
+    may. It must exist and carry its owner's opt-in: whoever may create an InferencePool
+    must not thereby scale serving they do not own."""
+    name = f"{namespace}/{spec.serving.deployment_name}"
+    if serving is None:
+        return "ServingNotFound", f"Deployment {name} does not exist"
+    if (serving["metadata"].get("labels") or {}).get(LENDABLE_LABEL) != "true":
+        return (
+            "ServingNotLendable",
+            f"Deployment {name} (spec.serving.deploymentName) lacks the label {LENDABLE_LABEL}: "
+            '"true" its owner sets to let InferencePools lend it; nothing is scaled',
+        )
+    return None
+
+
+def serving_unusable(
+    old: InferencePoolStatus, reason: str, message: str, generation: int
 ) -> tuple[InferencePoolStatus, list[Event]]:
-    """The pool's status, and its event the first time, when its serving Deployment is gone."""
-    ready = condition(old.conditions, "Ready", False, "ServingNotFound", message, generation)
+    """The pool's status, and its event the first time, when its serving Deployment is gone
+    (`ServingNotFound`) or not opted in to lending (`ServingNotLendable`). Nothing is
+    scaled then, so what was lent stays lent, and is still shown."""
+    ready = condition(old.conditions, "Ready", False, reason, message, generation)
     was = find(old.conditions, "Ready")
-    told = was is not None and was.reason == "ServingNotFound"  # tell once, not every resync
-    events = [] if told else [Event("Warning", "ServingNotFound", message)]
-    return InferencePoolStatus(conditions=[ready]), events
+    told = was is not None and was.reason == reason  # tell once, not every resync
+    events = [] if told else [Event("Warning", reason, message)]
+    return InferencePoolStatus(conditions=[ready], lent=old.lent), events
 
 
 def decision_events(
