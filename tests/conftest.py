@@ -76,16 +76,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: order.index(tiers.tier_of(item.path, TESTS)))
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadScopeScheduling:
+class WorkUnits(LoadScopeScheduling):
     """A parallel run's workers take whole units (`tiers.work_unit`) in the order the
     workers collected them (`make test` asks xdist not to reorder them)."""
 
-    class Units(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return tiers.work_unit(nodeid)
+    def _split_scope(self, nodeid: str) -> str:
+        return tiers.work_unit(nodeid)
 
-    return Units(config, log)
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadScopeScheduling:
+    return WorkUnits(config, log)
 
 
 _started_in_unit: list[str] = []

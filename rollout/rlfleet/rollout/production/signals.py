@@ -88,8 +88,8 @@ def _signal(event: Feedback, capture: CapturedCompletion) -> float:
 def reward(
     capture: CapturedCompletion, events: Iterable[Feedback], rewards: SignalRewards
 ) -> Scored | None:
-    """The completion's reward, its user's latest on-time verdict; None if it had no
-    on-time feedback (`superseded` in `Scored.replaced`)."""
+    """The completion's reward, its user's latest on-time verdict, and how many earlier
+    verdicts it replaced; None if it had no on-time feedback."""
     on_time = sorted((e for e in events if not e.late), key=lambda e: e.received_at)
     if not on_time:
         return None
