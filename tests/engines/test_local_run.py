@@ -106,9 +106,10 @@ def test_a_local_run_trains_learns_reports_and_resumes(
     assert second["evaluated_version"] == second["policy_version"]
     assert second["reward_start"] == first["reward_start"]  # the same starting model
     # It learnt: the last version scores above the starting model on the same tasks,
-    # attempts and seed, and its batches earn more than the first ones did.
+    # attempts and seed. The batch reward is no such measure: the curriculum moves the
+    # feed towards the tasks not yet learnt, so within a few dozen steps it may fall.
     assert second["reward_end"] > second["reward_start"], second
-    assert second["batch_reward_end"] > second["batch_reward_start"], second
+    assert 0.0 <= second["batch_reward_end"] <= 1.0, second
 
 
 def test_a_local_run_stops_failed_when_a_version_scores_under_the_gates_floor(
