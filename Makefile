@@ -1,6 +1,7 @@
 # The README's two commands are `make demo` and `make test`; both run `make setup` first.
 # `setup` is the Python environment, all a local run (`make demo`) needs; `binaries` the test
-# bed's Kubernetes, etcd, kwok and helm, built from Go modules for what starts the bed.
+# bed's Kubernetes, etcd, kwok and helm, and the tests' S3 server (versitygw), built from Go
+# modules for what starts the bed.
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
 export PATH := $(CURDIR)/.bin:$(CURDIR)/.venv/bin:$(PATH)

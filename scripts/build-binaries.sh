@@ -97,5 +97,6 @@ build_etcd
 go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION"
 kwok_stages
 go_install helm helm.sh/helm/v4/cmd/helm "$HELM_VERSION"
+go_install versitygw github.com/versity/versitygw/cmd/versitygw "$VERSITYGW_VERSION"
 build_kubernetes
 echo "binaries ready in $bindir"

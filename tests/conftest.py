@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import tiers
+from object_store import ObjectStore
 from probe_runs import run_probe
 from prometheus_client.parser import text_string_to_metric_families
 from xdist.scheduler import LoadScopeScheduling
@@ -151,6 +152,15 @@ def nats_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalon
         yield servers
     finally:
         servers.stop()
+
+
+@pytest.fixture(scope="session")
+def object_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObjectStore]:
+    store = ObjectStore(tmp_path_factory.mktemp("object-store"))
+    try:
+        yield store
+    finally:
+        store.stop()
 
 
 @pytest.fixture(scope="session")

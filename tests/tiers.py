@@ -42,6 +42,7 @@ SERVER_PROGRAMS = frozenset(
         "kube-controller-manager",
         "kube-scheduler",
         "kwok",
+        "versitygw",
         "vllm",
         "deepspeed",
     }

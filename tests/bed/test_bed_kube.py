@@ -197,6 +197,14 @@ BAD_SPECS = {
         _rlrun(model={"uri": "s3://bucket/tiny-moe", "volumeClaimName": "models"}),
         "spec.model.volumeClaimName",
     ),
+    "a model in a store no component reads": (
+        _rlrun(model={"uri": "gs://bucket/tiny-moe"}),
+        "spec.model.uri",
+    ),
+    "an object store's endpoint for a model folder": (
+        _rlrun(model={"uri": "file:///models/tiny-moe", "endpoint": "http://store:7070"}),
+        "spec.model.endpoint",
+    ),
     "a checkpoint size that is no quantity": (
         _rlrun(trainer={"checkpointStorage": {"size": "lots"}}),
         "spec.trainer.checkpointStorage.size",

@@ -27,6 +27,7 @@ from rlfleet.launch.components import (
     CONDUCTOR,
     EVALUATOR,
     FEED,
+    FETCH_MODEL,
     ROLLOUT,
     SERVING,
     TRAINER,
@@ -181,6 +182,17 @@ def test_each_image_runs_a_production_runs_components(
 ) -> None:
     """The hub's pods of a production run start in the images the operator names."""
     assert "--rlrun" in _help(image_environments.python(image), module)
+
+
+@pytest.mark.parametrize("image", ["rollout", "trainer"])
+def test_the_images_whose_pods_read_the_model_fetch_an_s3_one(
+    image: str, image_environments: images.Environments
+) -> None:
+    """The init container of a pod whose model is s3:// runs in the pod's own image."""
+    python = image_environments.python(image)
+    assert "--cache" in _help(python, FETCH_MODEL.module)
+    result = _python(python, "import minio")
+    assert result.returncode == 0, result.stderr
 
 
 def test_the_operator_image_holds_no_data_plane_library(

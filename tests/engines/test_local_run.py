@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import ROOT, rules_suite
+from object_store import ObjectStore
 
 from rlfleet.launch.caches import CACHE_FOLDERS
 from rlfleet.local import plan
@@ -70,22 +71,43 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return spec, started.root
 
 
+@pytest.fixture(scope="module")
+def small_in_store(small: tuple[Path, Path], object_store: ObjectStore) -> Path:
+    """The same run's spec with its model, made and warmed up, in a real object store."""
+    spec, started = small
+    object_store.upload(started / "model", "models", "small")
+    document = yaml.safe_load(spec.read_text())
+    document["spec"]["model"] = {"uri": "s3://models/small", "endpoint": object_store.endpoint}
+    stored = spec.with_name("small-in-store.yaml")
+    stored.write_text(yaml.safe_dump(document))
+    return stored
+
+
 def state_from(started: Path, state: Path) -> Path:
     shutil.copytree(started, state)
     return state
 
 
 def test_a_local_run_trains_learns_reports_and_resumes(
-    small: tuple[Path, Path], session_caches: Path, tmp_path: Path
+    small: tuple[Path, Path],
+    small_in_store: Path,
+    object_store: ObjectStore,
+    session_caches: Path,
+    tmp_path: Path,
 ) -> None:
-    spec, started = small
+    _, started = small
+    spec = small_in_store  # the model comes from the object store, as a team keeps it
     state = state_from(started, tmp_path / "run")
     # Under a home of its own, the run's processes show that they cache nothing in the
     # user's shared defaults: only under the root the tree owns (its temporary folder too).
     home = tmp_path / "home"
     home.mkdir()
-    first = run(state, minutes=0.5, spec=spec, env=os.environ | {"HOME": str(home)})
+    env = os.environ | object_store.credentials
+    first = run(state, minutes=0.5, spec=spec, env=env | {"HOME": str(home)})
     assert sorted(home.rglob("*")) == []
+    assert "fetching the model s3://models/small" in first["stdout"]
+    (fetched,) = [p for p in (state / "models").iterdir() if p.is_dir()]
+    assert (fetched / "config.json").read_bytes() == (started / "model/config.json").read_bytes()
     owned = session_caches / CACHE_FOLDERS["TMPDIR"]
     assert any(owned.glob("torchinductor_*/precompiled_headers/*"))
     assert any((session_caches / CACHE_FOLDERS["TORCHINDUCTOR_CACHE_DIR"]).rglob("*"))
@@ -99,7 +121,7 @@ def test_a_local_run_trains_learns_reports_and_resumes(
         log = (state / "logs" / f"rollout-{region}.log").read_text()
         assert f"worker {region}/0 taking tasks" in log and "policy version" in log
     # The first run's half minute is what learns: a few more steps show the resume.
-    second = run(state, minutes=0.1, spec=spec)
+    second = run(state, minutes=0.1, spec=spec, env=env)
     # The trainer resumed from its checkpoint: versions go on, and the report covers both.
     assert second["policy_version"] > first["policy_version"]
     assert second["steps"] > first["steps"]

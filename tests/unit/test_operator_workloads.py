@@ -23,16 +23,18 @@ from rlfleet.operator.workloads.rollout import rollout_deployment
 NATS = NatsAccess(url="nats://nats.hub:4222")
 
 
-def _run() -> dict:
+def _run(model: dict | None = None) -> dict:
     run = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())
     run["metadata"] |= {"namespace": "team-a", "uid": "hub-uid"}
     run["spec"]["evaluation"] = {"suite": "rules", "everyVersions": 10}
+    if model is not None:
+        run["spec"]["model"] = model
     return run
 
 
-def pod_templates(workloads: Workloads) -> dict[str, dict]:
+def pod_templates(workloads: Workloads, model: dict | None = None) -> dict[str, dict]:
     """The example run's trainer, feed, evaluator and a rollout worker's pod templates."""
-    run = _run()
+    run = _run(model)
     made = hub_objects(run, Images(), workloads, NATS)
     templates = {
         o["metadata"]["labels"][COMPONENT_LABEL]: o["spec"]["template"]
@@ -231,3 +233,43 @@ def test_a_pools_feedback_secret_holds_its_key_and_its_gateways_header() -> None
     with pytest.raises(ValidationError, match="userHeader"):
         pool["spec"]["serving"]["userHeader"] = "X-Not Lower"
         pool_feedback(pool, "minted")
+
+
+def test_an_s3_model_is_fetched_by_an_init_container_that_alone_holds_the_stores_keys() -> None:
+    model = {
+        "uri": "s3://models/tiny-moe",
+        "endpoint": "http://store:7070",
+        "credentialsSecret": "store-keys",
+    }
+    cache = {"hostPath": {"path": "/var/cache/rlfleet/models", "type": "Directory"}}
+    templates = pod_templates(Workloads(model_cache=cache), model)
+    for component in ("trainer", "evaluator", "rollout"):
+        pod = templates[component]["spec"]
+        (fetch,) = pod["initContainers"]
+        (container,) = pod["containers"]
+        assert fetch["image"] == container["image"], component
+        assert fetch["command"][-5:] == [
+            *("s3://models/tiny-moe", "--cache", pods.MODEL_CACHE_DIR),
+            *("--endpoint", "http://store:7070"),
+        ]
+        keys = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in fetch["env"] if "valueFrom" in e}
+        assert {k: ref["name"] for k, ref in keys.items()} == dict.fromkeys(
+            ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION"],
+            "store-keys",
+        )
+        held = [e for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})]
+        assert not held, component
+        assert fetch["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert fetch["securityContext"]["allowPrivilegeEscalation"] is False
+        assert {"name": "model-cache", **cache} in pod["volumes"]
+        assert {
+            "name": "model-cache",
+            "mountPath": pods.MODEL_CACHE_DIR,
+            "readOnly": True,
+        } in container["volumeMounts"]
+    assert "initContainers" not in templates["feed"]["spec"]
+
+
+def test_a_model_cache_is_one_volume_source() -> None:
+    with pytest.raises(ValidationError, match="one volume source"):
+        Workloads(model_cache={"emptyDir": {}, "hostPath": {"path": "/x"}})

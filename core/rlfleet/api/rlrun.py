@@ -59,10 +59,21 @@ class ModelSource(ApiModel):
                 ),
                 # What pods (`launch.model_dir`) and `rlfleet run` (`local.plan`) can read.
                 cel(
-                    "self.uri.startsWith('file:///') || self.uri.startsWith('tiny://')",
-                    "uri must be file:///FOLDER, as the pods see it, or tiny://KIND "
-                    "(rlfleet run only)",
+                    "self.uri.startsWith('file:///') || self.uri.startsWith('tiny://') ||"
+                    " self.uri.matches('^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$')",
+                    "uri must be file:///FOLDER, as the pods see it, s3://BUCKET/PREFIX, or "
+                    "tiny://KIND (rlfleet run only)",
                     ".uri",
+                ),
+                cel(
+                    "!has(self.endpoint) || self.uri.startsWith('s3://')",
+                    "endpoint is an object store's: it needs an s3:// uri",
+                    ".endpoint",
+                ),
+                cel(
+                    "!has(self.credentialsSecret) || self.uri.startsWith('s3://')",
+                    "credentialsSecret is an object store's: it needs an s3:// uri",
+                    ".credentialsSecret",
                 ),
             ]
         }
@@ -74,11 +85,38 @@ class ModelSource(ApiModel):
             min_length=1,
             max_length=2048,
             description=(
-                "Where the checkpoint is: file:///FOLDER as the pods see it (components "
-                "read file:// only); tiny://KIND makes a tiny model (rlfleet run only)."
+                "Where the checkpoint is: file:///FOLDER as the pods see it; "
+                "s3://BUCKET/PREFIX in an S3-compatible store, fetched and checked by each "
+                "pod's init container into the node's model cache; tiny://KIND makes a tiny "
+                "model (rlfleet run only)."
             ),
         ),
     ]
+    endpoint: (
+        Annotated[
+            str,
+            Field(
+                max_length=2048,
+                pattern=r"^https?://[^/?#\s]+/?$",
+                description=(
+                    "The S3-compatible store's URL (scheme, host and port), for an s3:// "
+                    "uri; none: AWS S3."
+                ),
+            ),
+        ]
+        | None
+    ) = None
+    credentials_secret: Annotated[
+        Name | None,
+        Field(
+            description=(
+                "A Secret in the run's namespace of every cluster the run uses, whose keys "
+                "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optional AWS_SESSION_TOKEN "
+                "and AWS_REGION the init container alone reads to fetch an s3:// model; "
+                "none: an anonymous read."
+            )
+        ),
+    ] = None
     tool_call_parser: Annotated[
         str,
         Field(

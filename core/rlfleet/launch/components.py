@@ -88,6 +88,8 @@ def _evaluator_pod(name: str, spec: RLRunSpec, at: Placement) -> EvaluatorConfig
     return evaluator_settings(name, spec, model_dir(spec), at)
 
 
+# What a pod's init container runs to fetch an s3:// model into the model cache.
+FETCH_MODEL = Program("rlfleet.launch.objectstore")
 TRAINER = Component("rlfleet.trainer", "trainer", TrainerConfig, _trainer_pod)
 ROLLOUT = Component("rlfleet.rollout", "rollout", WorkerConfig, _rollout_pod)
 FEED = Component("rlfleet.rollout.taskfeed.feed", "feed", FeedConfig, feed_settings)

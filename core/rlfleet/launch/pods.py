@@ -14,6 +14,7 @@ from typing import Any
 
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import BusRole
+from rlfleet.launch import objectstore
 from rlfleet.launch.settings import Ranks
 
 SPEC_DIR = "/etc/rlfleet"
@@ -56,6 +57,8 @@ TRAINER_MASTER_ADDR_ENV = "RLFLEET_TRAINER_MASTER_ADDR"
 TRAINER_MASTER_PORT_ENV = "RLFLEET_TRAINER_MASTER_PORT"
 
 FILE_SCHEME = "file://"
+# The model cache volume, where an s3:// model is fetched (`objectstore.cache_folder`).
+MODEL_CACHE_DIR = "/var/cache/rlfleet/models"
 
 
 @dataclass(frozen=True)
@@ -171,12 +174,15 @@ def read_spec(path: Path) -> tuple[str, RLRunSpec]:
 
 
 def model_dir(spec: RLRunSpec) -> str:
-    """The base checkpoint's folder; pods read `file://` models from a mounted volume."""
+    """The base checkpoint's folder: a `file://` model's from a mounted volume, an `s3://`
+    one's in the model cache, where the pod's init container fetched it."""
     uri = spec.model.uri
+    if uri.startswith(objectstore.S3_SCHEME):
+        return str(objectstore.cache_folder(Path(MODEL_CACHE_DIR), uri, spec.model.endpoint))
     if not uri.startswith(FILE_SCHEME):
         raise ValueError(
-            f"spec.model.uri {uri!r}: components read file:// checkpoints; mount the model "
-            "and name its folder"
+            f"spec.model.uri {uri!r}: components read file:// and s3:// checkpoints; mount "
+            "the model and name its folder"
         )
     return uri.removeprefix(FILE_SCHEME)
 

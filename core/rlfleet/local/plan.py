@@ -22,7 +22,7 @@ from rlfleet.api.profile import Profile
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import BusRole
 from rlfleet.bus.connection import CREDENTIALS_ENV
-from rlfleet.launch import components, from_spec, pods
+from rlfleet.launch import components, from_spec, objectstore, pods
 from rlfleet.local.nats import HUB_DOMAIN, NatsBed
 from rlfleet.local.processes import free_port
 from rlfleet.pipeline.model import Feed, Pipeline
@@ -41,6 +41,11 @@ class Layout:
     @property
     def model(self) -> Path:
         return self.root / "model"
+
+    @property
+    def models(self) -> Path:
+        """Where an s3:// model is fetched (`launch.objectstore.cache_folder`)."""
+        return self.root / "models"
 
     @property
     def checkpoints(self) -> Path:
@@ -152,6 +157,8 @@ def pinned(component: components.Program, cores: list[int], config_path: Path) -
 def model_path(spec: RLRunSpec, layout: Layout) -> Path:
     if spec.model.uri.startswith(TINY_SCHEME):
         return layout.model
+    if spec.model.uri.startswith(objectstore.S3_SCHEME):
+        return objectstore.cache_folder(layout.models, spec.model.uri, spec.model.endpoint)
     return Path(pods.model_dir(spec))
 
 

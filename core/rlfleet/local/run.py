@@ -44,6 +44,7 @@ from rlfleet.bus.streams import (
     ensure_run_streams,
     step_stream,
 )
+from rlfleet.launch import objectstore
 from rlfleet.launch.caches import own_caches
 from rlfleet.launch.components import EVALUATION, WARMUP
 from rlfleet.launch.settings import to_json
@@ -77,12 +78,34 @@ def load(path: Path) -> tuple[str, RLRunSpec]:
             f"{path}: spec.trainer.deepSpeedConfigMap: a local run has no ConfigMap to read "
             "it from; leave it out, or apply the run to a cluster"
         )
+    if spec.model.credentials_secret is not None:
+        raise InvalidRun(
+            f"{path}: spec.model.credentialsSecret: a local run reads no Secret; leave it out,"
+            " and give the store's keys as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        )
     if spec.rollout and spec.rollout.tasks and spec.rollout.tasks.volume is not None:
         raise InvalidRun(
             f"{path}: spec.rollout.tasks.volume: a local run mounts no volume; leave it out,"
             " and give the path relative to this file"
         )
     return name, spec
+
+
+def fetch_model(spec: RLRunSpec, layout: plan.Layout) -> None:
+    """An s3:// model, fetched (what it lacks) and checked, credentials from the
+    environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) as the pods' init container has
+    them from the run's Secret."""
+    uri = spec.model.uri
+    if not uri.startswith(objectstore.S3_SCHEME):
+        return
+    from minio.error import S3Error
+    from urllib3.exceptions import HTTPError
+
+    console.print(f"fetching the model {uri}")
+    try:
+        objectstore.fetch(uri, plan.model_path(spec, layout), spec.model.endpoint)
+    except (objectstore.FetchError, S3Error, HTTPError) as error:
+        raise InvalidRun(f"spec.model.uri {uri}: {error}") from error
 
 
 def make_model(spec: RLRunSpec, layout: plan.Layout, warmup_steps: int) -> None:
@@ -319,6 +342,7 @@ def run(
     layout = plan.Layout(root or Path(".rlfleet") / "runs" / name, spec_dir=path.parent)
     own_caches(layout.caches)  # here, unless whoever started the run gave it a root
     tuning = plan.Tuning()
+    fetch_model(spec, layout)
     make_model(spec, layout, warmup_steps or tuning.warmup_steps)
     start = layout.report / EVALUATION_START
     if not start.exists():  # the model a run starts from never changes: once is enough

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from kubernetes.utils.quantity import parse_quantity
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlfleet.api.meta import GPU_TYPE_LABEL, Quantity
 from rlfleet.bus.permissions import USER_TTL_S
@@ -159,6 +159,18 @@ class Workloads(BaseModel):
     # The node label whose value is a node's GPU type: rollout pods are placed by their
     # pool's `serving.gpuType`, trainer pods by the run's `trainer.gpuType`, on its value.
     gpu_type_label: Annotated[str, Field(min_length=1, max_length=316)] = GPU_TYPE_LABEL
+    # The volume an s3:// model is fetched into (a Volume's source: `emptyDir`, `hostPath`,
+    # `persistentVolumeClaim`, ...). The default, an emptyDir, is each pod's own; a hostPath
+    # is shared by the pods of a node, which then fetch a model once, but the Pod Security
+    # Standards' baseline and restricted profiles refuse hostPath volumes.
+    model_cache: dict[str, Any] = Field(default_factory=lambda: {"emptyDir": {}})
+
+    @field_validator("model_cache")
+    @classmethod
+    def _one_source(cls, source: dict[str, Any]) -> dict[str, Any]:
+        if len(source) != 1 or "name" in source:
+            raise ValueError("model_cache is one volume source, e.g. {hostPath: {path: ...}}")
+        return source
 
     @model_validator(mode="before")
     @classmethod

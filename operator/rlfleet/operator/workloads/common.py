@@ -19,7 +19,7 @@ from rlfleet.api.meta import GPU_RESOURCE, GROUP, RUN_LABEL
 from rlfleet.api.rlrun import RLRunSpec
 from rlfleet.api.wire import BusRole
 from rlfleet.bus.connection import CREDENTIALS_ENV
-from rlfleet.launch import pods
+from rlfleet.launch import components, objectstore, pods
 from rlfleet.operator.config import NatsAccess, Resources, Workloads
 
 POOL_LABEL = f"{GROUP}/pool"
@@ -131,7 +131,7 @@ def least_privilege(pod: dict, user: int, read_only_root: bool = True) -> dict:
     }
     if read_only_root:
         pod.setdefault("volumes", []).append({"name": "scratch", "emptyDir": {}})
-    for container in pod["containers"]:
+    for container in pod["containers"] + pod.get("initContainers", []):
         container["securityContext"] = {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
@@ -218,13 +218,67 @@ def with_nats(pod: dict, run: str, role: BusRole, minted: bool) -> dict:
     return pod
 
 
-def with_model(pod: dict, spec: RLRunSpec) -> dict:
-    """Mounts the model's claim, if the spec names one, where its file:// uri points."""
+# What the init container that fetches an s3:// model asks for: it streams 1 MiB chunks.
+FETCH_RESOURCES = {
+    "requests": {"cpu": "500m", "memory": "512Mi"},
+    "limits": {"cpu": "2", "memory": "512Mi"},
+}
+# The keys of `spec.model.credentialsSecret` the fetch reads, as AWS's tools name them.
+STORE_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": False,  # key: whether the Secret may lack it
+    "AWS_SECRET_ACCESS_KEY": False,
+    "AWS_SESSION_TOKEN": True,
+    "AWS_REGION": True,
+}
+
+
+def with_model(pod: dict, spec: RLRunSpec, workloads: Workloads) -> dict:
+    """Mounts the model's claim, if the spec names one, where its file:// uri points; for
+    an s3:// uri, the model cache, into which an init container fetches the model first."""
+    if spec.model.uri.startswith(objectstore.S3_SCHEME):
+        return _with_fetched_model(pod, spec, workloads)
     claim = spec.model.volume_claim_name
     if claim is not None:
         pod["volumes"].append({"name": "model", "persistentVolumeClaim": {"claimName": claim}})
         pod["containers"][0]["volumeMounts"].append(
             {"name": "model", "mountPath": pods.model_dir(spec), "readOnly": True}
+        )
+    return pod
+
+
+def _with_fetched_model(pod: dict, spec: RLRunSpec, workloads: Workloads) -> dict:
+    """The model cache volume, read-only in the pod's containers, and the init container
+    that fills it: it alone holds the store's credentials."""
+    model = spec.model
+    command = [*components.FETCH_MODEL.command(), model.uri, "--cache", pods.MODEL_CACHE_DIR]
+    if model.endpoint is not None:
+        command += ["--endpoint", model.endpoint]
+    fetch: dict[str, Any] = {
+        "name": "fetch-model",
+        "image": pod["containers"][0]["image"],
+        "command": command,
+        "resources": FETCH_RESOURCES,
+        "volumeMounts": [{"name": "model-cache", "mountPath": pods.MODEL_CACHE_DIR}],
+    }
+    if model.credentials_secret is not None:
+        fetch["env"] = [
+            {
+                "name": key,
+                "valueFrom": {
+                    "secretKeyRef": {
+                        "name": model.credentials_secret,
+                        "key": key,
+                        "optional": optional,
+                    }
+                },
+            }
+            for key, optional in STORE_CREDENTIALS.items()
+        ]
+    pod.setdefault("initContainers", []).append(fetch)
+    pod["volumes"].append({"name": "model-cache", **workloads.model_cache})
+    for container in pod["containers"]:
+        container.setdefault("volumeMounts", []).append(
+            {"name": "model-cache", "mountPath": pods.MODEL_CACHE_DIR, "readOnly": True}
         )
     return pod
 

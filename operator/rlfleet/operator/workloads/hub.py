@@ -187,6 +187,7 @@ def _trainer(
                             "terminationGracePeriodSeconds": 300,
                         },
                         spec,
+                        workloads,
                     ),
                     name,
                     BusRole.TRAINER,
@@ -270,7 +271,7 @@ def _hub_component(
     container["command"] = components.COMPONENTS[component].command()
     pod = {"containers": [container], "volumes": [spec_volume(name)]}
     if component == "evaluator":
-        pod = with_model(pod, spec)
+        pod = with_model(pod, spec, workloads)
     if component == components.FEED.name:
         pod = with_task_data(pod, spec)
     pod = with_nats(pod, name, BusRole(component), mints_users(nats))

@@ -72,6 +72,7 @@ def rollout_deployment(
             "terminationGracePeriodSeconds": pool_spec.reclaim_deadline_seconds,
         },
         spec,
+        workloads,
     )
     # On the pool's own kind of GPU: the lent replicas' nodes, none of another type.
     pod = on_gpu_type(pod, workloads, pool_spec.serving.gpu_type)
