@@ -132,6 +132,39 @@ def test_a_local_run_trains_learns_reports_and_resumes(
     # feed towards the tasks not yet learnt, so within a few dozen steps it may fall.
     assert second["reward_end"] > second["reward_start"], second
     assert 0.0 <= second["batch_reward_end"] <= 1.0, second
+    # The version it made last, exported off the run's weight stream, is a checkpoint that
+    # scores exactly what the run's evaluation of that version scored: the same bits.
+    version, out = second["policy_version"], tmp_path / "exported"
+    wrote = export(spec, state, version, out, env)
+    assert wrote["version"] == version and wrote["files"] == ["model.safetensors"]
+    assert {"config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    suite = yaml.safe_load(spec.read_text())["spec"]["rollout"]["taskSuite"]
+    scored = evaluate(out, suite, tmp_path / "exported.json")
+    assert scored is not None
+    assert (scored["reward"], scored["pass_at_k"]) == (
+        second["reward_end"],
+        second["pass_at_k_end"],
+    )
+    # A version the stream never had is refused, naming what it has; nothing is written.
+    missing = export(spec, state, version + 1000, tmp_path / "none", env, exit_code=1)
+    assert f"version {version + 1000} cannot be rebuilt" in missing["stderr"]
+    assert not (tmp_path / "none").exists()
+
+
+def export(spec: Path, state: Path, version: int, out: Path, env: dict, exit_code: int = 0) -> dict:
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "rlfleet.cli", "export", str(spec)),
+            *("--state", str(state), "--version", str(version), "--to", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == exit_code, done.stdout[-3000:] + done.stderr[-3000:]
+    wrote = json.loads(done.stdout.splitlines()[-1]) if exit_code == 0 else {}
+    return wrote | {"stderr": done.stderr}
 
 
 def test_a_local_run_stops_failed_when_a_version_scores_under_the_gates_floor(

@@ -6,14 +6,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from rlfleet.cli import crds, dev, docs, model, oncall, plan, run
+from rlfleet.cli import crds, dev, docs, export, model, oncall, plan, run
 from rlfleet.cli.commands import Handler
 
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
     groups = top.add_subparsers(dest="group", required=True)
-    for module in (dev, crds, docs, model, run, oncall, plan):
+    for module in (dev, crds, docs, model, run, export, oncall, plan):
         module.register(groups)
     return top
 

@@ -90,6 +90,8 @@ def _evaluator_pod(name: str, spec: RLRunSpec, at: Placement) -> EvaluatorConfig
 
 # What a pod's init container runs to fetch an s3:// model into the model cache.
 FETCH_MODEL = Program("rlfleet.launch.objectstore")
+# A version of a run off its weight stream, as a Hugging Face checkpoint (`rlfleet export`).
+EXPORT = Program("rlfleet.weightsync.checkpoint")
 TRAINER = Component("rlfleet.trainer", "trainer", TrainerConfig, _trainer_pod)
 ROLLOUT = Component("rlfleet.rollout", "rollout", WorkerConfig, _rollout_pod)
 FEED = Component("rlfleet.rollout.taskfeed.feed", "feed", FeedConfig, feed_settings)

@@ -7,9 +7,12 @@ or let vLLM's workers receive (`vllm_options`, `vllm_start`, `vllm_held`,
 `vllm_update`, and their `_async` twins for vLLM's OpenAI-compatible server). A
 component that adds its own methods to vLLM's workers subclasses `WeightsyncWorker` and
 names its class in `vllm_options(worker_extension=...)`.
-`wait_for_version` (and its async twin) waits until an engine serves a version.
+`wait_for_version` (and its async twin) waits until an engine serves a version;
+`write_checkpoint` writes a version's tensors as a Hugging Face checkpoint (and
+`python -m rlfleet.weightsync.checkpoint` a run's version off its stream).
 """
 
+from rlfleet.weightsync.checkpoint import write_checkpoint
 from rlfleet.weightsync.config import SyncConfig
 from rlfleet.weightsync.publisher import Publisher, PublishFailed
 from rlfleet.weightsync.ranks import Part, owned_names
@@ -51,4 +54,5 @@ __all__ = [
     "vllm_update_async",
     "wait_for_version",
     "wait_for_version_async",
+    "write_checkpoint",
 ]

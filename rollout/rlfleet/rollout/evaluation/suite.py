@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -29,7 +28,6 @@ from typing import Any
 
 import msgspec
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlfleet.api.wire import AnswerStats, Task
@@ -37,7 +35,7 @@ from rlfleet.bus import connection
 from rlfleet.rollout.environment.rewards import matches
 from rlfleet.rollout.environment.session import END_TURN, window_text
 from rlfleet.rollout.environment.tasks import load_suite, suite_path
-from rlfleet.weightsync import Receiver, SyncConfig, WeightState, WeightStream
+from rlfleet.weightsync import Receiver, SyncConfig, WeightState, WeightStream, write_checkpoint
 
 # Sequences (tasks x attempts) per `generate` call: memory grows with it, and past about
 # 400 the batches stop getting cheaper per sequence.
@@ -114,7 +112,8 @@ def _policy(model: Path, weights: Mapping[str, torch.Tensor] | None) -> tuple[An
     tokenizer.pad_token = tokenizer.pad_token or END_TURN  # masked out: any token will do
     with tempfile.TemporaryDirectory(prefix="rlfleet-evaluation-") as tmp:
         if weights is not None:
-            model = _with_weights(model, weights, Path(tmp))
+            write_checkpoint(weights, model, Path(tmp))
+            model = Path(tmp)
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     return tokenizer, policy
 
@@ -150,17 +149,6 @@ def _attempt(
     ended = new_tokens == end
     generated = int(torch.where(ended.any(1), ended.int().argmax(1) + 1, ended.shape[1]).sum())
     return right, empty, generated
-
-
-def _with_weights(model: Path, weights: Mapping[str, torch.Tensor], folder: Path) -> Path:
-    """`model`'s folder with `weights` as its checkpoint. Published tensors carry the
-    checkpoint's names (experts one by one), which loading converts as it does any."""
-    for path in model.iterdir():
-        if path.is_file() and not path.name.startswith("model.safetensors"):
-            shutil.copy(path, folder / path.name)
-    tensors = {name: t.contiguous() for name, t in weights.items()}
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
 
 
 async def published_weights(
