@@ -37,6 +37,23 @@ def test_rollouts_sample_and_the_trainer_scores_at_the_specs_temperature() -> No
     assert components.TRAINER.for_pod("r", plain, AT).temperature == 1.0
 
 
+def test_the_specs_mlflow_server_reaches_the_trainer_with_the_spec_as_its_parameters() -> None:
+    document = yaml.safe_load((ROOT / "examples" / "rlrun.yaml").read_text())
+    document["spec"]["tracking"] = {"mlflow": {"trackingUri": "http://mlflow.tools:5000"}}
+    tracking = components.TRAINER.for_pod(
+        "team-a_tiny", RLRunSpec.model_validate(document["spec"]), AT
+    ).tracking
+    assert tracking is not None
+    assert (tracking.uri, tracking.experiment, tracking.run_name) == (
+        "http://mlflow.tools:5000",
+        "team-a",  # the run's namespace, by default
+        "team-a_tiny",
+    )
+    assert tracking.params["trainer.learningRate"] == "1e-05"  # the schema's default too
+    assert tracking.params["model.uri"] == document["spec"]["model"]["uri"]
+    assert components.TRAINER.for_pod("r", _spec(), AT).tracking is None
+
+
 def test_the_specs_weight_sync_reaches_every_component_that_moves_weights() -> None:
     spec = _spec().model_copy(
         update={"weight_sync": _spec().weight_sync.model_copy(update={"shard_size_mib": 4})}

@@ -273,3 +273,26 @@ def test_an_s3_model_is_fetched_by_an_init_container_that_alone_holds_the_stores
 def test_a_model_cache_is_one_volume_source() -> None:
     with pytest.raises(ValidationError, match="one volume source"):
         Workloads(model_cache={"emptyDir": {}, "hostPath": {"path": "/x"}})
+
+
+def test_the_trackers_credentials_reach_the_trainer_alone() -> None:
+    run = _run()
+    run["spec"]["tracking"] = {
+        "mlflow": {"trackingUri": "http://mlflow:5000", "credentialsSecret": "mlflow-keys"}
+    }
+    made = hub_objects(run, Images(), Workloads(), NATS)
+    for workload in (o for o in made if o["kind"] in ("StatefulSet", "Deployment")):
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        refs = {
+            e["name"]: e["valueFrom"]["secretKeyRef"]["name"]
+            for e in container["env"]
+            if "secretKeyRef" in e.get("valueFrom", {})
+        }
+        component = workload["metadata"]["labels"][COMPONENT_LABEL]
+        if component == "trainer":
+            assert refs == dict.fromkeys(
+                ["MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"],
+                "mlflow-keys",
+            )
+        else:
+            assert refs == {}, component

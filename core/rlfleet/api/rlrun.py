@@ -24,6 +24,7 @@ from rlfleet.api.meta import (
 )
 from rlfleet.api.production import ProductionSpec, ProductionStatus
 from rlfleet.api.taskdata import TaskSource
+from rlfleet.api.tracking import TrackingSpec
 from rlfleet.api.wire import MAX_GROUP_SIZE
 
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
@@ -892,6 +893,7 @@ class RLRunSpec(ApiModel):
         ),
     ]
     evaluation: EvaluationGate | None = None
+    tracking: TrackingSpec | None = None
     priority: Annotated[
         int,
         Field(

@@ -6,6 +6,7 @@ adds its own tuning with `msgspec.structs.replace`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from rlfleet.launch.settings import (
     RewardConfig,
     SessionConfig,
     SyncConfig,
+    TrackingConfig,
     TrainerConfig,
     WorkerConfig,
 )
@@ -90,7 +92,33 @@ def trainer_settings(
         weightsync=_sync(spec),
         metrics_port=at.metrics_port,
         ranks=at.ranks,
+        tracking=tracking_settings(name, spec),
     )
+
+
+def tracking_settings(name: str, spec: RLRunSpec) -> TrackingConfig | None:
+    """The run's MLflow server, its experiment (the namespace's, by default: the part of
+    the run's key before `_`) and the spec as its parameters."""
+    if spec.tracking is None:
+        return None
+    mlflow = spec.tracking.mlflow
+    experiment = mlflow.experiment or name.partition("_")[0]
+    return TrackingConfig(mlflow.tracking_uri, experiment, name, flat_params(spec))
+
+
+def flat_params(spec: RLRunSpec) -> dict[str, str]:
+    """The spec as a tracker's parameters: one per leaf, named by its path."""
+    found: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, inner)
+        else:
+            found[prefix] = json.dumps(value) if isinstance(value, list) else str(value)
+
+    walk("", spec.model_dump(by_alias=True, exclude_none=True, mode="json"))
+    return found
 
 
 def _weight_mirrors(spec: RLRunSpec, at: Placement) -> list[str]:

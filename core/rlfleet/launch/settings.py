@@ -117,6 +117,17 @@ class Ranks(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.node_rank * self.procs_per_node + local_rank
 
 
+class TrackingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An MLflow server the trainer logs the run to (`spec.tracking.mlflow`); its
+    credentials come from the environment, as MLflow's own clients read them."""
+
+    uri: str
+    experiment: str
+    run_name: str  # the run's key: the MLflow run tagged with it is the run's, once made
+    params: dict[str, str] = msgspec.field(default_factory=dict)  # the spec, flattened
+    queue: Annotated[int, msgspec.Meta(ge=1)] = 1024  # entries held while it is unreachable
+
+
 class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     run: str
     nats_url: str
@@ -173,6 +184,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     production: bool = False
     seed: int = 0
     metrics_port: MetricsPort = None
+    tracking: TrackingConfig | None = None
     weightsync: SyncConfig = SyncConfig()
     ranks: Ranks = Ranks()
 

@@ -66,6 +66,7 @@ from rlfleet.trainer.held_out import HeldOut
 from rlfleet.trainer.policy import Policy, StepResult
 from rlfleet.trainer.rows import Rows
 from rlfleet.trainer.step import Batch, assemble, step_report
+from rlfleet.trainer.tracking import TRACKING_FLUSH_S, Tracker
 from rlfleet.trainer.validation import problem
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class Trainer:
         # every checkpoint).
         self.held_out = HeldOut()
         self.conductor_due = 0.0
+        self.tracker = Tracker(config.tracking) if config.tracking is not None else None
 
     @property
     def version(self) -> int:
@@ -149,6 +151,8 @@ class Trainer:
                 await asyncio.to_thread(self._order, Kind.STOP)
         finally:
             await nc.close()
+            if self.tracker is not None:  # the last steps too, unless it is down
+                await asyncio.to_thread(self.tracker.flush, TRACKING_FLUSH_S)
 
     async def _keep_held(self) -> None:
         """Tells JetStream, a third of the ack wait apart, that every trajectory held is in
@@ -407,6 +411,8 @@ class Trainer:
             lambda: js.publish(step_subject(self.config.run), encode(report)),
             f"publishing step {self.step}'s report",
         )
+        if self.tracker is not None:
+            self.tracker.step(report)
         metrics.steps.inc()
         metrics.nonfinite.inc(result.nonfinite_micro_batches)
         metrics.trajectories.labels("trained").inc(len(report.trajectories))

@@ -246,6 +246,18 @@ def with_model(pod: dict, spec: RLRunSpec, workloads: Workloads) -> dict:
     return pod
 
 
+def secret_env(secret: str, keys: dict[str, bool]) -> list[dict]:
+    """Environment variables named as the Secret's keys, from it (each key: whether the
+    Secret may lack it): its values reach the container alone, never its arguments."""
+    return [
+        {
+            "name": key,
+            "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": optional}},
+        }
+        for key, optional in keys.items()
+    ]
+
+
 def _with_fetched_model(pod: dict, spec: RLRunSpec, workloads: Workloads) -> dict:
     """The model cache volume, read-only in the pod's containers, and the init container
     that fills it: it alone holds the store's credentials."""
@@ -261,19 +273,7 @@ def _with_fetched_model(pod: dict, spec: RLRunSpec, workloads: Workloads) -> dic
         "volumeMounts": [{"name": "model-cache", "mountPath": pods.MODEL_CACHE_DIR}],
     }
     if model.credentials_secret is not None:
-        fetch["env"] = [
-            {
-                "name": key,
-                "valueFrom": {
-                    "secretKeyRef": {
-                        "name": model.credentials_secret,
-                        "key": key,
-                        "optional": optional,
-                    }
-                },
-            }
-            for key, optional in STORE_CREDENTIALS.items()
-        ]
+        fetch["env"] = secret_env(model.credentials_secret, STORE_CREDENTIALS)
     pod.setdefault("initContainers", []).append(fetch)
     pod["volumes"].append({"name": "model-cache", **workloads.model_cache})
     for container in pod["containers"]:

@@ -33,6 +33,7 @@ from rlfleet.operator.workloads.common import (
     on_gpu_type,
     owned_deployment,
     pod_template,
+    secret_env,
     spec_config_map,
     spec_volume,
     with_model,
@@ -205,6 +206,13 @@ def _trainer(
     return statefulset
 
 
+# The keys of `spec.tracking.mlflow.credentialsSecret`, as MLflow's clients name them: a
+# token, or a user and password.
+TRACKING_CREDENTIALS = dict.fromkeys(
+    ["MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"], True
+)
+
+
 def _trainer_container(
     run: dict, spec: RLRunSpec, images: Images, workloads: Workloads, nats: NatsAccess | None
 ) -> dict:
@@ -225,6 +233,9 @@ def _trainer_container(
     container["env"].append({"name": pods.TRAINER_NODE_RANK_ENV, "valueFrom": index})
     container["ports"].append({"name": "rendezvous", "containerPort": TRAINER_PORT})
     container["volumeMounts"].append({"name": "state", "mountPath": pods.STATE_DIR})
+    tracking = spec.tracking.mlflow if spec.tracking is not None else None
+    if tracking is not None and tracking.credentials_secret is not None:
+        container["env"] += secret_env(tracking.credentials_secret, TRACKING_CREDENTIALS)
     return container
 
 

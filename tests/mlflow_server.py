@@ -1,0 +1,103 @@
+"""A real MLflow tracking server for the tests, in a virtualenv of its own under the
+user's cache (its dependencies would not lock beside the project's), made once per version
+with the uv `make setup` installed."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from images import ROOT, uv
+from rlfleet.local.processes import free_port
+
+
+def _version() -> str:
+    found = re.search(r"^MLFLOW_VERSION=(\S+)", (ROOT / "versions.env").read_text(), re.M)
+    assert found, "versions.env names no MLFLOW_VERSION"
+    return found[1]
+
+
+def environment() -> Path:
+    """The `mlflow` command of the server's virtualenv, installed if missing."""
+    version = _version()
+    venv = Path(uv()).parent.parent.parent / f"mlflow-{version}"
+    mlflow = venv / "bin" / "mlflow"
+    if not mlflow.exists():
+        for args in (
+            ["venv", "--quiet", "--python", "3.11", venv],
+            [
+                "pip",
+                "install",
+                "--quiet",
+                "--python",
+                venv / "bin" / "python",
+                f"mlflow=={version}",
+            ],
+        ):
+            done = subprocess.run([uv(), *map(str, args)], capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr[-3000:]
+    return mlflow
+
+
+class MlflowServer:
+    def __init__(self, root: Path) -> None:
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self._log = (root / "mlflow.log").open("w")
+        self.process = subprocess.Popen(
+            [
+                *(str(environment()), "server", "--host", "127.0.0.1", "--port", str(self.port)),
+                *("--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"),
+                *("--artifacts-destination", str(root / "artifacts"), "--workers", "1"),
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 120
+        while not self._healthy():
+            assert self.process.poll() is None, (root / "mlflow.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the MLflow server did not answer in 120 s"
+            time.sleep(0.2)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def call(self, path: str, body: dict) -> dict:
+        request = urllib.request.Request(
+            f"{self.uri}/api/2.0/mlflow/{path}",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
+    def get(self, path: str, **query: str) -> dict:
+        encoded = "&".join(f"{k}={urllib.request.quote(v)}" for k, v in query.items())
+        with urllib.request.urlopen(f"{self.uri}/api/2.0/mlflow/{path}?{encoded}") as response:
+            return json.loads(response.read())
+
+    def run_of(self, experiment: str, run_name: str) -> dict:
+        """The MLflow run the trainer logged the RLRun `run_name` to."""
+        found = self.get("experiments/get-by-name", experiment_name=experiment)
+        search = {
+            "experiment_ids": [found["experiment"]["experiment_id"]],
+            "filter": f"tags.`rlfleet.run` = '{run_name}'",
+        }
+        (run,) = self.call("runs/search", search)["runs"]
+        return run
+
+    def history(self, run_id: str, key: str) -> list[dict]:
+        return self.get("metrics/get-history", run_id=run_id, metric_key=key)["metrics"]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        self._log.close()
