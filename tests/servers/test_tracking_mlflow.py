@@ -70,3 +70,7 @@ def test_a_tracker_that_is_down_drops_and_counts_and_never_holds_training_up() -
     while _sample("rlfleet_tracking_unreachable_seconds") == 0.0:
         assert time.monotonic() < deadline, "the tracker never said the server is unreachable"
         time.sleep(0.1)
+    # The next step's report says so too, for the run's status (TrackingUnreachable).
+    told = tracker.told(step_report("team-a_down", 101, 101.0, 0))
+    assert told.tracking_unreachable_seconds > 0
+    assert told.tracking_dropped_total == _sample("rlfleet_tracking_dropped_total") - before

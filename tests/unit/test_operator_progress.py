@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import msgspec
 import yaml
 from conftest import ROOT, evaluation_report, step_report
 
 from rlfleet.api.meta import Condition
 from rlfleet.api.rlrun import EvaluationGate, RLRunSpec, RLRunStatus
+from rlfleet.api.tracking import TrackingSpec
 from rlfleet.api.wire import EvaluationReport, StepReport
 from rlfleet.operator.gate import Verdict, judge
 from rlfleet.operator.progress import fold
@@ -184,3 +186,28 @@ def test_a_lower_floor_lets_a_failed_run_go_on() -> None:
 def test_without_a_gate_there_is_no_verdict() -> None:
     verdict = judge(evaluation(40, 0.0), SPEC, NONE, 3)
     assert not verdict.held and verdict.conditions == [] and verdict.fields.merge_patch() == {}
+
+
+TRACKED = SPEC.model_copy(
+    update={"tracking": TrackingSpec.model_validate({"mlflow": {"trackingUri": "http://ml:5000"}})}
+)
+
+
+def test_a_tracker_failing_past_its_patience_is_a_condition_told_once_and_cleared() -> None:
+    failing = msgspec.structs.replace(
+        report(7, age_s=10), tracking_unreachable_seconds=75.0, tracking_dropped_total=3
+    )
+    found = fold(failing, TRACKED, NONE, NOW - timedelta(hours=1), NOW, 1)
+    assert found.tracking is not None and found.tracking.status == "True"
+    assert found.tracking.reason == "TrackerUnreachable"
+    assert "http://ml:5000 unreachable for 75s" in found.tracking.message
+    assert "3 step reports dropped" in found.tracking.message
+    assert [e.reason for e in found.events] == ["TrackingUnreachable"]
+    said = RLRunStatus(conditions=[found.tracking])
+    again = fold(failing, TRACKED, said, NOW - timedelta(hours=1), NOW, 1)
+    assert again.events == []  # said once
+    # A blip of a few retries is no condition; nor is a run without a tracker one.
+    blip = msgspec.structs.replace(report(8, age_s=5), tracking_unreachable_seconds=6.0)
+    cleared = fold(blip, TRACKED, said, NOW - timedelta(hours=1), NOW, 1).tracking
+    assert cleared is not None and (cleared.status, cleared.reason) == ("False", "TrackerReachable")
+    assert fold(failing, SPEC, NONE, NOW - timedelta(hours=1), NOW, 1).tracking is None

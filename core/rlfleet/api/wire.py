@@ -393,6 +393,10 @@ class StepReport(WireMessage, tag="rlfleet.io/trainer-step/v1"):
     # change in log-prob, per generated token. Below zero, the step moved against what
     # users said then, as a candidate trained on inverted feedback does; None, nothing held.
     held_out_gain: float | None = None
+    # With `spec.tracking`: how long the run's tracker has failed (0: it answers), and the
+    # step reports it could not keep (`rlfleet.trainer.tracking`).
+    tracking_unreachable_seconds: float = 0.0
+    tracking_dropped_total: Count = 0
 
 
 DropReason = Literal["stale", "expired", "rejected"]

@@ -21,6 +21,10 @@ from rlfleet.api.rlrun import RLRunSpec, RLRunStatus, WeightSyncStatus
 from rlfleet.api.wire import StepReport
 from rlfleet.operator.status import Event, condition, find, timestamp
 
+# A tracker that fails for longer than this (its server down, or refusing the trainer's
+# credentials) is said in the run's status: a blip of a few retries is not.
+TRACKING_PATIENCE_S = 60.0
+
 
 @dataclass
 class Progress:
@@ -28,6 +32,7 @@ class Progress:
     stalled: bool
     condition: Condition  # WeightSyncStalled
     events: list[Event] = field(default_factory=list)
+    tracking: Condition | None = None  # TrackingUnreachable, for a run with a tracker
 
 
 def fold(
@@ -70,7 +75,33 @@ def fold(
         age = (moment - since).total_seconds() if since else 0.0
         events.append(Event("Warning", "WeightSyncStalled", f"{newest}, {age:.0f}s ago; {limit}"))
     fields = RLRunStatus() if report is None else _fields(report, published, spec)
-    return Progress(fields, stalled, stalled_condition, events)
+    tracked = tracking(report, spec, old, moment, generation)
+    if tracked is not None:
+        was_tracking = find(old.conditions, "TrackingUnreachable")
+        if tracked.status == "True" and (was_tracking is None or was_tracking.status != "True"):
+            events.append(Event("Warning", "TrackingUnreachable", tracked.message))
+    return Progress(fields, stalled, stalled_condition, events, tracked)
+
+
+def tracking(
+    report: StepReport | None, spec: RLRunSpec, old: RLRunStatus, moment: datetime, generation: int
+) -> Condition | None:
+    """TrackingUnreachable, for a run with a tracker, once a step has said how it fares:
+    true while the trainer has failed to reach it for TRACKING_PATIENCE_S."""
+    if spec.tracking is None or report is None:
+        return None
+    failing = report.tracking_unreachable_seconds
+    down = failing > TRACKING_PATIENCE_S
+    where = spec.tracking.mlflow.tracking_uri
+    message = (
+        f"{where} unreachable for {failing:.0f}s at step {report.step}"
+        if down
+        else f"{where} answers (step {report.step})"
+    ) + f"; {report.tracking_dropped_total} step reports dropped in all"
+    reason = "TrackerUnreachable" if down else "TrackerReachable"
+    return condition(
+        old.conditions, "TrackingUnreachable", down, reason, message, generation, moment
+    )
 
 
 def _fields(report: StepReport, published: datetime, spec: RLRunSpec) -> RLRunStatus:

@@ -290,14 +290,16 @@ def _conditions(
     cycles: ProductionStatus | None,
 ) -> list[Condition]:
     """Ready first, then Training, RolloutsDegraded, Suspended, WeightSyncStalled once it
-    has been said, the evaluation gate's, and a production run's Progressing and
-    Promoted."""
+    has been said, TrackingUnreachable for a tracked run once a step said how its tracker
+    fares, the evaluation gate's, and a production run's Progressing and Promoted."""
     spec, verdict = observed.spec, observed.verdict
     stopped = spec.suspend or verdict.held
     # NATS not answering this time leaves the last word on weight sync standing.
     said = find(observed.old.conditions, "WeightSyncStalled")
     synced = found.condition if found is not None else said
     stalled = synced is not None and synced.status == "True"
+    old_tracking = find(observed.old.conditions, "TrackingUnreachable")
+    tracked = found.tracking if found is not None else old_tracking
     why, reason = degraded(spec, views, reachable, stopped)
     running = sum(e.running for e in reachable)
     wanted = 0 if stopped else spec.trainer.replicas
@@ -324,6 +326,7 @@ def _conditions(
             "spec.suspend is true" if spec.suspend else "",
         ),
         *([synced] if synced is not None else []),
+        *([tracked] if tracked is not None and spec.tracking is not None else []),
         *verdict.conditions,
     ]
     if spec.production is not None:

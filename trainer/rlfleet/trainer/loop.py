@@ -404,6 +404,8 @@ class Trainer:
         report = msgspec.structs.replace(
             report, weight_bytes=weight_bytes, weight_seconds=round(weight_seconds, 3)
         )
+        if self.tracker is not None:
+            report = self.tracker.told(report)
         # With the weights' size; a crash before this line is mended on resume (`_resume`).
         self._append_log(msgspec.to_builtins(report))
         # Stored before it counts as sent: the task feed paces itself by these reports.

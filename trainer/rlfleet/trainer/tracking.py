@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import msgspec
 from prometheus_client import Counter, Gauge
 
 from rlfleet.api.wire import StepReport
@@ -124,6 +125,7 @@ class Tracker:
         self.reports: queue.Queue[StepReport] = queue.Queue(maxsize=config.queue)
         self.run_id: str | None = None
         self.failing_since: float | None = None
+        self.dropped = 0  # this tracker's, beside the process's counter
         self.thread = threading.Thread(target=self._drain, name="tracking", daemon=True)
         self.thread.start()
 
@@ -133,7 +135,23 @@ class Tracker:
         try:
             self.reports.put_nowait(report)
         except queue.Full:
-            dropped.inc()
+            self._drop()
+
+    def told(self, report: StepReport) -> StepReport:
+        """The report, saying how the tracker fares: the hub's status shows it."""
+        return msgspec.structs.replace(
+            report,
+            tracking_unreachable_seconds=round(self.unreachable_s(), 1),
+            tracking_dropped_total=self.dropped,
+        )
+
+    def unreachable_s(self) -> float:
+        since = self.failing_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _drop(self) -> None:
+        self.dropped += 1
+        dropped.inc()
 
     def flush(self, timeout_s: float) -> bool:
         """Waits, at most `timeout_s`, for what is queued to be logged; whether it was."""
@@ -161,7 +179,7 @@ class Tracker:
             log.warning(
                 "tracking server %s refused step %d: %s", self.config.uri, report.step, error
             )
-            dropped.inc()
+            self._drop()
         except (OSError, ValueError, KeyError) as error:
             return self._failed(error)
         self.failing_since = None
