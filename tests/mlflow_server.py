@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import time
 import urllib.request
@@ -22,25 +23,22 @@ def _version() -> str:
 
 
 def environment() -> Path:
-    """The `mlflow` command of the server's virtualenv, installed if missing."""
+    """The `mlflow` command of the server's virtualenv, made if missing: in a folder of its
+    own first, renamed into place once whole, so a killed install is not taken for one."""
     version = _version()
     venv = Path(uv()).parent.parent.parent / f"mlflow-{version}"
-    mlflow = venv / "bin" / "mlflow"
-    if not mlflow.exists():
+    if not (venv / "bin" / "mlflow").exists():
+        staging = venv.with_name(f"{venv.name}.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        python = staging / "bin" / "python"
         for args in (
-            ["venv", "--quiet", "--python", "3.11", venv],
-            [
-                "pip",
-                "install",
-                "--quiet",
-                "--python",
-                venv / "bin" / "python",
-                f"mlflow=={version}",
-            ],
+            ["venv", "--quiet", "--relocatable", "--python", "3.11", staging],
+            ["pip", "install", "--quiet", "--python", python, f"mlflow=={version}"],
         ):
             done = subprocess.run([uv(), *map(str, args)], capture_output=True, text=True)
             assert done.returncode == 0, done.stderr[-3000:]
-    return mlflow
+        staging.rename(venv)
+    return venv / "bin" / "mlflow"
 
 
 class MlflowServer:
