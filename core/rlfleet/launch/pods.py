@@ -178,7 +178,13 @@ def model_dir(spec: RLRunSpec) -> str:
     one's in the model cache, where the pod's init container fetched it."""
     uri = spec.model.uri
     if uri.startswith(objectstore.S3_SCHEME):
-        return str(objectstore.cache_folder(Path(MODEL_CACHE_DIR), uri, spec.model.endpoint))
+        folder = objectstore.cache_folder(Path(MODEL_CACHE_DIR), uri, spec.model.endpoint)
+        if not (folder / objectstore.MANIFEST).exists():
+            raise ValueError(
+                f"spec.model.uri {uri!r}: not fetched into {folder}; the pod's init container "
+                "fetch-model fetches it first (kubectl logs POD -c fetch-model)"
+            )
+        return str(folder)
     if not uri.startswith(FILE_SCHEME):
         raise ValueError(
             f"spec.model.uri {uri!r}: components read file:// and s3:// checkpoints; mount "
