@@ -8,12 +8,12 @@ import json
 import re
 import shutil
 import subprocess
-import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 from images import ROOT, uv
-from rlfleet.local.processes import free_port
+from rlfleet.local.processes import Supervisor, free_port
 
 
 def _version() -> str:
@@ -45,28 +45,20 @@ class MlflowServer:
     def __init__(self, root: Path) -> None:
         self.port = free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
-        self._log = (root / "mlflow.log").open("w")
-        self.process = subprocess.Popen(
+        self.supervisor = Supervisor(root, attached=True)
+        self.supervisor.start(
+            "mlflow",
             [
                 *(str(environment()), "server", "--host", "127.0.0.1", "--port", str(self.port)),
                 *("--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"),
                 *("--artifacts-destination", str(root / "artifacts"), "--workers", "1"),
             ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 120
-        while not self._healthy():
-            assert self.process.poll() is None, (root / "mlflow.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the MLflow server did not answer in 120 s"
-            time.sleep(0.2)
+        self.supervisor.wait_until("the MLflow server's health", self._healthy, 120, 0.2)
 
     def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
+        with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+            return response.status == 200
 
     def call(self, path: str, body: dict) -> dict:
         request = urllib.request.Request(
@@ -78,7 +70,7 @@ class MlflowServer:
             return json.loads(response.read())
 
     def get(self, path: str, **query: str) -> dict:
-        encoded = "&".join(f"{k}={urllib.request.quote(v)}" for k, v in query.items())
+        encoded = urllib.parse.urlencode(query)
         with urllib.request.urlopen(f"{self.uri}/api/2.0/mlflow/{path}?{encoded}") as response:
             return json.loads(response.read())
 
@@ -96,6 +88,4 @@ class MlflowServer:
         return self.get("metrics/get-history", run_id=run_id, metric_key=key)["metrics"]
 
     def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
-        self._log.close()
+        self.supervisor.stop_all()

@@ -4,48 +4,41 @@ with one user, its keys given to the fetch as AWS's tools read them."""
 from __future__ import annotations
 
 import socket
-import subprocess
-import time
 from pathlib import Path
 
 from minio import Minio
 
 from rlfleet.local.binaries import binary
-from rlfleet.local.processes import free_port
+from rlfleet.local.processes import Supervisor, free_port
 
 ACCESS_KEY, SECRET_KEY = "rlfleet-tests", "a-secret-of-the-tests-only"
 
 
 class ObjectStore:
     def __init__(self, root: Path) -> None:
-        program = binary("versitygw")
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         (root / "data").mkdir(parents=True)
         (root / "meta").mkdir()
-        self._log = (root / "versitygw.log").open("w")
-        self.process = subprocess.Popen(
+        self.supervisor = Supervisor(root, attached=True)
+        self.process = self.supervisor.start(
+            "versitygw",
             [
-                *(program, "--port", f"127.0.0.1:{self.port}"),
+                *(binary("versitygw"), "--port", f"127.0.0.1:{self.port}"),
                 *("--access", ACCESS_KEY, "--secret", SECRET_KEY),
                 *("posix", "--sidecar", str(root / "meta"), str(root / "data")),
             ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
+        ).process
         self.client = Minio(
             f"127.0.0.1:{self.port}", access_key=ACCESS_KEY, secret_key=SECRET_KEY, secure=False
         )
-        deadline = time.monotonic() + 30
-        while True:  # listening: the client's own retries would back off for seconds
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                assert self.process.poll() is None, (root / "versitygw.log").read_text()
-                assert time.monotonic() < deadline, "versitygw did not listen in 30 s"
-                time.sleep(0.05)
+        # Listening first: the client's own retries would back off for seconds.
+        self.supervisor.wait_until("versitygw listening", self._listening, 30, interval=0.05)
         self.client.list_buckets()
+
+    def _listening(self) -> bool:
+        socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+        return True
 
     @property
     def credentials(self) -> dict[str, str]:
@@ -61,6 +54,4 @@ class ObjectStore:
             self.client.fput_object(bucket, key, str(path), part_size=part_size)
 
     def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=10)
-        self._log.close()
+        self.supervisor.stop_all()

@@ -22,7 +22,7 @@ def export(path: Path, root: Path | None, version: int | None, out: Path) -> int
     """Exports `version` (None: the newest) of the run `path` trained under `root`; the
     checkpoint program's exit code (it prints what it wrote, or why not)."""
     name, spec = load(path)
-    layout = plan.Layout(root or Path(".rlfleet") / "runs" / name, spec_dir=path.parent)
+    layout = plan.Layout.of(name, path, root)
     if not (layout.nats / "keys.json").exists():
         raise InvalidRun(f"{layout.root}: no run's state here (rlfleet run {path} first)")
     supervisor = Supervisor(layout.logs / "export", attached=True)

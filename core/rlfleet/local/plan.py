@@ -38,6 +38,11 @@ class Layout:
     root: Path
     spec_dir: Path = Path()  # where the run's file is: its relative paths start there
 
+    @classmethod
+    def of(cls, name: str, spec_file: Path, root: Path | None = None) -> Layout:
+        """The folder of the run `name` from `spec_file`: `root`, or .rlfleet/runs/NAME."""
+        return cls(root or Path(".rlfleet") / "runs" / name, spec_dir=spec_file.parent)
+
     @property
     def model(self) -> Path:
         return self.root / "model"

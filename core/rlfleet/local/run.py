@@ -339,7 +339,7 @@ def run(
 ) -> int:
     """Trains the run; exits 1 when its evaluation gate failed it."""
     name, spec = load(path)
-    layout = plan.Layout(root or Path(".rlfleet") / "runs" / name, spec_dir=path.parent)
+    layout = plan.Layout.of(name, path, root)
     own_caches(layout.caches)  # here, unless whoever started the run gave it a root
     tuning = plan.Tuning()
     fetch_model(spec, layout)

@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -84,7 +85,7 @@ class MlflowClient:
         data = json.dumps(body).encode() if method == "POST" else None
         url = self.base + path
         if method == "GET":
-            url += "?" + "&".join(f"{k}={urllib.request.quote(str(v))}" for k, v in body.items())
+            url += "?" + urllib.parse.urlencode(body)
         request = urllib.request.Request(url, data, self.headers, method=method)
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
             return json.loads(response.read() or b"{}")
